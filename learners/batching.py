@@ -1,0 +1,47 @@
+"""Turning token-id sequences into padded tensors and per-token log-probs under a model.
+
+Both the SFT and the RL step score completions given prompts: sequences are packed
+right-padded, the model runs once, and the log-prob of every completion token is gathered.
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+
+
+def pack(prompts: List[List[int]], completions: List[List[int]], pad_id: int) -> Tuple[torch.Tensor, ...]:
+    """(input_ids, attention_mask, completion_mask) for prompt+completion pairs.
+
+    completion_mask[i, t] is 1 where input_ids[i, t + 1] is a completion token, so it lines
+    up with next-token log-probs of positions 0..T-2.
+    """
+    length = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    input_ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(prompts), length), dtype=torch.long)
+    completion_mask = torch.zeros((len(prompts), length - 1), dtype=torch.float32)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        input_ids[i, :len(p) + len(c)] = torch.tensor(p + c)
+        attention[i, :len(p) + len(c)] = 1
+        completion_mask[i, len(p) - 1:len(p) + len(c) - 1] = 1
+    return input_ids, attention, completion_mask
+
+
+def completion_logprobs(model, prompts: List[List[int]], completions: List[List[int]], pad_id: int,
+                        temperature: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, mask), both (batch, T-1): log-prob of each next token, 1 on completion tokens."""
+    input_ids, attention, completion_mask = pack(prompts, completions, pad_id)
+    logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return logprobs, completion_mask
+
+
+def align_per_token(values: List[List[float]], prompts: List[List[int]], width: int) -> torch.Tensor:
+    """Place per-completion-token values (e.g. behaviour log-probs) at their mask positions."""
+    out = torch.zeros((len(values), width), dtype=torch.float32)
+    for i, (v, p) in enumerate(zip(values, prompts)):
+        out[i, len(p) - 1:len(p) - 1 + len(v)] = torch.tensor(v, dtype=torch.float32)
+    return out

@@ -1,0 +1,59 @@
+"""The learner group: the job's DeepSpeed ranks, driven as one learner.
+
+Splits each batch across ranks, runs their steps in parallel and averages their metrics;
+rank 0 provides weight snapshots. The controller only talks to this class.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, TypeVar
+
+import ray
+
+from rlplatform.config import LearnerConfig, RLConfig
+from rlplatform.learners.rank import LearnerActor
+from rlplatform.samples import Sample
+
+T = TypeVar("T")
+
+
+def shard(items: Sequence[T], parts: int) -> List[List[T]]:
+    return [list(items[i::parts]) for i in range(parts)]
+
+
+class LearnerGroup:
+    def __init__(self, config: LearnerConfig, model_path: str, seed: int) -> None:
+        n = config.num_ranks
+        self.ranks = [LearnerActor.options(num_cpus=config.num_cpus).remote(r, n, model_path, config, seed)
+                      for r in range(n)]
+        host, port = ray.get(self.ranks[0].address.remote())
+        ray.get([rank.setup.remote(host, port) for rank in self.ranks])
+
+    def set_lr(self, lr: float) -> None:
+        ray.get([rank.set_lr.remote(lr) for rank in self.ranks])
+
+    def sft_step(self, rows: List[Dict]) -> Dict[str, float]:
+        parts = shard(rows, len(self.ranks))
+        return _mean(ray.get([rank.sft_step.remote(p) for rank, p in zip(self.ranks, parts)]))
+
+    def rl_step(self, samples: List[Sample], advantages: List[float], rl: RLConfig) -> Dict[str, float]:
+        sample_parts, advantage_parts = shard(samples, len(self.ranks)), shard(advantages, len(self.ranks))
+        return _mean(ray.get([rank.rl_step.remote(s, a, rl) for rank, s, a in
+                              zip(self.ranks, sample_parts, advantage_parts)]))
+
+    def publish_weights(self) -> ray.ObjectRef:
+        refs = ray.get([rank.publish_weights.remote() for rank in self.ranks])
+        return refs[0][0]
+
+    def save(self, checkpoint_dir: str, model_dir: str) -> None:
+        ray.get([rank.save.remote(checkpoint_dir, model_dir) for rank in self.ranks])
+
+    def shutdown(self) -> None:
+        for rank in self.ranks:
+            ray.kill(rank)
+
+
+def _mean(per_rank: List[Dict[str, float]]) -> Dict[str, float]:
+    keys = per_rank[0].keys()
+    return {k: sum(m[k] for m in per_rank) / len(per_rank) for k in keys}
+

@@ -1,0 +1,120 @@
+"""One DeepSpeed learner rank, run as a Ray actor: SFT and RL steps on its shard of each batch.
+
+Ranks of a group rendezvous over torch.distributed (gloo on CPU, nccl on GPU) and DeepSpeed
+averages their gradients; ZeRO stage 0-3 comes from config. Rank 0 publishes full weight
+snapshots to the Ray object store and writes checkpoints and the Hugging Face model.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Dict, List, Optional
+
+import ray
+import torch
+
+from rlplatform.config import LearnerConfig, RLConfig
+from rlplatform.learners.batching import align_per_token, completion_logprobs
+from rlplatform.learners.losses import PolicyLossInputs, grpo_loss, sft_loss
+from rlplatform.policy import load_policy
+from rlplatform.samples import Sample
+from rlplatform.weights import to_snapshot
+
+
+class LearnerRank:
+    def __init__(self, rank: int, world_size: int, model_path: str, config: LearnerConfig, seed: int) -> None:
+        torch.set_num_threads(config.num_threads)
+        torch.manual_seed(seed)
+        self.rank, self.world_size, self.config = rank, world_size, config
+        self.model_path = model_path
+        self.engine = None
+        self.tokenizer = None
+
+    def address(self) -> tuple:
+        """(host, free port) where rank 0 listens for the rendezvous."""
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        import deepspeed
+
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+        model, self.tokenizer = load_policy(self.model_path)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+        ds_config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": self.config.grad_clip,
+            "zero_optimization": {"stage": self.config.zero_stage},
+            "steps_per_print": 10 ** 9,
+        }
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+
+    def sft_step(self, rows: List[Dict]) -> Dict[str, float]:
+        """One optimizer step on prompt -> answer+EOS, loss on the answer tokens only."""
+        prompts = [self._encode(r["prompt"]) for r in rows]
+        targets = [self._encode(str(r["answer"])) + [self.tokenizer.eos_token_id] for r in rows]
+        logprobs, mask = completion_logprobs(self.engine, prompts, targets, self.tokenizer.pad_token_id)
+        loss, metrics = sft_loss(logprobs, mask)
+        return self._step(loss, metrics)
+
+    def rl_step(self, samples: List[Sample], advantages: List[float], rl: RLConfig) -> Dict[str, float]:
+        """One optimizer step of the clipped, importance-weighted policy gradient."""
+        prompts = [s.prompt_ids for s in samples]
+        completions = [s.completion_ids for s in samples]
+        logprobs, mask = completion_logprobs(self.engine, prompts, completions,
+                                             self.tokenizer.pad_token_id, rl.temperature)
+        behaviour = align_per_token([s.behaviour_logprobs for s in samples], prompts, mask.shape[1])
+        inputs = PolicyLossInputs(logprobs, behaviour, torch.tensor(advantages, dtype=torch.float32), mask)
+        loss, metrics = grpo_loss(inputs, rl.clip_eps, rl.is_cap)
+        return self._step(loss, metrics)
+
+    def _step(self, loss: torch.Tensor, metrics: Dict[str, float]) -> Dict[str, float]:
+        self.engine.backward(loss)
+        self.engine.step()
+        grad_norm = self.engine.get_global_grad_norm()
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        return metrics
+
+    def _encode(self, text: str) -> List[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _full_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
+        """The whole model's weights on rank 0 (gathered under ZeRO-3); None on other ranks."""
+        import deepspeed
+
+        module = self.engine.module
+        if self.config.zero_stage == 3:
+            with deepspeed.zero.GatheredParameters(list(module.parameters())):
+                if self.rank == 0:
+                    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+                return None
+        return module.state_dict() if self.rank == 0 else None
+
+    def publish_weights(self) -> Optional[List[ray.ObjectRef]]:
+        """[ref] to a snapshot of the current weights in the object store (rank 0)."""
+        state = self._full_state_dict()
+        if state is None:
+            return None
+        return [ray.put(to_snapshot(state))]
+
+    def save(self, checkpoint_dir: str, model_dir: str) -> None:
+        """DeepSpeed checkpoint (all ranks) and, on rank 0, the model in Hugging Face format."""
+        self.engine.save_checkpoint(checkpoint_dir)
+        state = self._full_state_dict()
+        if state is not None:
+            self.engine.module.save_pretrained(model_dir, state_dict=state)
+            self.tokenizer.save_pretrained(model_dir)
+
+
+LearnerActor = ray.remote(LearnerRank)

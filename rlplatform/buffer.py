@@ -1,0 +1,68 @@
+"""The scored-group buffer between the reward queue and the learner.
+
+Scored samples arrive one by one, in any order; the buffer assembles them into groups (all
+completions of one prompt) and hands the learner batches of complete groups, oldest policy
+version first. Groups over the staleness bound, and groups left with fewer than two
+error-free samples, are dropped and counted, never trained on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+from rlplatform.samples import ScoredSample
+
+Group = List[ScoredSample]
+
+
+@dataclass
+class Batch:
+    groups: List[Group]
+    dropped_stale: List[Group] = field(default_factory=list)
+    dropped_errors: List[Group] = field(default_factory=list)
+
+    @property
+    def samples(self) -> List[ScoredSample]:
+        return [s for group in self.groups for s in group]
+
+
+def group_version(group: Group) -> int:
+    return min(s.sample.version for s in group)
+
+
+class GroupBuffer:
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
+        self._partial: Dict[str, Group] = {}
+        self._complete: List[Group] = []
+
+    def add(self, scored: ScoredSample) -> None:
+        group = self._partial.setdefault(scored.sample.group_id, [])
+        if any(s.sample.sample_id == scored.sample.sample_id for s in group):
+            return  # a redelivered result: already counted
+        group.append(scored)
+        if len(group) == self.group_size:
+            self._complete.append(self._partial.pop(scored.sample.group_id))
+
+    def ready(self) -> int:
+        return len(self._complete)
+
+    def take(self, batch_prompts: int, learner_version: int, max_staleness: int) -> Batch:
+        """Drop what is stale or unusable; return `batch_prompts` groups if that many are left."""
+        oldest_allowed = learner_version - max_staleness
+        batch = Batch(groups=[])
+        usable = []
+        for group in self._complete:
+            valid = [s for s in group if s.error is None]
+            if group_version(group) < oldest_allowed:
+                batch.dropped_stale.append(group)
+            elif len(valid) < 2:
+                batch.dropped_errors.append(group)
+            else:
+                usable.append(valid)
+        usable.sort(key=group_version)
+        if len(usable) >= batch_prompts:
+            batch.groups, usable = usable[:batch_prompts], usable[batch_prompts:]
+        self._complete = usable
+        return batch

@@ -1,0 +1,78 @@
+"""The `rlp` command: run or validate a job from its YAML.
+
+The config is parsed and validated before torch, Ray or DeepSpeed are imported, so a bad
+config fails in a second with one line naming the file and key, and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from rlplatform.config import ConfigError, JobConfig, load_config
+
+
+def _load(args) -> JobConfig:
+    config = load_config(args.config, args.overrides)
+    from rlplatform.rewards import UnknownReward, resolve
+
+    try:
+        resolve(config.rewards)
+    except UnknownReward as err:
+        raise ConfigError(f"{args.config}: {err}") from None
+    return config
+
+
+def _run(args) -> int:
+    config = _load(args)
+    from rlplatform.controller import run_job
+
+    summary = run_job(config)
+    print(_result_line(summary))
+    return 0
+
+
+def _validate(args) -> int:
+    config = _load(args)
+    print(f"{args.config}: ok (job '{config.name}', output {config.run_dir})")
+    return 0
+
+
+def _result_line(summary: dict) -> str:
+    evals = summary.get("eval", {})
+    parts = [f"{summary['name']}: {summary['status']} in {summary['wall_s']:.0f}s"]
+    for label in ("after_sft", "after_rl"):
+        if label in evals:
+            parts.append(f"accuracy {label.replace('_', ' ')} {evals[label]['accuracy']:.3f}")
+    if "rl" in summary:
+        parts.append(f"{summary['rl']['samples_per_s']:.0f} samples/s")
+    parts.append(f"results in {summary['run_dir']}")
+    return ", ".join(parts)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlp", description="Asynchronous RL post-training for language models.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, handler, text in (("run", _run, "run a job"), ("validate", _validate, "check a job config")):
+        sub = commands.add_parser(name, help=text)
+        sub.add_argument("config", help="job YAML, e.g. configs/quickstart.yaml")
+        sub.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rl.max_steps=5")
+        sub.set_defaults(handler=handler)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except ConfigError as err:
+        print(f"rlp: config error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("rlp: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

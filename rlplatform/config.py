@@ -1,0 +1,244 @@
+"""The job configuration: one dataclass schema, YAML merged onto it, `key=value` overrides on top.
+
+`load_config(path, overrides)` is the only way a job's settings enter the platform. It fails
+before anything starts, with a `ConfigError` naming the file and the key, on unknown keys,
+wrong types, bad YAML and missing files. Everything past `load_config` sees plain dataclasses.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A job configuration that cannot run; the message names the file and the key."""
+
+
+@dataclass
+class ModelConfig:
+    kind: str = "demo"  # demo: a small Qwen2 built from the fields below; pretrained: load `path`
+    path: Optional[str] = None  # Hugging Face model directory (kind=pretrained)
+    hidden_size: int = 128  # demo model width
+    num_layers: int = 4  # demo model depth
+    num_heads: int = 4  # demo attention heads
+    num_kv_heads: int = 2  # demo key/value heads (grouped-query attention)
+    intermediate_size: int = 384  # demo MLP width
+    max_positions: int = 64  # demo context length
+
+
+@dataclass
+class DataConfig:
+    kind: str = "addition"  # addition: generated "37+48=" -> "85" rows; jsonl: read the paths below
+    train_path: Optional[str] = None  # jsonl with {"prompt", "answer", ...} rows (kind=jsonl)
+    test_path: Optional[str] = None  # held-out jsonl rows for evaluation (kind=jsonl)
+    digits: int = 2  # operand digits (kind=addition)
+    train_size: int = 20000  # generated training rows (kind=addition)
+    test_size: int = 500  # generated held-out rows (kind=addition)
+
+
+@dataclass
+class SFTConfig:
+    enabled: bool = True  # run the supervised stage before RL
+    steps: int = 600  # optimizer steps
+    batch_size: int = 128  # rows per step
+    lr: float = 3e-3  # AdamW learning rate
+    log_every: int = 25  # console/W&B interval in steps
+
+
+@dataclass
+class RLConfig:
+    enabled: bool = True  # run the asynchronous RL stage
+    algorithm: str = "grpo"  # grpo (group-normalised advantages)
+    max_steps: int = 60  # learner steps
+    batch_prompts: int = 16  # complete groups per learner step
+    group_size: int = 8  # completions sampled per prompt
+    lr: float = 2e-4  # AdamW learning rate
+    max_staleness: int = 1  # samples more than this many versions behind the learner are dropped
+    max_new_tokens: int = 6  # completion length limit
+    temperature: float = 1.0  # sampling temperature of the rollout workers
+    clip_eps: float = 0.2  # PPO-style clip on the policy ratio
+    is_cap: float = 2.0  # truncation of the behaviour importance weight
+    std_normalize: bool = True  # divide group advantages by the group reward std
+    log_every: int = 5  # console/W&B interval in steps
+
+
+@dataclass
+class RolloutConfig:
+    num_workers: int = 1  # rollout worker actors
+    prompts_per_batch: int = 16  # prompts per generate call (each sampled group_size times)
+    num_threads: int = 1  # torch threads per worker
+    num_cpus: float = 1.0  # Ray CPUs reserved per worker
+
+
+@dataclass
+class RewardSpec:
+    name: str = "exact_match"  # registered reward name
+    weight: float = 1.0  # weight in the summed reward
+
+
+@dataclass
+class RewardWorkersConfig:
+    num_workers: int = 1  # reward worker actors started for the job
+    batch_size: int = 64  # queue messages read per call
+    num_cpus: float = 0.5  # Ray CPUs reserved per worker
+
+
+@dataclass
+class LearnerConfig:
+    num_ranks: int = 1  # DeepSpeed data-parallel ranks (Ray actors)
+    zero_stage: int = 1  # DeepSpeed ZeRO stage 0-3
+    grad_clip: float = 1.0  # gradient norm clip
+    num_threads: int = 1  # torch threads per rank
+    num_cpus: float = 1.0  # Ray CPUs reserved per rank
+
+
+@dataclass
+class RedisConfig:
+    url: Optional[str] = None  # redis:// or rediss:// URL; unset: an embedded server for the job
+    max_stream_len: int = 10000  # bound on the reward request stream
+
+
+@dataclass
+class RayConfig:
+    address: Optional[str] = None  # existing cluster; unset: RAY_ADDRESS or a local cluster
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "auto"  # auto: online with an API key, else offline; online; offline; disabled
+    project: str = "rlplatform"  # W&B project
+    entity: Optional[str] = None  # W&B entity (team or user)
+
+
+@dataclass
+class EvalConfig:
+    max_new_tokens: int = 6  # greedy completion length on the held-out set
+    batch_size: int = 256  # prompts per generate call
+
+
+@dataclass
+class JobConfig:
+    name: str = "quickstart"  # run name; output goes to <output_dir>/<name>
+    output_dir: str = "runs"  # parent directory of run directories
+    seed: int = 0  # seeds model init, data generation and sampling
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rewards: List[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
+    reward_workers: RewardWorkersConfig = field(default_factory=RewardWorkersConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.output_dir, self.name)
+
+
+CHOICES = {
+    "model.kind": ("demo", "pretrained"),
+    "data.kind": ("addition", "jsonl"),
+    "rl.algorithm": ("grpo",),
+    "wandb.mode": ("auto", "online", "offline", "disabled"),
+    "learner.zero_stage": (0, 1, 2, 3),
+}
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = None) -> JobConfig:
+    """Merge the YAML at `path` and `key=value` overrides onto the schema and validate."""
+    merged = OmegaConf.structured(JobConfig)
+    source = path or "<defaults>"
+    if path is not None:
+        merged = _merge(merged, _read_yaml(path), source)
+    if overrides:
+        _check_override_syntax(overrides)
+        merged = _merge(merged, OmegaConf.from_dotlist(list(overrides)), "command-line override")
+    config: JobConfig = OmegaConf.to_object(merged)
+    _check_values(config, source)
+    return config
+
+
+def to_yaml(config: JobConfig) -> str:
+    """The resolved config as YAML (what a run directory records)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def to_dict(config: JobConfig) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(config))
+
+
+def _read_yaml(path: str):
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: no such config file")
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise ConfigError(f"{path}{where}: not valid YAML: {getattr(err, 'problem', err)}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(raw).__name__}")
+    return OmegaConf.create(raw)
+
+
+def _check_override_syntax(overrides: List[str]) -> None:
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override '{item}': expected key=value, e.g. rl.max_steps=5")
+
+
+def _merge(base, update, source: str):
+    try:
+        return OmegaConf.merge(base, update)
+    except ConfigKeyError as err:
+        raise ConfigError(f"{source}: unknown key '{err.full_key}'") from None
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "?"
+        reason = str(err).splitlines()[0]
+        raise ConfigError(f"{source}: bad value for '{key}': {reason}") from None
+
+
+def _check_values(config: JobConfig, source: str) -> None:
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(OmegaConf.structured(config), key)
+        if value not in allowed:
+            raise ConfigError(f"{source}: '{key}' is {value!r}; expected one of {list(allowed)}")
+    positive = ["sft.steps", "sft.batch_size", "rl.max_steps", "rl.batch_prompts", "rl.group_size",
+                "rl.max_new_tokens", "rollout.num_workers", "rollout.prompts_per_batch",
+                "reward_workers.num_workers", "reward_workers.batch_size", "learner.num_ranks"]
+    structured = OmegaConf.structured(config)
+    for key in positive:
+        if OmegaConf.select(structured, key) <= 0:
+            raise ConfigError(f"{source}: '{key}' must be positive")
+    if config.rl.max_staleness < 0:
+        raise ConfigError(f"{source}: 'rl.max_staleness' must be >= 0")
+    if config.rl.group_size < 2:
+        raise ConfigError(f"{source}: 'rl.group_size' must be >= 2 (group-relative advantages)")
+    if config.model.kind == "pretrained":
+        _require_path(config.model.path, "model.path", source, directory=True)
+    if config.data.kind == "jsonl":
+        _require_path(config.data.train_path, "data.train_path", source)
+        _require_path(config.data.test_path, "data.test_path", source)
+    if not config.rewards:
+        raise ConfigError(f"{source}: 'rewards' is empty; name at least one reward")
+
+
+def _require_path(path: Optional[str], key: str, source: str, directory: bool = False) -> None:
+    if not path:
+        raise ConfigError(f"{source}: '{key}' is required")
+    exists = os.path.isdir(path) if directory else os.path.isfile(path)
+    if not exists:
+        raise ConfigError(f"{source}: '{key}' points at {path!r}, which does not exist")

@@ -1,0 +1,67 @@
+"""Policy models: the demo policy built from config, and loading any saved policy.
+
+The demo policy is a small Qwen2 causal LM with a character-level tokenizer, built offline
+from `ModelConfig`; the controller saves the initial policy once in Hugging Face format and
+every learner rank and rollout worker loads it from that directory.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+import transformers
+from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
+
+from rlplatform.config import ModelConfig
+
+transformers.logging.set_verbosity_error()
+transformers.logging.disable_progress_bar()
+
+DEMO_CHARS = list("0123456789+-*=() abcdefghijklmnopqrstuvwxyz.,:?!")
+DEMO_SPECIALS = ["<pad>", "<s>", "</s>"]
+
+
+def demo_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per character; left padding for batched generation."""
+    vocab = {token: i for i, token in enumerate(DEMO_SPECIALS + DEMO_CHARS)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>", padding_side="left")
+
+
+def build_demo_policy(config: ModelConfig, seed: int) -> Tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    tokenizer = demo_tokenizer()
+    torch.manual_seed(seed)
+    model_config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+        max_position_embeddings=config.max_positions, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
+    return Qwen2ForCausalLM(model_config), tokenizer
+
+
+def save_initial_policy(config: ModelConfig, seed: int, out_dir: str) -> str:
+    """Write the job's starting policy to `out_dir` and return the directory to load from."""
+    if config.kind == "pretrained":
+        model, tokenizer = load_policy(config.path)
+    else:
+        model, tokenizer = build_demo_policy(config, seed)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def load_policy(path: str) -> Tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer

@@ -1,0 +1,150 @@
+"""The reward queue on Redis Streams: rollout workers submit samples, reward workers score them.
+
+Requests go to `rlp:<job>:requests`, read through the consumer group `reward-workers`
+(at-least-once). A reward worker stores each result with one Lua script that records the
+sample id, appends the result to `rlp:<job>:results` only the first time that id is seen
+(idempotent), then acknowledges and deletes the request. Messages that cannot be decoded go
+to `rlp:<job>:dead` with the reason. The controller reads results in order from the results stream.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List, Optional, Tuple
+
+import redis
+
+from rlplatform.samples import (Sample, ScoredSample, WireFormatError, decode_sample,
+                                decode_scored, encode_sample, encode_scored)
+
+GROUP = "reward-workers"
+
+# KEYS: scored-ids set, results stream, requests stream. ARGV: group, then
+# (message id, sample id, payload) triples. Returns how many results were new.
+_STORE_RESULTS = """
+local added = 0
+for i = 2, #ARGV, 3 do
+  if redis.call('SADD', KEYS[1], ARGV[i + 1]) == 1 then
+    redis.call('XADD', KEYS[2], '*', 'data', ARGV[i + 2])
+    added = added + 1
+  end
+  redis.call('XACK', KEYS[3], ARGV[1], ARGV[i])
+  redis.call('XDEL', KEYS[3], ARGV[i])
+end
+return added
+"""
+
+
+class JobKeys:
+    """Names of one job's Redis keys."""
+
+    def __init__(self, job: str) -> None:
+        prefix = f"rlp:{job}"
+        self.requests = f"{prefix}:requests"
+        self.results = f"{prefix}:results"
+        self.scored_ids = f"{prefix}:scored-ids"
+        self.dead = f"{prefix}:dead"
+        self.version = f"{prefix}:version"
+        self.groups_started = f"{prefix}:groups-started"
+        self.groups_dropped = f"{prefix}:groups-dropped"
+        self.stop = f"{prefix}:stop"
+
+    def all(self) -> List[str]:
+        return list(vars(self).values())
+
+
+class RewardQueue:
+    """Both ends of one job's reward queue."""
+
+    def __init__(self, client: redis.Redis, job: str, max_pending: int = 10000) -> None:
+        self.client = client
+        self.keys = JobKeys(job)
+        self.max_pending = max_pending
+        self._store = client.register_script(_STORE_RESULTS)
+        self._last_result_id = "0-0"
+
+    def create_group(self) -> None:
+        try:
+            self.client.xgroup_create(self.keys.requests, GROUP, id="0", mkstream=True)
+        except redis.ResponseError as err:
+            if "BUSYGROUP" not in str(err):
+                raise
+
+    # producer side (rollout workers)
+    def submit(self, samples: List[Sample], poll_s: float = 0.01) -> None:
+        """Append samples; waits while the stream holds `max_pending` unscored requests."""
+        while self.client.xlen(self.keys.requests) >= self.max_pending:
+            time.sleep(poll_s)
+        pipe = self.client.pipeline(transaction=False)
+        for sample in samples:
+            pipe.xadd(self.keys.requests, {"data": encode_sample(sample)})
+        pipe.execute()
+
+    # consumer side (reward workers)
+    def fetch(self, consumer: str, count: int, block_ms: int) -> List[Tuple[str, bytes]]:
+        """Up to `count` new requests for `consumer` as (message id, raw payload)."""
+        reply = self.client.xreadgroup(GROUP, consumer, {self.keys.requests: ">"},
+                                       count=count, block=block_ms)
+        if not reply:
+            return []
+        return [(_text(msg_id), fields.get(b"data", b"")) for msg_id, fields in reply[0][1]]
+
+    @staticmethod
+    def decode(raw: bytes) -> Sample:
+        return decode_sample(raw)
+
+    def store_results(self, done: List[Tuple[str, ScoredSample]]) -> int:
+        """Store (message id, result) pairs once per sample id and acknowledge them."""
+        if not done:
+            return 0
+        args: list = [GROUP]
+        for msg_id, scored in done:
+            args += [msg_id, scored.sample.sample_id, encode_scored(scored)]
+        keys = [self.keys.scored_ids, self.keys.results, self.keys.requests]
+        return int(self._store(keys=keys, args=args))
+
+    def dead_letter(self, msg_id: str, raw: bytes, reason: str) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(self.keys.dead, {"data": raw, "reason": reason, "message_id": msg_id})
+        pipe.xack(self.keys.requests, GROUP, msg_id)
+        pipe.xdel(self.keys.requests, msg_id)
+        pipe.execute()
+
+    # results side (the controller)
+    def read_results(self, count: int = 1024, block_ms: Optional[int] = 100) -> List[ScoredSample]:
+        """Results not read before, oldest first; read entries are trimmed from the stream."""
+        reply = self.client.xread({self.keys.results: self._last_result_id}, count=count, block=block_ms)
+        if not reply:
+            return []
+        entries = reply[0][1]
+        self._last_result_id = _text(entries[-1][0])
+        self.client.xtrim(self.keys.results, minid=self._last_result_id, approximate=False)
+        results = []
+        for msg_id, fields in entries:
+            try:
+                results.append(decode_scored(fields.get(b"data", b"")))
+            except WireFormatError as err:
+                self.client.xadd(self.keys.dead, {"data": fields.get(b"data", b""), "reason": str(err),
+                                                  "message_id": _text(msg_id)})
+        return results
+
+    def pending(self) -> int:
+        """Requests submitted and not yet scored."""
+        return int(self.client.xlen(self.keys.requests))
+
+    def dead_letters(self) -> int:
+        return int(self.client.xlen(self.keys.dead))
+
+    # job lifecycle
+    def request_stop(self) -> None:
+        self.client.set(self.keys.stop, 1)
+
+    def stop_requested(self) -> bool:
+        return bool(self.client.exists(self.keys.stop))
+
+    def clear(self) -> None:
+        self.client.delete(*self.keys.all())
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

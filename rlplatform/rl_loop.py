@@ -1,0 +1,147 @@
+"""The asynchronous RL stage: scored groups -> advantages -> learner step -> publish weights.
+
+Rollout and reward workers run their own loops the whole time; this loop only collects
+scored samples from the reward queue, hands fresh-enough batches to the learner and streams
+each new version back. Samples too stale for the bound are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+import ray
+
+from rlplatform.buffer import Batch, GroupBuffer, group_version
+from rlplatform.config import JobConfig
+from rlplatform.learners.group import LearnerGroup
+from rlplatform.learners.losses import group_advantages
+from rlplatform.metrics import Metrics, Rate
+from rlplatform.reward_queue import RewardQueue
+from rlplatform.staleness import RolloutGate
+
+
+@dataclass
+class RLCounters:
+    samples_scored: int = 0
+    samples_trained: int = 0
+    samples_dropped_stale: int = 0
+    samples_dropped_error: int = 0
+    reward_errors: int = 0
+    staleness_trained: Counter = field(default_factory=Counter)  # version gap -> samples
+    learner_busy_s: float = 0.0
+    weight_publish_s: float = 0.0
+
+
+@dataclass
+class RLWorkers:
+    learner: LearnerGroup
+    rollout: List  # RolloutActor handles
+    reward: List  # RewardActor handles
+    weight_store: object  # WeightStore handle
+    queue: RewardQueue
+    gate: RolloutGate
+
+
+def publish(workers: RLWorkers, version: int) -> float:
+    """Stream the learner's current weights as `version`; returns the seconds it took."""
+    start = time.perf_counter()
+    ref = workers.learner.publish_weights()
+    ray.get(workers.weight_store.publish.remote(version, [ref]))
+    workers.queue.client.set(workers.queue.keys.version, version)
+    return time.perf_counter() - start
+
+
+def run_rl(config: JobConfig, workers: RLWorkers, metrics: Metrics) -> Dict:
+    """Train `rl.max_steps` steps from version 0 (already published); returns the stage's figures."""
+    rl = config.rl
+    workers.learner.set_lr(rl.lr)
+    counters, buffer, rate = RLCounters(), GroupBuffer(rl.group_size), Rate()
+    runs = [w.run.remote() for w in workers.rollout + workers.reward]
+    version = 0
+    while version < rl.max_steps:
+        for scored in workers.queue.read_results(block_ms=50):
+            buffer.add(scored)
+            counters.samples_scored += 1
+            counters.reward_errors += scored.error is not None
+        rate.count = counters.samples_scored
+        batch = buffer.take(rl.batch_prompts, version, rl.max_staleness)
+        _count_dropped(batch, counters, workers.gate)
+        if not batch.groups:
+            _raise_if_worker_died(runs)
+            continue
+        step_metrics = _train(batch, version, workers, counters, config)
+        version += 1
+        counters.weight_publish_s += publish(workers, version)
+        _report(version, step_metrics, batch, counters, rate, buffer, workers, metrics, config)
+    workers.queue.request_stop()
+    stats = ray.get(runs)
+    return _stage_summary(config, counters, stats[:len(workers.rollout)], version, rate)
+
+
+def _train(batch: Batch, version: int, workers: RLWorkers, counters: RLCounters, config: JobConfig) -> Dict:
+    rewards = [[s.reward for s in group] for group in batch.groups]
+    advantages = [a for group in group_advantages(rewards, config.rl.std_normalize) for a in group]
+    samples = [s.sample for s in batch.samples]
+    start = time.perf_counter()
+    step_metrics = workers.learner.rl_step(samples, advantages, config.rl)
+    counters.learner_busy_s += time.perf_counter() - start
+    counters.samples_trained += len(samples)
+    counters.staleness_trained.update(version - s.version for s in samples)
+    step_metrics["reward_mean"] = sum(map(sum, rewards)) / len(samples)
+    step_metrics["staleness_max"] = max(version - s.version for s in samples)
+    return step_metrics
+
+
+def _count_dropped(batch: Batch, counters: RLCounters, gate: RolloutGate) -> None:
+    counters.samples_dropped_stale += sum(len(g) for g in batch.dropped_stale)
+    counters.samples_dropped_error += sum(len(g) for g in batch.dropped_errors)
+    gate.release(len(batch.dropped_stale) + len(batch.dropped_errors))
+
+
+def _raise_if_worker_died(runs: List) -> None:
+    """Worker loops only return once the job stops; one that ended early has failed."""
+    finished, _ = ray.wait(runs, num_returns=len(runs), timeout=0)
+    if finished:
+        ray.get(finished)  # raises the worker's error
+        raise RuntimeError("a rollout or reward worker stopped before the job asked it to")
+
+
+def _report(version, step_metrics, batch, counters, rate, buffer, workers, metrics, config) -> None:
+    values = {**step_metrics, "policy_version": version, "samples_per_s": rate.per_s(),
+              "samples_trained": counters.samples_trained,
+              "samples_dropped_stale": counters.samples_dropped_stale,
+              "queue_depth": workers.queue.pending(), "groups_buffered": buffer.ready(),
+              "oldest_version_in_batch": min(group_version(g) for g in batch.groups)}
+    metrics.log("rl", version, values)
+    if version % config.rl.log_every == 0 or version == config.rl.max_steps:
+        metrics.console.show({"stage": "rl", "step": f"{version}/{config.rl.max_steps}",
+                              "reward": step_metrics["reward_mean"], "samples/s": rate.per_s(),
+                              "staleness": step_metrics["staleness_max"], "queue": values["queue_depth"]})
+
+
+def _stage_summary(config: JobConfig, counters: RLCounters, rollout_stats: List, version: int, rate: Rate) -> Dict:
+    wall = time.perf_counter() - rate.start
+    generated = sum(s.samples_generated for s in rollout_stats)
+    return {
+        "steps": version, "wall_s": round(wall, 2),
+        "samples_generated": generated,
+        "samples_scored": counters.samples_scored,
+        "samples_trained": counters.samples_trained,
+        "samples_dropped_stale": counters.samples_dropped_stale,
+        "samples_dropped_error": counters.samples_dropped_error,
+        "samples_unused_at_end": generated - counters.samples_trained - counters.samples_dropped_stale
+        - counters.samples_dropped_error,
+        "reward_errors": counters.reward_errors,
+        "policy_versions": version + 1,
+        "max_staleness_trained": max(counters.staleness_trained, default=0),
+        "staleness_histogram": {str(k): v for k, v in sorted(counters.staleness_trained.items())},
+        "samples_per_s": round(generated / wall, 2),
+        "trained_per_s": round(counters.samples_trained / wall, 2),
+        "learner_busy_fraction": round(counters.learner_busy_s / wall, 3),
+        "rollout_busy_fraction": round(sum(s.busy_s for s in rollout_stats) / wall / max(len(rollout_stats), 1), 3),
+        "weight_publish_s": round(counters.weight_publish_s, 3),
+        "weight_sync_s": round(sum(s.weight_sync_s for s in rollout_stats), 3),
+    }

@@ -1,0 +1,106 @@
+"""Sample records and their wire format: what rollout workers produce and reward workers score.
+
+A `Sample` is one completion with everything the learner needs to train on it off-policy:
+token ids, the behaviour log-prob and the policy version of every completion token, and the
+data row it answers. On Redis they travel as msgpack maps with a schema version; decoding
+checks every field, so a malformed message is rejected with a reason and never executed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional
+
+import msgpack
+
+SCHEMA_VERSION = 1
+
+
+class WireFormatError(ValueError):
+    """A queue message that is not a valid record of this schema."""
+
+
+@dataclass
+class Sample:
+    sample_id: str  # unique: "<group_id>/<index>"
+    group_id: str  # the prompt's group; advantages are computed within it
+    policy: str  # name of the policy that generated it
+    prompt: str
+    completion: str
+    prompt_ids: List[int]
+    completion_ids: List[int]
+    behaviour_logprobs: List[float]  # log-prob of each completion token under the generating weights
+    token_versions: List[int]  # policy version that generated each completion token
+    row: Dict[str, Any] = field(default_factory=dict)  # the data row: answer and other fields
+
+    @property
+    def version(self) -> int:
+        """Version of the oldest token: what staleness is measured against."""
+        return min(self.token_versions) if self.token_versions else 0
+
+
+@dataclass
+class ScoredSample:
+    sample: Sample
+    reward: float  # weighted sum of the components
+    components: Dict[str, float]  # each reward's own score, by reward name
+    error: Optional[str] = None  # set when a reward failed; the learner skips such samples
+
+
+_SAMPLE_TYPES = {
+    "sample_id": str, "group_id": str, "policy": str, "prompt": str, "completion": str,
+    "prompt_ids": list, "completion_ids": list, "behaviour_logprobs": list,
+    "token_versions": list, "row": dict,
+}
+
+
+def encode_sample(sample: Sample) -> bytes:
+    return msgpack.packb({"v": SCHEMA_VERSION, "sample": asdict(sample)})
+
+
+def decode_sample(data: bytes) -> Sample:
+    body = _unpack(data)
+    return _sample_from(body.get("sample"))
+
+
+def encode_scored(scored: ScoredSample) -> bytes:
+    return msgpack.packb({
+        "v": SCHEMA_VERSION, "sample": asdict(scored.sample), "reward": float(scored.reward),
+        "components": {k: float(v) for k, v in scored.components.items()}, "error": scored.error,
+    })
+
+
+def decode_scored(data: bytes) -> ScoredSample:
+    body = _unpack(data)
+    reward, components = body.get("reward"), body.get("components")
+    if not isinstance(reward, (int, float)) or not isinstance(components, dict):
+        raise WireFormatError("scored record needs a numeric 'reward' and a 'components' map")
+    error = body.get("error")
+    if error is not None and not isinstance(error, str):
+        raise WireFormatError("'error' must be a string or null")
+    return ScoredSample(_sample_from(body.get("sample")), float(reward),
+                        {str(k): float(v) for k, v in components.items()}, error)
+
+
+def _unpack(data: bytes) -> dict:
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as err:  # msgpack raises several unrelated types for garbage input
+        raise WireFormatError(f"not a msgpack record: {err}") from None
+    if not isinstance(body, dict):
+        raise WireFormatError("record is not a map")
+    if body.get("v") != SCHEMA_VERSION:
+        raise WireFormatError(f"schema version {body.get('v')!r}, expected {SCHEMA_VERSION}")
+    return body
+
+
+def _sample_from(fields: Any) -> Sample:
+    if not isinstance(fields, dict):
+        raise WireFormatError("record has no 'sample' map")
+    for name, kind in _SAMPLE_TYPES.items():
+        if not isinstance(fields.get(name), kind):
+            raise WireFormatError(f"sample field '{name}' missing or not a {kind.__name__}")
+    lengths = {len(fields[k]) for k in ("completion_ids", "behaviour_logprobs", "token_versions")}
+    if len(lengths) != 1:
+        raise WireFormatError(f"sample {fields['sample_id']}: per-token fields differ in length")
+    return Sample(**{name: fields[name] for name in _SAMPLE_TYPES})

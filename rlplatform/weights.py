@@ -1,0 +1,45 @@
+"""Weight streaming: the learner publishes versioned weight snapshots, rollout workers pull them.
+
+A snapshot is a dict of numpy arrays put once in the Ray object store (readers map it without
+a copy); the `WeightStore` actor holds the newest reference and its version, and the version
+number is mirrored on Redis so workers can check for news without a Ray call.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import ray
+import torch
+
+
+def to_snapshot(state_dict: Dict[str, torch.Tensor]) -> Dict[str, np.ndarray]:
+    return {name: tensor.detach().to("cpu", torch.float32).numpy() for name, tensor in state_dict.items()}
+
+
+def from_snapshot(snapshot: Dict[str, np.ndarray]) -> Dict[str, torch.Tensor]:
+    """Tensors viewing the (read-only, shared) snapshot arrays; load_state_dict copies them."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return {name: torch.from_numpy(array) for name, array in snapshot.items()}
+
+
+@ray.remote(num_cpus=0)
+class WeightStore:
+    """Holds the newest published weights of one policy."""
+
+    def __init__(self) -> None:
+        self._version = -1
+        self._refs: List[ray.ObjectRef] = []
+
+    def publish(self, version: int, refs: List[ray.ObjectRef]) -> None:
+        if version > self._version:
+            self._version, self._refs = version, refs
+
+    def newer_than(self, version: int) -> Optional[Tuple[int, List[ray.ObjectRef]]]:
+        """(version, [snapshot ref]) when a newer snapshot than `version` exists."""
+        if self._version > version:
+            return self._version, self._refs
+        return None
