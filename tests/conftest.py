@@ -1,0 +1,49 @@
+"""Shared fixtures: one real redis-server and one local Ray cluster for the whole session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real redis-server on an ephemeral port with a password; yields its URL."""
+    from rlplatform.redis_server import EmbeddedRedis
+
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+@pytest.fixture
+def redis_client(redis_server):
+    from rlplatform.redis_server import connect
+
+    client = connect(redis_server)
+    client.flushdb()
+    yield client
+    client.flushdb()
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A local Ray cluster shared by every test that needs actors."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_policy(tmp_path_factory):
+    """A freshly initialised demo policy saved in Hugging Face format; yields its directory."""
+    from rlplatform.config import ModelConfig
+    from rlplatform.policy import save_initial_policy
+
+    path = tmp_path_factory.mktemp("policy")
+    return save_initial_policy(ModelConfig(hidden_size=64, num_layers=2, intermediate_size=128), 0, str(path))
