@@ -29,8 +29,8 @@ class LearnerGroup:
         host, port = ray.get(self.ranks[0].address.remote())
         ray.get([rank.setup.remote(host, port) for rank in self.ranks])
 
-    def set_lr(self, lr: float) -> None:
-        ray.get([rank.set_lr.remote(lr) for rank in self.ranks])
+    def start_stage(self, lr: float) -> None:
+        ray.get([rank.start_stage.remote(lr) for rank in self.ranks])
 
     def sft_step(self, rows: List[Dict]) -> Dict[str, float]:
         parts = shard(rows, len(self.ranks))

@@ -56,7 +56,10 @@ class LearnerRank:
         }
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
 
-    def set_lr(self, lr: float) -> None:
+    def start_stage(self, lr: float) -> None:
+        """Fresh optimizer state at `lr`: each stage (SFT, RL) has its own AdamW moments."""
+        inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+        inner.state.clear()
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
 

@@ -9,7 +9,7 @@ error-free samples, are dropped and counted, never trained on.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Set
 
 from rlplatform.samples import ScoredSample
 
@@ -36,14 +36,19 @@ class GroupBuffer:
         self.group_size = group_size
         self._partial: Dict[str, Group] = {}
         self._complete: List[Group] = []
+        self._completed_ids: Set[str] = set()  # groups already complete: later redeliveries are ignored
 
     def add(self, scored: ScoredSample) -> None:
-        group = self._partial.setdefault(scored.sample.group_id, [])
+        group_id = scored.sample.group_id
+        if group_id in self._completed_ids:
+            return  # a redelivered result of a group already complete
+        group = self._partial.setdefault(group_id, [])
         if any(s.sample.sample_id == scored.sample.sample_id for s in group):
             return  # a redelivered result: already counted
         group.append(scored)
         if len(group) == self.group_size:
-            self._complete.append(self._partial.pop(scored.sample.group_id))
+            self._completed_ids.add(group_id)
+            self._complete.append(self._partial.pop(group_id))
 
     def ready(self) -> int:
         return len(self._complete)

@@ -57,7 +57,7 @@ def publish(workers: RLWorkers, version: int) -> float:
 def run_rl(config: JobConfig, workers: RLWorkers, metrics: Metrics) -> Dict:
     """Train `rl.max_steps` steps from version 0 (already published); returns the stage's figures."""
     rl = config.rl
-    workers.learner.set_lr(rl.lr)
+    workers.learner.start_stage(rl.lr)
     counters, buffer, rate = RLCounters(), GroupBuffer(rl.group_size), Rate()
     runs = [w.run.remote() for w in workers.rollout + workers.reward]
     version = 0

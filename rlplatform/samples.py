@@ -52,6 +52,10 @@ _SAMPLE_TYPES = {
     "prompt_ids": list, "completion_ids": list, "behaviour_logprobs": list,
     "token_versions": list, "row": dict,
 }
+# what the per-token lists hold (bool, an int subclass, is rejected separately)
+_ELEMENT_TYPES = {
+    "prompt_ids": (int,), "completion_ids": (int,), "behaviour_logprobs": (int, float), "token_versions": (int,),
+}
 
 
 def encode_sample(sample: Sample) -> bytes:
@@ -100,6 +104,9 @@ def _sample_from(fields: Any) -> Sample:
     for name, kind in _SAMPLE_TYPES.items():
         if not isinstance(fields.get(name), kind):
             raise WireFormatError(f"sample field '{name}' missing or not a {kind.__name__}")
+    for name, kinds in _ELEMENT_TYPES.items():
+        if not all(isinstance(x, kinds) and not isinstance(x, bool) for x in fields[name]):
+            raise WireFormatError(f"sample field '{name}' holds a value that is not a number")
     lengths = {len(fields[k]) for k in ("completion_ids", "behaviour_logprobs", "token_versions")}
     if len(lengths) != 1:
         raise WireFormatError(f"sample {fields['sample_id']}: per-token fields differ in length")

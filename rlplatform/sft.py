@@ -15,7 +15,7 @@ def run_sft(config: SFTConfig, learner: LearnerGroup, rows: List[Dict], metrics:
             seed: int) -> Dict[str, float]:
     """Train for `config.steps` steps on random batches; returns the stage's figures."""
     rng = random.Random(seed)
-    learner.set_lr(config.lr)
+    learner.start_stage(config.lr)
     start = time.perf_counter()
     step_metrics: Dict[str, float] = {}
     for step in range(1, config.steps + 1):

@@ -1,0 +1,220 @@
+"""The Redis reward queue with an in-process RewardWorker (no Ray): scoring round trip,
+dead letters, idempotent result storage, failing rewards, and acknowledged requests."""
+
+from __future__ import annotations
+
+import uuid
+
+import msgpack
+import pytest
+
+from rlplatform.config import RewardSpec
+from rlplatform.redis_server import connect
+from rlplatform.reward_queue import GROUP, RewardQueue
+from rlplatform.rewards import REWARDS, register
+from rlplatform.rewards.worker import RewardWorker
+from rlplatform.samples import Sample, ScoredSample
+
+
+def make_sample(index: int, completion: str, answer: str = "85", group: str = "g0") -> Sample:
+    return Sample(
+        sample_id=f"{group}/{index}", group_id=group, policy="policy-a", prompt="37+48=",
+        completion=completion, prompt_ids=[3, 7, 11, 4, 8, 12],
+        completion_ids=[8 + index, 5], behaviour_logprobs=[-0.25 - index, -1.5], token_versions=[2, 3],
+        row={"prompt": "37+48=", "answer": answer, "source": "addition"},
+    )
+
+
+@pytest.fixture
+def job():
+    return f"test-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def queue(redis_client, job):
+    q = RewardQueue(redis_client, job)
+    q.create_group()
+    return q
+
+
+def worker_for(redis_server, job, rewards=None, batch_size=64) -> RewardWorker:
+    return RewardWorker("worker-0", rewards or [RewardSpec("exact_match")], redis_server, job, batch_size)
+
+
+def drain(worker: RewardWorker, rounds: int = 5) -> int:
+    handled = 0
+    for _ in range(rounds):
+        n = worker.step(block_ms=50)
+        handled += n
+        if n == 0:
+            break
+    return handled
+
+
+def read_all(queue: RewardQueue) -> list:
+    results = []
+    while True:
+        batch = queue.read_results(block_ms=50)
+        if not batch:
+            return results
+        results += batch
+
+
+@pytest.fixture
+def test_reward():
+    """Registers rewards for one test and removes them afterwards."""
+    added = []
+
+    def add(name, fn):
+        added.append(name)
+        register(name, fn)
+
+    yield add
+    for name in added:
+        REWARDS.pop(name, None)
+
+
+def test_submitted_samples_come_back_scored(redis_server, redis_client, job, queue):
+    right, wrong = make_sample(0, " 85 "), make_sample(1, "84")
+    queue.submit([right, wrong])
+    assert queue.pending() == 2
+
+    worker = worker_for(redis_server, job)
+    assert drain(worker) == 2
+    assert worker.stats.scored == 2 and worker.stats.errors == 0 and worker.stats.dead_letters == 0
+
+    # the controller reads through its own connection
+    results = read_all(RewardQueue(connect(redis_server), job))
+    by_id = {r.sample.sample_id: r for r in results}
+    assert sorted(by_id) == ["g0/0", "g0/1"]
+    assert by_id["g0/0"].sample == right  # every field intact, row included
+    assert by_id["g0/1"].sample == wrong
+    assert by_id["g0/0"].reward == 1.0 and by_id["g0/0"].components == {"exact_match": 1.0}
+    assert by_id["g0/1"].reward == 0.0 and by_id["g0/1"].components == {"exact_match": 0.0}
+    assert all(r.error is None for r in results)
+
+    # acknowledged and deleted: nothing left on the requests stream, nothing pending in the group
+    assert redis_client.xlen(queue.keys.requests) == 0
+    assert queue.pending() == 0
+    assert redis_client.xpending(queue.keys.requests, GROUP)["pending"] == 0
+
+
+def test_results_are_read_once_in_order(redis_server, job, queue):
+    worker = worker_for(redis_server, job, batch_size=2)
+    samples = [make_sample(i, "85" if i % 2 == 0 else "0") for i in range(5)]
+    queue.submit(samples)
+    assert drain(worker) == 5
+    reader = RewardQueue(connect(redis_server), job)
+    first = reader.read_results(count=3, block_ms=50)
+    rest = read_all(reader)
+    assert [r.sample.sample_id for r in first + rest] == [s.sample_id for s in samples]
+    assert [r.reward for r in first + rest] == [1.0, 0.0, 1.0, 0.0, 1.0]
+    assert reader.read_results(block_ms=10) == []
+
+
+def test_weighted_sum_of_rewards(redis_server, job, queue, test_reward):
+    test_reward("test_constant_quarter", lambda sample: 0.25)
+    specs = [RewardSpec("exact_match", weight=2.0), RewardSpec("test_constant_quarter", weight=-4.0)]
+    queue.submit([make_sample(0, "85")])
+    drain(worker_for(redis_server, job, specs))
+    (result,) = read_all(queue)
+    # 2.0 * 1.0 + (-4.0) * 0.25 = 1.0
+    assert result.reward == pytest.approx(1.0)
+    assert result.components == {"exact_match": 1.0, "test_constant_quarter": 0.25}
+
+
+def test_malformed_message_goes_to_dead_letters(redis_server, redis_client, job, queue):
+    redis_client.xadd(queue.keys.requests, {"data": b"\xc1 this is not msgpack"})
+    redis_client.xadd(queue.keys.requests, {"data": msgpack.packb({"v": 99, "sample": {}})})
+    redis_client.xadd(queue.keys.requests, {"other": b"no data field"})
+    queue.submit([make_sample(0, "85")])
+
+    worker = worker_for(redis_server, job)
+    assert drain(worker) == 4  # the worker keeps going past the bad messages
+    assert worker.stats.dead_letters == 3 and worker.stats.scored == 1
+
+    dead = redis_client.xrange(queue.keys.dead)
+    assert queue.dead_letters() == 3 and len(dead) == 3
+    reasons = [fields[b"reason"].decode() for _, fields in dead]
+    assert "not a msgpack record" in reasons[0]
+    assert "schema version 99" in reasons[1]
+    assert reasons[2]  # empty payload: still a reason
+    assert dead[0][1][b"data"] == b"\xc1 this is not msgpack"
+    assert all(fields[b"message_id"] for _, fields in dead)
+
+    (result,) = read_all(queue)
+    assert result.sample.sample_id == "g0/0" and result.reward == 1.0
+    assert redis_client.xlen(queue.keys.requests) == 0
+    assert redis_client.xpending(queue.keys.requests, GROUP)["pending"] == 0
+
+    # the worker still serves new requests afterwards
+    queue.submit([make_sample(1, "7")])
+    assert drain(worker) == 1
+    (later,) = read_all(queue)
+    assert later.sample.sample_id == "g0/1" and later.reward == 0.0
+
+
+def test_storing_the_same_result_twice_appends_once(redis_client, queue):
+    sample = make_sample(0, "85")
+    queue.submit([sample])
+    ((msg_id, raw),) = queue.fetch("consumer-a", count=10, block_ms=50)
+    scored = ScoredSample(queue.decode(raw), 1.0, {"exact_match": 1.0})
+    assert queue.store_results([(msg_id, scored)]) == 1
+    assert queue.store_results([(msg_id, scored)]) == 0
+    assert redis_client.xlen(queue.keys.results) == 1
+
+    # the same sample delivered again as a new message (producer retry) is stored once too
+    queue.submit([sample])
+    ((msg_id2, raw2),) = queue.fetch("consumer-b", count=10, block_ms=50)
+    assert msg_id2 != msg_id
+    assert queue.store_results([(msg_id2, ScoredSample(queue.decode(raw2), 1.0, {"exact_match": 1.0}))]) == 0
+    assert redis_client.xlen(queue.keys.results) == 1
+    assert redis_client.xlen(queue.keys.requests) == 0  # both requests acknowledged and deleted
+
+    results = read_all(queue)
+    assert len(results) == 1 and results[0].sample == sample
+
+
+def test_duplicate_requests_through_the_worker_give_one_result(redis_server, job, queue):
+    sample = make_sample(0, "85")
+    queue.submit([sample, sample])
+    worker = worker_for(redis_server, job)
+    assert drain(worker) == 2
+    results = read_all(queue)
+    assert [r.sample.sample_id for r in results] == ["g0/0"]
+    assert queue.pending() == 0
+
+
+def test_raising_reward_yields_error_result(redis_server, job, queue, test_reward):
+    def explode(sample):
+        if sample.completion == "boom":
+            raise RuntimeError("verifier crashed")
+        return 0.5
+
+    test_reward("test_explode", explode)
+    specs = [RewardSpec("exact_match"), RewardSpec("test_explode")]
+    queue.submit([make_sample(0, "boom"), make_sample(1, "85")])
+    worker = worker_for(redis_server, job, specs)
+    assert drain(worker) == 2
+    assert worker.stats.errors == 1 and worker.stats.scored == 2
+
+    by_id = {r.sample.sample_id: r for r in read_all(queue)}
+    failed, ok = by_id["g0/0"], by_id["g0/1"]
+    assert failed.error is not None
+    assert "test_explode" in failed.error and "RuntimeError" in failed.error and "verifier crashed" in failed.error
+    assert failed.reward == 0.0
+    assert failed.sample == make_sample(0, "boom")
+    assert ok.error is None and ok.reward == pytest.approx(1.5)  # 1.0 * 1.0 + 1.0 * 0.5
+    assert ok.components == {"exact_match": 1.0, "test_explode": 0.5}
+    assert queue.pending() == 0
+
+
+def test_stop_flag(redis_server, job, queue):
+    worker = worker_for(redis_server, job)
+    assert not queue.stop_requested()
+    queue.request_stop()
+    assert queue.stop_requested()
+    stats = worker.run()  # returns at once: the stop flag is already set
+    assert stats.scored == 0
+    queue.clear()
+    assert not queue.stop_requested()

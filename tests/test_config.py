@@ -1,0 +1,151 @@
+"""Job config loading: defaults, YAML merged onto them, key=value overrides on top, and one
+ConfigError naming the file and the key for every kind of bad input."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from rlplatform.config import ConfigError, JobConfig, RewardSpec, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, text: str, name: str = "job.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_load_without_a_file():
+    config = load_config()
+    assert isinstance(config, JobConfig)
+    assert config.name == "quickstart"
+    assert config.run_dir == os.path.join("runs", "quickstart")
+    assert config.model.kind == "demo" and config.model.hidden_size == 128
+    assert config.rl.max_steps == 60 and config.rl.batch_prompts == 16 and config.rl.group_size == 8
+    assert config.rl.max_staleness == 1 and config.rl.is_cap == 2.0 and config.rl.clip_eps == 0.2
+    assert config.rewards == [RewardSpec(name="exact_match", weight=1.0)]
+    assert config.wandb.mode == "auto"
+    assert config.redis.url is None
+
+
+def test_yaml_merges_onto_defaults(tmp_path):
+    path = write(tmp_path, "name: mine\nrl:\n  max_steps: 7\n  lr: 1.0e-5\n"
+                           "rewards:\n  - name: exact_match\n    weight: 0.5\n")
+    config = load_config(path)
+    assert config.name == "mine"
+    assert config.rl.max_steps == 7
+    assert config.rl.lr == pytest.approx(1e-5)
+    assert config.rewards == [RewardSpec(name="exact_match", weight=0.5)]
+    # keys the YAML does not mention keep their defaults, in the same section and elsewhere
+    assert config.rl.batch_prompts == 16 and config.rl.group_size == 8
+    assert config.sft.steps == 600 and config.model.num_layers == 4
+
+
+def test_empty_yaml_gives_defaults(tmp_path):
+    assert load_config(write(tmp_path, "")) == load_config()
+
+
+def test_overrides_win_over_yaml(tmp_path):
+    path = write(tmp_path, "name: mine\nrl:\n  max_steps: 7\n  group_size: 4\n")
+    config = load_config(path, ["rl.max_steps=3", "name=other", "wandb.mode=disabled"])
+    assert config.rl.max_steps == 3  # override beats the YAML
+    assert config.name == "other"
+    assert config.wandb.mode == "disabled"  # override beats the default
+    assert config.rl.group_size == 4  # YAML value not overridden stays
+
+
+def test_quickstart_config_loads():
+    config = load_config(str(REPO / "configs" / "quickstart.yaml"))
+    assert config.name == "quickstart"
+    assert config.sft.steps == 400 and config.sft.batch_size == 128 and config.sft.lr == pytest.approx(3e-3)
+    assert config.rl.max_steps == 60 and config.rl.batch_prompts == 16 and config.rl.group_size == 8
+    assert config.rl.lr == pytest.approx(2e-4) and config.rl.max_staleness == 1
+    assert config.rewards == [RewardSpec(name="exact_match", weight=1.0)]
+
+
+def error_for(path, overrides=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return str(info.value)
+
+
+def test_unknown_top_level_key(tmp_path):
+    path = write(tmp_path, "name: x\nbogus_key: 1\n")
+    message = error_for(path)
+    assert path in message and "'bogus_key'" in message and "unknown key" in message
+
+
+def test_unknown_nested_key(tmp_path):
+    path = write(tmp_path, "rl:\n  max_stepz: 3\n")
+    message = error_for(path)
+    assert path in message and "'rl.max_stepz'" in message and "unknown key" in message
+
+
+def test_wrong_type(tmp_path):
+    path = write(tmp_path, "rl:\n  max_steps: abc\n")
+    message = error_for(path)
+    assert path in message and "'rl.max_steps'" in message and "abc" in message
+
+
+def test_invalid_yaml_syntax(tmp_path):
+    path = write(tmp_path, "rl:\n  max_steps: [1, 2\n")
+    message = error_for(path)
+    assert path in message and "not valid YAML" in message
+
+
+def test_top_level_not_a_mapping(tmp_path):
+    path = write(tmp_path, "- 1\n- 2\n")
+    message = error_for(path)
+    assert path in message and "mapping" in message
+
+
+def test_missing_config_file(tmp_path):
+    path = str(tmp_path / "absent.yaml")
+    message = error_for(path)
+    assert path in message and "no such config file" in message
+
+
+def test_jsonl_data_with_missing_train_path(tmp_path):
+    train = tmp_path / "missing-train.jsonl"
+    path = write(tmp_path, f"data:\n  kind: jsonl\n  train_path: {train}\n")
+    message = error_for(path)
+    assert path in message and "'data.train_path'" in message and str(train) in message
+
+
+def test_jsonl_data_with_existing_files_loads(tmp_path):
+    train, test = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+    train.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    test.write_text('{"prompt": "2+2=", "answer": "4"}\n')
+    path = write(tmp_path, f"data:\n  kind: jsonl\n  train_path: {train}\n  test_path: {test}\n")
+    config = load_config(path)
+    assert config.data.kind == "jsonl" and config.data.train_path == str(train)
+    assert config.data.test_path == str(test)
+
+
+def test_bad_choice(tmp_path):
+    path = write(tmp_path, "wandb:\n  mode: xx\n")
+    message = error_for(path)
+    assert path in message and "'wandb.mode'" in message and "'xx'" in message
+    assert "offline" in message  # the allowed values are listed
+
+
+def test_group_size_below_two_is_rejected(tmp_path):
+    path = write(tmp_path, "rl:\n  group_size: 1\n")
+    message = error_for(path)
+    assert path in message and "'rl.group_size'" in message
+
+
+def test_override_without_equals(tmp_path):
+    path = write(tmp_path, "name: x\n")
+    message = error_for(path, ["rl.max_steps"])
+    assert "'rl.max_steps'" in message and "key=value" in message
+
+
+def test_override_with_unknown_key_and_wrong_type():
+    assert "'rl.max_stepz'" in error_for(None, ["rl.max_stepz=3"])
+    message = error_for(None, ["rl.max_steps=abc"])
+    assert "'rl.max_steps'" in message and "override" in message

@@ -1,0 +1,159 @@
+"""The msgpack wire format of Sample and ScoredSample: lossless round trips, and a
+WireFormatError for every kind of malformed message."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import msgpack
+import pytest
+
+from rlplatform.samples import (SCHEMA_VERSION, Sample, ScoredSample, WireFormatError, decode_sample,
+                                decode_scored, encode_sample, encode_scored)
+
+
+def make_sample(**changes) -> Sample:
+    fields = dict(
+        sample_id="g7/3", group_id="g7", policy="policy-a", prompt="37+48=", completion="85",
+        prompt_ids=[3, 7, 11, 4, 8, 12], completion_ids=[8, 5, 2],
+        behaviour_logprobs=[-0.125, -1.0000000001, -3.5e-7], token_versions=[4, 4, 5],
+        row={"prompt": "37+48=", "answer": "85", "difficulty": 2, "tags": ["a", "b"]},
+    )
+    fields.update(changes)
+    return Sample(**fields)
+
+
+def test_sample_round_trip_keeps_every_field():
+    sample = make_sample()
+    decoded = decode_sample(encode_sample(sample))
+    assert decoded == sample
+    assert asdict(decoded) == asdict(sample)
+    assert decoded.behaviour_logprobs == [-0.125, -1.0000000001, -3.5e-7]  # float64, bit exact
+    assert decoded.row["difficulty"] == 2 and decoded.row["tags"] == ["a", "b"]
+    assert decoded.version == 4
+
+
+def test_empty_completion_round_trip():
+    sample = make_sample(completion="", completion_ids=[], behaviour_logprobs=[], token_versions=[])
+    decoded = decode_sample(encode_sample(sample))
+    assert decoded == sample and decoded.version == 0
+
+
+def test_scored_round_trip_keeps_every_field():
+    scored = ScoredSample(make_sample(), reward=0.75, components={"exact_match": 1.0, "length": -0.25})
+    decoded = decode_scored(encode_scored(scored))
+    assert decoded == scored
+    assert decoded.sample == scored.sample
+    assert decoded.reward == 0.75 and decoded.components == {"exact_match": 1.0, "length": -0.25}
+    assert decoded.error is None
+
+
+def test_scored_round_trip_with_error():
+    scored = ScoredSample(make_sample(), reward=0.0, components={}, error="boom: ValueError: bad")
+    decoded = decode_scored(encode_scored(scored))
+    assert decoded == scored and decoded.error == "boom: ValueError: bad"
+
+
+def packed_sample(**changes) -> dict:
+    body = {"v": SCHEMA_VERSION, "sample": asdict(make_sample())}
+    body["sample"].update(changes)
+    return body
+
+
+@pytest.mark.parametrize("data", [b"", b"\xc1", b"\x92\x01", b"not msgpack at all \xff\xfe", b"\x93\x01\x02"])
+def test_garbage_bytes(data):
+    with pytest.raises(WireFormatError):
+        decode_sample(data)
+    with pytest.raises(WireFormatError):
+        decode_scored(data)
+
+
+def test_non_map_record():
+    with pytest.raises(WireFormatError, match="not a map"):
+        decode_sample(msgpack.packb([1, 2, 3]))
+
+
+@pytest.mark.parametrize("version", [0, 2, None, "1"])
+def test_wrong_schema_version(version):
+    body = packed_sample()
+    body["v"] = version
+    with pytest.raises(WireFormatError, match="schema version"):
+        decode_sample(msgpack.packb(body))
+    scored = msgpack.unpackb(encode_scored(ScoredSample(make_sample(), 1.0, {"exact_match": 1.0})))
+    scored["v"] = version
+    with pytest.raises(WireFormatError, match="schema version"):
+        decode_scored(msgpack.packb(scored))
+
+
+def test_missing_schema_version():
+    body = packed_sample()
+    del body["v"]
+    with pytest.raises(WireFormatError, match="schema version"):
+        decode_sample(msgpack.packb(body))
+
+
+@pytest.mark.parametrize("name", ["sample_id", "group_id", "policy", "prompt", "completion", "prompt_ids",
+                                  "completion_ids", "behaviour_logprobs", "token_versions", "row"])
+def test_missing_field(name):
+    body = packed_sample()
+    del body["sample"][name]
+    with pytest.raises(WireFormatError, match=f"'{name}'"):
+        decode_sample(msgpack.packb(body))
+
+
+def test_missing_sample_map():
+    with pytest.raises(WireFormatError, match="no 'sample' map"):
+        decode_sample(msgpack.packb({"v": SCHEMA_VERSION}))
+
+
+@pytest.mark.parametrize("name,value", [
+    ("sample_id", 17), ("group_id", None), ("completion", [1, 2]), ("prompt_ids", "3 7 11"),
+    ("completion_ids", {"0": 8}), ("behaviour_logprobs", -0.5), ("token_versions", 4), ("row", ["85"]),
+])
+def test_wrong_typed_field(name, value):
+    body = packed_sample(**{name: value})
+    with pytest.raises(WireFormatError, match=f"'{name}'"):
+        decode_sample(msgpack.packb(body))
+
+
+@pytest.mark.parametrize("changes", [
+    {"behaviour_logprobs": [-0.1, -0.2]},
+    {"token_versions": [4, 4, 5, 5]},
+    {"completion_ids": [8]},
+])
+def test_per_token_lists_of_different_lengths(changes):
+    body = packed_sample(**changes)
+    with pytest.raises(WireFormatError, match="differ in length"):
+        decode_sample(msgpack.packb(body))
+
+
+@pytest.mark.parametrize("changes", [
+    {"reward": "1.0"}, {"reward": None}, {"components": [1.0]}, {"error": 5},
+])
+def test_bad_scored_fields(changes):
+    body = msgpack.unpackb(encode_scored(ScoredSample(make_sample(), 1.0, {"exact_match": 1.0})))
+    body.update(changes)
+    with pytest.raises(WireFormatError):
+        decode_scored(msgpack.packb(body))
+
+
+def test_scored_with_bad_sample_is_rejected():
+    body = msgpack.unpackb(encode_scored(ScoredSample(make_sample(), 1.0, {"exact_match": 1.0})))
+    body["sample"]["token_versions"] = [1]
+    with pytest.raises(WireFormatError, match="differ in length"):
+        decode_scored(msgpack.packb(body))
+
+
+@pytest.mark.parametrize("name,value", [
+    ("completion_ids", [8, "5", 2]), ("prompt_ids", [3, None]), ("behaviour_logprobs", [-0.1, "x", -0.3]),
+    ("token_versions", [4, None, 5]), ("token_versions", [4, 4.5, 5]), ("completion_ids", [8, True, 2]),
+])
+def test_wrong_typed_per_token_values(name, value):
+    body = packed_sample(**{name: value})
+    with pytest.raises(WireFormatError, match=f"'{name}'"):
+        decode_sample(msgpack.packb(body))
+
+
+def test_integer_logprob_is_accepted():
+    decoded = decode_sample(msgpack.packb(packed_sample(behaviour_logprobs=[0, -1, -0.5])))
+    assert decoded.behaviour_logprobs == [0, -1, -0.5]
