@@ -47,3 +47,15 @@ def tiny_policy(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("policy")
     return save_initial_policy(ModelConfig(hidden_size=64, num_layers=2, intermediate_size=128), 0, str(path))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need CUDA (vLLM, NCCL); on a CPU machine they are skipped."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

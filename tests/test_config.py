@@ -61,9 +61,8 @@ def test_overrides_win_over_yaml(tmp_path):
 def test_quickstart_config_loads():
     config = load_config(str(REPO / "configs" / "quickstart.yaml"))
     assert config.name == "quickstart"
-    assert config.sft.steps == 400 and config.sft.batch_size == 128 and config.sft.lr == pytest.approx(3e-3)
-    assert config.rl.max_steps == 60 and config.rl.batch_prompts == 16 and config.rl.group_size == 8
-    assert config.rl.lr == pytest.approx(2e-4) and config.rl.max_staleness == 1
+    assert config.model.kind == "demo" and config.data.kind == "addition"
+    assert config.sft.enabled and config.rl.enabled and config.rl.max_staleness >= 1
     assert config.rewards == [RewardSpec(name="exact_match", weight=1.0)]
 
 

@@ -1,0 +1,46 @@
+"""End to end: a shortened quickstart runs SFT then asynchronous RL and writes a valid summary.json."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from rlplatform.config import load_config
+from rlplatform.controller import run_job
+
+QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.yaml")
+
+
+def test_short_quickstart_writes_a_valid_summary(ray_session, tmp_path):
+    config = load_config(QUICKSTART, [f"output_dir={tmp_path}", "name=e2e", "sft.steps=30", "rl.max_steps=12",
+                                      "rl.max_staleness=1", "sft.log_every=10"])
+    run_job(config)
+    run_dir = tmp_path / "e2e"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["name"] == "e2e"
+    assert summary["stages"]["sft"]["steps"] == 30 and summary["stages"]["rl"]["steps"] == 12
+    for label in ("after_sft", "after_rl"):
+        assert 0.0 <= summary["eval"][label]["accuracy"] <= 1.0
+    rl = summary["rl"]
+    assert rl["policy_versions"] == 13
+    assert rl["samples_trained"] == 12 * 16 * 8
+    # staleness bound: nothing older than max_staleness=1 version was trained on
+    assert rl["max_staleness_trained"] <= 1
+    assert all(int(gap) <= 1 for gap in rl["staleness_histogram"])
+    assert sum(rl["staleness_histogram"].values()) == rl["samples_trained"]
+    # every generated sample is accounted for
+    assert rl["samples_generated"] == (rl["samples_trained"] + rl["samples_dropped_stale"]
+                                       + rl["samples_dropped_error"] + rl["samples_unused_at_end"])
+    assert rl["samples_per_s"] > 0 and summary["wall_s"] > 0
+    assert (run_dir / "config.yaml").exists()
+    assert (run_dir / "model" / "model.safetensors").exists() and (run_dir / "model" / "config.json").exists()
+    assert (run_dir / "checkpoint" / "latest").exists()
+    assert os.path.isdir(rl["wandb_dir"]) and os.listdir(rl["wandb_dir"])
+
+
+def test_synchronous_mode_trains_only_on_fresh_samples(ray_session, tmp_path):
+    config = load_config(QUICKSTART, [f"output_dir={tmp_path}", "name=sync", "sft.enabled=false",
+                                      "rl.max_steps=4", "rl.max_staleness=0", "wandb.mode=disabled"])
+    summary = run_job(config)
+    assert summary["rl"]["staleness_histogram"] == {"0": 4 * 16 * 8}
+    assert summary["rl"]["samples_dropped_stale"] == 0
