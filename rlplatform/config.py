@@ -7,9 +7,12 @@ wrong types, bad YAML and missing files. Everything past `load_config` sees plai
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import os
+import typing
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import yaml
 from omegaconf import OmegaConf
@@ -159,12 +162,16 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     merged = OmegaConf.structured(JobConfig)
     source = path or "<defaults>"
     if path is not None:
-        merged = _merge(merged, _read_yaml(path), source)
+        raw = _read_yaml(path)
+        _check_keys(OmegaConf.to_container(raw), JobConfig, "", source)
+        merged = _merge(merged, raw, source)
     if overrides:
         _check_override_syntax(overrides)
-        merged = _merge(merged, OmegaConf.from_dotlist(list(overrides)), "command-line override")
+        dotlist = OmegaConf.from_dotlist(list(overrides))
+        _check_keys(OmegaConf.to_container(dotlist), JobConfig, "", "command-line override")
+        merged = _merge(merged, dotlist, "command-line override")
     config: JobConfig = OmegaConf.to_object(merged)
-    _check_values(config, source)
+    _check_values(config, source if not overrides else f"{source} with overrides {' '.join(overrides)}")
     return config
 
 
@@ -198,6 +205,27 @@ def _check_override_syntax(overrides: List[str]) -> None:
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override '{item}': expected key=value, e.g. rl.max_steps=5")
+
+
+def _check_keys(raw: Any, schema: type, prefix: str, source: str) -> None:
+    """Name the full path of the first unknown key or misplaced value in `raw`."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: '{prefix.rstrip('.')}' must be a mapping of keys, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    hints = typing.get_type_hints(schema)
+    for key, value in raw.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+            raise ConfigError(f"{source}: unknown key '{prefix}{key}'{hint}")
+        kind = hints[key]
+        if dataclasses.is_dataclass(kind):
+            _check_keys(value, kind, f"{prefix}{key}.", source)
+        elif typing.get_origin(kind) in (list, List) and dataclasses.is_dataclass(typing.get_args(kind)[0]):
+            if not isinstance(value, list):
+                raise ConfigError(f"{source}: '{prefix}{key}' must be a list, got {value!r}")
+            for i, item in enumerate(value):
+                _check_keys(item, typing.get_args(kind)[0], f"{prefix}{key}[{i}].", source)
 
 
 def _merge(base, update, source: str):

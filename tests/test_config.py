@@ -148,3 +148,16 @@ def test_override_with_unknown_key_and_wrong_type():
     assert "'rl.max_stepz'" in error_for(None, ["rl.max_stepz=3"])
     message = error_for(None, ["rl.max_steps=abc"])
     assert "'rl.max_steps'" in message and "override" in message
+
+
+def test_unknown_key_in_a_reward_entry_names_its_index_and_a_suggestion(tmp_path):
+    path = write(tmp_path, "rewards:\n  - name: exact_match\n    weigh: 2\n")
+    message = error_for(path)
+    assert path in message and "unknown key 'rewards[0].weigh'" in message
+    assert "did you mean 'rewards[0].weight'" in message
+
+
+def test_section_given_a_scalar_names_the_section(tmp_path):
+    path = write(tmp_path, "rl: 5\n")
+    message = error_for(path)
+    assert path in message and "'rl' must be a mapping" in message
