@@ -102,6 +102,11 @@ class RolloutWorker:
             batch_index += 1
         return self.stats
 
+    def evaluate_latest(self, rows: List[Dict], max_new_tokens: int, batch_size: int) -> tuple:
+        """(version, greedy accuracy) of the newest published weights on `rows`."""
+        version = self.sync_weights()
+        return version, self.evaluate(rows, max_new_tokens, batch_size)
+
     def evaluate(self, rows: List[Dict], max_new_tokens: int, batch_size: int) -> float:
         """Greedy accuracy on `rows`: the completion, stripped, equals the row's answer."""
         correct = 0

@@ -69,6 +69,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as err:
         print(f"rlp: config error: {err}", file=sys.stderr)
         return 2
+    except ConnectionError as err:  # Redis or Ray unreachable: say where, without a traceback
+        print(f"rlp: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("rlp: interrupted", file=sys.stderr)
         return 130

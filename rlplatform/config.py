@@ -121,6 +121,7 @@ class WandbConfig:
 
 @dataclass
 class EvalConfig:
+    every_steps: int = 0  # RL steps between held-out evaluations during RL (0: after each stage only)
     max_new_tokens: int = 6  # greedy completion length on the held-out set
     batch_size: int = 256  # prompts per generate call
 

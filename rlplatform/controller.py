@@ -23,7 +23,7 @@ from rlplatform.metrics import Metrics
 from rlplatform.policy import save_initial_policy
 from rlplatform.redis_server import EmbeddedRedis, connect
 from rlplatform.reward_queue import RewardQueue
-from rlplatform.rl_loop import RLWorkers, publish, run_rl
+from rlplatform.rl_loop import Evaluator, RLWorkers, publish, run_rl
 from rlplatform.sft import run_sft
 from rlplatform.staleness import RolloutGate
 from rlplatform.weights import WeightStore
@@ -61,49 +61,51 @@ def run_job(config: JobConfig) -> Dict:
 
 
 def _start_services(config: JobConfig, resources: ExitStack) -> str:
-    """Join or start Ray; reach or start Redis; returns the Redis URL. Stopped on exit."""
+    """Reach or start Redis; join or start Ray; returns the Redis URL. Stopped on exit."""
+    if config.redis.url:
+        connect(config.redis.url)  # fails early with a clear message if unreachable
+        redis_url = config.redis.url
+    else:
+        redis_url = resources.enter_context(EmbeddedRedis()).url
     if not ray.is_initialized():
         needed = (config.learner.num_ranks * config.learner.num_cpus
-                  + config.rollout.num_workers * config.rollout.num_cpus
+                  + (config.rollout.num_workers + 1) * config.rollout.num_cpus
                   + config.reward_workers.num_workers * config.reward_workers.num_cpus)
         if config.ray.address or os.environ.get("RAY_ADDRESS"):
             ray.init(address=config.ray.address, include_dashboard=False)
         else:
             ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(needed)), include_dashboard=False)
         resources.callback(ray.shutdown)
-    if config.redis.url:
-        connect(config.redis.url)  # fails early with a clear message if unreachable
-        return config.redis.url
-    return resources.enter_context(EmbeddedRedis()).url
+    return redis_url
 
 
 def _run_stages(config: JobConfig, redis_url: str, metrics: Metrics, summary: Dict) -> None:
     run_dir = config.run_dir
     model_path = save_initial_policy(config.model, config.seed, os.path.join(run_dir, "initial_policy"))
     train_rows, test_rows = load_rows(config.data, config.seed)
-    workers = _start_workers(config, model_path, train_rows, redis_url)
+    workers = _start_workers(config, model_path, train_rows, test_rows, redis_url)
     try:
         summary["stages"] = {}
         if config.sft.enabled:
             summary["stages"]["sft"] = run_sft(config.sft, workers.learner, train_rows, metrics, config.seed)
         publish(workers, 0)
-        summary["eval"] = {"after_sft": _evaluate(config, workers, test_rows, metrics, "after_sft")}
+        summary["eval"] = {"after_sft": _evaluate(workers, metrics, "after_sft")}
         if config.rl.enabled:
             rl = run_rl(config, workers, metrics)
             summary["stages"]["rl"] = {"steps": rl["steps"], "wall_s": rl["wall_s"]}
             summary["rl"] = {**rl, "wandb_dir": metrics.wandb_dir}
-            summary["eval"]["after_rl"] = _evaluate(config, workers, test_rows, metrics, "after_rl")
+            summary["eval"]["after_rl"] = _evaluate(workers, metrics, "after_rl")
         workers.learner.save(os.path.abspath(os.path.join(run_dir, "checkpoint")),
                              os.path.abspath(os.path.join(run_dir, "model")))
     finally:
         workers.queue.request_stop()
         workers.queue.clear()
-        for actor in workers.rollout + workers.reward + [workers.weight_store]:
+        for actor in workers.rollout + workers.reward + [workers.evaluator.actor, workers.weight_store]:
             ray.kill(actor)
         workers.learner.shutdown()
 
 
-def _start_workers(config: JobConfig, model_path: str, train_rows, redis_url: str) -> RLWorkers:
+def _start_workers(config: JobConfig, model_path: str, train_rows, test_rows, redis_url: str) -> RLWorkers:
     from rlplatform.actors.rollout import RolloutActor
     from rlplatform.rewards.worker import RewardActor
 
@@ -114,23 +116,23 @@ def _start_workers(config: JobConfig, model_path: str, train_rows, redis_url: st
     store = WeightStore.remote()
     rollout = [RolloutActor.options(num_cpus=config.rollout.num_cpus).remote(
         i, POLICY, model_path, train_rows, config.rl, config.rollout, redis_url, config.name, store, config.seed)
-        for i in range(config.rollout.num_workers)]
+        for i in range(config.rollout.num_workers + 1)]
     reward = [RewardActor.options(num_cpus=config.reward_workers.num_cpus).remote(
         f"{config.name}-reward-{i}", config.rewards, redis_url, config.name, config.reward_workers.batch_size)
         for i in range(config.reward_workers.num_workers)]
     learner = LearnerGroup(config.learner, model_path, config.seed)
     gate = RolloutGate(client, config.name, config.rl.max_staleness, config.rl.batch_prompts)
-    return RLWorkers(learner, rollout, reward, store, queue, gate)
+    evaluator = Evaluator(rollout.pop(), test_rows, config.eval)
+    return RLWorkers(learner, rollout, reward, store, queue, gate, evaluator)
 
 
-def _evaluate(config: JobConfig, workers: RLWorkers, rows, metrics: Metrics, label: str) -> Dict:
+def _evaluate(workers: RLWorkers, metrics: Metrics, label: str) -> Dict:
     """Greedy accuracy of the newest published weights on the held-out rows."""
-    evaluator = workers.rollout[0]
-    ray.get(evaluator.sync_weights.remote())
-    accuracy = ray.get(evaluator.evaluate.remote(rows, config.eval.max_new_tokens, config.eval.batch_size))
-    metrics.log("eval", 0 if label == "after_sft" else 1, {f"accuracy_{label}": accuracy})
-    metrics.console.note(f"eval {label}: greedy accuracy {accuracy:.3f} on {len(rows)} held-out rows")
-    return {"accuracy": accuracy}
+    version, accuracy = workers.evaluator.run_now()
+    metrics.log("eval", version, {"accuracy": accuracy, f"accuracy_{label}": accuracy})
+    metrics.console.note(f"eval {label}: greedy accuracy {accuracy:.3f} on {len(workers.evaluator.rows)} "
+                         f"held-out rows (policy version {version})")
+    return {"accuracy": accuracy, "policy_version": version}
 
 
 def _flat(summary: Dict, prefix: str = "") -> Dict:

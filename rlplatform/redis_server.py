@@ -19,7 +19,7 @@ from typing import Optional
 import redis
 
 
-class RedisUnavailable(RuntimeError):
+class RedisUnavailable(ConnectionError):
     """Redis could not be reached or started; the message says which URL or binary."""
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import ray
 
 from rlplatform.buffer import Batch, GroupBuffer, group_version
-from rlplatform.config import JobConfig
+from rlplatform.config import EvalConfig, JobConfig
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.learners.losses import group_advantages
 from rlplatform.metrics import Metrics, Rate
@@ -35,6 +35,35 @@ class RLCounters:
     weight_publish_s: float = 0.0
 
 
+class Evaluator:
+    """A spare rollout worker that measures held-out greedy accuracy without stopping training."""
+
+    def __init__(self, actor, rows: List[Dict], config: EvalConfig) -> None:
+        self.actor, self.rows, self.config = actor, rows, config
+        self._pending = None
+        self.last_accuracy: Optional[float] = None
+
+    def _call(self):
+        return self.actor.evaluate_latest.remote(self.rows, self.config.max_new_tokens, self.config.batch_size)
+
+    def run_now(self) -> Tuple[int, float]:
+        version, self.last_accuracy = ray.get(self._call())
+        return version, self.last_accuracy
+
+    def start(self) -> None:
+        """Begin evaluating the newest weights in the background, unless one is under way."""
+        if self._pending is None:
+            self._pending = self._call()
+
+    def poll(self) -> Optional[Tuple[int, float]]:
+        """(version, accuracy) of a finished background evaluation, else None."""
+        if self._pending is None or not ray.wait([self._pending], timeout=0)[0]:
+            return None
+        version, self.last_accuracy = ray.get(self._pending)
+        self._pending = None
+        return version, self.last_accuracy
+
+
 @dataclass
 class RLWorkers:
     learner: LearnerGroup
@@ -43,6 +72,7 @@ class RLWorkers:
     weight_store: object  # WeightStore handle
     queue: RewardQueue
     gate: RolloutGate
+    evaluator: Evaluator
 
 
 def publish(workers: RLWorkers, version: int) -> float:
@@ -75,6 +105,7 @@ def run_rl(config: JobConfig, workers: RLWorkers, metrics: Metrics) -> Dict:
         step_metrics = _train(batch, version, workers, counters, config)
         version += 1
         counters.weight_publish_s += publish(workers, version)
+        _evaluate_in_background(version, workers.evaluator, metrics, config)
         _report(version, step_metrics, batch, counters, rate, buffer, workers, metrics, config)
     workers.queue.request_stop()
     stats = ray.get(runs)
@@ -93,6 +124,15 @@ def _train(batch: Batch, version: int, workers: RLWorkers, counters: RLCounters,
     step_metrics["reward_mean"] = sum(map(sum, rewards)) / len(samples)
     step_metrics["staleness_max"] = max(version - s.version for s in samples)
     return step_metrics
+
+
+def _evaluate_in_background(version: int, evaluator: Evaluator, metrics: Metrics, config: JobConfig) -> None:
+    finished = evaluator.poll()
+    if finished:
+        metrics.log("eval", finished[0], {"accuracy": finished[1]})
+    every = config.eval.every_steps
+    if every and version % every == 0 and version < config.rl.max_steps:
+        evaluator.start()
 
 
 def _count_dropped(batch: Batch, counters: RLCounters, gate: RolloutGate) -> None:
@@ -117,8 +157,11 @@ def _report(version, step_metrics, batch, counters, rate, buffer, workers, metri
               "oldest_version_in_batch": min(group_version(g) for g in batch.groups)}
     metrics.log("rl", version, values)
     if version % config.rl.log_every == 0 or version == config.rl.max_steps:
+        accuracy = workers.evaluator.last_accuracy
         metrics.console.show({"stage": "rl", "step": f"{version}/{config.rl.max_steps}",
-                              "reward": step_metrics["reward_mean"], "samples/s": rate.per_s(),
+                              "reward": step_metrics["reward_mean"],
+                              "accuracy": "-" if accuracy is None else f"{accuracy:.3f}",
+                              "samples/s": rate.per_s(),
                               "staleness": step_metrics["staleness_max"], "queue": values["queue_depth"]})
 
 

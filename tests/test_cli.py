@@ -3,7 +3,9 @@ and a bad config makes `validate` and `run` exit 2 with one stderr line naming k
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import shutil
 import subprocess
 import sys
@@ -72,3 +74,16 @@ def test_bad_override_exits_2(tmp_path):
     assert result.returncode == 2
     lines = stderr_lines(result)
     assert len(lines) == 1 and "rl.max_steps" in lines[0]
+
+
+def test_unreachable_redis_fails_fast_with_one_line_and_a_failed_summary(tmp_path):
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    result = rlp("run", str(REPO / "configs" / "quickstart.yaml"), f"redis.url=redis://127.0.0.1:{port}/0",
+                 f"output_dir={tmp_path}", "name=noredis", cwd=tmp_path)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"rlp: cannot reach Redis at redis://127.0.0.1:{port}/0")
+    summary = json.loads((tmp_path / "noredis" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "cannot reach Redis" in summary["error"]
