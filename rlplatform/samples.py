@@ -33,6 +33,13 @@ class Sample:
     token_versions: List[int]  # policy version that generated each completion token
     row: Dict[str, Any] = field(default_factory=dict)  # the data row: answer and other fields
 
+    def __getattr__(self, name: str) -> Any:
+        """The data row's fields read as attributes: `sample.answer`, `sample.tests`."""
+        row = self.__dict__.get("row") or {}
+        if name in row:
+            return row[name]
+        raise AttributeError(f"sample has no field or row key '{name}'")
+
     @property
     def version(self) -> int:
         """Version of the oldest token: what staleness is measured against."""
