@@ -6,6 +6,7 @@ right-padded, the model runs once, and the log-prob of every completion token is
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List, Tuple
 
 import torch
@@ -28,15 +29,25 @@ def pack(prompts: List[List[int]], completions: List[List[int]], pad_id: int) ->
     return input_ids, attention, completion_mask
 
 
+@dataclass
+class TokenScores:
+    logprobs: torch.Tensor  # (batch, T-1) log-prob of each next token
+    mask: torch.Tensor  # (batch, T-1) 1 on completion tokens
+    entropy: torch.Tensor  # (batch, T-1) entropy of each next-token distribution, no grad
+
+
 def completion_logprobs(model, prompts: List[List[int]], completions: List[List[int]], pad_id: int,
-                        temperature: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(log-probs, mask), both (batch, T-1): log-prob of each next token, 1 on completion tokens."""
+                        temperature: float = 1.0) -> TokenScores:
+    """Score completions given prompts with one forward pass of `model`."""
     input_ids, attention, completion_mask = pack(prompts, completions, pad_id)
     logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
-    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return logprobs, completion_mask
+    all_logprobs = torch.log_softmax(logits, dim=-1)
+    logprobs = all_logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(all_logprobs.exp() * all_logprobs).sum(-1)
+    return TokenScores(logprobs, completion_mask, entropy)
 
 
 def align_per_token(values: List[List[float]], prompts: List[List[int]], width: int) -> torch.Tensor:

@@ -29,8 +29,8 @@ class LearnerGroup:
         host, port = ray.get(self.ranks[0].address.remote())
         ray.get([rank.setup.remote(host, port) for rank in self.ranks])
 
-    def start_stage(self, lr: float) -> None:
-        ray.get([rank.start_stage.remote(lr) for rank in self.ranks])
+    def start_stage(self, lr: float, keep_reference: bool = False) -> None:
+        ray.get([rank.start_stage.remote(lr, keep_reference) for rank in self.ranks])
 
     def sft_step(self, rows: List[Dict]) -> Dict[str, float]:
         parts = shard(rows, len(self.ranks))
@@ -54,6 +54,10 @@ class LearnerGroup:
 
 
 def _mean(per_rank: List[Dict[str, float]]) -> Dict[str, float]:
-    keys = per_rank[0].keys()
-    return {k: sum(m[k] for m in per_rank) / len(per_rank) for k in keys}
+    """Rank-averaged metrics; maxima stay maxima."""
+    return {k: (max if k.endswith("_max") else _average)([m[k] for m in per_rank]) for k in per_rank[0]}
+
+
+def _average(values: List[float]) -> float:
+    return sum(values) / len(values)
 

@@ -9,7 +9,7 @@ proximal policy is the learner's own weights at the start of the step (decoupled
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -41,10 +41,18 @@ class PolicyLossInputs:
     behaviour_logprobs: torch.Tensor  # (batch, tokens) recorded by the rollout worker
     advantages: torch.Tensor  # (batch,) one per completion
     mask: torch.Tensor  # (batch, tokens) 1 on completion tokens
+    reference_logprobs: Optional[torch.Tensor] = None  # (batch, tokens) under the frozen reference
 
 
-def grpo_loss(inputs: PolicyLossInputs, clip_eps: float, is_cap: float) -> Tuple[torch.Tensor, Metrics]:
-    """Token-mean clipped surrogate, weighted by truncated importance weights."""
+def reference_kl(logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || pi_ref): exp(r) - r - 1 with r = log pi_ref - log pi (>= 0)."""
+    log_ratio = reference_logprobs - logprobs
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def grpo_loss(inputs: PolicyLossInputs, clip_eps: float, is_cap: float,
+              kl_coef: float = 0.0) -> Tuple[torch.Tensor, Metrics]:
+    """Token-mean clipped surrogate weighted by truncated importance weights, plus kl_coef * KL to reference."""
     mask = inputs.mask
     tokens = mask.sum().clamp(min=1)
     proximal = inputs.logprobs.detach()
@@ -52,14 +60,23 @@ def grpo_loss(inputs: PolicyLossInputs, clip_eps: float, is_cap: float) -> Tuple
     ratio = torch.exp(inputs.logprobs - proximal)
     advantages = inputs.advantages.unsqueeze(-1)
     surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
-    loss = -(importance * surrogate * mask).sum() / tokens
+    pg_loss = -(importance * surrogate * mask).sum() / tokens
+    loss = pg_loss
     masked = mask.bool()
+    metrics: Metrics = {}
+    if inputs.reference_logprobs is not None:
+        kl = (reference_kl(inputs.logprobs, inputs.reference_logprobs) * mask).sum() / tokens
+        loss = loss + kl_coef * kl
+        metrics["kl_to_reference"] = kl.item()
     mismatch = (proximal - inputs.behaviour_logprobs)[masked]
+    clipped = ((ratio < 1 - clip_eps) | (ratio > 1 + clip_eps))[masked]
     return loss, {
+        **metrics,
         "loss": loss.item(),
+        "pg_loss": pg_loss.item(),
+        "clip_fraction": clipped.float().mean().item(),
         "importance_weight_mean": importance[masked].mean().item(),
         "importance_weight_max": importance[masked].max().item(),
         "logprob_mismatch_abs": mismatch.abs().mean().item(),
-        "entropy_proxy": -inputs.logprobs.detach()[masked].mean().item(),
         "tokens": tokens.item(),
     }

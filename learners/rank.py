@@ -30,6 +30,7 @@ class LearnerRank:
         self.model_path = model_path
         self.engine = None
         self.tokenizer = None
+        self.reference = None  # frozen policy for KL, kept during RL when asked
 
     def address(self) -> tuple:
         """(host, free port) where rank 0 listens for the rendezvous."""
@@ -56,30 +57,46 @@ class LearnerRank:
         }
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
 
-    def start_stage(self, lr: float) -> None:
-        """Fresh optimizer state at `lr`: each stage (SFT, RL) has its own AdamW moments."""
+    def start_stage(self, lr: float, keep_reference: bool = False) -> None:
+        """Fresh optimizer state at `lr`: each stage (SFT, RL) has its own AdamW moments.
+
+        With `keep_reference`, the current weights are frozen as the reference policy that
+        the RL step measures (and optionally penalises) KL against.
+        """
         inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
         inner.state.clear()
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
+        self.reference = None
+        if keep_reference:
+            self.reference, _ = load_policy(self.model_path)
+            self.reference.load_state_dict(self._full_state_dict(every_rank=True))
+            self.reference.eval().requires_grad_(False)
 
     def sft_step(self, rows: List[Dict]) -> Dict[str, float]:
         """One optimizer step on prompt -> answer+EOS, loss on the answer tokens only."""
         prompts = [self._encode(r["prompt"]) for r in rows]
         targets = [self._encode(str(r["answer"])) + [self.tokenizer.eos_token_id] for r in rows]
-        logprobs, mask = completion_logprobs(self.engine, prompts, targets, self.tokenizer.pad_token_id)
-        loss, metrics = sft_loss(logprobs, mask)
+        scores = completion_logprobs(self.engine, prompts, targets, self.tokenizer.pad_token_id)
+        loss, metrics = sft_loss(scores.logprobs, scores.mask)
         return self._step(loss, metrics)
 
     def rl_step(self, samples: List[Sample], advantages: List[float], rl: RLConfig) -> Dict[str, float]:
         """One optimizer step of the clipped, importance-weighted policy gradient."""
         prompts = [s.prompt_ids for s in samples]
         completions = [s.completion_ids for s in samples]
-        logprobs, mask = completion_logprobs(self.engine, prompts, completions,
-                                             self.tokenizer.pad_token_id, rl.temperature)
+        pad_id = self.tokenizer.pad_token_id
+        scores = completion_logprobs(self.engine, prompts, completions, pad_id, rl.temperature)
+        mask = scores.mask
         behaviour = align_per_token([s.behaviour_logprobs for s in samples], prompts, mask.shape[1])
-        inputs = PolicyLossInputs(logprobs, behaviour, torch.tensor(advantages, dtype=torch.float32), mask)
-        loss, metrics = grpo_loss(inputs, rl.clip_eps, rl.is_cap)
+        reference = None
+        if self.reference is not None:
+            with torch.no_grad():
+                reference = completion_logprobs(self.reference, prompts, completions, pad_id, rl.temperature).logprobs
+        inputs = PolicyLossInputs(scores.logprobs, behaviour, torch.tensor(advantages, dtype=torch.float32), mask,
+                                  reference)
+        loss, metrics = grpo_loss(inputs, rl.clip_eps, rl.is_cap, rl.kl_coef)
+        metrics["entropy"] = ((scores.entropy * mask).sum() / mask.sum().clamp(min=1)).item()
         return self._step(loss, metrics)
 
     def _step(self, loss: torch.Tensor, metrics: Dict[str, float]) -> Dict[str, float]:
@@ -87,22 +104,23 @@ class LearnerRank:
         self.engine.step()
         grad_norm = self.engine.get_global_grad_norm()
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        metrics["lr"] = self.engine.optimizer.param_groups[0]["lr"]
         return metrics
 
     def _encode(self, text: str) -> List[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def _full_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
-        """The whole model's weights on rank 0 (gathered under ZeRO-3); None on other ranks."""
+    def _full_state_dict(self, every_rank: bool = False) -> Optional[Dict[str, torch.Tensor]]:
+        """The whole model's weights (gathered under ZeRO-3) on rank 0, or on every rank."""
         import deepspeed
 
         module = self.engine.module
+        wanted = every_rank or self.rank == 0
         if self.config.zero_stage == 3:
             with deepspeed.zero.GatheredParameters(list(module.parameters())):
-                if self.rank == 0:
-                    return {k: v.detach().clone() for k, v in module.state_dict().items()}
-                return None
-        return module.state_dict() if self.rank == 0 else None
+                # the gathered storage is freed on exit: copy out what is needed
+                return {k: v.detach().clone() for k, v in module.state_dict().items()} if wanted else None
+        return module.state_dict() if wanted else None
 
     def publish_weights(self) -> Optional[List[ray.ObjectRef]]:
         """[ref] to a snapshot of the current weights in the object store (rank 0)."""

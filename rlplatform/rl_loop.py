@@ -87,7 +87,7 @@ def publish(workers: RLWorkers, version: int) -> float:
 def run_rl(config: JobConfig, workers: RLWorkers, metrics: Metrics) -> Dict:
     """Train `rl.max_steps` steps from version 0 (already published); returns the stage's figures."""
     rl = config.rl
-    workers.learner.start_stage(rl.lr)
+    workers.learner.start_stage(rl.lr, keep_reference=rl.kl_coef > 0 or rl.track_reference_kl)
     counters, buffer, rate = RLCounters(), GroupBuffer(rl.group_size), Rate()
     runs = [w.run.remote() for w in workers.rollout + workers.reward]
     version = 0

@@ -18,9 +18,9 @@ ROWS = [{"prompt": "12+34=", "answer": "46"}, {"prompt": "5+5=", "answer": "10"}
 def logprobs_under(model, samples) -> list:
     """Log-probs of each sample's completion tokens under `model`, recomputed from scratch."""
     with torch.no_grad():
-        logprobs, mask = completion_logprobs(model, [s.prompt_ids for s in samples],
-                                             [s.completion_ids for s in samples], pad_id=0)
-    return [row[m.bool()].tolist() for row, m in zip(logprobs, mask)]
+        scores = completion_logprobs(model, [s.prompt_ids for s in samples],
+                                     [s.completion_ids for s in samples], pad_id=0)
+    return [row[m.bool()].tolist() for row, m in zip(scores.logprobs, scores.mask)]
 
 
 def perturbed(policy_path: str, seed: int):

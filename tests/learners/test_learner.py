@@ -56,7 +56,7 @@ def rl_batch(policy_path: str):
 def test_rl_step_changes_weights_and_lowers_loss(ray_session, tiny_policy):
     learner = LearnerGroup(LearnerConfig(zero_stage=2), tiny_policy, seed=0)
     try:
-        learner.start_stage(lr=1e-2)
+        learner.start_stage(lr=1e-2, keep_reference=True)
         samples, advantages = rl_batch(tiny_policy)
         before = snapshot(learner)
         first = learner.rl_step(samples, advantages, RLConfig())
@@ -66,6 +66,9 @@ def test_rl_step_changes_weights_and_lowers_loss(ray_session, tiny_policy):
         assert max_change(before, snapshot(learner)) > 1e-4
         second = learner.rl_step(samples, advantages, RLConfig())
         assert second["loss"] < first["loss"]
+        # the reference is the stage's starting weights: no KL before the update, some after
+        assert first["kl_to_reference"] == pytest.approx(0.0, abs=1e-6)
+        assert second["kl_to_reference"] > 1e-5
     finally:
         learner.shutdown()
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlplatform.learners.batching import align_per_token, pack
-from rlplatform.learners.losses import PolicyLossInputs, group_advantages, grpo_loss, sft_loss
+from rlplatform.learners.losses import PolicyLossInputs, group_advantages, grpo_loss, reference_kl, sft_loss
 
 
 def test_group_advantages_std_normalised():
@@ -74,8 +74,8 @@ def test_grpo_loss_on_policy():
     assert metrics["importance_weight_mean"] == pytest.approx(1.0)
     assert metrics["importance_weight_max"] == pytest.approx(1.0)
     assert metrics["logprob_mismatch_abs"] == pytest.approx(0.0)
-    # entropy proxy: -mean masked log-prob = (1 + 2 + 0.5 + 0.3 + 0.7) / 5 = 0.9 (the -9.0 is masked out)
-    assert metrics["entropy_proxy"] == pytest.approx(0.9)
+    assert metrics["pg_loss"] == pytest.approx(0.5) and metrics["clip_fraction"] == 0.0
+    assert "kl_to_reference" not in metrics  # no reference given
     assert metrics["tokens"] == 5.0
 
 
@@ -146,3 +146,25 @@ def test_pack_pads_with_pad_id_and_aligns_behaviour_logprobs():
     aligned = align_per_token([[-0.5], [-0.25, -1.5]], prompts, mask.shape[1])
     assert aligned.tolist() == [[0.0, 0.0, 0.0, -0.5], [0.0, -0.25, -1.5, 0.0]]
     assert ((aligned != 0).float() == mask).all()  # behaviour values sit exactly on the mask
+
+
+def test_reference_kl_k3_estimate_by_hand():
+    # r = log pi_ref - log pi; k3 = exp(r) - r - 1
+    #   r = 0    -> 1 - 0 - 1 = 0
+    #   r = ln 2 -> 2 - 0.693147 - 1 = 0.306853
+    #   r = -1   -> 0.367879 + 1 - 1 = 0.367879
+    logprobs = torch.tensor([[-1.0, -1.0, -1.0]])
+    reference = torch.tensor([[-1.0, -1.0 + math.log(2.0), -2.0]])
+    assert reference_kl(logprobs, reference).tolist()[0] == pytest.approx([0.0, 0.306853, 0.367879], abs=1e-6)
+
+
+def test_grpo_loss_adds_kl_penalty_and_reports_it():
+    # one completion of 2 tokens, advantage 0, so the policy-gradient term is 0 and the loss is
+    # kl_coef * mean k3 = 0.5 * (0 + 0.306853) / 2 = 0.0767132
+    logprobs = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    reference = torch.tensor([[-1.0, -1.0 + math.log(2.0)]])
+    inputs = PolicyLossInputs(logprobs, logprobs.detach().clone(), torch.tensor([0.0]), torch.ones(1, 2), reference)
+    loss, metrics = grpo_loss(inputs, clip_eps=0.2, is_cap=2.0, kl_coef=0.5)
+    assert metrics["pg_loss"] == pytest.approx(0.0, abs=1e-7)
+    assert metrics["kl_to_reference"] == pytest.approx(0.306853 / 2, abs=1e-6)
+    assert loss.item() == pytest.approx(0.0767132, abs=1e-6)
