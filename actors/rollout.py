@@ -69,7 +69,7 @@ class RolloutWorker:
         start = time.perf_counter()
         groups = self.engine.generate([r["prompt"] for r in rows], self.rl.group_size,
                                       self.rl.max_new_tokens, self.rl.temperature)
-        samples = []
+        samples, now = [], time.time()
         for g, (row, completions) in enumerate(zip(rows, groups)):
             group_id = f"{group_prefix}-{g}"
             for i, c in enumerate(completions):
@@ -77,11 +77,13 @@ class RolloutWorker:
                     sample_id=f"{group_id}/{i}", group_id=group_id, policy=self.policy,
                     prompt=row["prompt"], completion=c.text, prompt_ids=c.prompt_ids,
                     completion_ids=c.completion_ids, behaviour_logprobs=c.logprobs,
-                    token_versions=[self.version] * len(c.completion_ids), row=dict(row)))
-        self.stats.busy_s += time.perf_counter() - start
+                    token_versions=[self.version] * len(c.completion_ids), row=dict(row), created_at=now))
+        busy, tokens = time.perf_counter() - start, sum(len(s.completion_ids) for s in samples)
+        self.stats.busy_s += busy
         self.stats.groups_generated += len(rows)
         self.stats.samples_generated += len(samples)
-        self.stats.tokens_generated += sum(len(s.completion_ids) for s in samples)
+        self.stats.tokens_generated += tokens
+        self.queue.add_counters(self.queue.keys.rollout_stats, busy_s=busy, samples=len(samples), tokens=tokens)
         return samples
 
     def run(self) -> RolloutStats:

@@ -62,12 +62,16 @@ class RewardWorker:
                 self.stats.dead_letters += 1
                 continue
             scored = self.score(sample)
+            scored.scored_at = time.time()
             self.stats.errors += scored.error is not None
             done.append((msg_id, scored))
         self.queue.store_results(done)
         self.stats.scored += len(done)
         if messages:
-            self.stats.busy_s += time.perf_counter() - start
+            busy = time.perf_counter() - start
+            self.stats.busy_s += busy
+            latency = sum(s.scored_at - s.sample.created_at for _, s in done)
+            self.queue.add_counters(self.queue.keys.reward_stats, busy_s=busy, scored=len(done), latency_s=latency)
         return len(messages)
 
     def run(self) -> RewardStats:

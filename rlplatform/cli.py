@@ -51,6 +51,33 @@ def _result_line(summary: dict) -> str:
     return ", ".join(parts)
 
 
+def _status(args) -> int:
+    import time
+
+    from rlplatform.job_status import JobStatus, format_status
+    from rlplatform.redis_server import connect
+
+    fields = JobStatus(connect(args.redis), args.job).read()
+    if not fields:
+        print(f"rlp: no status for job '{args.job}' on this Redis (not started, or expired)", file=sys.stderr)
+        return 1
+    print(f"{args.job}: {format_status(fields, time.time())}")
+    return 0
+
+
+def _dashboard(args) -> int:
+    from rlplatform.dashboard import build_workspace, render_layout
+
+    policies = args.policy or ["policy"]
+    if args.dry_run:
+        print("\n".join(render_layout(p) for p in policies))
+        return 0
+    workspace = build_workspace(args.entity, args.project, policies, args.name)
+    workspace.save()
+    print(f"created workspace '{args.name}': {workspace.url}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlp", description="Asynchronous RL post-training for language models.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -59,6 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("config", help="job YAML, e.g. configs/quickstart.yaml")
         sub.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rl.max_steps=5")
         sub.set_defaults(handler=handler)
+    status = commands.add_parser("status", help="progress of a job running anywhere, read from its Redis")
+    status.add_argument("--redis", required=True, help="the job's Redis URL (runs/<name>/redis.url for embedded)")
+    status.add_argument("--job", required=True, help="the job's name")
+    status.set_defaults(handler=_status)
+    dashboard = commands.add_parser("dashboard", help="W&B dashboards")
+    actions = dashboard.add_subparsers(dest="action", required=True)
+    create = actions.add_parser("create", help="create a W&B workspace laid out for rlplatform runs")
+    create.add_argument("--entity", required=True)
+    create.add_argument("--project", required=True)
+    create.add_argument("--name", default="rlplatform", help="workspace name")
+    create.add_argument("--policy", action="append", help="policy name (repeat for several; default 'policy')")
+    create.add_argument("--dry-run", action="store_true", help="print the layout instead of creating it")
+    create.set_defaults(handler=_dashboard)
     return parser
 
 

@@ -129,6 +129,25 @@ class EvalConfig:
 
 
 @dataclass
+class AlertRule:
+    kind: str = "reward_collapse"  # reward_collapse | no_progress | reward_errors | queue_backlog
+    threshold: float = 0.5  # collapse: fraction of the best reward; no_progress: minutes; errors: fraction; backlog: requests
+    window: int = 20  # learner steps the rule averages over
+
+
+def _default_alerts() -> List[AlertRule]:
+    return [AlertRule("reward_collapse", 0.5, 20), AlertRule("no_progress", 10.0, 1),
+            AlertRule("reward_errors", 0.1, 20), AlertRule("queue_backlog", 5000.0, 20)]
+
+
+@dataclass
+class MonitoringConfig:
+    samples_every: int = 50  # learner steps between W&B tables of sample completions (0: never)
+    samples_rows: int = 16  # completions per table
+    alerts: List[AlertRule] = field(default_factory=_default_alerts)
+
+
+@dataclass
 class JobConfig:
     name: str = "quickstart"  # run name; output goes to <output_dir>/<name>
     output_dir: str = "runs"  # parent directory of run directories
@@ -145,11 +164,14 @@ class JobConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)
 
     @property
     def run_dir(self) -> str:
         return os.path.join(self.output_dir, self.name)
 
+
+ALERT_KINDS = ("reward_collapse", "no_progress", "reward_errors", "queue_backlog")
 
 CHOICES = {
     "model.kind": ("demo", "pretrained"),
@@ -263,6 +285,10 @@ def _check_values(config: JobConfig, source: str) -> None:
     if config.data.kind == "jsonl":
         _require_path(config.data.train_path, "data.train_path", source)
         _require_path(config.data.test_path, "data.test_path", source)
+    for i, rule in enumerate(config.monitoring.alerts):
+        if rule.kind not in ALERT_KINDS:
+            raise ConfigError(f"{source}: 'monitoring.alerts[{i}].kind' is {rule.kind!r}; "
+                              f"expected one of {list(ALERT_KINDS)}")
     if not config.rewards:
         raise ConfigError(f"{source}: 'rewards' is empty; name at least one reward")
 

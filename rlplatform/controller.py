@@ -19,6 +19,7 @@ import ray
 from rlplatform.config import JobConfig, to_yaml
 from rlplatform.data import load_rows
 from rlplatform.learners.group import LearnerGroup
+from rlplatform.job_status import JobStatus
 from rlplatform.metrics import Metrics
 from rlplatform.policy import save_initial_policy
 from rlplatform.redis_server import EmbeddedRedis, connect
@@ -43,10 +44,18 @@ def run_job(config: JobConfig) -> Dict:
     try:
         with ExitStack() as resources:
             redis_url = _start_services(config, resources)
+            _record_redis_url(redis_url, run_dir)
             metrics = Metrics(config, run_dir)
+            metrics.console.note(f"job status from anywhere: rlp status --redis \"$(cat {run_dir}/redis.url)\" "
+                                 f"--job {config.name}")
+            metrics.status = JobStatus(connect(redis_url), config.name)
             summary["wandb_dir"] = metrics.wandb_dir
-            _run_stages(config, redis_url, metrics, summary)
-        summary["status"] = "completed"
+            try:
+                _run_stages(config, redis_url, metrics, summary)
+                summary["status"] = "completed"
+            finally:
+                final = summary["status"] if summary["status"] == "completed" else "failed"
+                metrics.status.write({"stage": final, "wall_s": round(time.perf_counter() - start, 2)})
     except BaseException as err:
         summary.update(status="failed", error=f"{type(err).__name__}: {err}")
         raise
@@ -58,6 +67,14 @@ def run_job(config: JobConfig) -> Dict:
         with open(os.path.join(run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
     return summary
+
+
+def _record_redis_url(url: str, run_dir: str) -> None:
+    """The job's Redis URL (with its password) for `rlp status`, readable by the owner only."""
+    path = os.path.join(run_dir, "redis.url")
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as f:
+        f.write(url + "\n")
 
 
 def _start_services(config: JobConfig, resources: ExitStack) -> str:
@@ -91,7 +108,7 @@ def _run_stages(config: JobConfig, redis_url: str, metrics: Metrics, summary: Di
         publish(workers, 0)
         summary["eval"] = {"after_sft": _evaluate(workers, metrics, "after_sft")}
         if config.rl.enabled:
-            rl = run_rl(config, workers, metrics)
+            rl = run_rl(config, workers, metrics, POLICY)
             summary["stages"]["rl"] = {"steps": rl["steps"], "wall_s": rl["wall_s"]}
             summary["rl"] = {**rl, "wandb_dir": metrics.wandb_dir}
             summary["eval"]["after_rl"] = _evaluate(workers, metrics, "after_rl")

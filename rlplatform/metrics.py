@@ -1,20 +1,27 @@
-"""Metrics sinks: the job's W&B run and the live progress line on the console.
+"""Metrics sinks: the job's W&B run, the live progress line, the job status on Redis and the
+event log.
 
 W&B runs online when an API key is configured and offline (files under the run directory,
-`wandb sync` later) otherwise. Each stage logs under its own prefix against its own step
-axis (`sft/step`, `rl/step`).
+`wandb sync` later) otherwise. SFT logs `sft/*` against `sft/step`; RL logs one section per
+policy, `<policy>/<family>/<name>`, each family against its own axis (`RL_AXES`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import wandb
 
 from rlplatform.config import JobConfig, to_dict
+from rlplatform.job_status import JobStatus
+
+# RL metric family -> the step axis it is plotted against
+RL_AXES = {"learning": "learner_step", "rewards": "learner_step", "async": "wall_time_s",
+           "eval": "samples_seen", "samples": "learner_step"}
 
 
 def wandb_mode(mode: str) -> str:
@@ -26,7 +33,12 @@ def wandb_mode(mode: str) -> str:
 class Metrics:
     def __init__(self, config: JobConfig, run_dir: str) -> None:
         self.run: Optional[wandb.Run] = None
+        self.online = False
+        self.events_path = os.path.join(run_dir, "events.jsonl")
+        self.status: Optional[JobStatus] = None  # attached once Redis is up
+        self._policies: List[str] = []
         mode = wandb_mode(config.wandb.mode)
+        self.online = mode == "online"
         if mode != "disabled":
             self.run = wandb.init(project=config.wandb.project, entity=config.wandb.entity,
                                   name=config.name, dir=run_dir, mode=mode, config=to_dict(config),
@@ -44,6 +56,41 @@ class Metrics:
         if self.run:
             self.run.log({f"{stage}/step": step, **{f"{stage}/{k}": v for k, v in values.items()}})
 
+    def log_rl(self, policy: str, families: Dict[str, Dict[str, object]], axes: Dict[str, float]) -> None:
+        """One RL step's figures: `<policy>/<family>/<name>`, plus the policy's axis values."""
+        if not self.run:
+            return
+        if policy not in self._policies:
+            self._define_policy_axes(policy)
+        record = {f"{policy}/{axis}": value for axis, value in axes.items() if axis != "wall_time_s"}
+        record["wall_time_s"] = axes["wall_time_s"]
+        for family, values in families.items():
+            record.update({f"{policy}/{family}/{name}": value for name, value in values.items()})
+        self.run.log(record)
+
+    def _define_policy_axes(self, policy: str) -> None:
+        self._policies.append(policy)
+        self.run.define_metric("wall_time_s")
+        for axis in set(RL_AXES.values()) - {"wall_time_s"}:
+            self.run.define_metric(f"{policy}/{axis}")
+        for family, axis in RL_AXES.items():
+            step = "wall_time_s" if axis == "wall_time_s" else f"{policy}/{axis}"
+            self.run.define_metric(f"{policy}/{family}/*", step_metric=step)
+
+    def progress(self, fields: Dict[str, object]) -> None:
+        """The live view: the console line, mirrored to the job status on Redis."""
+        self.console.show(fields)
+        if self.status is not None:
+            self.status.write({k: _fmt(v) for k, v in fields.items()})
+
+    def event(self, kind: str, message: str, step: int) -> None:
+        """An alert or notable event: console warning, event log line, W&B alert when online."""
+        self.console.note(f"WARNING [{kind}] step {step}: {message}")
+        with open(self.events_path, "a") as f:
+            f.write(json.dumps({"time": time.time(), "kind": kind, "step": step, "message": message}) + "\n")
+        if self.run and self.online:
+            self.run.alert(title=f"rlplatform: {kind}", text=message, level=wandb.AlertLevel.WARN)
+
     def summary(self, values: Dict[str, float]) -> None:
         if self.run:
             self.run.summary.update(values)
@@ -58,9 +105,9 @@ class Metrics:
 class ProgressLine:
     """One status line, redrawn in place on a terminal and printed as plain lines otherwise."""
 
-    def __init__(self, stream=sys.stdout) -> None:
-        self.stream = stream
-        self.live = stream.isatty()
+    def __init__(self, stream=None) -> None:
+        self.stream = stream or sys.stdout
+        self.live = self.stream.isatty()
         self._last_len = 0
 
     def show(self, fields: Dict[str, object]) -> None:
@@ -88,16 +135,3 @@ def _fmt(value: object) -> str:
         return f"{value:.3f}" if abs(value) < 100 else f"{value:.0f}"
     return str(value)
 
-
-class Rate:
-    """Events per second since creation."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.count = 0
-
-    def add(self, n: int) -> None:
-        self.count += n
-
-    def per_s(self) -> float:
-        return self.count / max(time.perf_counter() - self.start, 1e-9)

@@ -7,7 +7,6 @@ when the job ends (also usable as a context manager by tests).
 
 from __future__ import annotations
 
-import os
 import secrets
 import shutil
 import socket

@@ -48,9 +48,13 @@ class JobKeys:
         self.groups_started = f"{prefix}:groups-started"
         self.groups_dropped = f"{prefix}:groups-dropped"
         self.stop = f"{prefix}:stop"
+        self.rollout_stats = f"{prefix}:rollout-stats"  # counters summed over rollout workers
+        self.reward_stats = f"{prefix}:reward-stats"  # counters summed over reward workers
+        self.status = f"{prefix}:status"  # the job's live progress, read by `rlp status`
 
-    def all(self) -> List[str]:
-        return list(vars(self).values())
+    def transient(self) -> List[str]:
+        """Keys that live only while the job runs (the status outlives it)."""
+        return [key for key in vars(self).values() if key != self.status]
 
 
 class RewardQueue:
@@ -143,7 +147,17 @@ class RewardQueue:
         return bool(self.client.exists(self.keys.stop))
 
     def clear(self) -> None:
-        self.client.delete(*self.keys.all())
+        self.client.delete(*self.keys.transient())
+
+    def add_counters(self, key: str, **values: float) -> None:
+        """Add to a shared counter hash (`keys.rollout_stats`, `keys.reward_stats`)."""
+        pipe = self.client.pipeline(transaction=False)
+        for name, value in values.items():
+            pipe.hincrbyfloat(key, name, value)
+        pipe.execute()
+
+    def counters(self, key: str) -> dict:
+        return {k.decode(): float(v) for k, v in self.client.hgetall(key).items()}
 
 
 def _text(value) -> str:

@@ -14,12 +14,13 @@ from typing import Dict, List, Optional, Tuple
 
 import ray
 
-from rlplatform.buffer import Batch, GroupBuffer, group_version
+from rlplatform.buffer import Batch, GroupBuffer
 from rlplatform.config import EvalConfig, JobConfig
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.learners.losses import group_advantages
-from rlplatform.metrics import Metrics, Rate
+from rlplatform.metrics import Metrics
 from rlplatform.reward_queue import RewardQueue
+from rlplatform.rl_monitor import RLMonitor
 from rlplatform.staleness import RolloutGate
 
 
@@ -30,6 +31,8 @@ class RLCounters:
     samples_dropped_stale: int = 0
     samples_dropped_error: int = 0
     reward_errors: int = 0
+    reward_timeouts: int = 0
+    samples_filtered: int = 0
     staleness_trained: Counter = field(default_factory=Counter)  # version gap -> samples
     learner_busy_s: float = 0.0
     weight_publish_s: float = 0.0
@@ -84,32 +87,34 @@ def publish(workers: RLWorkers, version: int) -> float:
     return time.perf_counter() - start
 
 
-def run_rl(config: JobConfig, workers: RLWorkers, metrics: Metrics) -> Dict:
+def run_rl(config: JobConfig, workers: RLWorkers, metrics: Metrics, policy: str) -> Dict:
     """Train `rl.max_steps` steps from version 0 (already published); returns the stage's figures."""
     rl = config.rl
     workers.learner.start_stage(rl.lr, keep_reference=rl.kl_coef > 0 or rl.track_reference_kl)
-    counters, buffer, rate = RLCounters(), GroupBuffer(rl.group_size), Rate()
+    counters, buffer, start = RLCounters(), GroupBuffer(rl.group_size), time.perf_counter()
+    monitor = RLMonitor(config, metrics, workers.queue, policy, len(workers.rollout))
+    monitor.last_accuracy = workers.evaluator.last_accuracy
     runs = [w.run.remote() for w in workers.rollout + workers.reward]
     version = 0
     while version < rl.max_steps:
         for scored in workers.queue.read_results(block_ms=50):
             buffer.add(scored)
-            counters.samples_scored += 1
-            counters.reward_errors += scored.error is not None
-        rate.count = counters.samples_scored
+            _count_scored(scored, counters)
         batch = buffer.take(rl.batch_prompts, version, rl.max_staleness)
         _count_dropped(batch, counters, workers.gate)
         if not batch.groups:
             _raise_if_worker_died(runs)
+            monitor.idle(version)
             continue
         step_metrics = _train(batch, version, workers, counters, config)
         version += 1
-        counters.weight_publish_s += publish(workers, version)
-        _evaluate_in_background(version, workers.evaluator, metrics, config)
-        _report(version, step_metrics, batch, counters, rate, buffer, workers, metrics, config)
+        publish_s = publish(workers, version)
+        counters.weight_publish_s += publish_s
+        _evaluate_in_background(version, workers.evaluator, monitor, config)
+        monitor.step(version, step_metrics, batch, counters, publish_s)
     workers.queue.request_stop()
     stats = ray.get(runs)
-    return _stage_summary(config, counters, stats[:len(workers.rollout)], version, rate)
+    return _stage_summary(counters, stats[:len(workers.rollout)], version, start)
 
 
 def _train(batch: Batch, version: int, workers: RLWorkers, counters: RLCounters, config: JobConfig) -> Dict:
@@ -121,15 +126,20 @@ def _train(batch: Batch, version: int, workers: RLWorkers, counters: RLCounters,
     counters.learner_busy_s += time.perf_counter() - start
     counters.samples_trained += len(samples)
     counters.staleness_trained.update(version - s.version for s in samples)
-    step_metrics["reward_mean"] = sum(map(sum, rewards)) / len(samples)
-    step_metrics["staleness_max"] = max(version - s.version for s in samples)
     return step_metrics
 
 
-def _evaluate_in_background(version: int, evaluator: Evaluator, metrics: Metrics, config: JobConfig) -> None:
+def _count_scored(scored, counters: RLCounters) -> None:
+    counters.samples_scored += 1
+    counters.reward_errors += scored.error is not None
+    counters.reward_timeouts += "timeout" in (scored.error or "").lower()
+    counters.samples_filtered += scored.filtered
+
+
+def _evaluate_in_background(version: int, evaluator: Evaluator, monitor: RLMonitor, config: JobConfig) -> None:
     finished = evaluator.poll()
     if finished:
-        metrics.log("eval", finished[0], {"accuracy": finished[1]})
+        monitor.evaluation(*finished)
     every = config.eval.every_steps
     if every and version % every == 0 and version < config.rl.max_steps:
         evaluator.start()
@@ -149,24 +159,8 @@ def _raise_if_worker_died(runs: List) -> None:
         raise RuntimeError("a rollout or reward worker stopped before the job asked it to")
 
 
-def _report(version, step_metrics, batch, counters, rate, buffer, workers, metrics, config) -> None:
-    values = {**step_metrics, "policy_version": version, "samples_per_s": rate.per_s(),
-              "samples_trained": counters.samples_trained,
-              "samples_dropped_stale": counters.samples_dropped_stale,
-              "queue_depth": workers.queue.pending(), "groups_buffered": buffer.ready(),
-              "oldest_version_in_batch": min(group_version(g) for g in batch.groups)}
-    metrics.log("rl", version, values)
-    if version % config.rl.log_every == 0 or version == config.rl.max_steps:
-        accuracy = workers.evaluator.last_accuracy
-        metrics.console.show({"stage": "rl", "step": f"{version}/{config.rl.max_steps}",
-                              "reward": step_metrics["reward_mean"],
-                              "accuracy": "-" if accuracy is None else f"{accuracy:.3f}",
-                              "samples/s": rate.per_s(),
-                              "staleness": step_metrics["staleness_max"], "queue": values["queue_depth"]})
-
-
-def _stage_summary(config: JobConfig, counters: RLCounters, rollout_stats: List, version: int, rate: Rate) -> Dict:
-    wall = time.perf_counter() - rate.start
+def _stage_summary(counters: RLCounters, rollout_stats: List, version: int, start: float) -> Dict:
+    wall = time.perf_counter() - start
     generated = sum(s.samples_generated for s in rollout_stats)
     return {
         "steps": version, "wall_s": round(wall, 2),

@@ -32,6 +32,7 @@ class Sample:
     behaviour_logprobs: List[float]  # log-prob of each completion token under the generating weights
     token_versions: List[int]  # policy version that generated each completion token
     row: Dict[str, Any] = field(default_factory=dict)  # the data row: answer and other fields
+    created_at: float = 0.0  # unix time the completion was generated
 
     def __getattr__(self, name: str) -> Any:
         """The data row's fields read as attributes: `sample.answer`, `sample.tests`."""
@@ -52,6 +53,8 @@ class ScoredSample:
     reward: float  # weighted sum of the components
     components: Dict[str, float]  # each reward's own score, by reward name
     error: Optional[str] = None  # set when a reward failed; the learner skips such samples
+    filtered: bool = False  # a safety filter gated this sample
+    scored_at: float = 0.0  # unix time the reward worker stored the result
 
 
 _SAMPLE_TYPES = {
@@ -78,6 +81,7 @@ def encode_scored(scored: ScoredSample) -> bytes:
     return msgpack.packb({
         "v": SCHEMA_VERSION, "sample": asdict(scored.sample), "reward": float(scored.reward),
         "components": {k: float(v) for k, v in scored.components.items()}, "error": scored.error,
+        "filtered": bool(scored.filtered), "scored_at": float(scored.scored_at),
     })
 
 
@@ -89,8 +93,11 @@ def decode_scored(data: bytes) -> ScoredSample:
     error = body.get("error")
     if error is not None and not isinstance(error, str):
         raise WireFormatError("'error' must be a string or null")
+    filtered, scored_at = body.get("filtered", False), body.get("scored_at", 0.0)
+    if not isinstance(filtered, bool) or not isinstance(scored_at, (int, float)):
+        raise WireFormatError("'filtered' must be a boolean and 'scored_at' a number")
     return ScoredSample(_sample_from(body.get("sample")), float(reward),
-                        {str(k): float(v) for k, v in components.items()}, error)
+                        {str(k): float(v) for k, v in components.items()}, error, filtered, float(scored_at))
 
 
 def _unpack(data: bytes) -> dict:
@@ -117,4 +124,7 @@ def _sample_from(fields: Any) -> Sample:
     lengths = {len(fields[k]) for k in ("completion_ids", "behaviour_logprobs", "token_versions")}
     if len(lengths) != 1:
         raise WireFormatError(f"sample {fields['sample_id']}: per-token fields differ in length")
-    return Sample(**{name: fields[name] for name in _SAMPLE_TYPES})
+    created_at = fields.get("created_at", 0.0)
+    if not isinstance(created_at, (int, float)) or isinstance(created_at, bool):
+        raise WireFormatError("sample field 'created_at' is not a number")
+    return Sample(**{name: fields[name] for name in _SAMPLE_TYPES}, created_at=float(created_at))

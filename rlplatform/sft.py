@@ -23,7 +23,7 @@ def run_sft(config: SFTConfig, learner: LearnerGroup, rows: List[Dict], metrics:
         if step % config.log_every == 0 or step == config.steps:
             elapsed = time.perf_counter() - start
             metrics.log("sft", step, {**step_metrics, "rows_per_s": step * config.batch_size / elapsed})
-            metrics.console.show({"stage": "sft", "step": f"{step}/{config.steps}",
+            metrics.progress({"stage": "sft", "step": f"{step}/{config.steps}",
                                   "loss": step_metrics["loss"], "eta_s": elapsed / step * (config.steps - step)})
     return {"steps": config.steps, "wall_s": round(time.perf_counter() - start, 2),
             "final_loss": step_metrics.get("loss")}

@@ -1,0 +1,95 @@
+"""Alert rules over the RL stage's per-step figures: reward collapse, no learner progress,
+reward errors, a growing reward-queue backlog.
+
+`AlertRules.check` is pure: it takes one step's figures and returns the alerts that start
+firing at that step. A rule fires once and re-arms when its condition clears. The monitor
+turns each alert into a console warning, an event-log line and (online) a W&B alert.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Deque, Dict, List, Optional
+
+from rlplatform.config import AlertRule
+
+MIN_REWARD_FOR_COLLAPSE = 0.05  # below this the best reward is noise, not a level to fall from
+
+
+@dataclass
+class Alert:
+    kind: str
+    message: str
+    step: int
+
+
+@dataclass
+class StepFigures:
+    step: int
+    reward_mean: float
+    error_fraction: float
+    queue_depth: int
+    seconds_since_progress: float
+
+
+class AlertRules:
+    def __init__(self, rules: List[AlertRule]) -> None:
+        self.rules = rules
+        longest = max([r.window for r in rules], default=1)
+        self.history: Deque[StepFigures] = deque(maxlen=max(longest, 1))
+        self.best_reward = float("-inf")
+        self.firing: Dict[str, bool] = {r.kind: False for r in rules}
+
+    def check(self, figures: StepFigures) -> List[Alert]:
+        self.history.append(figures)
+        alerts = []
+        for rule in self.rules:
+            message = self._condition(rule, figures)
+            if message and not self.firing[rule.kind]:
+                alerts.append(Alert(rule.kind, message, figures.step))
+            self.firing[rule.kind] = message is not None
+        return alerts
+
+    def check_stall(self, step: int, seconds_since_progress: float) -> List[Alert]:
+        """Between learner steps: only the no-progress rules, without touching the history."""
+        alerts = []
+        for rule in self.rules:
+            if rule.kind == "no_progress":
+                message = _stall(rule, seconds_since_progress)
+                if message and not self.firing[rule.kind]:
+                    alerts.append(Alert(rule.kind, message, step))
+                self.firing[rule.kind] = message is not None
+        return alerts
+
+    def _window(self, rule: AlertRule) -> List[StepFigures]:
+        return list(self.history)[-rule.window:]
+
+    def _condition(self, rule: AlertRule, figures: StepFigures) -> Optional[str]:
+        window = self._window(rule)
+        if rule.kind == "no_progress":
+            return _stall(rule, figures.seconds_since_progress)
+        if len(window) < rule.window:
+            return None
+        if rule.kind == "reward_collapse":
+            return self._reward_collapse(rule, window)
+        if rule.kind == "reward_errors":
+            errors = sum(f.error_fraction for f in window) / len(window)
+            return f"reward error rate {errors:.2f} over {rule.window} steps (limit {rule.threshold:g})" \
+                if errors > rule.threshold else None
+        growing = window[-1].queue_depth > window[0].queue_depth
+        return f"reward queue backlog {window[-1].queue_depth} and growing (limit {rule.threshold:g})" \
+            if growing and window[-1].queue_depth > rule.threshold else None
+
+    def _reward_collapse(self, rule: AlertRule, window: List[StepFigures]) -> Optional[str]:
+        mean = sum(f.reward_mean for f in window) / len(window)
+        self.best_reward = max(self.best_reward, mean)
+        if self.best_reward >= MIN_REWARD_FOR_COLLAPSE and mean < rule.threshold * self.best_reward:
+            return (f"reward collapsed: mean {mean:.3f} over the last {rule.window} steps is below "
+                    f"{rule.threshold:g} x the best {self.best_reward:.3f}")
+        return None
+
+
+def _stall(rule: AlertRule, seconds_since_progress: float) -> Optional[str]:
+    minutes = seconds_since_progress / 60
+    return f"no learner step for {minutes:.1f} min (limit {rule.threshold:g})" if minutes >= rule.threshold else None

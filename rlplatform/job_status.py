@@ -1,0 +1,43 @@
+"""A job's live progress on Redis: written by the controller, read by `rlp status` anywhere.
+
+The status hash `rlp:<job>:status` holds the fields of the console's progress line (stage,
+step, reward, accuracy, samples/s, queue depth, staleness, ETA) and when they were written.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict
+
+import redis
+
+from rlplatform.reward_queue import JobKeys
+
+STATUS_TTL_S = 7 * 24 * 3600  # a finished job's status stays readable for a week
+
+
+class JobStatus:
+    def __init__(self, client: redis.Redis, job: str) -> None:
+        self.client = client
+        self.key = JobKeys(job).status
+
+    def write(self, fields: Dict[str, object]) -> None:
+        values = {k: str(v) for k, v in fields.items()}
+        values["updated_at"] = f"{time.time():.3f}"
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hset(self.key, mapping=values)
+        pipe.expire(self.key, STATUS_TTL_S)
+        pipe.execute()
+
+    def read(self) -> Dict[str, str]:
+        return {k.decode(): v.decode() for k, v in self.client.hgetall(self.key).items()}
+
+    def clear(self) -> None:
+        self.client.delete(self.key)
+
+
+def format_status(fields: Dict[str, str], now: float) -> str:
+    """The one-line view `rlp status` prints."""
+    age = now - float(fields.get("updated_at", now))
+    shown = {k: v for k, v in fields.items() if k != "updated_at"}
+    return "  ".join(f"{k} {v}" for k, v in shown.items()) + f"  (updated {age:.0f}s ago)"

@@ -1,0 +1,136 @@
+"""What the RL stage reports after each learner step: W&B metric families, the live progress
+line and job status, the samples table, and alerts.
+
+Families (logged as `<policy>/<family>/<name>`): `learning` (losses, KL, entropy, clipping,
+importance weights, grad norm, lr, response length), `rewards` (total, each component, error,
+timeout and filter fractions, zero-advantage groups), `async` (version, staleness, drops,
+weight sync, busy fractions, queue depth, reward latency, throughput), `eval` (held-out
+accuracy) and `samples` (a table of completions every `monitoring.samples_every` steps).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict
+
+import wandb
+
+from rlplatform.alerts import AlertRules, StepFigures
+from rlplatform.buffer import Batch
+from rlplatform.config import JobConfig
+from rlplatform.metrics import Metrics
+from rlplatform.reward_queue import RewardQueue
+
+LEARNING_KEYS = ("loss", "pg_loss", "kl_to_reference", "entropy", "clip_fraction", "importance_weight_mean",
+                 "importance_weight_max", "logprob_mismatch_abs", "grad_norm", "lr")
+STALL_CHECK_S = 5.0
+
+
+class RLMonitor:
+    def __init__(self, config: JobConfig, metrics: Metrics, queue: RewardQueue, policy: str, rollout_workers: int):
+        self.config, self.metrics, self.queue, self.policy = config, metrics, queue, policy
+        self.rollout_workers = rollout_workers
+        self.alerts = AlertRules(config.monitoring.alerts)
+        self.start = self.last_step = self.last_stall_check = time.perf_counter()
+        self.samples_seen = 0
+        self.last_accuracy = None
+        self._previous = self._worker_counters()
+        self._scored = (0, 0, 0, 0)  # scored, errors, timeouts, filtered at the previous step
+
+    def _worker_counters(self) -> Dict[str, float]:
+        rollout = self.queue.counters(self.queue.keys.rollout_stats)
+        reward = self.queue.counters(self.queue.keys.reward_stats)
+        return {"time": time.perf_counter(), **{f"rollout_{k}": v for k, v in rollout.items()},
+                **{f"reward_{k}": v for k, v in reward.items()}}
+
+    def step(self, version: int, learner_metrics: Dict[str, float], batch: Batch, counters, publish_s: float) -> None:
+        """Report learner step `version` (just published) trained on `batch`."""
+        self.samples_seen += len(batch.samples)
+        families = {"learning": self._learning(learner_metrics, batch),
+                    "rewards": self._rewards(batch, counters),
+                    "async": self._async(version, batch, counters, publish_s)}
+        if self.config.monitoring.samples_every and version % self.config.monitoring.samples_every == 0:
+            families["samples"] = {"table": self._samples_table(version, batch)}
+        self.metrics.log_rl(self.policy, families, self._axes(version))
+        self.last_step = time.perf_counter()
+        figures = StepFigures(version, families["rewards"]["total"], families["rewards"]["error_fraction"],
+                              families["async"]["queue_depth"], 0.0)
+        for alert in self.alerts.check(figures):
+            self.metrics.event(alert.kind, alert.message, alert.step)
+        if version % self.config.rl.log_every == 0 or version == self.config.rl.max_steps:
+            self._progress(version, families)
+
+    def idle(self, version: int) -> None:
+        """Between steps: check the no-progress rule every few seconds."""
+        now = time.perf_counter()
+        if now - self.last_stall_check >= STALL_CHECK_S:
+            self.last_stall_check = now
+            for alert in self.alerts.check_stall(version, now - self.last_step):
+                self.metrics.event(alert.kind, alert.message, alert.step)
+
+    def evaluation(self, version: int, accuracy: float) -> None:
+        self.last_accuracy = accuracy
+        self.metrics.log_rl(self.policy, {"eval": {"accuracy": accuracy, "policy_version": version}},
+                            self._axes(version))
+
+    def _axes(self, version: int) -> Dict[str, float]:
+        return {"learner_step": version, "samples_seen": self.samples_seen,
+                "wall_time_s": time.perf_counter() - self.start}
+
+    def _learning(self, learner_metrics: Dict[str, float], batch: Batch) -> Dict[str, float]:
+        lengths = [len(s.sample.completion_ids) for s in batch.samples]
+        values = {k: learner_metrics[k] for k in LEARNING_KEYS if k in learner_metrics}
+        return {**values, "response_length_mean": sum(lengths) / len(lengths), "response_length_max": max(lengths)}
+
+    def _rewards(self, batch: Batch, counters) -> Dict[str, float]:
+        samples = batch.samples
+        now = (counters.samples_scored, counters.reward_errors, counters.reward_timeouts, counters.samples_filtered)
+        scored, errors, timeouts, filtered = (a - b for a, b in zip(now, self._scored))
+        self._scored = now
+        values = {"total": sum(s.reward for s in samples) / len(samples),
+                  "error_fraction": errors / max(scored, 1), "timeout_fraction": timeouts / max(scored, 1),
+                  "filtered_fraction": filtered / max(scored, 1),
+                  "zero_advantage_group_fraction": sum(len({s.reward for s in g}) == 1 for g in batch.groups)
+                  / len(batch.groups)}
+        for name in samples[0].components:
+            values[f"component/{name}"] = sum(s.components.get(name, 0.0) for s in samples) / len(samples)
+        return values
+
+    def _async(self, version: int, batch: Batch, counters, publish_s: float) -> Dict[str, object]:
+        gaps = [version - 1 - s.sample.version for s in batch.samples]
+        current = self._worker_counters()
+        delta = {k: current.get(k, 0.0) - self._previous.get(k, 0.0) for k in current}
+        self._previous = current
+        elapsed = max(delta["time"], 1e-9)
+        wall = time.perf_counter() - self.start
+        return {
+            "policy_version": version, "staleness": wandb.Histogram(gaps), "staleness_max": max(gaps),
+            "samples_dropped_stale": counters.samples_dropped_stale, "weight_sync_s": publish_s,
+            "rollout_busy_fraction": delta.get("rollout_busy_s", 0.0) / elapsed / self.rollout_workers,
+            "learner_busy_fraction": counters.learner_busy_s / wall,
+            "reward_busy_fraction": delta.get("reward_busy_s", 0.0) / elapsed,
+            "queue_depth": self.queue.pending(),
+            "reward_latency_s": delta.get("reward_latency_s", 0.0) / max(delta.get("reward_scored", 0.0), 1.0),
+            "samples_per_s": delta.get("rollout_samples", 0.0) / elapsed,
+            "tokens_per_s": delta.get("rollout_tokens", 0.0) / elapsed,
+            "trained_samples_per_s": counters.samples_trained / wall,
+        }
+
+    def _samples_table(self, version: int, batch: Batch) -> wandb.Table:
+        rows = batch.samples[:self.config.monitoring.samples_rows]
+        names = sorted(rows[0].components)
+        table = wandb.Table(columns=["step", "policy", "version", "prompt", "completion", "reward", *names, "error"])
+        for s in rows:
+            table.add_data(version, s.sample.policy, s.sample.version, s.sample.prompt, s.sample.completion,
+                           s.reward, *[s.components.get(n) for n in names], s.error or "")
+        return table
+
+    def _progress(self, version: int, families: Dict[str, Dict]) -> None:
+        elapsed = time.perf_counter() - self.start
+        total = self.config.rl.max_steps
+        self.metrics.progress({
+            "stage": "rl", "step": f"{version}/{total}", "eta_s": round(elapsed / version * (total - version)),
+            "reward": families["rewards"]["total"],
+            "accuracy": "-" if self.last_accuracy is None else f"{self.last_accuracy:.3f}",
+            "samples/s": families["async"]["samples_per_s"], "queue": families["async"]["queue_depth"],
+            "staleness": families["async"]["staleness_max"]})

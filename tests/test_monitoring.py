@@ -1,0 +1,104 @@
+"""Monitoring: an offline W&B run of a short job read back with W&B's own reader holds every
+metric family of the dashboard and the samples table; an alert fires on a forced reward
+collapse; `rlp status` reads a job's progress from Redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from rlplatform.buffer import Batch
+from rlplatform.config import load_config
+from rlplatform.controller import run_job
+from rlplatform.dashboard import build_workspace, dashboard_layout, render_layout
+from rlplatform.job_status import JobStatus
+from rlplatform.metrics import Metrics
+from rlplatform.reward_queue import RewardQueue
+from rlplatform.rl_loop import RLCounters
+from rlplatform.rl_monitor import RLMonitor
+from rlplatform.samples import Sample, ScoredSample
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
+
+
+def wandb_cli() -> str:
+    return str(Path(sys.executable).parent / "wandb")
+
+
+def read_back(wandb_dir: str) -> dict:
+    """The run's summary as W&B's own reader prints it."""
+    out = subprocess.run([wandb_cli(), "leet", "inspect", "--summary", "--json", wandb_dir],
+                         capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(out.stdout)
+
+
+def test_offline_run_holds_every_dashboard_key_and_the_samples_table(ray_session, tmp_path):
+    config = load_config(QUICKSTART, [f"output_dir={tmp_path}", "name=monitored", "sft.steps=10", "rl.max_steps=6",
+                                      "monitoring.samples_every=3", "eval.every_steps=2", "wandb.mode=offline"])
+    summary = run_job(config)
+    logged = read_back(summary["wandb_dir"])
+    assert logged["state"] == "finished" and logged["config"]["rl"]["max_steps"] == 6
+    keys = set(logged["summary"])
+    for section, x_key, panels in dashboard_layout("policy"):
+        assert x_key in keys, section
+        for panel in panels:
+            for key in panel.metrics:
+                pattern = re.compile(key if ".*" in key else re.escape(key) + "$")
+                assert any(pattern.match(k) for k in keys), f"{section}: {key} was never logged"
+    table = logged["summary"]["policy/samples/table"]
+    assert table["_type"] == "table-file" and table["nrows"] == 16
+    assert logged["summary"]["policy/learner_step"] == 6
+    assert logged["summary"]["policy/rewards/component/exact_match"] >= 0.0
+    assert 0.0 <= logged["summary"]["policy/eval/accuracy"] <= 1.0
+
+
+def scored_group(group: str, reward: float, version: int) -> list:
+    return [ScoredSample(Sample(f"{group}/{i}", group, "policy", "1+1=", "2", [4], [5, 2], [-0.1, -0.2],
+                                [version, version], {"answer": "2"}), reward, {"exact_match": reward})
+            for i in range(4)]
+
+
+def test_alert_fires_once_on_a_forced_reward_collapse(redis_client, tmp_path, capsys):
+    config = load_config(QUICKSTART, [f"output_dir={tmp_path}", "name=collapse", "wandb.mode=disabled"])
+    metrics = Metrics(config, str(tmp_path))
+    monitor = RLMonitor(config, metrics, RewardQueue(redis_client, "collapse"), "policy", rollout_workers=1)
+    counters = RLCounters()
+    learner = {"loss": 0.1, "grad_norm": 1.0, "lr": 3e-4}
+    for version in range(1, 61):  # reward 1.0 for 30 steps, then it collapses to 0
+        reward = 1.0 if version <= 30 else 0.0
+        batch = Batch(groups=[scored_group(f"g{version}", reward, version - 1)])
+        counters.samples_scored += 4
+        monitor.step(version, learner, batch, counters, publish_s=0.01)
+    events = [json.loads(line) for line in open(tmp_path / "events.jsonl")]
+    assert [e["kind"] for e in events] == ["reward_collapse"]
+    # window 20, threshold 0.5 x best 1.0: the 20-step mean first drops below 0.5 at step 41
+    assert events[0]["step"] == 41
+    assert "WARNING [reward_collapse] step 41" in capsys.readouterr().out
+
+
+def test_rlp_status_prints_a_jobs_progress_from_redis(redis_server, redis_client):
+    JobStatus(redis_client, "elsewhere").write({"stage": "rl", "step": "12/400", "reward": 0.5, "samples/s": 840})
+    rlp = str(Path(sys.executable).parent / "rlp")
+    env = dict(os.environ, RAY_ADDRESS="")
+    shown = subprocess.run([rlp, "status", "--redis", redis_server, "--job", "elsewhere"],
+                           capture_output=True, text=True, timeout=60, env=env)
+    assert shown.returncode == 0
+    assert shown.stdout.startswith("elsewhere: stage rl  step 12/400  reward 0.5  samples/s 840  (updated")
+    missing = subprocess.run([rlp, "status", "--redis", redis_server, "--job", "nope"],
+                             capture_output=True, text=True, timeout=60, env=env)
+    assert missing.returncode == 1 and "no status for job 'nope'" in missing.stderr
+
+
+def test_dashboard_dry_run_renders_every_section():
+    text = render_layout("policy")
+    for section in ("Learning", "Rewards", "Asynchrony", "Evaluation", "Samples"):
+        assert f"[policy: {section}]" in text
+
+    workspace = build_workspace("team", "proj", ["small", "large"], "rl")
+    assert [s.name for s in workspace.sections][:2] == ["small: Learning", "small: Rewards"]
+    assert len(workspace.sections) == 10
