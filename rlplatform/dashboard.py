@@ -36,7 +36,7 @@ SECTIONS: List[Tuple[str, str, List[Panel]]] = [
         Panel("Dropped as stale", ["samples_dropped_stale"]), Panel("Weight sync (s)", ["weight_sync_s"]),
         Panel("Busy fractions", ["rollout_busy_fraction", "learner_busy_fraction", "reward_busy_fraction"]),
         Panel("Reward queue depth", ["queue_depth"]), Panel("Reward latency (s)", ["reward_latency_s"]),
-        Panel("Throughput", ["samples_per_s", "trained_samples_per_s"]), Panel("Tokens/s", ["tokens_per_s"])]),
+        Panel("Throughput", ["samples_per_s", "trained_samples_per_s"]), Panel("Tokens/s", ["tokens_per_s", "learner_tokens_per_s"])]),
     ("eval", "Evaluation", [Panel("Held-out accuracy", ["accuracy"])]),
     ("samples", "Samples", [Panel("Completions", ["table"], "table")]),
 ]

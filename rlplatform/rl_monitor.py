@@ -36,6 +36,7 @@ class RLMonitor:
         self.last_accuracy = None
         self._previous = self._worker_counters()
         self._scored = (0, 0, 0, 0)  # scored, errors, timeouts, filtered at the previous step
+        self._learner_busy_s = 0.0
 
     def _worker_counters(self) -> Dict[str, float]:
         rollout = self.queue.counters(self.queue.keys.rollout_stats)
@@ -49,6 +50,9 @@ class RLMonitor:
         families = {"learning": self._learning(learner_metrics, batch),
                     "rewards": self._rewards(batch, counters),
                     "async": self._async(version, batch, counters, publish_s)}
+        step_s = counters.learner_busy_s - self._learner_busy_s
+        self._learner_busy_s = counters.learner_busy_s
+        families["async"]["learner_tokens_per_s"] = learner_metrics.get("tokens_total", 0.0) / max(step_s, 1e-9)
         if self.config.monitoring.samples_every and version % self.config.monitoring.samples_every == 0:
             families["samples"] = {"table": self._samples_table(version, batch)}
         self.metrics.log_rl(self.policy, families, self._axes(version))
