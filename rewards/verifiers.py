@@ -11,4 +11,4 @@ def exact_match(sample: Sample) -> float:
     return float(sample.completion.strip() == str(sample.row.get("answer", "")).strip())
 
 
-register("exact_match", exact_match)
+register("exact_match", exact_match, source="built-in")

@@ -3,7 +3,8 @@
 Scored samples arrive one by one, in any order; the buffer assembles them into groups (all
 completions of one prompt) and hands the learner batches of complete groups, oldest policy
 version first. Groups over the staleness bound, and groups left with fewer than two
-error-free samples, are dropped and counted, never trained on.
+samples once reward errors and filter drops are removed, are dropped and counted, never
+trained on.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class GroupBuffer:
         batch = Batch(groups=[])
         usable = []
         for group in self._complete:
-            valid = [s for s in group if s.error is None]
+            valid = [s for s in group if s.error is None and not s.drop]
             if group_version(group) < oldest_allowed:
                 batch.dropped_stale.append(group)
             elif len(valid) < 2:

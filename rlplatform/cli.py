@@ -15,13 +15,22 @@ from rlplatform.config import ConfigError, JobConfig, load_config
 
 def _load(args) -> JobConfig:
     config = load_config(args.config, args.overrides)
-    from rlplatform.rewards import UnknownReward, resolve
+    _resolve_rewards(config, args.config)
+    return config
+
+
+def _resolve_rewards(config: JobConfig, source: str):
+    from rlplatform.rewards import RewardSpecError, resolve
+    from rlplatform.rewards.worker import import_modules
 
     try:
-        resolve(config.rewards)
-    except UnknownReward as err:
-        raise ConfigError(f"{args.config}: {err}") from None
-    return config
+        import_modules(config.imports)
+    except ImportError as err:
+        raise ConfigError(f"{source}: 'imports': {err}") from None
+    try:
+        return resolve(config.rewards)
+    except RewardSpecError as err:
+        raise ConfigError(f"{source}: {err}") from None
 
 
 def _run(args) -> int:
@@ -49,6 +58,61 @@ def _result_line(summary: dict) -> str:
         parts.append(f"{summary['rl']['samples_per_s']:.0f} samples/s")
     parts.append(f"results in {summary['run_dir']}")
     return ", ".join(parts)
+
+
+def _rewards_list(args) -> int:
+    from rlplatform.rewards import all_rewards
+
+    print(f"{'name':<20} {'source':<12} {'kind':<18} parameters")
+    for found in all_rewards():
+        print(found.describe())
+    return 0
+
+
+def _rewards_test(args) -> int:
+    """Score `completion` fields of jsonl rows with the config's rewards; one JSON line per row."""
+    import json
+
+    from rlplatform.data import read_jsonl
+    from rlplatform.rewards.scoring import Scorer
+    from rlplatform.samples import Sample
+
+    config = load_config(args.config, args.overrides)
+    scorer = Scorer(_resolve_rewards(config, args.config), config.reward_workers.concurrency)
+    rows = read_jsonl(args.input)
+    samples = [Sample(f"row-{i}", f"row-{i}", "test", r["prompt"], str(r.get("completion", "")), [], [], [], [],
+                      {k: v for k, v in r.items() if k not in ("prompt", "completion")}) for i, r in enumerate(rows)]
+    results = scorer.score(samples)
+    for scored in results:
+        print(json.dumps({"row": scored.sample.sample_id, "reward": scored.reward, "components": scored.components,
+                          "filtered": scored.filtered, "drop": scored.drop, "error": scored.error}))
+    errors = sum(s.error is not None for s in results)
+    mean = sum(s.reward for s in results) / max(len(results), 1)
+    print(f"{len(results)} rows scored, mean reward {mean:.4f}, {errors} errors", file=sys.stderr)
+    return 0
+
+
+def _reward_worker(args) -> int:
+    """A standalone reward worker serving job `args.job` until the job stops."""
+    import time
+
+    from rlplatform.config import RewardWorkersConfig
+    from rlplatform.redis_server import connect
+    from rlplatform.reward_queue import RewardQueue
+    from rlplatform.rewards.worker import RewardWorker, default_worker_name, job_rewards_from_json
+
+    queue = RewardQueue(connect(args.redis), args.job)
+    while (published := queue.rewards_json()) is None:
+        print(f"rlp: waiting for job '{args.job}' to start", file=sys.stderr)
+        time.sleep(2)
+    rewards, imports = job_rewards_from_json(published)
+    config = RewardWorkersConfig(concurrency=args.concurrency, batch_size=args.batch_size)
+    worker = RewardWorker(args.name or default_worker_name(args.job), rewards, args.redis, args.job, config, imports)
+    print(f"rlp: reward worker {worker.name} serving job '{args.job}'", file=sys.stderr)
+    stats = worker.run()
+    print(f"rlp: job '{args.job}' stopped; scored {stats.scored} samples, {stats.errors} errors, "
+          f"{stats.dead_letters} dead letters", file=sys.stderr)
+    return 0
 
 
 def _status(args) -> int:
@@ -86,6 +150,22 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("config", help="job YAML, e.g. configs/quickstart.yaml")
         sub.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rl.max_steps=5")
         sub.set_defaults(handler=handler)
+    rewards = commands.add_parser("rewards", help="list rewards, or score rows with a config's rewards")
+    reward_actions = rewards.add_subparsers(dest="action", required=True)
+    reward_actions.add_parser("list", help="every reward that can be found, with its parameters"
+                              ).set_defaults(handler=_rewards_list)
+    test = reward_actions.add_parser("test", help="score jsonl rows (prompt, completion, fields) without training")
+    test.add_argument("config")
+    test.add_argument("overrides", nargs="*")
+    test.add_argument("--input", required=True, help="jsonl rows with prompt, completion and the data fields")
+    test.set_defaults(handler=_rewards_test)
+    worker = commands.add_parser("reward-worker", help="serve a running job's reward queue from this machine")
+    worker.add_argument("--redis", required=True, help="the job's Redis URL")
+    worker.add_argument("--job", required=True, help="the job's name")
+    worker.add_argument("--concurrency", type=int, default=8, help="samples scored at once")
+    worker.add_argument("--batch-size", type=int, default=64, help="queue messages read per call")
+    worker.add_argument("--name", help="consumer name (default: <job>-reward-<host>-<pid>)")
+    worker.set_defaults(handler=_reward_worker)
     status = commands.add_parser("status", help="progress of a job running anywhere, read from its Redis")
     status.add_argument("--redis", required=True, help="the job's Redis URL (runs/<name>/redis.url for embedded)")
     status.add_argument("--job", required=True, help="the job's name")

@@ -12,7 +12,7 @@ import difflib
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import yaml
 from omegaconf import OmegaConf
@@ -83,14 +83,28 @@ class RolloutConfig:
 
 @dataclass
 class RewardSpec:
-    name: str = "exact_match"  # registered reward name
-    weight: float = 1.0  # weight in the summed reward
+    name: Optional[str] = None  # a built-in, registered or entry-point reward name
+    fn: Optional[str] = None  # or an import path "package.module:function"
+    weight: float = 1.0  # weight in the summed reward (role=reward)
+    params: Dict[str, Any] = field(default_factory=dict)  # keyword arguments for the function
+    role: str = "reward"  # reward: adds weight * score; filter: gates the sample when it flags it
+    on_flag: str = "veto"  # filter action: veto (reward 0), penalty (minus `penalty`), drop (not trained on)
+    penalty: float = 1.0  # subtracted from the reward when a penalty filter flags a sample
+    timeout_s: float = 30.0  # a call running longer is an error result for its samples
+
+    @property
+    def label(self) -> str:
+        """The name its scores are reported under."""
+        return self.name or (self.fn or "").rsplit(":", 1)[-1]
 
 
 @dataclass
 class RewardWorkersConfig:
-    num_workers: int = 1  # reward worker actors started for the job
+    num_workers: int = 1  # reward worker actors started for the job (0: only standalone workers)
     batch_size: int = 64  # queue messages read per call
+    concurrency: int = 8  # samples scored at once per worker (threads for sync rewards, tasks for async)
+    claim_idle_s: float = 30.0  # a request unacknowledged this long is reclaimed from its (dead) worker
+    max_deliveries: int = 3  # a request delivered this often without a result goes to dead letters
     num_cpus: float = 0.5  # Ray CPUs reserved per worker
 
 
@@ -157,7 +171,8 @@ class JobConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    rewards: List[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
+    rewards: List[RewardSpec] = field(default_factory=lambda: [RewardSpec(name="exact_match")])
+    imports: List[str] = field(default_factory=list)  # modules imported before rewards resolve (@rlplatform.reward files)
     reward_workers: RewardWorkersConfig = field(default_factory=RewardWorkersConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
@@ -271,7 +286,8 @@ def _check_values(config: JobConfig, source: str) -> None:
             raise ConfigError(f"{source}: '{key}' is {value!r}; expected one of {list(allowed)}")
     positive = ["sft.steps", "sft.batch_size", "rl.max_steps", "rl.batch_prompts", "rl.group_size",
                 "rl.max_new_tokens", "rollout.num_workers", "rollout.prompts_per_batch",
-                "reward_workers.num_workers", "reward_workers.batch_size", "learner.num_ranks"]
+                "reward_workers.batch_size", "reward_workers.concurrency", "reward_workers.max_deliveries",
+                "learner.num_ranks"]
     structured = OmegaConf.structured(config)
     for key in positive:
         if OmegaConf.select(structured, key) <= 0:
@@ -291,6 +307,23 @@ def _check_values(config: JobConfig, source: str) -> None:
                               f"expected one of {list(ALERT_KINDS)}")
     if not config.rewards:
         raise ConfigError(f"{source}: 'rewards' is empty; name at least one reward")
+    if config.reward_workers.num_workers < 0:
+        raise ConfigError(f"{source}: 'reward_workers.num_workers' must be >= 0")
+    for i, spec in enumerate(config.rewards):
+        _check_reward_spec(spec, f"rewards[{i}]", source)
+
+
+def _check_reward_spec(spec: RewardSpec, key: str, source: str) -> None:
+    if bool(spec.name) == bool(spec.fn):
+        raise ConfigError(f"{source}: '{key}' needs exactly one of 'name' or 'fn'")
+    if spec.fn and ":" not in spec.fn:
+        raise ConfigError(f"{source}: '{key}.fn' is {spec.fn!r}; expected 'package.module:function'")
+    if spec.role not in ("reward", "filter"):
+        raise ConfigError(f"{source}: '{key}.role' is {spec.role!r}; expected 'reward' or 'filter'")
+    if spec.on_flag not in ("veto", "penalty", "drop"):
+        raise ConfigError(f"{source}: '{key}.on_flag' is {spec.on_flag!r}; expected veto, penalty or drop")
+    if spec.timeout_s <= 0:
+        raise ConfigError(f"{source}: '{key}.timeout_s' must be positive")
 
 
 def _require_path(path: Optional[str], key: str, source: str, directory: bool = False) -> None:

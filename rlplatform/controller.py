@@ -124,18 +124,19 @@ def _run_stages(config: JobConfig, redis_url: str, metrics: Metrics, summary: Di
 
 def _start_workers(config: JobConfig, model_path: str, train_rows, test_rows, redis_url: str) -> RLWorkers:
     from rlplatform.actors.rollout import RolloutActor
-    from rlplatform.rewards.worker import RewardActor
+    from rlplatform.rewards.worker import RewardActor, job_rewards_json
 
     client = connect(redis_url)
     queue = RewardQueue(client, config.name, config.redis.max_stream_len)
-    queue.clear()
+    queue.reset()
     queue.create_group()
+    queue.publish_rewards(job_rewards_json(config.rewards, config.imports))
     store = WeightStore.remote()
     rollout = [RolloutActor.options(num_cpus=config.rollout.num_cpus).remote(
         i, POLICY, model_path, train_rows, config.rl, config.rollout, redis_url, config.name, store, config.seed)
         for i in range(config.rollout.num_workers + 1)]
     reward = [RewardActor.options(num_cpus=config.reward_workers.num_cpus).remote(
-        f"{config.name}-reward-{i}", config.rewards, redis_url, config.name, config.reward_workers.batch_size)
+        f"{config.name}-reward-{i}", config.rewards, redis_url, config.name, config.reward_workers, config.imports)
         for i in range(config.reward_workers.num_workers)]
     learner = LearnerGroup(config.learner, model_path, config.seed)
     gate = RolloutGate(client, config.name, config.rl.max_staleness, config.rl.batch_prompts)

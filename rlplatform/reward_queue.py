@@ -51,10 +51,11 @@ class JobKeys:
         self.rollout_stats = f"{prefix}:rollout-stats"  # counters summed over rollout workers
         self.reward_stats = f"{prefix}:reward-stats"  # counters summed over reward workers
         self.status = f"{prefix}:status"  # the job's live progress, read by `rlp status`
+        self.rewards = f"{prefix}:rewards"  # the job's reward list, read by standalone reward workers
 
     def transient(self) -> List[str]:
-        """Keys that live only while the job runs (the status outlives it)."""
-        return [key for key in vars(self).values() if key != self.status]
+        """Keys that live only while the job runs (the status and stop flag outlive it)."""
+        return [key for key in vars(self).values() if key not in (self.status, self.stop)]
 
 
 class RewardQueue:
@@ -114,6 +115,22 @@ class RewardQueue:
         pipe.xdel(self.keys.requests, msg_id)
         pipe.execute()
 
+    def reclaim(self, consumer: str, min_idle_ms: int, count: int) -> List[Tuple[str, bytes, int]]:
+        """Take over requests another consumer has held unacknowledged for `min_idle_ms`
+        (it died or hangs): (message id, payload, times delivered before) for each."""
+        pending = self.client.xpending_range(self.keys.requests, GROUP, min="-", max="+", count=count,
+                                             idle=min_idle_ms)
+        if not pending:
+            return []
+        deliveries = {_text(p["message_id"]): int(p["times_delivered"]) for p in pending}
+        claimed = self.client.xclaim(self.keys.requests, GROUP, consumer, min_idle_ms, list(deliveries))
+        taken = []
+        for msg_id, fields in claimed:
+            if fields is None:  # deleted meanwhile: already scored and stored
+                continue
+            taken.append((_text(msg_id), fields.get(b"data", b""), deliveries[_text(msg_id)]))
+        return taken
+
     # results side (the controller)
     def read_results(self, count: int = 1024, block_ms: Optional[int] = 100) -> List[ScoredSample]:
         """Results not read before, oldest first; read entries are trimmed from the stream."""
@@ -140,13 +157,27 @@ class RewardQueue:
         return int(self.client.xlen(self.keys.dead))
 
     # job lifecycle
-    def request_stop(self) -> None:
-        self.client.set(self.keys.stop, 1)
+    def publish_rewards(self, specs_json: str) -> None:
+        """The job's reward list (JSON) for reward workers started outside the job."""
+        self.client.set(self.keys.rewards, specs_json)
+
+    def rewards_json(self) -> Optional[str]:
+        value = self.client.get(self.keys.rewards)
+        return value.decode() if value is not None else None
+
+    def request_stop(self, keep_s: int = 3600) -> None:
+        """Tell every worker of the job to stop; the flag outlives the job for `keep_s`."""
+        self.client.set(self.keys.stop, 1, ex=keep_s)
 
     def stop_requested(self) -> bool:
         return bool(self.client.exists(self.keys.stop))
 
+    def reset(self) -> None:
+        """Before a job starts: nothing left from an earlier run of the same name."""
+        self.client.delete(*self.keys.transient(), self.keys.stop)
+
     def clear(self) -> None:
+        """After a job ends: its queues and counters go, its status and stop flag stay."""
         self.client.delete(*self.keys.transient())
 
     def add_counters(self, key: str, **values: float) -> None:

@@ -53,7 +53,8 @@ class ScoredSample:
     reward: float  # weighted sum of the components
     components: Dict[str, float]  # each reward's own score, by reward name
     error: Optional[str] = None  # set when a reward failed; the learner skips such samples
-    filtered: bool = False  # a safety filter gated this sample
+    filtered: bool = False  # a filter flagged this sample (vetoed, penalised or dropped)
+    drop: bool = False  # a `drop` filter flagged it: never trained on
     scored_at: float = 0.0  # unix time the reward worker stored the result
 
 
@@ -81,7 +82,7 @@ def encode_scored(scored: ScoredSample) -> bytes:
     return msgpack.packb({
         "v": SCHEMA_VERSION, "sample": asdict(scored.sample), "reward": float(scored.reward),
         "components": {k: float(v) for k, v in scored.components.items()}, "error": scored.error,
-        "filtered": bool(scored.filtered), "scored_at": float(scored.scored_at),
+        "filtered": bool(scored.filtered), "drop": bool(scored.drop), "scored_at": float(scored.scored_at),
     })
 
 
@@ -93,11 +94,11 @@ def decode_scored(data: bytes) -> ScoredSample:
     error = body.get("error")
     if error is not None and not isinstance(error, str):
         raise WireFormatError("'error' must be a string or null")
-    filtered, scored_at = body.get("filtered", False), body.get("scored_at", 0.0)
-    if not isinstance(filtered, bool) or not isinstance(scored_at, (int, float)):
-        raise WireFormatError("'filtered' must be a boolean and 'scored_at' a number")
+    filtered, drop, scored_at = body.get("filtered", False), body.get("drop", False), body.get("scored_at", 0.0)
+    if not isinstance(filtered, bool) or not isinstance(drop, bool) or not isinstance(scored_at, (int, float)):
+        raise WireFormatError("'filtered' and 'drop' must be booleans and 'scored_at' a number")
     return ScoredSample(_sample_from(body.get("sample")), float(reward),
-                        {str(k): float(v) for k, v in components.items()}, error, filtered, float(scored_at))
+                        {str(k): float(v) for k, v in components.items()}, error, filtered, drop, float(scored_at))
 
 
 def _unpack(data: bytes) -> dict:

@@ -8,7 +8,7 @@ import uuid
 import msgpack
 import pytest
 
-from rlplatform.config import RewardSpec
+from rlplatform.config import RewardSpec, RewardWorkersConfig
 from rlplatform.redis_server import connect
 from rlplatform.reward_queue import GROUP, RewardQueue
 from rlplatform.rewards import REWARDS, register
@@ -38,7 +38,8 @@ def queue(redis_client, job):
 
 
 def worker_for(redis_server, job, rewards=None, batch_size=64) -> RewardWorker:
-    return RewardWorker("worker-0", rewards or [RewardSpec("exact_match")], redis_server, job, batch_size)
+    return RewardWorker("worker-0", rewards or [RewardSpec("exact_match")], redis_server, job,
+                        RewardWorkersConfig(batch_size=batch_size))
 
 
 def drain(worker: RewardWorker, rounds: int = 5) -> int:
@@ -216,5 +217,7 @@ def test_stop_flag(redis_server, job, queue):
     assert queue.stop_requested()
     stats = worker.run()  # returns at once: the stop flag is already set
     assert stats.scored == 0
-    queue.clear()
+    queue.clear()  # the end of a job: standalone workers must still see the flag
+    assert queue.stop_requested()
+    queue.reset()  # the start of the next run of the same job name
     assert not queue.stop_requested()
