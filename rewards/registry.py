@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, Callable, Dict, List, Optional
@@ -82,8 +84,16 @@ def find(name: str) -> RewardFunction:
     return RewardFunction(name, fn, bool(getattr(fn, "batch", False)), "entry point")
 
 
+def importable_from_cwd() -> None:
+    """Like `python -m`: modules in the working directory import (the `rlp` script's own
+    directory is what Python puts on sys.path otherwise)."""
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
 def from_import_path(path: str) -> RewardFunction:
     module_name, _, attribute = path.partition(":")
+    importable_from_cwd()
     try:
         fn = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as err:

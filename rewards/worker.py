@@ -22,7 +22,7 @@ import ray
 from rlplatform.config import RewardSpec, RewardWorkersConfig
 from rlplatform.redis_server import connect
 from rlplatform.reward_queue import RewardQueue
-from rlplatform.rewards.registry import resolve
+from rlplatform.rewards.registry import importable_from_cwd, resolve
 from rlplatform.rewards.scoring import Scorer
 from rlplatform.samples import Sample, WireFormatError
 
@@ -38,6 +38,7 @@ class RewardStats:
 
 def import_modules(modules: List[str]) -> None:
     """Import the job's `imports` so rewards they register with @rlplatform.reward exist here."""
+    importable_from_cwd()
     for module in modules:
         importlib.import_module(module)
 
