@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from rlplatform.rewards.registry import register
 from rlplatform.samples import Sample
 
 
 def exact_match(sample: Sample) -> float:
     """1.0 when the completion, stripped of surrounding space, equals the row's `answer`."""
     return float(sample.completion.strip() == str(sample.row.get("answer", "")).strip())
-
-
-register("exact_match", exact_match, source="built-in")

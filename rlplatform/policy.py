@@ -7,6 +7,7 @@ every learner rank and rollout worker loads it from that directory.
 
 from __future__ import annotations
 
+import os
 from typing import Tuple
 
 import torch
@@ -58,9 +59,20 @@ def save_initial_policy(config: ModelConfig, seed: int, out_dir: str) -> str:
     return out_dir
 
 
+def load_tokenizer(path: str):
+    """The directory's tokenizer.json exactly as saved, else whatever AutoTokenizer picks.
+
+    AutoTokenizer chooses the class from the model type: transformers 5 gives every qwen2 model
+    Qwen2Tokenizer whatever the directory declares, which would drop the demo tokenizer's spaces.
+    """
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
 def load_policy(path: str) -> Tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -1,0 +1,156 @@
+"""Code-test reward and its sandbox: correct and wrong solutions, and hostile code (loops, fork
+bombs, huge allocations, sockets, writes outside the scratch directory) that must end in a 0
+with a reason, within the time limit, leaving no process behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from rlplatform.rewards.code_sandbox import MAX_PROCESSES, code_tests, extract_code, run_in_sandbox
+
+ADD_TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"
+PRINT_GROUP = "import os\nprint(os.getpgid(0), os.getuid(), flush=True)\n"
+
+
+def run(code: str, tests: str = "", timeout_s: float = 2.0):
+    """`run_in_sandbox`, checked to return within 5 s of its time limit, whatever the code does."""
+    start = time.monotonic()
+    result = run_in_sandbox(code, tests, timeout_s=timeout_s)
+    assert time.monotonic() - start < timeout_s + 5
+    return result
+
+
+def live_processes(pgid: int, uid: int) -> list:
+    """`ps` rows of processes, zombies aside, in process group `pgid` or owned by `uid`."""
+    rows = subprocess.run(["ps", "-eo", "pid=,pgid=,uid=,stat=,comm="], capture_output=True, text=True).stdout
+    return [row for row in rows.splitlines()
+            if (int(row.split()[1]) == pgid or int(row.split()[2]) == uid) and not row.split()[3].startswith("Z")]
+
+
+def test_correct_solution_scores_one(make_sample):
+    completion = "Here it is:\n```python\ndef add(a, b):\n    return a + b\n```\nIt adds."
+    assert code_tests(make_sample(completion, tests=ADD_TESTS)) == 1.0
+    assert run("def add(a, b):\n    return a + b", ADD_TESTS).reason == "passed"
+
+
+def test_wrong_solution_scores_zero_naming_the_failed_test(make_sample):
+    assert code_tests(make_sample("def add(a, b):\n    return a * b\n", tests=ADD_TESTS)) == 0.0
+    result = run("def add(a, b):\n    return abs(a) + b\n", ADD_TESTS)  # right for (2, 3) only
+    assert (result.passed, result.reason) == (False, "failed: AssertionError in tests.py line 2")
+    assert "assert add(-1, 1) == 0" in result.stderr_tail
+
+
+def test_solution_that_raises_or_does_not_parse():
+    assert run("x = 1 / 0", ADD_TESTS).reason == "error: ZeroDivisionError in solution.py line 1: division by zero"
+    assert run("def add(a, b) return a", ADD_TESTS).reason.startswith("error: SyntaxError in solution.py")
+
+
+def test_extract_code_takes_the_last_fenced_block():
+    assert extract_code("a\n```python\nx = 1\n```\nb\n```py\nx = 2\n```") == "x = 2\n"
+    assert extract_code("```\nx = 3\n```") == "x = 3\n"
+    assert extract_code("x = 4") == "x = 4"
+
+
+def test_leaving_early_is_not_a_pass():
+    # a zero exit status is not enough: the bootstrap must report that the tests ran to the end
+    assert run("import os\nos._exit(0)", "assert False").reason == "exited: exit code 0 before the tests finished"
+    assert run("import sys\nsys.exit(0)", "assert False").reason == "error: SystemExit in solution.py line 2: 0"
+    skip_tests = "import builtins\nbuiltins.exec = lambda *args: None\nbuiltins.compile = lambda *args: None\n"
+    assert run(skip_tests, "assert False").reason == "failed: AssertionError in tests.py line 1"
+
+
+def test_runs_from_several_threads_are_independent():
+    # the reward worker scores per-sample rewards on a thread pool
+    codes = ["def add(a, b):\n    return a + b"] * 3 + ["while True:\n    pass"]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda code: run(code, ADD_TESTS, timeout_s=1.0), codes))
+    assert [r.reason for r in results] == ["passed"] * 3 + ["timeout: still running after 1 s"]
+    assert len({r.isolation for r in results}) == 4 or os.geteuid() != 0  # a uid of its own per run
+
+
+def test_infinite_loop_times_out_and_its_group_is_killed():
+    result = run(PRINT_GROUP + "while True:\n    pass\n", timeout_s=1.0)
+    assert (result.passed, result.reason) == (False, "timeout: still running after 1 s")
+    assert 1.0 <= result.duration_s < 6.0
+    pgid, uid = map(int, result.stdout_tail.split())
+    assert live_processes(pgid, uid) == []
+
+
+def test_huge_allocation_is_a_memory_failure():
+    result = run("block = bytearray(10 * 1024 ** 3)")  # 10 GB against the 512 MB address-space limit
+    assert (result.passed, result.reason) == (False, "memory: MemoryError in solution.py")
+
+
+@pytest.mark.parametrize("code, reason", [
+    ("import socket\nsocket.socket().connect(('127.0.0.1', 80))", "network: socket.connect denied"),
+    ("import socket\nsocket.create_connection(('localhost', 80))", "network: socket.getaddrinfo denied"),
+    # caught inside the code, the attempt still fails the run
+    ("import socket\ntry:\n    socket.socket().connect(('127.0.0.1', 80))\nexcept OSError:\n    pass\n"
+     "def add(a, b):\n    return a + b\n", "network: socket.connect denied"),
+])
+def test_network_is_denied(code, reason):
+    result = run(code, ADD_TESTS)
+    assert (result.passed, result.reason) == (False, reason)
+
+
+def test_writes_outside_the_scratch_directory_are_denied():
+    outside = f"/tmp/outside-{uuid.uuid4().hex}"
+    result = run(f"open({outside!r}, 'w').write('escaped')")
+    assert (result.passed, result.reason) == (False, f"filesystem: write to {outside} outside the sandbox directory")
+    assert not os.path.exists(outside)
+    linked = run(f"import os\nos.symlink('/tmp', 'tmp')\nopen('tmp/{os.path.basename(outside)}', 'w')")
+    assert linked.reason == "filesystem: os.symlink on /tmp outside the sandbox directory"
+    assert run(f"import os\nos.mkdir({outside!r})").reason == \
+        f"filesystem: os.mkdir on {outside} outside the sandbox directory"
+    assert not os.path.exists(outside)
+
+
+def test_scratch_directory_is_writable_and_removed_afterwards():
+    code = "import os, tempfile\nopen('notes.txt', 'w').write('kept')\ntempfile.mkstemp()\nprint(os.getcwd())\n"
+    result = run(code, "assert open('notes.txt').read() == 'kept'")
+    assert result.reason == "passed"
+    assert not os.path.exists(result.stdout_tail.strip())
+
+
+@pytest.mark.parametrize("code, reason", [
+    ("import os\nwhile True:\n    os.fork()", "process: os.fork denied"),
+    ("import subprocess\nsubprocess.run(['true'])", "process: subprocess.Popen denied"),
+    ("import os, signal\nos.kill(1, signal.SIGTERM)", "process: os.kill denied"),
+    ("import ctypes\nctypes.CDLL(None).getpid()", "native: ctypes.dlopen denied"),
+])
+def test_process_creation_signals_and_ctypes_are_denied(code, reason):
+    result = run(code)
+    assert (result.passed, result.reason) == (False, reason)
+
+
+def test_fork_bomb_that_bypasses_the_audit_hook_is_bounded_and_killed():
+    """`_posixsubprocess` raises no audit event: this bomb is stopped by the kernel layers alone."""
+    bomb = b"setsid sleep 60 & while :; do sleep 60 & done"  # one process escapes the group with setsid
+    result = run(PRINT_GROUP + "import multiprocessing.util as util\n"
+                 f"util.spawnv_passfds(b'/bin/sh', [b'sh', b'-c', {bomb!r}], ())\n"
+                 "while True:\n    pass\n", timeout_s=1.5)
+    if not any(layer.startswith("uid=") for layer in result.isolation.split()):
+        pytest.skip(f"no per-run uid here ({result.isolation}): RLIMIT_NPROC counts the caller's processes")
+    assert result.reason == "timeout: still running after 1.5 s"
+    assert "fork" in result.stderr_tail  # the shell's complaint: RLIMIT_NPROC refused it more processes
+    pgid, uid = map(int, result.stdout_tail.split())
+    assert live_processes(pgid, uid) == []  # the group, and the `setsid` escapee running as the run's uid
+
+
+def test_isolation_layers_reported_are_in_force():
+    result = run("import os, resource\nprint(os.getuid(), resource.getrlimit(resource.RLIMIT_NPROC)[0])\n"
+                 "print(*[line.split(':')[0].strip() for line in open('/proc/net/dev').readlines()[2:]])")
+    layers = result.isolation.split()
+    assert result.reason == "passed" and {"rlimits", "audit"} <= set(layers)
+    uid, nproc, *interfaces = result.stdout_tail.split()
+    assert int(nproc) <= MAX_PROCESSES
+    uid_layer = [layer for layer in layers if layer.startswith("uid=")]
+    assert uid_layer == [f"uid={uid}"] if uid_layer else int(uid) == os.geteuid()
+    if "netns" in layers:
+        assert interfaces == ["lo"]
