@@ -47,28 +47,31 @@ class RolloutWorker:
         self.queue = RewardQueue(client, job)
         self.gate = RolloutGate(client, job, rl.max_staleness, rl.batch_prompts)
         self.rng = random.Random(seed + index)
-        self.version = -1
         self.stats = RolloutStats()
 
     def sync_weights(self) -> int:
         """Load the newest published weights if they are newer; returns the version held."""
         published = self.queue.client.get(self.queue.keys.version)
-        if published is None or int(published) <= self.version:
-            return self.version
+        if published is None or int(published) <= self.engine.version:
+            return self.engine.version
         start = time.perf_counter()
-        newer = ray.get(self.weight_store.newer_than.remote(self.version))
+        newer = ray.get(self.weight_store.newer_than.remote(self.engine.version))
         if newer is not None:
             version, (ref,) = newer
-            self.engine.load_weights(from_snapshot(ray.get(ref)))
-            self.version = version
+            self.engine.load_weights(from_snapshot(ray.get(ref)), version)
             self.stats.weight_syncs += 1
             self.stats.weight_sync_s += time.perf_counter() - start
-        return self.version
+        return self.engine.version
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
 
     def generate_groups(self, rows: List[Dict], group_prefix: str) -> List[Sample]:
         start = time.perf_counter()
-        groups = self.engine.generate([r["prompt"] for r in rows], self.rl.group_size,
-                                      self.rl.max_new_tokens, self.rl.temperature)
+        in_flight = self.rollout.weight_swap == "in_flight"
+        groups = self.engine.generate([r["prompt"] for r in rows], self.rl.group_size, self.rl.max_new_tokens,
+                                      self.rl.temperature, between_steps=self.sync_weights if in_flight else None)
         samples, now = [], time.time()
         for g, (row, completions) in enumerate(zip(rows, groups)):
             group_id = f"{group_prefix}-{g}"
@@ -77,7 +80,7 @@ class RolloutWorker:
                     sample_id=f"{group_id}/{i}", group_id=group_id, policy=self.policy,
                     prompt=row["prompt"], completion=c.text, prompt_ids=c.prompt_ids,
                     completion_ids=c.completion_ids, behaviour_logprobs=c.logprobs,
-                    token_versions=[self.version] * len(c.completion_ids), row=dict(row), created_at=now))
+                    token_versions=c.versions, row=dict(row), created_at=now))
         busy, tokens = time.perf_counter() - start, sum(len(s.completion_ids) for s in samples)
         self.stats.busy_s += busy
         self.stats.groups_generated += len(rows)

@@ -77,6 +77,7 @@ class RLConfig:
 class RolloutConfig:
     num_workers: int = 1  # rollout worker actors
     prompts_per_batch: int = 16  # prompts per generate call (each sampled group_size times)
+    weight_swap: str = "in_flight"  # in_flight: new weights load between decode steps; finish_then_swap: between batches
     num_threads: int = 1  # torch threads per worker
     num_cpus: float = 1.0  # Ray CPUs reserved per worker
 
@@ -193,6 +194,7 @@ CHOICES = {
     "data.kind": ("addition", "jsonl"),
     "rl.algorithm": ("grpo",),
     "wandb.mode": ("auto", "online", "offline", "disabled"),
+    "rollout.weight_swap": ("in_flight", "finish_then_swap"),
     "learner.zero_stage": (0, 1, 2, 3),
 }
 

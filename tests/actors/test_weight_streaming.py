@@ -5,6 +5,7 @@ from __future__ import annotations
 import ray
 import torch
 
+from rlplatform.actors.engine import TransformersEngine
 from rlplatform.actors.rollout import RolloutActor
 from rlplatform.config import RLConfig, RolloutConfig
 from rlplatform.learners.batching import completion_logprobs
@@ -53,3 +54,36 @@ def test_worker_generates_with_each_new_version(ray_session, redis_server, redis
     finally:
         ray.kill(worker)
         ray.kill(store)
+
+
+def test_in_flight_swap_changes_version_mid_sequence_without_dropping_any(tiny_policy):
+    engine = TransformersEngine(tiny_policy)
+    original = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    engine.load_weights(original, version=0)
+    new_weights = perturbed(tiny_policy, seed=3).state_dict()
+    steps = []
+
+    def swap_after_two_steps():
+        steps.append(len(steps))
+        if len(steps) == 2:
+            engine.load_weights(new_weights, version=1)
+
+    torch.manual_seed(0)
+    groups = engine.generate(["12+34=", "5+5="], 4, 5, 0.0, between_steps=swap_after_two_steps)
+    completions = [c for g in groups for c in g]
+    assert len(completions) == 8  # every sequence in progress finished
+    for c in completions:
+        # greedy, no EOS from an untrained model: tokens 1-2 come from version 0, the rest from version 1
+        assert c.versions == [0, 0, 1, 1, 1][:len(c.completion_ids)]
+    # the tokens before the swap score exactly as the original weights score them from scratch
+    old_model = load_policy(tiny_policy)[0]
+    samples = [type("S", (), {"prompt_ids": c.prompt_ids, "completion_ids": c.completion_ids}) for c in completions]
+    for c, old in zip(completions, logprobs_under(old_model, samples)):
+        assert torch.allclose(torch.tensor(c.logprobs[:2]), torch.tensor(old[:2]), atol=1e-4)
+
+
+def test_finish_then_swap_keeps_one_version_per_batch(tiny_policy):
+    engine = TransformersEngine(tiny_policy)
+    engine.load_weights({k: v.clone() for k, v in engine.model.state_dict().items()}, version=7)
+    groups = engine.generate(["12+34="], 3, 4, 1.0)
+    assert all(c.versions == [7] * len(c.completion_ids) for c in groups[0])
