@@ -22,6 +22,7 @@ class Batch:
     groups: List[Group]
     dropped_stale: List[Group] = field(default_factory=list)
     dropped_errors: List[Group] = field(default_factory=list)
+    dropped_zero_advantage: List[Group] = field(default_factory=list)  # all rewards equal: nothing to learn
 
     @property
     def samples(self) -> List[ScoredSample]:
@@ -54,8 +55,10 @@ class GroupBuffer:
     def ready(self) -> int:
         return len(self._complete)
 
-    def take(self, batch_prompts: int, learner_version: int, max_staleness: int) -> Batch:
-        """Drop what is stale or unusable; return `batch_prompts` groups if that many are left."""
+    def take(self, batch_prompts: int, learner_version: int, max_staleness: int,
+             filter_zero_advantage: bool = False) -> Batch:
+        """Drop what is stale or unusable (and, if asked, groups whose rewards are all equal);
+        return `batch_prompts` groups if that many are left."""
         oldest_allowed = learner_version - max_staleness
         batch = Batch(groups=[])
         usable = []
@@ -65,6 +68,8 @@ class GroupBuffer:
                 batch.dropped_stale.append(group)
             elif len(valid) < 2:
                 batch.dropped_errors.append(group)
+            elif filter_zero_advantage and len({s.reward for s in valid}) == 1:
+                batch.dropped_zero_advantage.append(group)
             else:
                 usable.append(valid)
         usable.sort(key=group_version)

@@ -68,6 +68,7 @@ class RLConfig:
     clip_eps: float = 0.2  # PPO-style clip on the policy ratio
     is_cap: float = 2.0  # truncation of the behaviour importance weight
     std_normalize: bool = True  # divide group advantages by the group reward std
+    filter_zero_advantage: bool = False  # skip (and count) groups whose rewards are all equal
     kl_coef: float = 0.0  # weight of the KL-to-reference penalty in the loss
     track_reference_kl: bool = True  # keep the RL-start policy frozen and log KL to it
     log_every: int = 5  # console/W&B interval in steps

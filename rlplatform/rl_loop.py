@@ -30,6 +30,7 @@ class RLCounters:
     samples_trained: int = 0
     samples_dropped_stale: int = 0
     samples_dropped_error: int = 0
+    samples_dropped_zero_advantage: int = 0
     reward_errors: int = 0
     reward_timeouts: int = 0
     samples_filtered: int = 0
@@ -100,7 +101,7 @@ def run_rl(config: JobConfig, workers: RLWorkers, metrics: Metrics, policy: str)
         for scored in workers.queue.read_results(block_ms=50):
             buffer.add(scored)
             _count_scored(scored, counters)
-        batch = buffer.take(rl.batch_prompts, version, rl.max_staleness)
+        batch = buffer.take(rl.batch_prompts, version, rl.max_staleness, rl.filter_zero_advantage)
         _count_dropped(batch, counters, workers.gate)
         if not batch.groups:
             _raise_if_worker_died(runs)
@@ -148,7 +149,8 @@ def _evaluate_in_background(version: int, evaluator: Evaluator, monitor: RLMonit
 def _count_dropped(batch: Batch, counters: RLCounters, gate: RolloutGate) -> None:
     counters.samples_dropped_stale += sum(len(g) for g in batch.dropped_stale)
     counters.samples_dropped_error += sum(len(g) for g in batch.dropped_errors)
-    gate.release(len(batch.dropped_stale) + len(batch.dropped_errors))
+    counters.samples_dropped_zero_advantage += sum(len(g) for g in batch.dropped_zero_advantage)
+    gate.release(len(batch.dropped_stale) + len(batch.dropped_errors) + len(batch.dropped_zero_advantage))
 
 
 def _raise_if_worker_died(runs: List) -> None:
@@ -169,8 +171,9 @@ def _stage_summary(counters: RLCounters, rollout_stats: List, version: int, star
         "samples_trained": counters.samples_trained,
         "samples_dropped_stale": counters.samples_dropped_stale,
         "samples_dropped_error": counters.samples_dropped_error,
+        "samples_dropped_zero_advantage": counters.samples_dropped_zero_advantage,
         "samples_unused_at_end": generated - counters.samples_trained - counters.samples_dropped_stale
-        - counters.samples_dropped_error,
+        - counters.samples_dropped_error - counters.samples_dropped_zero_advantage,
         "reward_errors": counters.reward_errors,
         "policy_versions": version + 1,
         "max_staleness_trained": max(counters.staleness_trained, default=0),

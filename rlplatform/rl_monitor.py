@@ -109,7 +109,8 @@ class RLMonitor:
         wall = time.perf_counter() - self.start
         return {
             "policy_version": version, "staleness": wandb.Histogram(gaps), "staleness_max": max(gaps),
-            "samples_dropped_stale": counters.samples_dropped_stale, "weight_sync_s": publish_s,
+            "samples_dropped_stale": counters.samples_dropped_stale,
+            "samples_dropped_zero_advantage": counters.samples_dropped_zero_advantage, "weight_sync_s": publish_s,
             "rollout_busy_fraction": delta.get("rollout_busy_s", 0.0) / elapsed / self.rollout_workers,
             "learner_busy_fraction": counters.learner_busy_s / wall,
             "reward_busy_fraction": delta.get("reward_busy_s", 0.0) / elapsed,

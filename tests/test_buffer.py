@@ -131,3 +131,13 @@ def test_take_returns_nothing_until_enough_groups():
     assert buffer.ready() == 1  # "a" is kept for a later take
     fill(buffer, "b", version=2)
     assert ids(buffer.take(batch_prompts=2, learner_version=2, max_staleness=1).groups) == ["a", "b"]
+
+
+def test_zero_advantage_groups_are_filtered_and_counted_when_asked():
+    buffer = GroupBuffer(group_size=2)
+    for group, rewards in (("same", (1.0, 1.0)), ("mixed", (0.0, 1.0))):
+        for i, reward in enumerate(rewards):
+            buffer.add(scored(group, i, reward=reward))
+    batch = buffer.take(batch_prompts=1, learner_version=0, max_staleness=0, filter_zero_advantage=True)
+    assert [g[0].sample.group_id for g in batch.groups] == ["mixed"]
+    assert [g[0].sample.group_id for g in batch.dropped_zero_advantage] == ["same"]

@@ -30,7 +30,8 @@ def test_short_quickstart_writes_a_valid_summary(ray_session, tmp_path):
     assert sum(rl["staleness_histogram"].values()) == rl["samples_trained"]
     # every generated sample is accounted for
     assert rl["samples_generated"] == (rl["samples_trained"] + rl["samples_dropped_stale"]
-                                       + rl["samples_dropped_error"] + rl["samples_unused_at_end"])
+                                       + rl["samples_dropped_error"] + rl["samples_dropped_zero_advantage"]
+                                       + rl["samples_unused_at_end"])
     assert rl["samples_per_s"] > 0 and summary["wall_s"] > 0
     assert (run_dir / "config.yaml").exists()
     assert (run_dir / "model" / "model.safetensors").exists() and (run_dir / "model" / "config.json").exists()
