@@ -33,19 +33,20 @@ def pack(prompts: List[List[int]], completions: List[List[int]], pad_id: int) ->
 class TokenScores:
     logprobs: torch.Tensor  # (batch, T-1) log-prob of each next token
     mask: torch.Tensor  # (batch, T-1) 1 on completion tokens
-    entropy: torch.Tensor  # (batch, T-1) entropy of each next-token distribution, no grad
+    entropy: torch.Tensor  # (batch, T-1) entropy of each next-token distribution
 
 
 def completion_logprobs(model, prompts: List[List[int]], completions: List[List[int]], pad_id: int,
-                        temperature: float = 1.0) -> TokenScores:
-    """Score completions given prompts with one forward pass of `model`."""
+                        temperature: float = 1.0, entropy_grad: bool = False) -> TokenScores:
+    """Score completions given prompts with one forward pass of `model`; the entropy carries a
+    gradient only with `entropy_grad` (an entropy bonus needs it, metrics do not)."""
     input_ids, attention, completion_mask = pack(prompts, completions, pad_id)
     logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     all_logprobs = torch.log_softmax(logits, dim=-1)
     logprobs = all_logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(all_logprobs.exp() * all_logprobs).sum(-1)
     return TokenScores(logprobs, completion_mask, entropy)
 

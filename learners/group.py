@@ -6,7 +6,7 @@ rank 0 provides weight snapshots. The controller only talks to this class.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, TypeVar
+from typing import Dict, List, Optional, Sequence, TypeVar
 
 import ray
 
@@ -36,10 +36,12 @@ class LearnerGroup:
         parts = shard(rows, len(self.ranks))
         return _mean(ray.get([rank.sft_step.remote(p) for rank, p in zip(self.ranks, parts)]))
 
-    def rl_step(self, samples: List[Sample], advantages: List[float], rl: RLConfig) -> Dict[str, float]:
-        sample_parts, advantage_parts = shard(samples, len(self.ranks)), shard(advantages, len(self.ranks))
-        return _mean(ray.get([rank.rl_step.remote(s, a, rl) for rank, s, a in
-                              zip(self.ranks, sample_parts, advantage_parts)]))
+    def rl_step(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
+                sft_rows: Optional[List[Dict]] = None) -> Dict[str, float]:
+        n = len(self.ranks)
+        sft_parts = shard(sft_rows, n) if sft_rows else [None] * n
+        return _mean(ray.get([rank.rl_step.remote(s, a, rl, r) for rank, s, a, r in
+                              zip(self.ranks, shard(samples, n), shard(advantages, n), sft_parts)]))
 
     def publish_weights(self) -> ray.ObjectRef:
         refs = ray.get([rank.publish_weights.remote() for rank in self.ranks])

@@ -9,17 +9,30 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import ray
 import torch
 
 from rlplatform.config import LearnerConfig, RLConfig
-from rlplatform.learners.batching import align_per_token, completion_logprobs
-from rlplatform.learners.losses import PolicyLossInputs, grpo_loss, sft_loss
+from rlplatform.learners.algorithms import entropy_bonus, policy_loss, sft_auxiliary_loss, token_mean
+from rlplatform.learners.batching import TokenScores, align_per_token, completion_logprobs
+from rlplatform.learners.losses import reference_kl, sft_loss
 from rlplatform.policy import load_policy
 from rlplatform.samples import Sample
 from rlplatform.weights import to_snapshot
+
+
+@dataclass
+class Minibatch:
+    """One minibatch of an RL step, with what stays fixed across its updates."""
+    prompts: List[List[int]]
+    completions: List[List[int]]
+    advantages: torch.Tensor  # (batch,)
+    behaviour: torch.Tensor  # (batch, T-1) log-probs recorded by the rollout workers
+    proximal: Optional[torch.Tensor]  # (batch, T-1) under the weights at entry; None: a single update
+    reference: Optional[torch.Tensor]  # (batch, T-1) under the frozen reference, when kept
 
 
 class LearnerRank:
@@ -75,28 +88,63 @@ class LearnerRank:
 
     def sft_step(self, rows: List[Dict]) -> Dict[str, float]:
         """One optimizer step on prompt -> answer+EOS, loss on the answer tokens only."""
-        prompts = [self._encode(r["prompt"]) for r in rows]
-        targets = [self._encode(str(r["answer"])) + [self.tokenizer.eos_token_id] for r in rows]
-        scores = completion_logprobs(self.engine, prompts, targets, self.tokenizer.pad_token_id)
+        scores = self._sft_scores(rows)
         loss, metrics = sft_loss(scores.logprobs, scores.mask)
         return self._step(loss, metrics)
 
-    def rl_step(self, samples: List[Sample], advantages: List[float], rl: RLConfig) -> Dict[str, float]:
-        """One optimizer step of the clipped, importance-weighted policy gradient."""
-        prompts = [s.prompt_ids for s in samples]
-        completions = [s.completion_ids for s in samples]
+    def _sft_scores(self, rows: List[Dict]) -> TokenScores:
+        prompts = [self._encode(r["prompt"]) for r in rows]
+        targets = [self._encode(str(r["answer"])) + [self.tokenizer.eos_token_id] for r in rows]
+        return completion_logprobs(self.engine, prompts, targets, self.tokenizer.pad_token_id)
+
+    def rl_step(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
+                sft_rows: Optional[List[Dict]] = None) -> Dict[str, float]:
+        """`rl.ppo_epochs` passes over `rl.minibatches` minibatches of the clipped, importance-weighted
+        policy gradient (plus the KL, entropy and SFT terms rl asks for). The proximal policy is
+        the weights at entry, so several updates per batch stay PPO-clipped against it."""
+        parts = max(1, min(rl.minibatches, len(samples)))
+        single_update = parts == 1 and rl.ppo_epochs == 1
+        minibatches = [self._prepare(samples[i::parts], advantages[i::parts], rl, single_update)
+                       for i in range(parts)]
+        metrics: Dict[str, float] = {}
+        for _ in range(rl.ppo_epochs):
+            for minibatch in minibatches:
+                metrics = self._policy_update(minibatch, rl, sft_rows)
+        return metrics
+
+    @torch.no_grad()
+    def _prepare(self, samples: List[Sample], advantages: List[float], rl: RLConfig, single_update: bool) -> "Minibatch":
+        prompts, completions = [s.prompt_ids for s in samples], [s.completion_ids for s in samples]
         pad_id = self.tokenizer.pad_token_id
-        scores = completion_logprobs(self.engine, prompts, completions, pad_id, rl.temperature)
+        proximal = None if single_update else \
+            completion_logprobs(self.engine, prompts, completions, pad_id, rl.temperature).logprobs
+        reference = None if self.reference is None else \
+            completion_logprobs(self.reference, prompts, completions, pad_id, rl.temperature).logprobs
+        width = max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1
+        behaviour = align_per_token([s.behaviour_logprobs for s in samples], prompts, width)
+        return Minibatch(prompts, completions, torch.tensor(advantages, dtype=torch.float32), behaviour,
+                         proximal, reference)
+
+    def _policy_update(self, batch: "Minibatch", rl: RLConfig, sft_rows: Optional[List[Dict]]) -> Dict[str, float]:
+        scores = completion_logprobs(self.engine, batch.prompts, batch.completions, self.tokenizer.pad_token_id,
+                                     rl.temperature, entropy_grad=rl.entropy_coef > 0)
         mask = scores.mask
-        behaviour = align_per_token([s.behaviour_logprobs for s in samples], prompts, mask.shape[1])
-        reference = None
-        if self.reference is not None:
-            with torch.no_grad():
-                reference = completion_logprobs(self.reference, prompts, completions, pad_id, rl.temperature).logprobs
-        inputs = PolicyLossInputs(scores.logprobs, behaviour, torch.tensor(advantages, dtype=torch.float32), mask,
-                                  reference)
-        loss, metrics = grpo_loss(inputs, rl.clip_eps, rl.is_cap, rl.kl_coef)
-        metrics["entropy"] = ((scores.entropy * mask).sum() / mask.sum().clamp(min=1)).item()
+        proximal = batch.proximal if batch.proximal is not None else scores.logprobs.detach()
+        loss, metrics = policy_loss(scores.logprobs, proximal, batch.behaviour, batch.advantages, mask,
+                                    rl.correction, rl.clip_eps, rl.is_cap, rl.loss_aggregation, rl.max_new_tokens)
+        if batch.reference is not None:
+            kl = token_mean(reference_kl(scores.logprobs, batch.reference), mask)
+            loss = loss + rl.kl_coef * kl
+            metrics["kl_to_reference"] = kl.item()
+        if rl.entropy_coef:
+            loss = loss + entropy_bonus(scores.entropy, mask, rl.entropy_coef)
+        metrics["entropy"] = token_mean(scores.entropy.detach(), mask).item()
+        if sft_rows and rl.sft_coef:
+            sft_scores = self._sft_scores(sft_rows)
+            sft_term = sft_auxiliary_loss(sft_scores.logprobs, sft_scores.mask, rl.sft_coef)
+            loss = loss + sft_term
+            metrics["sft_loss"] = sft_term.item() / rl.sft_coef
+        metrics.update(loss=loss.item(), tokens=mask.sum().item())
         return self._step(loss, metrics)
 
     def _step(self, loss: torch.Tensor, metrics: Dict[str, float]) -> Dict[str, float]:

@@ -57,7 +57,13 @@ class SFTConfig:
 @dataclass
 class RLConfig:
     enabled: bool = True  # run the asynchronous RL stage
-    algorithm: str = "grpo"  # grpo (group-normalised advantages)
+    algorithm: str = "grpo"  # advantage estimator: grpo (group-normalised), rloo (leave-one-out), reinforce_pp
+    correction: str = "truncated_is"  # off-policy correction: truncated_is, decoupled_ppo or on_policy
+    loss_aggregation: str = "token_mean"  # token_mean, sequence_mean (per completion) or fixed_length (Dr. GRPO)
+    ppo_epochs: int = 1  # passes over each batch (PPO-clip against the weights at the batch's start)
+    minibatches: int = 1  # optimizer steps per pass
+    entropy_coef: float = 0.0  # weight of the entropy bonus
+    sft_coef: float = 0.0  # weight of an SFT loss on data rows mixed into every RL step
     max_steps: int = 60  # learner steps
     batch_prompts: int = 16  # complete groups per learner step
     group_size: int = 8  # completions sampled per prompt
@@ -193,7 +199,9 @@ ALERT_KINDS = ("reward_collapse", "no_progress", "reward_errors", "queue_backlog
 CHOICES = {
     "model.kind": ("demo", "pretrained"),
     "data.kind": ("addition", "jsonl"),
-    "rl.algorithm": ("grpo",),
+    "rl.algorithm": ("grpo", "rloo", "reinforce_pp"),
+    "rl.correction": ("truncated_is", "decoupled_ppo", "on_policy"),
+    "rl.loss_aggregation": ("token_mean", "sequence_mean", "fixed_length"),
     "wandb.mode": ("auto", "online", "offline", "disabled"),
     "rollout.weight_swap": ("in_flight", "finish_then_swap"),
     "learner.zero_stage": (0, 1, 2, 3),
@@ -288,7 +296,7 @@ def _check_values(config: JobConfig, source: str) -> None:
         if value not in allowed:
             raise ConfigError(f"{source}: '{key}' is {value!r}; expected one of {list(allowed)}")
     positive = ["sft.steps", "sft.batch_size", "rl.max_steps", "rl.batch_prompts", "rl.group_size",
-                "rl.max_new_tokens", "rollout.num_workers", "rollout.prompts_per_batch",
+                "rl.max_new_tokens", "rl.ppo_epochs", "rl.minibatches", "rollout.num_workers", "rollout.prompts_per_batch",
                 "reward_workers.batch_size", "reward_workers.concurrency", "reward_workers.max_deliveries",
                 "learner.num_ranks"]
     structured = OmegaConf.structured(config)

@@ -108,7 +108,7 @@ def _run_stages(config: JobConfig, redis_url: str, metrics: Metrics, summary: Di
         publish(workers, 0)
         summary["eval"] = {"after_sft": _evaluate(workers, metrics, "after_sft")}
         if config.rl.enabled:
-            rl = run_rl(config, workers, metrics, POLICY)
+            rl = run_rl(config, workers, metrics, POLICY, train_rows)
             summary["stages"]["rl"] = {"steps": rl["steps"], "wall_s": rl["wall_s"]}
             summary["rl"] = {**rl, "wandb_dir": metrics.wandb_dir}
             summary["eval"]["after_rl"] = _evaluate(workers, metrics, "after_rl")

@@ -7,6 +7,7 @@ each new version back. Samples too stale for the bound are dropped and counted.
 
 from __future__ import annotations
 
+import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -16,8 +17,8 @@ import ray
 
 from rlplatform.buffer import Batch, GroupBuffer
 from rlplatform.config import EvalConfig, JobConfig
+from rlplatform.learners.algorithms import ADVANTAGE_ESTIMATORS, grpo_advantages
 from rlplatform.learners.group import LearnerGroup
-from rlplatform.learners.losses import group_advantages
 from rlplatform.metrics import Metrics
 from rlplatform.reward_queue import RewardQueue
 from rlplatform.rl_monitor import RLMonitor
@@ -88,7 +89,7 @@ def publish(workers: RLWorkers, version: int) -> float:
     return time.perf_counter() - start
 
 
-def run_rl(config: JobConfig, workers: RLWorkers, metrics: Metrics, policy: str) -> Dict:
+def run_rl(config: JobConfig, workers: RLWorkers, metrics: Metrics, policy: str, train_rows: List[Dict]) -> Dict:
     """Train `rl.max_steps` steps from version 0 (already published); returns the stage's figures."""
     rl = config.rl
     workers.learner.start_stage(rl.lr, keep_reference=rl.kl_coef > 0 or rl.track_reference_kl)
@@ -107,7 +108,8 @@ def run_rl(config: JobConfig, workers: RLWorkers, metrics: Metrics, policy: str)
             _raise_if_worker_died(runs)
             monitor.idle(version)
             continue
-        step_metrics = _train(batch, version, workers, counters, config)
+        sft_rows = random.Random(version).sample(train_rows, rl.batch_prompts) if rl.sft_coef else None
+        step_metrics = _train(batch, version, workers, counters, config, sft_rows)
         version += 1
         publish_s = publish(workers, version)
         counters.weight_publish_s += publish_s
@@ -118,16 +120,23 @@ def run_rl(config: JobConfig, workers: RLWorkers, metrics: Metrics, policy: str)
     return _stage_summary(counters, stats[:len(workers.rollout)], version, start)
 
 
-def _train(batch: Batch, version: int, workers: RLWorkers, counters: RLCounters, config: JobConfig) -> Dict:
+def _train(batch: Batch, version: int, workers: RLWorkers, counters: RLCounters, config: JobConfig,
+           sft_rows: Optional[List[Dict]]) -> Dict:
     rewards = [[s.reward for s in group] for group in batch.groups]
-    advantages = [a for group in group_advantages(rewards, config.rl.std_normalize) for a in group]
+    advantages = [a for group in _advantages(config.rl, rewards) for a in group]
     samples = [s.sample for s in batch.samples]
     start = time.perf_counter()
-    step_metrics = workers.learner.rl_step(samples, advantages, config.rl)
+    step_metrics = workers.learner.rl_step(samples, advantages, config.rl, sft_rows)
     counters.learner_busy_s += time.perf_counter() - start
     counters.samples_trained += len(samples)
     counters.staleness_trained.update(version - s.version for s in samples)
     return step_metrics
+
+
+def _advantages(rl, rewards: List[List[float]]) -> List[List[float]]:
+    if rl.algorithm == "grpo":
+        return grpo_advantages(rewards, rl.std_normalize)
+    return ADVANTAGE_ESTIMATORS[rl.algorithm](rewards)
 
 
 def _count_scored(scored, counters: RLCounters) -> None:

@@ -85,3 +85,18 @@ def test_two_ranks_zero3_train_and_publish_full_weights(ray_session, tiny_policy
         assert learner.sft_step(ROWS)["loss"] < first["loss"]
     finally:
         learner.shutdown()
+
+
+def test_ppo_epochs_minibatches_corrections_and_auxiliary_terms(learner, tiny_policy):
+    learner.start_stage(lr=1e-2)
+    samples, advantages = rl_batch(tiny_policy)
+    rl = RLConfig(algorithm="rloo", correction="decoupled_ppo", is_cap=5.0, loss_aggregation="sequence_mean",
+                  ppo_epochs=2, minibatches=2, entropy_coef=0.01, sft_coef=0.5)
+    before = snapshot(learner)
+    first = learner.rl_step(samples, advantages, rl, sft_rows=ROWS)
+    assert max_change(before, snapshot(learner)) > 1e-4
+    # the last of 4 updates ran against the proximal weights of the batch's start: ratios moved
+    assert 0.0 <= first["clip_fraction"] <= 1.0 and first["importance_weight_mean"] > 0
+    second = learner.rl_step(samples, advantages, rl, sft_rows=ROWS)
+    assert second["sft_loss"] < first["sft_loss"]  # the SFT term trains on its rows too
+    assert {"pg_loss", "entropy", "sft_loss", "loss", "grad_norm", "lr"} <= set(second)
