@@ -117,7 +117,9 @@ def run_rl(config: JobConfig, workers: RLWorkers, metrics: Metrics, policy: str,
         monitor.step(version, step_metrics, batch, counters, publish_s)
     workers.queue.request_stop()
     stats = ray.get(runs)
-    return _stage_summary(counters, stats[:len(workers.rollout)], version, start)
+    summary = _stage_summary(counters, stats[:len(workers.rollout)], version, start)
+    summary["eval_history"] = monitor.eval_history
+    return summary
 
 
 def _train(batch: Batch, version: int, workers: RLWorkers, counters: RLCounters, config: JobConfig,

@@ -11,7 +11,7 @@ accuracy) and `samples` (a table of completions every `monitoring.samples_every`
 from __future__ import annotations
 
 import time
-from typing import Dict
+from typing import Dict, List
 
 import wandb
 
@@ -34,6 +34,7 @@ class RLMonitor:
         self.start = self.last_step = self.last_stall_check = time.perf_counter()
         self.samples_seen = 0
         self.last_accuracy = None
+        self.eval_history: List[Dict[str, float]] = []  # held-out accuracy by version, for the summary
         self._previous = self._worker_counters()
         self._scored = (0, 0, 0, 0)  # scored, errors, timeouts, filtered at the previous step
         self._learner_busy_s = 0.0
@@ -74,6 +75,8 @@ class RLMonitor:
 
     def evaluation(self, version: int, accuracy: float) -> None:
         self.last_accuracy = accuracy
+        self.eval_history.append({"version": version, "wall_s": round(time.perf_counter() - self.start, 2),
+                                  "samples_seen": self.samples_seen, "accuracy": accuracy})
         self.metrics.log_rl(self.policy, {"eval": {"accuracy": accuracy, "policy_version": version}},
                             self._axes(version))
 
