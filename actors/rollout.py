@@ -19,7 +19,7 @@ import torch
 from rlplatform.actors.engine import TransformersEngine
 from rlplatform.config import RLConfig, RolloutConfig
 from rlplatform.redis_server import connect
-from rlplatform.reward_queue import RewardQueue
+from rlplatform.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.samples import Sample
 from rlplatform.staleness import RolloutGate
 from rlplatform.weights import from_snapshot
@@ -45,13 +45,14 @@ class RolloutWorker:
         self.weight_store = weight_store
         client = connect(redis_url)
         self.queue = RewardQueue(client, job)
-        self.gate = RolloutGate(client, job, rl.max_staleness, rl.batch_prompts)
+        self.keys = PolicyKeys(job, policy)
+        self.gate = RolloutGate(client, job, rl.max_staleness, rl.batch_prompts, policy)
         self.rng = random.Random(seed + index)
         self.stats = RolloutStats()
 
     def sync_weights(self) -> int:
         """Load the newest published weights if they are newer; returns the version held."""
-        published = self.queue.client.get(self.queue.keys.version)
+        published = self.queue.client.get(self.keys.version)
         if published is None or int(published) <= self.engine.version:
             return self.engine.version
         start = time.perf_counter()
@@ -86,7 +87,7 @@ class RolloutWorker:
         self.stats.groups_generated += len(rows)
         self.stats.samples_generated += len(samples)
         self.stats.tokens_generated += tokens
-        self.queue.add_counters(self.queue.keys.rollout_stats, busy_s=busy, samples=len(samples), tokens=tokens)
+        self.queue.add_counters(self.keys.rollout_stats, busy_s=busy, samples=len(samples), tokens=tokens)
         return samples
 
     def run(self) -> RolloutStats:

@@ -38,10 +38,19 @@ class LearnerGroup:
 
     def rl_step(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
                 sft_rows: Optional[List[Dict]] = None) -> Dict[str, float]:
+        return self.gather(self.rl_step_async(samples, advantages, rl, sft_rows))
+
+    def rl_step_async(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
+                      sft_rows: Optional[List[Dict]] = None) -> List[ray.ObjectRef]:
+        """Start an RL step on every rank; `gather` the returned refs for its metrics."""
         n = len(self.ranks)
         sft_parts = shard(sft_rows, n) if sft_rows else [None] * n
-        return _mean(ray.get([rank.rl_step.remote(s, a, rl, r) for rank, s, a, r in
-                              zip(self.ranks, shard(samples, n), shard(advantages, n), sft_parts)]))
+        return [rank.rl_step.remote(s, a, rl, r) for rank, s, a, r in
+                zip(self.ranks, shard(samples, n), shard(advantages, n), sft_parts)]
+
+    @staticmethod
+    def gather(refs: List[ray.ObjectRef]) -> Dict[str, float]:
+        return _mean(ray.get(refs))
 
     def publish_weights(self) -> ray.ObjectRef:
         refs = ray.get([rank.publish_weights.remote() for rank in self.ranks])

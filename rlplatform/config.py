@@ -169,6 +169,20 @@ class MonitoringConfig:
     alerts: List[AlertRule] = field(default_factory=_default_alerts)
 
 
+POLICY_SECTIONS = ("model", "sft", "rl", "rollout", "learner")
+
+
+@dataclass
+class PolicyConfig:
+    """One policy of a job: its own model, schedule, rollout workers and learner."""
+    name: str = "policy"  # metrics, checkpoints and samples are kept under this name
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+
+
 @dataclass
 class JobConfig:
     name: str = "quickstart"  # run name; output goes to <output_dir>/<name>
@@ -188,13 +202,30 @@ class JobConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)
+    # several policies trained at once, sharing rewards and data; each entry's sections start
+    # from the top-level ones above. Empty: one policy named "policy" made of the top-level sections.
+    policies: List[PolicyConfig] = field(default_factory=list)
 
     @property
     def run_dir(self) -> str:
         return os.path.join(self.output_dir, self.name)
 
+    def policy_list(self) -> List[PolicyConfig]:
+        if self.policies:
+            return self.policies
+        return [PolicyConfig("policy", self.model, self.sft, self.rl, self.rollout, self.learner)]
+
+    def policy_dir(self, policy: str) -> str:
+        """Where a policy's checkpoint and models go: the run directory itself for a one-policy job."""
+        return os.path.join(self.run_dir, policy) if self.policies else self.run_dir
+
 
 ALERT_KINDS = ("reward_collapse", "no_progress", "reward_errors", "queue_backlog")
+
+POSITIVE = ("sft.steps", "sft.batch_size", "rl.max_steps", "rl.batch_prompts", "rl.group_size", "rl.max_new_tokens",
+            "rl.ppo_epochs", "rl.minibatches", "rollout.num_workers", "rollout.prompts_per_batch",
+            "reward_workers.batch_size", "reward_workers.concurrency", "reward_workers.max_deliveries",
+            "learner.num_ranks")
 
 CHOICES = {
     "model.kind": ("demo", "pretrained"),
@@ -212,15 +243,20 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     """Merge the YAML at `path` and `key=value` overrides onto the schema and validate."""
     merged = OmegaConf.structured(JobConfig)
     source = path or "<defaults>"
+    policy_entries: list = []
     if path is not None:
         raw = _read_yaml(path)
         _check_keys(OmegaConf.to_container(raw), JobConfig, "", source)
         merged = _merge(merged, raw, source)
+        policy_entries = list(raw.get("policies") or [])
     if overrides:
         _check_override_syntax(overrides)
         dotlist = OmegaConf.from_dotlist(list(overrides))
         _check_keys(OmegaConf.to_container(dotlist), JobConfig, "", "command-line override")
         merged = _merge(merged, dotlist, "command-line override")
+        policy_entries = list(dotlist.get("policies") or policy_entries)
+    if policy_entries:
+        merged.policies = _expand_policies(merged, policy_entries, source)
     config: JobConfig = OmegaConf.to_object(merged)
     _check_values(config, source if not overrides else f"{source} with overrides {' '.join(overrides)}")
     return config
@@ -258,6 +294,12 @@ def _check_override_syntax(overrides: List[str]) -> None:
             raise ConfigError(f"override '{item}': expected key=value, e.g. rl.max_steps=5")
 
 
+def _expand_policies(merged, entries: list, source: str) -> list:
+    """Each policy entry merged onto the job's top-level sections: they are the shared defaults."""
+    shared = {section: merged[section] for section in POLICY_SECTIONS}
+    return [_merge(_merge(OmegaConf.structured(PolicyConfig), shared, source), entry, source) for entry in entries]
+
+
 def _check_keys(raw: Any, schema: type, prefix: str, source: str) -> None:
     """Name the full path of the first unknown key or misplaced value in `raw`."""
     if not isinstance(raw, dict):
@@ -291,37 +333,46 @@ def _merge(base, update, source: str):
 
 
 def _check_values(config: JobConfig, source: str) -> None:
-    for key, allowed in CHOICES.items():
-        value = OmegaConf.select(OmegaConf.structured(config), key)
-        if value not in allowed:
-            raise ConfigError(f"{source}: '{key}' is {value!r}; expected one of {list(allowed)}")
-    positive = ["sft.steps", "sft.batch_size", "rl.max_steps", "rl.batch_prompts", "rl.group_size",
-                "rl.max_new_tokens", "rl.ppo_epochs", "rl.minibatches", "rollout.num_workers", "rollout.prompts_per_batch",
-                "reward_workers.batch_size", "reward_workers.concurrency", "reward_workers.max_deliveries",
-                "learner.num_ranks"]
-    structured = OmegaConf.structured(config)
-    for key in positive:
-        if OmegaConf.select(structured, key) <= 0:
-            raise ConfigError(f"{source}: '{key}' must be positive")
-    if config.rl.max_staleness < 0:
-        raise ConfigError(f"{source}: 'rl.max_staleness' must be >= 0")
-    if config.rl.group_size < 2:
-        raise ConfigError(f"{source}: 'rl.group_size' must be >= 2 (group-relative advantages)")
-    if config.model.kind == "pretrained":
-        _require_path(config.model.path, "model.path", source, directory=True)
-    if config.data.kind == "jsonl":
-        _require_path(config.data.train_path, "data.train_path", source)
-        _require_path(config.data.test_path, "data.test_path", source)
+    _check_sections(config, "", source)
+    names = [p.name for p in config.policies]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{source}: 'policies' names must be unique, got {names}")
+    for i, policy in enumerate(config.policies):
+        _check_sections(policy, f"policies[{i}].", source)
+    if config.reward_workers.num_workers < 0:
+        raise ConfigError(f"{source}: 'reward_workers.num_workers' must be >= 0")
+    for i, spec in enumerate(config.rewards):
+        _check_reward_spec(spec, f"rewards[{i}]", source)
     for i, rule in enumerate(config.monitoring.alerts):
         if rule.kind not in ALERT_KINDS:
             raise ConfigError(f"{source}: 'monitoring.alerts[{i}].kind' is {rule.kind!r}; "
                               f"expected one of {list(ALERT_KINDS)}")
     if not config.rewards:
         raise ConfigError(f"{source}: 'rewards' is empty; name at least one reward")
-    if config.reward_workers.num_workers < 0:
-        raise ConfigError(f"{source}: 'reward_workers.num_workers' must be >= 0")
-    for i, spec in enumerate(config.rewards):
-        _check_reward_spec(spec, f"rewards[{i}]", source)
+    if config.data.kind == "jsonl":
+        _require_path(config.data.train_path, "data.train_path", source)
+        _require_path(config.data.test_path, "data.test_path", source)
+
+
+def _check_sections(config, prefix: str, source: str) -> None:
+    """The checks of the policy sections (and the job's other choices) on a JobConfig or PolicyConfig."""
+    structured = OmegaConf.structured(config)
+    for key, allowed in CHOICES.items():
+        if key.split(".")[0] not in structured:
+            continue
+        value = OmegaConf.select(structured, key)
+        if value not in allowed:
+            raise ConfigError(f"{source}: '{prefix}{key}' is {value!r}; expected one of {list(allowed)}")
+    for key in POSITIVE:
+        value = OmegaConf.select(structured, key) if key.split(".")[0] in structured else None
+        if value is not None and value <= 0:
+            raise ConfigError(f"{source}: '{prefix}{key}' must be positive")
+    if config.rl.max_staleness < 0:
+        raise ConfigError(f"{source}: '{prefix}rl.max_staleness' must be >= 0")
+    if config.rl.group_size < 2:
+        raise ConfigError(f"{source}: '{prefix}rl.group_size' must be >= 2 (group-relative advantages)")
+    if config.model.kind == "pretrained":
+        _require_path(config.model.path, f"{prefix}model.path", source, directory=True)
 
 
 def _check_reward_spec(spec: RewardSpec, key: str, source: str) -> None:

@@ -12,25 +12,22 @@ import math
 import os
 import time
 from contextlib import ExitStack
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import ray
 
-from rlplatform.config import JobConfig, to_yaml
+from rlplatform.config import JobConfig, PolicyConfig, to_yaml
 from rlplatform.data import load_rows
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.job_status import JobStatus
 from rlplatform.metrics import Metrics
 from rlplatform.policy import save_initial_policy
 from rlplatform.redis_server import EmbeddedRedis, connect
-from rlplatform.reward_queue import RewardQueue
-from rlplatform.rl_loop import Evaluator, RLWorkers, publish, run_rl
+from rlplatform.reward_queue import PolicyKeys, RewardQueue
+from rlplatform.rl_loop import Evaluator, PolicyWorkers, publish, run_rl
 from rlplatform.sft import run_sft
 from rlplatform.staleness import RolloutGate
 from rlplatform.weights import WeightStore
-
-POLICY = "policy"
-
 
 def run_job(config: JobConfig) -> Dict:
     """Run the whole job; returns the summary that is also written to summary.json."""
@@ -84,72 +81,126 @@ def _start_services(config: JobConfig, resources: ExitStack) -> str:
         redis_url = config.redis.url
     else:
         redis_url = resources.enter_context(EmbeddedRedis()).url
+    needed = _cpus_needed(config)
     if not ray.is_initialized():
-        needed = (config.learner.num_ranks * config.learner.num_cpus
-                  + (config.rollout.num_workers + 1) * config.rollout.num_cpus
-                  + config.reward_workers.num_workers * config.reward_workers.num_cpus)
         if config.ray.address or os.environ.get("RAY_ADDRESS"):
             ray.init(address=config.ray.address, include_dashboard=False)
         else:
             ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(needed)), include_dashboard=False)
         resources.callback(ray.shutdown)
+    available = ray.cluster_resources().get("CPU", 0.0)
+    if available < needed:
+        raise RuntimeError(f"the Ray cluster has {available:g} CPUs but the job's actors reserve {needed:g} "
+                           f"(learner.num_cpus, rollout.num_cpus, reward_workers.num_cpus); "
+                           f"lower them or give the cluster more CPUs")
     return redis_url
 
 
+def _cpus_needed(config: JobConfig) -> float:
+    """Ray CPUs the job's actors reserve: reward workers, and per policy its ranks, rollout workers and evaluator."""
+    return config.reward_workers.num_workers * config.reward_workers.num_cpus + sum(
+        p.learner.num_ranks * p.learner.num_cpus + (p.rollout.num_workers + 1) * p.rollout.num_cpus
+        for p in config.policy_list())
+
+
 def _run_stages(config: JobConfig, redis_url: str, metrics: Metrics, summary: Dict) -> None:
-    run_dir = config.run_dir
-    model_path = save_initial_policy(config.model, config.seed, os.path.join(run_dir, "initial_policy"))
     train_rows, test_rows = load_rows(config.data, config.seed)
-    workers = _start_workers(config, model_path, train_rows, test_rows, redis_url)
-    try:
-        summary["stages"] = {}
-        if config.sft.enabled:
-            summary["stages"]["sft"] = run_sft(config.sft, workers.learner, train_rows, metrics, config.seed)
-        publish(workers, 0)
-        summary["eval"] = {"after_sft": _evaluate(workers, metrics, "after_sft")}
-        if config.rl.enabled:
-            rl = run_rl(config, workers, metrics, POLICY, train_rows)
-            summary["stages"]["rl"] = {"steps": rl["steps"], "wall_s": rl["wall_s"]}
-            summary["rl"] = {**rl, "wandb_dir": metrics.wandb_dir}
-            summary["eval"]["after_rl"] = _evaluate(workers, metrics, "after_rl")
-        workers.learner.save(os.path.abspath(os.path.join(run_dir, "checkpoint")),
-                             os.path.abspath(os.path.join(run_dir, "model")))
-    finally:
-        workers.queue.request_stop()
-        workers.queue.clear()
-        for actor in workers.rollout + workers.reward + [workers.evaluator.actor, workers.weight_store]:
-            ray.kill(actor)
-        workers.learner.shutdown()
-
-
-def _start_workers(config: JobConfig, model_path: str, train_rows, test_rows, redis_url: str) -> RLWorkers:
-    from rlplatform.actors.rollout import RolloutActor
-    from rlplatform.rewards.worker import RewardActor, job_rewards_json
-
     client = connect(redis_url)
+    queue = _open_queue(config, client)
+    policies: List[PolicyWorkers] = []
+    reward_actors: List = []
+    try:
+        reward_actors = _start_reward_workers(config, redis_url)
+        for policy in config.policy_list():
+            policies.append(_start_policy(config, policy, train_rows, test_rows, redis_url, client))
+        results = {p.name: {"stages": {}, "eval": {}} for p in policies}
+        for workers in policies:
+            _supervised_stage(config, workers, train_rows, metrics, client, results[workers.name])
+        if any(p.config.rl.enabled for p in policies):
+            _rl_stage(config, [p for p in policies if p.config.rl.enabled], queue, reward_actors, metrics,
+                      train_rows, results)
+        for workers in policies:
+            policy_dir = os.path.abspath(config.policy_dir(workers.name))
+            workers.learner.save(os.path.join(policy_dir, "checkpoint"), os.path.join(policy_dir, "model"))
+        summary.update(results[policies[0].name])  # a one-policy job's figures sit at the top level
+        if config.policies:
+            summary["policies"] = results
+    finally:
+        queue.request_stop()
+        queue.clear()
+        _stop(policies, reward_actors)
+
+
+def _open_queue(config: JobConfig, client) -> RewardQueue:
+    from rlplatform.rewards.worker import job_rewards_json
+
     queue = RewardQueue(client, config.name, config.redis.max_stream_len)
     queue.reset()
     queue.create_group()
     queue.publish_rewards(job_rewards_json(config.rewards, config.imports))
-    store = WeightStore.remote()
-    rollout = [RolloutActor.options(num_cpus=config.rollout.num_cpus).remote(
-        i, POLICY, model_path, train_rows, config.rl, config.rollout, redis_url, config.name, store, config.seed)
-        for i in range(config.rollout.num_workers + 1)]
-    reward = [RewardActor.options(num_cpus=config.reward_workers.num_cpus).remote(
+    return queue
+
+
+def _start_reward_workers(config: JobConfig, redis_url: str) -> List:
+    from rlplatform.rewards.worker import RewardActor
+
+    return [RewardActor.options(num_cpus=config.reward_workers.num_cpus).remote(
         f"{config.name}-reward-{i}", config.rewards, redis_url, config.name, config.reward_workers, config.imports)
         for i in range(config.reward_workers.num_workers)]
-    learner = LearnerGroup(config.learner, model_path, config.seed)
-    gate = RolloutGate(client, config.name, config.rl.max_staleness, config.rl.batch_prompts)
+
+
+def _start_policy(config: JobConfig, policy: PolicyConfig, train_rows, test_rows, redis_url: str,
+                  client) -> PolicyWorkers:
+    """A policy's initial weights on disk, its learner ranks, rollout workers and evaluator."""
+    from rlplatform.actors.rollout import RolloutActor
+
+    model_path = save_initial_policy(policy.model, config.seed,
+                                     os.path.join(config.policy_dir(policy.name), "initial_policy"))
+    store = WeightStore.remote()
+    rollout = [RolloutActor.options(num_cpus=policy.rollout.num_cpus).remote(
+        i, policy.name, model_path, train_rows, policy.rl, policy.rollout, redis_url, config.name, store, config.seed)
+        for i in range(policy.rollout.num_workers + 1)]
+    learner = LearnerGroup(policy.learner, model_path, config.seed)
+    gate = RolloutGate(client, config.name, policy.rl.max_staleness, policy.rl.batch_prompts, policy.name)
     evaluator = Evaluator(rollout.pop(), test_rows, config.eval)
-    return RLWorkers(learner, rollout, reward, store, queue, gate, evaluator)
+    return PolicyWorkers(policy, learner, rollout, store, gate, evaluator, PolicyKeys(config.name, policy.name))
 
 
-def _evaluate(workers: RLWorkers, metrics: Metrics, label: str) -> Dict:
-    """Greedy accuracy of the newest published weights on the held-out rows."""
+def _supervised_stage(config: JobConfig, workers: PolicyWorkers, train_rows, metrics: Metrics, client,
+                      result: Dict) -> None:
+    """SFT (when enabled), then version 0 published and evaluated."""
+    if workers.config.sft.enabled:
+        stage = "sft" if not config.policies else f"{workers.name}/sft"
+        result["stages"]["sft"] = run_sft(workers.config.sft, workers.learner, train_rows, metrics, config.seed,
+                                          stage)
+    publish(workers, client, 0)
+    result["eval"]["after_sft"] = _evaluate(workers, metrics, "after_sft")
+
+
+def _rl_stage(config: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, reward_actors: List,
+              metrics: Metrics, train_rows, results: Dict) -> None:
+    figures = run_rl(config, policies, queue, reward_actors, metrics, train_rows)
+    for workers in policies:
+        rl = figures[workers.name]
+        results[workers.name]["stages"]["rl"] = {"steps": rl["steps"], "wall_s": rl["wall_s"]}
+        results[workers.name]["rl"] = {**rl, "wandb_dir": metrics.wandb_dir}
+        results[workers.name]["eval"]["after_rl"] = _evaluate(workers, metrics, "after_rl")
+
+
+def _stop(policies: List[PolicyWorkers], reward_actors: List) -> None:
+    for actor in reward_actors:
+        ray.kill(actor)
+    for workers in policies:
+        for actor in workers.rollout + [workers.evaluator.actor, workers.weight_store]:
+            ray.kill(actor)
+        workers.learner.shutdown()
+
+
+def _evaluate(workers: PolicyWorkers, metrics: Metrics, label: str) -> Dict:
+    """Greedy accuracy of the policy's newest published weights on the held-out rows."""
     version, accuracy = workers.evaluator.run_now()
-    metrics.log("eval", version, {"accuracy": accuracy, f"accuracy_{label}": accuracy})
-    metrics.console.note(f"eval {label}: greedy accuracy {accuracy:.3f} on {len(workers.evaluator.rows)} "
-                         f"held-out rows (policy version {version})")
+    metrics.console.note(f"eval {workers.name} {label}: greedy accuracy {accuracy:.3f} on "
+                         f"{len(workers.evaluator.rows)} held-out rows (policy version {version})")
     return {"accuracy": accuracy, "policy_version": version}
 
 

@@ -37,15 +37,13 @@ class Metrics:
         self.events_path = os.path.join(run_dir, "events.jsonl")
         self.status: Optional[JobStatus] = None  # attached once Redis is up
         self._policies: List[str] = []
+        self._stages: List[str] = []
         mode = wandb_mode(config.wandb.mode)
         self.online = mode == "online"
         if mode != "disabled":
             self.run = wandb.init(project=config.wandb.project, entity=config.wandb.entity,
                                   name=config.name, dir=run_dir, mode=mode, config=to_dict(config),
                                   settings=wandb.Settings(console="off", silent=True))
-            for stage in ("sft", "rl", "eval"):
-                self.run.define_metric(f"{stage}/step")
-                self.run.define_metric(f"{stage}/*", step_metric=f"{stage}/step")
         self.console = ProgressLine()
 
     @property
@@ -53,8 +51,14 @@ class Metrics:
         return os.path.abspath(os.path.dirname(self.run.dir)) if self.run else None
 
     def log(self, stage: str, step: int, values: Dict[str, float]) -> None:
-        if self.run:
-            self.run.log({f"{stage}/step": step, **{f"{stage}/{k}": v for k, v in values.items()}})
+        """A stage's figures as `<stage>/<name>` against its own `<stage>/step` axis."""
+        if not self.run:
+            return
+        if stage not in self._stages:
+            self._stages.append(stage)
+            self.run.define_metric(f"{stage}/step")
+            self.run.define_metric(f"{stage}/*", step_metric=f"{stage}/step")
+        self.run.log({f"{stage}/step": step, **{f"{stage}/{k}": v for k, v in values.items()}})
 
     def log_rl(self, policy: str, families: Dict[str, Dict[str, object]], axes: Dict[str, float]) -> None:
         """One RL step's figures: `<policy>/<family>/<name>`, plus the policy's axis values."""

@@ -36,26 +36,29 @@ return added
 
 
 class JobKeys:
-    """Names of one job's Redis keys."""
+    """Names of one job's Redis keys shared by all its policies."""
 
     def __init__(self, job: str) -> None:
-        prefix = f"rlp:{job}"
-        self.requests = f"{prefix}:requests"
-        self.results = f"{prefix}:results"
-        self.scored_ids = f"{prefix}:scored-ids"
-        self.dead = f"{prefix}:dead"
-        self.version = f"{prefix}:version"
+        self.prefix = f"rlp:{job}"
+        self.requests = f"{self.prefix}:requests"
+        self.results = f"{self.prefix}:results"
+        self.scored_ids = f"{self.prefix}:scored-ids"
+        self.dead = f"{self.prefix}:dead"
+        self.stop = f"{self.prefix}:stop"
+        self.reward_stats = f"{self.prefix}:reward-stats"  # counters summed over reward workers
+        self.status = f"{self.prefix}:status"  # the job's live progress, read by `rlp status`
+        self.rewards = f"{self.prefix}:rewards"  # the job's reward list, read by standalone reward workers
+
+
+class PolicyKeys:
+    """Names of one policy's Redis keys within its job."""
+
+    def __init__(self, job: str, policy: str) -> None:
+        prefix = f"rlp:{job}:policy:{policy}"
+        self.version = f"{prefix}:version"  # newest published weight version
         self.groups_started = f"{prefix}:groups-started"
         self.groups_dropped = f"{prefix}:groups-dropped"
-        self.stop = f"{prefix}:stop"
-        self.rollout_stats = f"{prefix}:rollout-stats"  # counters summed over rollout workers
-        self.reward_stats = f"{prefix}:reward-stats"  # counters summed over reward workers
-        self.status = f"{prefix}:status"  # the job's live progress, read by `rlp status`
-        self.rewards = f"{prefix}:rewards"  # the job's reward list, read by standalone reward workers
-
-    def transient(self) -> List[str]:
-        """Keys that live only while the job runs (the status and stop flag outlive it)."""
-        return [key for key in vars(self).values() if key not in (self.status, self.stop)]
+        self.rollout_stats = f"{prefix}:rollout-stats"  # counters summed over the policy's rollout workers
 
 
 class RewardQueue:
@@ -174,11 +177,16 @@ class RewardQueue:
 
     def reset(self) -> None:
         """Before a job starts: nothing left from an earlier run of the same name."""
-        self.client.delete(*self.keys.transient(), self.keys.stop)
+        self._delete_all_but({self.keys.status})
 
     def clear(self) -> None:
         """After a job ends: its queues and counters go, its status and stop flag stay."""
-        self.client.delete(*self.keys.transient())
+        self._delete_all_but({self.keys.status, self.keys.stop})
+
+    def _delete_all_but(self, keep: set) -> None:
+        doomed = [k for k in self.client.scan_iter(match=f"{self.keys.prefix}:*", count=1000) if _text(k) not in keep]
+        if doomed:
+            self.client.delete(*doomed)
 
     def add_counters(self, key: str, **values: float) -> None:
         """Add to a shared counter hash (`keys.rollout_stats`, `keys.reward_stats`)."""

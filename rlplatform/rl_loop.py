@@ -1,8 +1,9 @@
 """The asynchronous RL stage: scored groups -> advantages -> learner step -> publish weights.
 
 Rollout and reward workers run their own loops the whole time; this loop only collects
-scored samples from the reward queue, hands fresh-enough batches to the learner and streams
-each new version back. Samples too stale for the bound are dropped and counted.
+scored samples from the shared reward queue, routes them to their policy, hands each policy's
+learner fresh-enough batches (several policies' steps run at once) and streams each new
+version back. Samples too stale for the bound are dropped and counted.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from typing import Dict, List, Optional, Tuple
 import ray
 
 from rlplatform.buffer import Batch, GroupBuffer
-from rlplatform.config import EvalConfig, JobConfig
+from rlplatform.config import EvalConfig, JobConfig, PolicyConfig
 from rlplatform.learners.algorithms import ADVANTAGE_ESTIMATORS, grpo_advantages
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.metrics import Metrics
-from rlplatform.reward_queue import RewardQueue
+from rlplatform.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.rl_monitor import RLMonitor
 from rlplatform.staleness import RolloutGate
 
@@ -70,69 +71,119 @@ class Evaluator:
 
 
 @dataclass
-class RLWorkers:
+class PolicyWorkers:
+    """One policy's actors and handles: learner ranks, rollout workers, weight store, evaluator."""
+    config: PolicyConfig
     learner: LearnerGroup
     rollout: List  # RolloutActor handles
-    reward: List  # RewardActor handles
     weight_store: object  # WeightStore handle
-    queue: RewardQueue
     gate: RolloutGate
     evaluator: Evaluator
+    keys: PolicyKeys
+
+    @property
+    def name(self) -> str:
+        return self.config.name
 
 
-def publish(workers: RLWorkers, version: int) -> float:
-    """Stream the learner's current weights as `version`; returns the seconds it took."""
+def publish(workers: PolicyWorkers, client, version: int) -> float:
+    """Stream the policy's current weights as `version`; returns the seconds it took."""
     start = time.perf_counter()
     ref = workers.learner.publish_weights()
     ray.get(workers.weight_store.publish.remote(version, [ref]))
-    workers.queue.client.set(workers.queue.keys.version, version)
+    client.set(workers.keys.version, version)
     return time.perf_counter() - start
 
 
-def run_rl(config: JobConfig, workers: RLWorkers, metrics: Metrics, policy: str, train_rows: List[Dict]) -> Dict:
-    """Train `rl.max_steps` steps from version 0 (already published); returns the stage's figures."""
-    rl = config.rl
-    workers.learner.start_stage(rl.lr, keep_reference=rl.kl_coef > 0 or rl.track_reference_kl)
-    counters, buffer, start = RLCounters(), GroupBuffer(rl.group_size), time.perf_counter()
-    monitor = RLMonitor(config, metrics, workers.queue, policy, len(workers.rollout))
-    monitor.last_accuracy = workers.evaluator.last_accuracy
-    runs = [w.run.remote() for w in workers.rollout + workers.reward]
-    version = 0
-    while version < rl.max_steps:
-        for scored in workers.queue.read_results(block_ms=50):
-            buffer.add(scored)
-            _count_scored(scored, counters)
-        batch = buffer.take(rl.batch_prompts, version, rl.max_staleness, rl.filter_zero_advantage)
-        _count_dropped(batch, counters, workers.gate)
+class PolicyRun:
+    """One policy's RL stage: its buffer, counters and monitor, and the learner step in flight."""
+
+    def __init__(self, job: JobConfig, workers: PolicyWorkers, queue: RewardQueue, metrics: Metrics,
+                 train_rows: List[Dict]) -> None:
+        self.job, self.workers, self.queue, self.rl = job, workers, queue, workers.config.rl
+        self.train_rows = train_rows
+        self.counters, self.buffer = RLCounters(), GroupBuffer(self.rl.group_size)
+        self.monitor = RLMonitor(job, self.rl, metrics, queue, workers.name, workers.keys, len(workers.rollout))
+        self.monitor.last_accuracy = workers.evaluator.last_accuracy
+        self.version, self.start = 0, time.perf_counter()
+        self._step: Optional[Tuple[list, Batch, float]] = None  # (result refs, batch, start time)
+        workers.learner.start_stage(self.rl.lr, keep_reference=self.rl.kl_coef > 0 or self.rl.track_reference_kl)
+
+    @property
+    def done(self) -> bool:
+        return self.version >= self.rl.max_steps and self._step is None
+
+    def absorb(self, scored) -> None:
+        self.buffer.add(scored)
+        _count_scored(scored, self.counters)
+
+    def advance(self) -> bool:
+        """Finish the learner step in flight, or start one if a batch is ready; True if either happened."""
+        if self._step is not None:
+            return self._finish_step()
+        if self.version >= self.rl.max_steps:
+            return False
+        batch = self.buffer.take(self.rl.batch_prompts, self.version, self.rl.max_staleness,
+                                 self.rl.filter_zero_advantage)
+        _count_dropped(batch, self.counters, self.workers.gate)
         if not batch.groups:
-            _raise_if_worker_died(runs)
-            monitor.idle(version)
-            continue
-        sft_rows = random.Random(version).sample(train_rows, rl.batch_prompts) if rl.sft_coef else None
-        step_metrics = _train(batch, version, workers, counters, config, sft_rows)
-        version += 1
-        publish_s = publish(workers, version)
-        counters.weight_publish_s += publish_s
-        _evaluate_in_background(version, workers.evaluator, monitor, config)
-        monitor.step(version, step_metrics, batch, counters, publish_s)
-    workers.queue.request_stop()
-    stats = ray.get(runs)
-    summary = _stage_summary(counters, stats[:len(workers.rollout)], version, start)
-    summary["eval_history"] = monitor.eval_history
-    return summary
+            self.monitor.idle(self.version)
+            return False
+        rewards = [[s.reward for s in group] for group in batch.groups]
+        advantages = [a for group in _advantages(self.rl, rewards) for a in group]
+        sft_rows = random.Random(self.version).sample(self.train_rows, self.rl.batch_prompts) \
+            if self.rl.sft_coef else None
+        refs = self.workers.learner.rl_step_async([s.sample for s in batch.samples], advantages, self.rl, sft_rows)
+        self._step = (refs, batch, time.perf_counter())
+        return True
+
+    def _finish_step(self) -> bool:
+        refs, batch, started = self._step
+        if len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
+            return False
+        step_metrics = self.workers.learner.gather(refs)
+        self._step = None
+        self.counters.learner_busy_s += time.perf_counter() - started
+        self.counters.samples_trained += len(batch.samples)
+        self.counters.staleness_trained.update(self.version - s.sample.version for s in batch.samples)
+        self.version += 1
+        publish_s = publish(self.workers, self.queue.client, self.version)
+        self.counters.weight_publish_s += publish_s
+        self._evaluate_in_background()
+        self.monitor.step(self.version, step_metrics, batch, self.counters, publish_s)
+        return True
+
+    def _evaluate_in_background(self) -> None:
+        finished = self.workers.evaluator.poll()
+        if finished:
+            self.monitor.evaluation(*finished)
+        every = self.job.eval.every_steps
+        if every and self.version % every == 0 and self.version < self.rl.max_steps:
+            self.workers.evaluator.start()
+
+    def summary(self, rollout_stats: List) -> Dict:
+        summary = _stage_summary(self.counters, rollout_stats, self.version, self.start)
+        summary["eval_history"] = self.monitor.eval_history
+        return summary
 
 
-def _train(batch: Batch, version: int, workers: RLWorkers, counters: RLCounters, config: JobConfig,
-           sft_rows: Optional[List[Dict]]) -> Dict:
-    rewards = [[s.reward for s in group] for group in batch.groups]
-    advantages = [a for group in _advantages(config.rl, rewards) for a in group]
-    samples = [s.sample for s in batch.samples]
-    start = time.perf_counter()
-    step_metrics = workers.learner.rl_step(samples, advantages, config.rl, sft_rows)
-    counters.learner_busy_s += time.perf_counter() - start
-    counters.samples_trained += len(samples)
-    counters.staleness_trained.update(version - s.version for s in samples)
-    return step_metrics
+def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, reward_actors: List,
+           metrics: Metrics, train_rows: List[Dict]) -> Dict[str, Dict]:
+    """Train every policy `rl.max_steps` steps from its version 0 (already published), learner steps
+    of different policies running at once; returns each policy's stage figures by name."""
+    runs = {p.name: PolicyRun(job, p, queue, metrics, train_rows) for p in policies}
+    rollout_loops = {p.name: [w.run.remote() for w in p.rollout] for p in policies}
+    loops = [ref for refs in rollout_loops.values() for ref in refs] + [w.run.remote() for w in reward_actors]
+    while not all(run.done for run in runs.values()):
+        for scored in queue.read_results(block_ms=20):
+            if scored.sample.policy in runs:
+                runs[scored.sample.policy].absorb(scored)
+        progressed = [run.advance() for run in runs.values()]
+        if not any(progressed):
+            _raise_if_worker_died(loops)
+    queue.request_stop()
+    ray.get(loops)
+    return {name: run.summary(ray.get(rollout_loops[name])) for name, run in runs.items()}
 
 
 def _advantages(rl, rewards: List[List[float]]) -> List[List[float]]:
@@ -146,15 +197,6 @@ def _count_scored(scored, counters: RLCounters) -> None:
     counters.reward_errors += scored.error is not None
     counters.reward_timeouts += "timeout" in (scored.error or "").lower()
     counters.samples_filtered += scored.filtered
-
-
-def _evaluate_in_background(version: int, evaluator: Evaluator, monitor: RLMonitor, config: JobConfig) -> None:
-    finished = evaluator.poll()
-    if finished:
-        monitor.evaluation(*finished)
-    every = config.eval.every_steps
-    if every and version % every == 0 and version < config.rl.max_steps:
-        evaluator.start()
 
 
 def _count_dropped(batch: Batch, counters: RLCounters, gate: RolloutGate) -> None:

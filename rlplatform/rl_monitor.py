@@ -17,9 +17,9 @@ import wandb
 
 from rlplatform.alerts import AlertRules, StepFigures
 from rlplatform.buffer import Batch
-from rlplatform.config import JobConfig
+from rlplatform.config import JobConfig, RLConfig
 from rlplatform.metrics import Metrics
-from rlplatform.reward_queue import RewardQueue
+from rlplatform.reward_queue import PolicyKeys, RewardQueue
 
 LEARNING_KEYS = ("loss", "pg_loss", "kl_to_reference", "entropy", "clip_fraction", "importance_weight_mean",
                  "importance_weight_max", "logprob_mismatch_abs", "grad_norm", "lr")
@@ -27,8 +27,10 @@ STALL_CHECK_S = 5.0
 
 
 class RLMonitor:
-    def __init__(self, config: JobConfig, metrics: Metrics, queue: RewardQueue, policy: str, rollout_workers: int):
-        self.config, self.metrics, self.queue, self.policy = config, metrics, queue, policy
+    def __init__(self, config: JobConfig, rl: RLConfig, metrics: Metrics, queue: RewardQueue, policy: str,
+                 keys: PolicyKeys, rollout_workers: int):
+        self.config, self.rl, self.metrics, self.queue, self.policy = config, rl, metrics, queue, policy
+        self.keys = keys
         self.rollout_workers = rollout_workers
         self.alerts = AlertRules(config.monitoring.alerts)
         self.start = self.last_step = self.last_stall_check = time.perf_counter()
@@ -40,7 +42,7 @@ class RLMonitor:
         self._learner_busy_s = 0.0
 
     def _worker_counters(self) -> Dict[str, float]:
-        rollout = self.queue.counters(self.queue.keys.rollout_stats)
+        rollout = self.queue.counters(self.keys.rollout_stats)
         reward = self.queue.counters(self.queue.keys.reward_stats)
         return {"time": time.perf_counter(), **{f"rollout_{k}": v for k, v in rollout.items()},
                 **{f"reward_{k}": v for k, v in reward.items()}}
@@ -62,7 +64,7 @@ class RLMonitor:
                               families["async"]["queue_depth"], 0.0)
         for alert in self.alerts.check(figures):
             self.metrics.event(alert.kind, alert.message, alert.step)
-        if version % self.config.rl.log_every == 0 or version == self.config.rl.max_steps:
+        if version % self.rl.log_every == 0 or version == self.rl.max_steps:
             self._progress(version, families)
 
     def idle(self, version: int) -> None:
@@ -135,9 +137,9 @@ class RLMonitor:
 
     def _progress(self, version: int, families: Dict[str, Dict]) -> None:
         elapsed = time.perf_counter() - self.start
-        total = self.config.rl.max_steps
+        total = self.rl.max_steps
         self.metrics.progress({
-            "stage": "rl", "step": f"{version}/{total}", "eta_s": round(elapsed / version * (total - version)),
+            "stage": f"rl {self.policy}" if self.config.policies else "rl", "step": f"{version}/{total}", "eta_s": round(elapsed / version * (total - version)),
             "reward": families["rewards"]["total"],
             "accuracy": "-" if self.last_accuracy is None else f"{self.last_accuracy:.3f}",
             "samples/s": families["async"]["samples_per_s"], "queue": families["async"]["queue_depth"],

@@ -12,7 +12,7 @@ from rlplatform.metrics import Metrics
 
 
 def run_sft(config: SFTConfig, learner: LearnerGroup, rows: List[Dict], metrics: Metrics,
-            seed: int) -> Dict[str, float]:
+            seed: int, stage: str = "sft") -> Dict[str, float]:
     """Train for `config.steps` steps on random batches; returns the stage's figures."""
     rng = random.Random(seed)
     learner.start_stage(config.lr)
@@ -24,9 +24,9 @@ def run_sft(config: SFTConfig, learner: LearnerGroup, rows: List[Dict], metrics:
         tokens += step_metrics["tokens_total"]
         if step % config.log_every == 0 or step == config.steps:
             elapsed = time.perf_counter() - start
-            metrics.log("sft", step, {**step_metrics, "rows_per_s": step * config.batch_size / elapsed,
+            metrics.log(stage, step, {**step_metrics, "rows_per_s": step * config.batch_size / elapsed,
                                       "tokens_per_s": tokens / elapsed})
-            metrics.progress({"stage": "sft", "step": f"{step}/{config.steps}",
+            metrics.progress({"stage": stage, "step": f"{step}/{config.steps}",
                                   "loss": step_metrics["loss"], "eta_s": elapsed / step * (config.steps - step)})
     return {"steps": config.steps, "wall_s": round(time.perf_counter() - start, 2),
             "final_loss": step_metrics.get("loss")}

@@ -161,3 +161,38 @@ def test_section_given_a_scalar_names_the_section(tmp_path):
     path = write(tmp_path, "rl: 5\n")
     message = error_for(path)
     assert path in message and "'rl' must be a mapping" in message
+
+
+def test_policy_entries_start_from_the_top_level_sections(tmp_path):
+    path = write(tmp_path, "rl:\n  lr: 1.0e-4\n  max_steps: 9\npolicies:\n  - name: a\n    rl: {lr: 5.0e-4}\n"
+                           "  - name: b\n    model: {hidden_size: 32}\n")
+    config = load_config(path, ["rl.max_steps=3"])
+    a, b = config.policy_list()
+    assert (a.name, a.rl.lr, a.rl.max_steps, a.model.hidden_size) == ("a", 5e-4, 3, 128)
+    assert (b.name, b.rl.lr, b.rl.max_steps, b.model.hidden_size) == ("b", 1e-4, 3, 32)
+    assert config.policy_dir("a") == os.path.join("runs", "quickstart", "a")
+
+
+def test_a_job_without_policies_is_one_policy_in_the_run_directory():
+    config = load_config()
+    [policy] = config.policy_list()
+    assert policy.name == "policy" and policy.rl is config.rl and policy.model is config.model
+    assert config.policy_dir("policy") == config.run_dir
+
+
+def test_bad_value_in_a_policy_entry_names_the_entry(tmp_path):
+    path = write(tmp_path, "policies:\n  - name: a\n  - name: b\n    rl: {group_size: 1}\n")
+    with pytest.raises(ConfigError, match=r"'policies\[1\]\.rl\.group_size' must be >= 2"):
+        load_config(path)
+
+
+def test_policy_names_must_be_unique(tmp_path):
+    path = write(tmp_path, "policies:\n  - name: a\n  - name: a\n")
+    with pytest.raises(ConfigError, match="'policies' names must be unique"):
+        load_config(path)
+
+
+def test_unknown_key_in_a_policy_entry(tmp_path):
+    path = write(tmp_path, "policies:\n  - name: a\n    rl: {lrr: 1}\n")
+    with pytest.raises(ConfigError, match="lrr"):
+        load_config(path)

@@ -17,7 +17,7 @@ from rlplatform.controller import run_job
 from rlplatform.dashboard import build_workspace, dashboard_layout, render_layout
 from rlplatform.job_status import JobStatus
 from rlplatform.metrics import Metrics
-from rlplatform.reward_queue import RewardQueue
+from rlplatform.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.rl_loop import RLCounters
 from rlplatform.rl_monitor import RLMonitor
 from rlplatform.samples import Sample, ScoredSample
@@ -66,7 +66,8 @@ def scored_group(group: str, reward: float, version: int) -> list:
 def test_alert_fires_once_on_a_forced_reward_collapse(redis_client, tmp_path, capsys):
     config = load_config(QUICKSTART, [f"output_dir={tmp_path}", "name=collapse", "wandb.mode=disabled"])
     metrics = Metrics(config, str(tmp_path))
-    monitor = RLMonitor(config, metrics, RewardQueue(redis_client, "collapse"), "policy", rollout_workers=1)
+    monitor = RLMonitor(config, config.rl, metrics, RewardQueue(redis_client, "collapse"), "policy",
+                        PolicyKeys("collapse", "policy"), rollout_workers=1)
     counters = RLCounters()
     learner = {"loss": 0.1, "grad_norm": 1.0, "lr": 3e-4}
     for version in range(1, 61):  # reward 1.0 for 30 steps, then it collapses to 0

@@ -10,7 +10,7 @@ from rlplatform.actors.rollout import RolloutActor
 from rlplatform.config import RLConfig, RolloutConfig
 from rlplatform.learners.batching import completion_logprobs
 from rlplatform.policy import load_policy
-from rlplatform.reward_queue import RewardQueue
+from rlplatform.reward_queue import PolicyKeys
 from rlplatform.weights import WeightStore, to_snapshot
 
 ROWS = [{"prompt": "12+34=", "answer": "46"}, {"prompt": "5+5=", "answer": "10"}]
@@ -37,12 +37,11 @@ def test_worker_generates_with_each_new_version(ray_session, redis_server, redis
     store = WeightStore.remote()
     worker = RolloutActor.remote(0, "policy", tiny_policy, ROWS, RLConfig(group_size=2, max_new_tokens=4),
                                  RolloutConfig(), redis_server, "stream-test", store, 0)
-    queue = RewardQueue(redis_client, "stream-test")
     try:
         for version, seed in ((1, 1), (2, 2)):
             model = perturbed(tiny_policy, seed)
             ray.get(store.publish.remote(version, [ray.put(to_snapshot(model.state_dict()))]))
-            redis_client.set(queue.keys.version, version)
+            redis_client.set(PolicyKeys("stream-test", "policy").version, version)
             assert ray.get(worker.sync_weights.remote()) == version
             samples = ray.get(worker.generate_groups.remote(ROWS, f"v{version}"))
             assert all(s.token_versions == [version] * len(s.completion_ids) for s in samples)

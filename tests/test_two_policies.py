@@ -1,0 +1,41 @@
+"""Several policies in one job: configs/two_policies.yaml, shortened, trains two differently
+sized policies at once, each with its own learner, rollout workers, metrics and checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlplatform.config import load_config
+from rlplatform.controller import run_job
+
+CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "two_policies.yaml")
+
+
+def test_two_policies_train_side_by_side(ray_session, tmp_path):
+    config = load_config(CONFIG, [f"output_dir={tmp_path}", "name=pair", "sft.steps=10", "rl.max_steps=4",
+                                  "eval.every_steps=2", "wandb.mode=disabled", "learner.num_cpus=0.5",
+                                  "rollout.num_cpus=0.5"])  # 6.5 Ray CPUs would not fit the 4-CPU test cluster
+    assert [(p.name, p.model.hidden_size, p.rl.lr, p.rl.max_steps) for p in config.policy_list()] == [
+        ("small", 64, 5e-4, 4), ("large", 128, 3e-4, 4)]  # entries override the shared sections
+    summary = run_job(config)
+    assert summary["status"] == "completed" and set(summary["policies"]) == {"small", "large"}
+    for name in ("small", "large"):
+        policy = summary["policies"][name]
+        assert policy["stages"]["sft"]["steps"] == 10 and policy["rl"]["steps"] == 4
+        assert policy["rl"]["samples_trained"] == 4 * 16 * 8  # each learner got only its own samples
+        assert policy["rl"]["max_staleness_trained"] <= 1
+        assert 0.0 <= policy["eval"]["after_rl"]["accuracy"] <= 1.0
+        model_dir = tmp_path / "pair" / name / "model"
+        assert json.loads((model_dir / "config.json").read_text())["hidden_size"] == (64 if name == "small" else 128)
+        assert (tmp_path / "pair" / name / "checkpoint" / "latest").exists()
+    assert summary["rl"] == summary["policies"]["small"]["rl"]  # the first policy's figures at the top level
+
+
+def test_a_job_larger_than_the_ray_cluster_fails_with_a_clear_message(ray_session, tmp_path):
+    config = load_config(CONFIG, [f"output_dir={tmp_path}", "name=big", "wandb.mode=disabled"])
+    with pytest.raises(RuntimeError, match="the Ray cluster has 4 CPUs but the job's actors reserve 6.5"):
+        run_job(config)
+    assert json.loads((tmp_path / "big" / "summary.json").read_text())["status"] == "failed"
