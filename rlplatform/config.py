@@ -43,6 +43,9 @@ class DataConfig:
     digits: int = 2  # operand digits (kind=addition)
     train_size: int = 20000  # generated training rows (kind=addition)
     test_size: int = 500  # generated held-out rows (kind=addition)
+    # kind=addition: true holds out distinct problems no training row repeats (generalisation to unseen
+    # problems); false draws test rows from the same problem space as training (task accuracy)
+    disjoint_test: bool = False
 
 
 @dataclass
@@ -225,7 +228,7 @@ ALERT_KINDS = ("reward_collapse", "no_progress", "reward_errors", "queue_backlog
 POSITIVE = ("sft.steps", "sft.batch_size", "rl.max_steps", "rl.batch_prompts", "rl.group_size", "rl.max_new_tokens",
             "rl.ppo_epochs", "rl.minibatches", "rollout.num_workers", "rollout.prompts_per_batch",
             "reward_workers.batch_size", "reward_workers.concurrency", "reward_workers.max_deliveries",
-            "learner.num_ranks")
+            "learner.num_ranks", "data.digits", "data.train_size", "data.test_size")
 
 CHOICES = {
     "model.kind": ("demo", "pretrained"),
@@ -349,6 +352,10 @@ def _check_values(config: JobConfig, source: str) -> None:
                               f"expected one of {list(ALERT_KINDS)}")
     if not config.rewards:
         raise ConfigError(f"{source}: 'rewards' is empty; name at least one reward")
+    problems = (10 ** config.data.digits) ** 2
+    if config.data.kind == "addition" and config.data.disjoint_test and config.data.test_size > problems // 2:
+        raise ConfigError(f"{source}: 'data.test_size' is {config.data.test_size}; at most {problems // 2} "
+                          f"(half of the {problems} distinct {config.data.digits}-digit additions) can be held out")
     if config.data.kind == "jsonl":
         _require_path(config.data.train_path, "data.train_path", source)
         _require_path(config.data.test_path, "data.test_path", source)
