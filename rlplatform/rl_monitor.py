@@ -11,7 +11,7 @@ accuracy) and `samples` (a table of completions every `monitoring.samples_every`
 from __future__ import annotations
 
 import time
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import wandb
 
@@ -37,6 +37,7 @@ class RLMonitor:
         self.samples_seen = 0
         self.last_accuracy = None
         self.eval_history: List[Dict[str, float]] = []  # held-out accuracy by version, for the summary
+        self._published: Dict[int, Tuple[float, int]] = {0: (0.0, 0)}  # version -> (stage seconds, samples seen)
         self._previous = self._worker_counters()
         self._scored = (0, 0, 0, 0)  # scored, errors, timeouts, filtered at the previous step
         self._learner_busy_s = 0.0
@@ -50,6 +51,7 @@ class RLMonitor:
     def step(self, version: int, learner_metrics: Dict[str, float], batch: Batch, counters, publish_s: float) -> None:
         """Report learner step `version` (just published) trained on `batch`."""
         self.samples_seen += len(batch.samples)
+        self._published[version] = (time.perf_counter() - self.start, self.samples_seen)
         families = {"learning": self._learning(learner_metrics, batch),
                     "rewards": self._rewards(batch, counters),
                     "async": self._async(version, batch, counters, publish_s)}
@@ -76,9 +78,11 @@ class RLMonitor:
                 self.metrics.event(alert.kind, alert.message, alert.step)
 
     def evaluation(self, version: int, accuracy: float) -> None:
+        """Record a finished evaluation of `version`, dated when that version was published."""
         self.last_accuracy = accuracy
-        self.eval_history.append({"version": version, "wall_s": round(time.perf_counter() - self.start, 2),
-                                  "samples_seen": self.samples_seen, "accuracy": accuracy})
+        published_s, samples_seen = self._published[version]
+        self.eval_history.append({"version": version, "wall_s": round(published_s, 2),
+                                  "samples_seen": samples_seen, "accuracy": accuracy})
         self.metrics.log_rl(self.policy, {"eval": {"accuracy": accuracy, "policy_version": version}},
                             self._axes(version))
 
