@@ -64,16 +64,19 @@ def report(rows: List[Dict], start_accuracy: float, target: float, command: str)
         f"{date.today()}, {platform.node()}: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, `{command}`", "",
         f"Every run starts from the same SFT checkpoint (held-out greedy accuracy {start_accuracy:.3f}) and "
         f"trains the same number of learner steps; time to target is the RL wall time at the first in-run "
-        f"evaluation with held-out greedy accuracy >= {target}. `max_staleness: 0` is fully synchronous.", "",
-        "| max_staleness | time to target (s) | steps to target | vs sync | samples/s | learner busy | rollout busy "
-        "| largest gap trained | dropped stale | RL wall (s) | final accuracy |",
-        "|---|---|---|---|---|---|---|---|---|---|---|"]
+        f"evaluation with held-out greedy accuracy >= {target} (dated when the evaluated version was "
+        f"published; evaluations every `eval.every_steps`). `max_staleness: 0` is fully synchronous.", "",
+        "| max_staleness | time to target (s) | steps to target | sync time / this time | samples/s "
+        "| samples/s vs sync | learner busy | rollout busy | largest gap trained | dropped stale | RL wall (s) "
+        "| final accuracy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         reached = r["reached"]
-        speedup = (f"{sync['reached']['wall_s'] / reached['wall_s']:.2f}x faster"
-                   if reached and sync and sync["reached"] and r is not sync else "")
+        speedup = (f"{sync['reached']['wall_s'] / reached['wall_s']:.2f}"
+                   if reached and sync and sync["reached"] else "-")
+        throughput = f"{r['samples_per_s'] / sync['samples_per_s']:.2f}" if sync else "-"
         lines.append(f"| {r['staleness']} | {reached['wall_s'] if reached else 'not reached'} | "
-                     f"{reached['version'] if reached else '-'} | {speedup} | {r['samples_per_s']:.0f} | "
+                     f"{reached['version'] if reached else '-'} | {speedup} | {r['samples_per_s']:.0f} | {throughput} | "
                      f"{r['learner_busy']:.2f} | {r['rollout_busy']:.2f} | {r['max_gap']} | {r['dropped']} | "
                      f"{r['rl_wall_s']:.1f} | {r['final']:.3f} |")
     return "\n".join(lines) + "\n"

@@ -113,6 +113,11 @@ class PolicyRun:
     def done(self) -> bool:
         return self.version >= self.rl.max_steps and self._step is None
 
+    @property
+    def step_refs(self) -> List[ray.ObjectRef]:
+        """The learner step in flight's result refs (empty when none is)."""
+        return self._step[0] if self._step is not None else []
+
     def absorb(self, scored) -> None:
         self.buffer.add(scored)
         _count_scored(scored, self.counters)
@@ -175,7 +180,10 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
     rollout_loops = {p.name: [w.run.remote() for w in p.rollout] for p in policies}
     loops = [ref for refs in rollout_loops.values() for ref in refs] + [w.run.remote() for w in reward_actors]
     while not all(run.done for run in runs.values()):
-        for scored in queue.read_results(block_ms=20):
+        in_flight = [ref for run in runs.values() for ref in run.step_refs]
+        if in_flight:  # wake the moment the learner steps end; results wait in Redis meanwhile
+            ray.wait(in_flight, num_returns=len(in_flight), timeout=0.02)
+        for scored in queue.read_results(block_ms=None if in_flight else 20):
             if scored.sample.policy in runs:
                 runs[scored.sample.policy].absorb(scored)
         progressed = [run.advance() for run in runs.values()]
