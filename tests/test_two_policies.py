@@ -19,7 +19,7 @@ def test_two_policies_train_side_by_side(ray_session, tmp_path):
                                   "eval.every_steps=2", "wandb.mode=disabled", "learner.num_cpus=0.5",
                                   "rollout.num_cpus=0.5"])  # 6.5 Ray CPUs would not fit the 4-CPU test cluster
     assert [(p.name, p.model.hidden_size, p.rl.lr, p.rl.max_steps) for p in config.policy_list()] == [
-        ("small", 64, 5e-4, 4), ("large", 128, 3e-4, 4)]  # entries override the shared sections
+        ("small", 64, 2e-4, 4), ("large", 128, 3e-4, 4)]  # entries override the shared sections
     summary = run_job(config)
     assert summary["status"] == "completed" and set(summary["policies"]) == {"small", "large"}
     for name in ("small", "large"):

@@ -1,0 +1,169 @@
+"""rlplatform against TRL's GRPOTrainer on the same machine, from the same starting weights.
+
+The shared base (../shared/bench/make_base.py: a tiny Qwen2 trained on addition) is built once;
+the peer is ../shared/bench/trl_peer.py, run as it is. rlplatform trains the same base on the
+same rows with the same group size, prompts per step, learning rate and completion length, in
+synchronous (`max_staleness: 0`) and asynchronous (`max_staleness: 1`) mode. Scenarios:
+
+- overhead: the instant exact-match reward; measures framework cost against one process;
+- slow_rewards: the same reward behind a fixed per-sample latency (a remote judge).
+
+Per system: completions/s, wall time to a target held-out greedy accuracy, accuracy after the
+same number of completions, and the ratios rlplatform/TRL; written to results/vs_trl.md.
+
+Usage: python benchmarks/vs_trl.py [--base DIR] [--steps 40 80 160] [--target 0.5]
+           [--scenarios overhead slow_rewards] [--reward-delay-ms 30] [--slow-steps 20]
+Needs the `bench` extra (`pip install -e ".[dev,bench]"`: trl, datasets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import date
+from typing import Dict, List, Optional
+
+import ray
+
+from rlplatform.config import RewardSpec, load_config
+from rlplatform.controller import run_job
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED_BENCH = os.path.join(os.path.dirname(REPO), "shared", "bench")
+PROMPTS, GROUP, LR, COMPLETION_TOKENS = 16, 8, 2e-4, 6
+EVAL_EVERY = 10
+
+
+@dataclass
+class Result:
+    """One system's figures in one scenario."""
+    system: str
+    steps: int
+    wall_s: float  # training wall time (no start-up, no final evaluation)
+    completions_per_s: float
+    accuracy: float  # held-out greedy accuracy after `steps` steps
+    time_to_target_s: Optional[float]  # None: target not reached within the steps run
+
+    @property
+    def completions(self) -> int:
+        return self.steps * PROMPTS * GROUP
+
+
+def make_base(out: str) -> Dict:
+    subprocess.run([sys.executable, os.path.join(SHARED_BENCH, "make_base.py"), out], check=True)
+    with open(os.path.join(out, "base_info.json")) as f:
+        return json.load(f)
+
+
+def trl_peer(base: str, steps: int, delay_ms: float) -> Dict:
+    """One run of the shared TRL peer script; its JSON line."""
+    out = subprocess.run([sys.executable, os.path.join(SHARED_BENCH, "trl_peer.py"), base, "--steps", str(steps),
+                          "--prompts", str(PROMPTS), "--group", str(GROUP), "--lr", str(LR),
+                          "--reward-delay-ms", str(delay_ms), "--out", tempfile.mkdtemp()],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def trl_results(base: str, step_counts: List[int], delay_ms: float, target: float) -> Result:
+    """The peer at each step count (it has no in-run evaluation): time to target is the wall time of
+    the shortest run that ends at or above it, figures are those of the longest run."""
+    runs = [trl_peer(base, steps, delay_ms) for steps in step_counts]
+    reached = next((r["wall_s"] for r in runs if r["acc_after"] >= target), None)
+    last = runs[-1]
+    return Result("TRL GRPOTrainer", last["steps"], last["wall_s"], last["completions_per_s"], last["acc_after"],
+                  reached)
+
+
+def ours(base: str, steps: int, staleness: int, delay_ms: float, target: float, out: str) -> Result:
+    config = load_config(None, [
+        f"output_dir={out}", f"name=ours-{staleness}-{int(delay_ms)}-{time.time_ns()}", "wandb.mode=disabled",
+        "model.kind=pretrained", f"model.path={base}", "data.kind=jsonl",
+        f"data.train_path={os.path.join(base, 'train.jsonl')}", f"data.test_path={os.path.join(base, 'test.jsonl')}",
+        "sft.enabled=false", f"rl.max_steps={steps}", f"rl.batch_prompts={PROMPTS}", f"rl.group_size={GROUP}",
+        f"rl.lr={LR}", f"rl.max_new_tokens={COMPLETION_TOKENS}", f"rl.max_staleness={staleness}",
+        "rl.temperature=1.0", "rl.track_reference_kl=false", f"eval.every_steps={EVAL_EVERY}",
+        "eval.max_new_tokens=5"])
+    if delay_ms:
+        config.imports = ["benchmarks.bench_rewards"]
+        config.rewards = [RewardSpec(fn="benchmarks.bench_rewards:slow_exact_match", params={"delay_ms": delay_ms})]
+    summary = run_job(config)
+    if summary["status"] != "completed":
+        raise SystemExit(f"rlplatform run failed: {summary.get('error')}")
+    rl = summary["rl"]
+    reached = next((h["wall_s"] for h in rl["eval_history"] if h["accuracy"] >= target), None)
+    mode = "sync" if staleness == 0 else f"async (staleness {staleness})"
+    return Result(f"rlplatform {mode}", steps, rl["wall_s"], rl["samples_per_s"],
+                  summary["eval"]["after_rl"]["accuracy"], reached)
+
+
+def table(title: str, results: List[Result], note: str) -> List[str]:
+    peer = results[0]
+    lines = [f"### {title}", "", note, "",
+             "| system | steps | completions | train wall (s) | completions/s | vs TRL | time to target (s) | vs TRL "
+             "| accuracy after | ", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        speed = r.completions_per_s / peer.completions_per_s
+        ttt = f"{r.time_to_target_s:.1f}" if r.time_to_target_s is not None else "not reached"
+        ttt_ratio = (f"{peer.time_to_target_s / r.time_to_target_s:.2f}x faster"
+                     if r.time_to_target_s and peer.time_to_target_s and r is not peer else "-")
+        lines.append(f"| {r.system} | {r.steps} | {r.completions} | {r.wall_s:.1f} | {r.completions_per_s:.0f} | "
+                     f"{speed:.2f}x | {ttt} | {ttt_ratio} | {r.accuracy:.3f} |")
+    return lines + [""]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--base", help="an existing make_base.py output; default: build one")
+    parser.add_argument("--steps", type=int, nargs="+", default=[40, 80, 160])
+    parser.add_argument("--target", type=float, default=0.5)
+    parser.add_argument("--scenarios", nargs="+", default=["overhead", "slow_rewards"])
+    parser.add_argument("--reward-delay-ms", type=float, default=30.0)
+    parser.add_argument("--slow-steps", type=int, default=20)
+    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "vs_trl.md"))
+    args = parser.parse_args()
+    work = tempfile.mkdtemp()
+    base = args.base or os.path.join(work, "base")
+    info = make_base(base) if not args.base else json.load(open(os.path.join(base, "base_info.json")))
+    sys.path.insert(0, REPO)  # benchmarks.bench_rewards, for the reward workers too
+    os.chdir(REPO)
+    ray.init(num_cpus=max(os.cpu_count() or 1, 8), include_dashboard=False, log_to_driver=False)
+    sections = []
+    if "overhead" in args.scenarios:
+        steps = max(args.steps)
+        results = [trl_results(base, sorted(args.steps), 0.0, args.target),
+                   ours(base, steps, 0, 0.0, args.target, work), ours(base, steps, 1, 0.0, args.target, work)]
+        sections += table("1. Overhead-bound: instant exact-match reward", results,
+                          f"TRL runs {sorted(args.steps)} steps (its time to target is the shortest run that ends "
+                          f"at or above {args.target}); rlplatform evaluates every {EVAL_EVERY} steps in the "
+                          f"background (dated when the evaluated version was published).")
+    if "slow_rewards" in args.scenarios:
+        delay = args.reward_delay_ms
+        results = [trl_results(base, [args.slow_steps], delay, args.target),
+                   ours(base, args.slow_steps, 0, delay, args.target, work),
+                   ours(base, args.slow_steps, 1, delay, args.target, work)]
+        sections += table(f"2. Slow rewards: {delay:g} ms per completion", results,
+                          f"The same exact match behind {delay:g} ms per completion: TRL calls it in its training "
+                          f"loop; rlplatform's reward workers await it concurrently (`benchmarks/bench_rewards.py`).")
+        for line in sections[-len(results) - 1:]:
+            print(line)
+    report = "\n".join(["# rlplatform vs TRL", "",
+                        f"{date.today()}, {platform.node()}: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
+                        f"`python benchmarks/vs_trl.py {' '.join(sys.argv[1:])}`".rstrip(), "",
+                        f"Shared base: greedy test accuracy {info['greedy_test_accuracy']:.3f} after "
+                        f"{info['sft_steps']} SFT steps (make_base.py, seed {info['seed']}). Both systems: "
+                        f"{PROMPTS} prompts x {GROUP} completions per step, lr {LR}, at most {COMPLETION_TOKENS} "
+                        f"completion tokens, temperature 1, no KL term.", "", *sections])
+    print(report)
+    with open(args.out, "w") as f:
+        f.write(report)
+
+
+if __name__ == "__main__":
+    main()
