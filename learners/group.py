@@ -6,7 +6,7 @@ rank 0 provides weight snapshots. The controller only talks to this class.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, TypeVar
+from typing import Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import ray
 
@@ -38,19 +38,21 @@ class LearnerGroup:
 
     def rl_step(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
                 sft_rows: Optional[List[Dict]] = None) -> Dict[str, float]:
-        return self.gather(self.rl_step_async(samples, advantages, rl, sft_rows))
+        return self.gather(self.rl_step_async(samples, advantages, rl, sft_rows))[0]
 
     def rl_step_async(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
                       sft_rows: Optional[List[Dict]] = None) -> List[ray.ObjectRef]:
-        """Start an RL step on every rank; `gather` the returned refs for its metrics."""
+        """Start an RL step on every rank, each publishing its new weights as it ends; `gather` the refs."""
         n = len(self.ranks)
         sft_parts = shard(sft_rows, n) if sft_rows else [None] * n
-        return [rank.rl_step.remote(s, a, rl, r) for rank, s, a, r in
+        return [rank.rl_step_and_publish.remote(s, a, rl, r) for rank, s, a, r in
                 zip(self.ranks, shard(samples, n), shard(advantages, n), sft_parts)]
 
     @staticmethod
-    def gather(refs: List[ray.ObjectRef]) -> Dict[str, float]:
-        return _mean(ray.get(refs))
+    def gather(refs: List[ray.ObjectRef]) -> Tuple[Dict[str, float], ray.ObjectRef]:
+        """(rank-averaged metrics, the new weights' snapshot ref) of a step started by `rl_step_async`."""
+        results = ray.get(refs)
+        return _mean([metrics for metrics, _ in results]), results[0][1][0]
 
     def publish_weights(self) -> ray.ObjectRef:
         refs = ray.get([rank.publish_weights.remote() for rank in self.ranks])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import ray
 import torch
@@ -169,6 +169,12 @@ class LearnerRank:
                 # the gathered storage is freed on exit: copy out what is needed
                 return {k: v.detach().clone() for k, v in module.state_dict().items()} if wanted else None
         return module.state_dict() if wanted else None
+
+    def rl_step_and_publish(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
+                            sft_rows: Optional[List[Dict]] = None
+                            ) -> Tuple[Dict[str, float], Optional[List[ray.ObjectRef]]]:
+        """`rl_step`, then a snapshot of the new weights, in one call: no round trip between them."""
+        return self.rl_step(samples, advantages, rl, sft_rows), self.publish_weights()
 
     def publish_weights(self) -> Optional[List[ray.ObjectRef]]:
         """[ref] to a snapshot of the current weights in the object store (rank 0)."""

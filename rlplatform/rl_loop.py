@@ -86,10 +86,11 @@ class PolicyWorkers:
         return self.config.name
 
 
-def publish(workers: PolicyWorkers, client, version: int) -> float:
-    """Stream the policy's current weights as `version`; returns the seconds it took."""
+def publish(workers: PolicyWorkers, client, version: int, snapshot: Optional[ray.ObjectRef] = None) -> float:
+    """Stream the policy's weights as `version`: `snapshot` when the learner step made one, else the
+    learner's current weights. Returns the seconds it took."""
     start = time.perf_counter()
-    ref = workers.learner.publish_weights()
+    ref = snapshot if snapshot is not None else workers.learner.publish_weights()
     ray.get(workers.weight_store.publish.remote(version, [ref]))
     client.set(workers.keys.version, version)
     return time.perf_counter() - start
@@ -126,6 +127,9 @@ class PolicyRun:
         """Finish the learner step in flight, or start one if a batch is ready; True if either happened."""
         if self._step is not None:
             return self._finish_step()
+        return self._start_step()
+
+    def _start_step(self) -> bool:
         if self.version >= self.rl.max_steps:
             return False
         batch = self.buffer.take(self.rl.batch_prompts, self.version, self.rl.max_staleness,
@@ -146,13 +150,14 @@ class PolicyRun:
         refs, batch, started = self._step
         if len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
             return False
-        step_metrics = self.workers.learner.gather(refs)
+        step_metrics, snapshot = self.workers.learner.gather(refs)
         self._step = None
         self.counters.learner_busy_s += time.perf_counter() - started
         self.counters.samples_trained += len(batch.samples)
         self.counters.staleness_trained.update(self.version - s.sample.version for s in batch.samples)
         self.version += 1
-        publish_s = publish(self.workers, self.queue.client, self.version)
+        self._start_step()  # the next step runs while this one's weights are published
+        publish_s = publish(self.workers, self.queue.client, self.version, snapshot)
         self.counters.weight_publish_s += publish_s
         self._evaluate_in_background()
         self.monitor.step(self.version, step_metrics, batch, self.counters, publish_s)
