@@ -11,7 +11,7 @@ synchronous (`max_staleness: 0`) and asynchronous (`max_staleness: 1`) mode. Sce
 Per system: completions/s, wall time to a target held-out greedy accuracy, accuracy after the
 same number of completions, and the ratios rlplatform/TRL; written to results/vs_trl.md.
 
-Usage: python benchmarks/vs_trl.py [--base DIR] [--steps 40 80 160] [--target 0.5]
+Usage: python benchmarks/vs_trl.py [--base DIR | --base-steps 800] [--steps 40 80 160] [--target 0.5]
            [--scenarios overhead slow_rewards] [--reward-delay-ms 30] [--slow-steps 20]
 Needs the `bench` extra (`pip install -e ".[dev,bench]"`: trl, datasets).
 """
@@ -56,8 +56,9 @@ class Result:
         return self.steps * PROMPTS * GROUP
 
 
-def make_base(out: str) -> Dict:
-    subprocess.run([sys.executable, os.path.join(SHARED_BENCH, "make_base.py"), out], check=True)
+def make_base(out: str, steps: int) -> Dict:
+    subprocess.run([sys.executable, os.path.join(SHARED_BENCH, "make_base.py"), out, "--steps", str(steps)],
+                   check=True)
     with open(os.path.join(out, "base_info.json")) as f:
         return json.load(f)
 
@@ -121,6 +122,7 @@ def table(title: str, results: List[Result], note: str) -> List[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--base", help="an existing make_base.py output; default: build one")
+    parser.add_argument("--base-steps", type=int, default=800, help="make_base.py SFT steps (~0.3 accuracy here)")
     parser.add_argument("--steps", type=int, nargs="+", default=[40, 80, 160])
     parser.add_argument("--target", type=float, default=0.5)
     parser.add_argument("--scenarios", nargs="+", default=["overhead", "slow_rewards"])
@@ -130,7 +132,7 @@ def main() -> None:
     args = parser.parse_args()
     work = tempfile.mkdtemp()
     base = args.base or os.path.join(work, "base")
-    info = make_base(base) if not args.base else json.load(open(os.path.join(base, "base_info.json")))
+    info = make_base(base, args.base_steps) if not args.base else json.load(open(os.path.join(base, "base_info.json")))
     sys.path.insert(0, REPO)  # benchmarks.bench_rewards, for the reward workers too
     os.chdir(REPO)
     ray.init(num_cpus=max(os.cpu_count() or 1, 8), include_dashboard=False, log_to_driver=False)
