@@ -157,7 +157,7 @@ def main() -> None:
             print(line)
     report = "\n".join(["# rlplatform vs TRL", "",
                         f"{date.today()}, {platform.node()}: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
-                        f"`python benchmarks/vs_trl.py {' '.join(sys.argv[1:])}`".rstrip(), "",
+                        f"`{' '.join(['python benchmarks/vs_trl.py', *sys.argv[1:]])}`", "",
                         f"Shared base: greedy test accuracy {info['greedy_test_accuracy']:.3f} after "
                         f"{info['sft_steps']} SFT steps (make_base.py, seed {info['seed']}). Both systems: "
                         f"{PROMPTS} prompts x {GROUP} completions per step, lr {LR}, at most {COMPLETION_TOKENS} "
