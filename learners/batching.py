@@ -12,21 +12,20 @@ from typing import List, Tuple
 import torch
 
 
-def pack(prompts: List[List[int]], completions: List[List[int]], pad_id: int) -> Tuple[torch.Tensor, ...]:
-    """(input_ids, attention_mask, completion_mask) for prompt+completion pairs.
+def pack(prompts: List[List[int]], completions: List[List[int]], pad_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, completion_mask) for prompt+completion pairs, right-padded with `pad_id`.
 
     completion_mask[i, t] is 1 where input_ids[i, t + 1] is a completion token, so it lines
-    up with next-token log-probs of positions 0..T-2.
+    up with next-token log-probs of positions 0..T-2. Right padding needs no attention mask:
+    under causal attention no real token attends to the pads after it.
     """
     length = max(len(p) + len(c) for p, c in zip(prompts, completions))
     input_ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(prompts), length), dtype=torch.long)
     completion_mask = torch.zeros((len(prompts), length - 1), dtype=torch.float32)
     for i, (p, c) in enumerate(zip(prompts, completions)):
         input_ids[i, :len(p) + len(c)] = torch.tensor(p + c)
-        attention[i, :len(p) + len(c)] = 1
         completion_mask[i, len(p) - 1:len(p) + len(c) - 1] = 1
-    return input_ids, attention, completion_mask
+    return input_ids, completion_mask
 
 
 @dataclass
@@ -40,8 +39,8 @@ def completion_logprobs(model, prompts: List[List[int]], completions: List[List[
                         temperature: float = 1.0, entropy_grad: bool = False) -> TokenScores:
     """Score completions given prompts with one forward pass of `model`; the entropy carries a
     gradient only with `entropy_grad` (an entropy bonus needs it, metrics do not)."""
-    input_ids, attention, completion_mask = pack(prompts, completions, pad_id)
-    logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float()
+    input_ids, completion_mask = pack(prompts, completions, pad_id)
+    logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1].float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     all_logprobs = torch.log_softmax(logits, dim=-1)

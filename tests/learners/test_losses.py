@@ -33,10 +33,9 @@ def test_sft_loss_with_empty_mask_is_zero():
 def test_pack_masks_exactly_the_completion_positions():
     prompts = [[1, 2, 3], [6]]
     completions = [[4, 5], [7, 8, 9]]
-    input_ids, attention, mask = pack(prompts, completions, pad_id=0)
+    input_ids, mask = pack(prompts, completions, pad_id=0)
     # length max(3 + 2, 1 + 3) = 5; mask covers next-token positions 0..3
     assert input_ids.tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 0]]
-    assert attention.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
     # mask[i, t] = 1 exactly where input_ids[i, t + 1] is a completion token
     assert mask.tolist() == [[0.0, 0.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0]]
     for i, completion in enumerate(completions):
@@ -48,9 +47,8 @@ def test_pack_masks_exactly_the_completion_positions():
 def test_pack_pads_with_pad_id_and_aligns_behaviour_logprobs():
     prompts = [[1, 2, 3, 4], [5, 6]]
     completions = [[7], [8, 9]]
-    input_ids, attention, mask = pack(prompts, completions, pad_id=99)
+    input_ids, mask = pack(prompts, completions, pad_id=99)
     assert input_ids.tolist() == [[1, 2, 3, 4, 7], [5, 6, 8, 9, 99]]
-    assert attention.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
     assert mask.tolist() == [[0.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 0.0]]
     aligned = align_per_token([[-0.5], [-0.25, -1.5]], prompts, mask.shape[1])
     assert aligned.tolist() == [[0.0, 0.0, 0.0, -0.5], [0.0, -0.25, -1.5, 0.0]]
@@ -65,3 +63,17 @@ def test_reference_kl_k3_estimate_by_hand():
     logprobs = torch.tensor([[-1.0, -1.0, -1.0]])
     reference = torch.tensor([[-1.0, -1.0 + math.log(2.0), -2.0]])
     assert reference_kl(logprobs, reference).tolist()[0] == pytest.approx([0.0, 0.306853, 0.367879], abs=1e-6)
+
+
+def test_completion_logprobs_of_right_padded_rows_match_each_row_scored_alone(tiny_policy):
+    """No attention mask is passed: right padding must not change any completion token's log-prob."""
+    from rlplatform.learners.batching import completion_logprobs
+    from rlplatform.policy import load_policy
+
+    model, _ = load_policy(tiny_policy)
+    prompts, completions = [[5, 6, 7, 8, 9], [6, 7]], [[10], [11, 12, 13]]
+    batched = completion_logprobs(model, prompts, completions, pad_id=0)
+    for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+        alone = completion_logprobs(model, [prompt], [completion], pad_id=0)
+        assert torch.allclose(batched.logprobs[i][batched.mask[i].bool()], alone.logprobs[0][alone.mask[0].bool()],
+                              atol=1e-5)
