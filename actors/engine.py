@@ -9,8 +9,8 @@ continue with them (in-flight weight update). A GPU engine (vLLM) is a second cl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Protocol
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Hashable, List, Optional, Protocol, Tuple
 
 import torch
 from transformers import DynamicCache
@@ -48,53 +48,145 @@ class TransformersEngine:
         self.model.load_state_dict(state_dict)
         self.version = version
 
+    def decode_batch(self, max_new_tokens: int, temperature: float) -> "DecodeBatch":
+        """An empty continuous batch on this engine's model."""
+        return DecodeBatch(self, max_new_tokens, temperature)
+
     @torch.no_grad()
     def generate(self, prompts: List[str], samples_per_prompt: int, max_new_tokens: int, temperature: float,
                  between_steps: Optional[Callable[[], None]] = None) -> List[List[Completion]]:
         """For each prompt, `samples_per_prompt` completions (one list per prompt)."""
-        encoded = self.tokenizer(prompts, return_tensors="pt", padding=True)
-        input_ids = encoded["input_ids"].repeat_interleave(samples_per_prompt, dim=0)
-        attention = encoded["attention_mask"].repeat_interleave(samples_per_prompt, dim=0)
-        tokens, logprobs, versions = self._decode(input_ids, attention, max_new_tokens, temperature, between_steps)
-        completions = [self._completion(input_ids[i], attention[i], tokens[i], logprobs[i], versions)
-                       for i in range(len(input_ids))]
-        return [completions[i:i + samples_per_prompt] for i in range(0, len(completions), samples_per_prompt)]
-
-    def _decode(self, input_ids, attention, max_new_tokens, temperature, between_steps):
-        """(new tokens, their log-probs) as (batch, steps) tensors, and the version of each step."""
-        cache = DynamicCache()
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        logits = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                            past_key_values=cache, use_cache=True).logits[:, -1]
-        done = torch.zeros(len(input_ids), dtype=torch.bool)
-        tokens, logprobs, versions = [], [], []
-        for step in range(max_new_tokens):
-            token, logprob = _sample(logits.float(), temperature)
-            token = torch.where(done, torch.full_like(token, self.tokenizer.pad_token_id), token)
-            tokens.append(token)
-            logprobs.append(logprob)
-            versions.append(self.version)
-            done |= token == self.tokenizer.eos_token_id
-            if done.all() or step == max_new_tokens - 1:
+        batch = self.decode_batch(max_new_tokens, temperature)
+        rows = [p for p in prompts for _ in range(samples_per_prompt)]
+        batch.add(rows, keys=list(range(len(rows))))
+        completions: Dict[int, Completion] = {}
+        while True:
+            completions.update(batch.step())
+            if not batch:
                 break
             if between_steps is not None:
                 between_steps()
-            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
-            positions = positions[:, -1:] + 1
-            logits = self.model(input_ids=token[:, None], attention_mask=attention, position_ids=positions,
-                                past_key_values=cache, use_cache=True).logits[:, -1]
-        return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), versions
+        ordered = [completions[i] for i in range(len(completions))]
+        return [ordered[i:i + samples_per_prompt] for i in range(0, len(ordered), samples_per_prompt)]
 
-    def _completion(self, input_ids, attention_mask, new_tokens, token_logprobs, versions) -> Completion:
-        length = len(new_tokens)
-        eos_positions = (new_tokens == self.tokenizer.eos_token_id).nonzero()
-        if len(eos_positions):
-            length = int(eos_positions[0]) + 1
-        completion_ids = new_tokens[:length].tolist()
-        return Completion(
-            prompt_ids=input_ids[attention_mask.bool()].tolist(), completion_ids=completion_ids,
-            text=self.tokenizer.decode(completion_ids, skip_special_tokens=True),
-            logprobs=token_logprobs[:length].tolist(), versions=versions[:length])
+
+@dataclass
+class _Row:
+    key: Hashable  # the caller's tag for this sequence
+    prompt_ids: List[int]
+    tokens: List[int] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)
+    versions: List[int] = field(default_factory=list)
+
+
+class DecodeBatch:
+    """Sequences decoded together, one token each per `step` (continuous batching).
+
+    New prompts may join before any step; a sequence leaves the batch the step it emits EOS or
+    reaches `max_new_tokens`, so short completions free their slot for new work instead of
+    waiting for the longest one. The rows stay left-padded: joining rows are padded to the
+    batch's length (or the batch to theirs), and columns no row attends to any more are cut.
+    Each step's logits come from the weights loaded at that step, which are the version its
+    tokens record: weights may change between steps.
+    """
+
+    def __init__(self, engine: TransformersEngine, max_new_tokens: int, temperature: float) -> None:
+        self.model, self.engine = engine.model, engine
+        self.eos_id, self.pad_id = engine.tokenizer.eos_token_id, engine.tokenizer.pad_token_id
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.rows: List[_Row] = []
+        self.waiting: List[Tuple[str, Hashable]] = []  # (prompt, key) not yet prefilled
+        self.cache: Optional[DynamicCache] = None
+        self.attention = torch.zeros(0, 0, dtype=torch.long)  # (rows, cache length + 1 when rows have a token to feed)
+        self.positions = torch.zeros(0, 1, dtype=torch.long)  # position of each row's next token
+        self.last_tokens = torch.zeros(0, dtype=torch.long)  # each row's newest token, not yet in the cache
+
+    def __len__(self) -> int:
+        return len(self.rows) + len(self.waiting)
+
+    def add(self, prompts: List[str], keys: List[Hashable]) -> None:
+        """Queue prompts to join at the next step; each finished completion comes back with its key."""
+        self.waiting.extend(zip(prompts, keys))
+
+    @torch.no_grad()
+    def step(self) -> List[Tuple[Hashable, Completion]]:
+        """Sample one token for every sequence; returns the sequences that finished, with their keys."""
+        logits = []
+        if self.rows:
+            out = self.model(input_ids=self.last_tokens[:, None], attention_mask=self.attention,
+                             position_ids=self.positions, past_key_values=self.cache, use_cache=True)
+            logits.append(out.logits[:, -1])
+        if self.waiting:
+            logits.append(self._prefill_waiting())
+        if not logits:
+            return []
+        token, logprob = _sample(torch.cat(logits).float(), self.temperature)
+        for row, t, lp in zip(self.rows, token.tolist(), logprob.tolist()):
+            row.tokens.append(t)
+            row.logprobs.append(lp)
+            row.versions.append(self.engine.version)
+        finished = (token == self.eos_id) | torch.tensor([len(r.tokens) >= self.max_new_tokens for r in self.rows])
+        done = [(row.key, self._completion(row)) for row, f in zip(self.rows, finished.tolist()) if f]
+        self._keep(~finished, token)
+        return done
+
+    def _prefill_waiting(self) -> torch.Tensor:
+        """Run the waiting prompts through the model and merge them into the batch; their last logits."""
+        prompts, keys = zip(*self.waiting)
+        self.waiting = []
+        encoded = self.engine.tokenizer(list(prompts), return_tensors="pt", padding=True)
+        ids, attention = encoded["input_ids"], encoded["attention_mask"]
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        logits = self.model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
+                            use_cache=True).logits[:, -1]
+        new_rows = [_Row(key, row_ids[mask.bool()].tolist()) for key, row_ids, mask in zip(keys, ids, attention)]
+        if self.rows:
+            # the old rows' newest tokens are in their cache now; both parts are `width` columns long, left-padded
+            width = max(attention.shape[1], self.attention.shape[1])
+            cache = _merge_caches(self.cache, cache, width)
+            attention = torch.cat([_pad_left(self.attention, width), _pad_left(attention, width)])
+            positions = torch.cat([self.positions, positions[:, -1:]])
+        else:
+            positions = positions[:, -1:]
+        self.cache, self.attention, self.positions = cache, attention, positions
+        self.rows += new_rows
+        return logits
+
+    def _keep(self, keep: torch.Tensor, token: torch.Tensor) -> None:
+        """Drop finished rows, and columns no remaining row attends to; the rest get their new token."""
+        self.rows = [row for row, k in zip(self.rows, keep.tolist()) if k]
+        if not self.rows:
+            self.cache, self.attention = None, self.attention[:0]
+            return
+        index = keep.nonzero().squeeze(-1)
+        attention = self.attention[index]
+        first = int(attention.any(0).float().argmax())
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[index, :, first:]
+            layer.values = layer.values[index, :, first:]
+        self.attention = torch.cat([attention[:, first:], torch.ones_like(attention[:, :1])], dim=1)
+        self.positions = self.positions[index] + 1
+        self.last_tokens = token[index]
+
+    def _completion(self, row: _Row) -> Completion:
+        return Completion(prompt_ids=row.prompt_ids, completion_ids=row.tokens,
+                          text=self.engine.tokenizer.decode(row.tokens, skip_special_tokens=True),
+                          logprobs=row.logprobs, versions=row.versions)
+
+
+def _pad_left(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero columns on the left of a (rows, length) mask up to `width`."""
+    return torch.nn.functional.pad(tensor, (width - tensor.shape[1], 0))
+
+
+def _merge_caches(old: DynamicCache, new: DynamicCache, width: int) -> DynamicCache:
+    """One cache holding `old`'s rows then `new`'s, each left-padded with zeros to `width` positions."""
+    layers = []
+    for a, b in zip(old.layers, new.layers):
+        pad = lambda t: torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0))  # noqa: E731
+        layers.append((torch.cat([pad(a.keys), pad(b.keys)]), torch.cat([pad(a.values), pad(b.values)])))
+    return DynamicCache(ddp_cache_data=layers)
 
 
 def _sample(logits: torch.Tensor, temperature: float):

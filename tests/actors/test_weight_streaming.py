@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import ray
 import torch
 
@@ -10,7 +12,7 @@ from rlplatform.actors.rollout import RolloutActor
 from rlplatform.config import RLConfig, RolloutConfig
 from rlplatform.learners.batching import completion_logprobs
 from rlplatform.policy import load_policy
-from rlplatform.reward_queue import PolicyKeys
+from rlplatform.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.weights import WeightStore, to_snapshot
 
 ROWS = [{"prompt": "12+34=", "answer": "46"}, {"prompt": "5+5=", "answer": "10"}]
@@ -33,26 +35,45 @@ def perturbed(policy_path: str, seed: int):
     return model
 
 
+def collect(queue: RewardQueue, n: int, timeout_s: float = 60.0) -> list:
+    """The next `n` samples the rollout worker submits."""
+    samples, deadline = [], time.time() + timeout_s
+    while len(samples) < n and time.time() < deadline:
+        samples += [queue.decode(raw) for _, raw in queue.fetch("test", n - len(samples), block_ms=200)]
+    return samples
+
+
 def test_worker_generates_with_each_new_version(ray_session, redis_server, redis_client, tiny_policy):
+    job = f"stream-test-{time.time_ns()}"
+    queue = RewardQueue(redis_client, job)
+    queue.create_group()
     store = WeightStore.remote()
-    worker = RolloutActor.remote(0, "policy", tiny_policy, ROWS, RLConfig(group_size=2, max_new_tokens=4),
-                                 RolloutConfig(), redis_server, "stream-test", store, 0)
+    rl = RLConfig(group_size=2, max_new_tokens=4, batch_prompts=2, max_staleness=0)
+    worker = RolloutActor.remote(0, "policy", tiny_policy, ROWS, rl,
+                                 RolloutConfig(prompts_per_batch=2, weight_swap="finish_then_swap"),
+                                 redis_server, job, store, 0)
+    running = worker.run.remote()
     try:
-        for version, seed in ((1, 1), (2, 2)):
+        # synchronous gate: version 1 may start (1 + 1) * 2 groups in all, version 2 two more
+        for version, seed, groups in ((1, 1, 4), (2, 2, 2)):
             model = perturbed(tiny_policy, seed)
             ray.get(store.publish.remote(version, [ray.put(to_snapshot(model.state_dict()))]))
-            redis_client.set(PolicyKeys("stream-test", "policy").version, version)
-            assert ray.get(worker.sync_weights.remote()) == version
-            samples = ray.get(worker.generate_groups.remote(ROWS, f"v{version}"))
+            redis_client.set(PolicyKeys(job, "policy").version, version)
+            samples = collect(queue, 2 * groups)
+            assert len(samples) == 2 * groups
             assert all(s.token_versions == [version] * len(s.completion_ids) for s in samples)
             expected = logprobs_under(model, samples)
             stale = logprobs_under(load_policy(tiny_policy)[0], samples)
             for sample, new, old in zip(samples, expected, stale):
                 assert torch.allclose(torch.tensor(sample.behaviour_logprobs), torch.tensor(new), atol=1e-4)
                 assert not torch.allclose(torch.tensor(sample.behaviour_logprobs), torch.tensor(old), atol=1e-3)
+        assert collect(queue, 1, timeout_s=1.0) == []  # and nothing past the gate
     finally:
+        queue.request_stop()
+        stats = ray.get(running, timeout=30)
         ray.kill(worker)
         ray.kill(store)
+    assert stats.groups_generated == 6 and stats.weight_syncs == 2
 
 
 def test_in_flight_swap_changes_version_mid_sequence_without_dropping_any(tiny_policy):

@@ -1,0 +1,58 @@
+"""Continuous batching: sequences that join a running batch, or leave it early, decode as if alone."""
+
+from __future__ import annotations
+
+import torch
+
+from rlplatform.actors.engine import TransformersEngine
+from rlplatform.learners.batching import completion_logprobs
+
+
+def alone(engine: TransformersEngine, prompt: str, max_new_tokens: int):
+    return engine.generate([prompt], 1, max_new_tokens, 0.0)[0][0]
+
+
+def test_rows_joining_and_leaving_decode_exactly_as_alone(tiny_policy):
+    engine = TransformersEngine(tiny_policy)
+    engine.load_weights({k: v.clone() for k, v in engine.model.state_dict().items()}, version=0)
+    batch = engine.decode_batch(max_new_tokens=6, temperature=0.0)
+    batch.add(["12+34=", "5+5="], keys=["a", "b"])
+    finished = {}
+    for _ in range(3):
+        finished.update(batch.step())
+    # one prompt shorter than the batch's columns, one longer: each side gets left-padded
+    batch.add(["7=", "123+456+789+1000="], keys=["c", "d"])
+    widths = []
+    while batch:
+        finished.update(batch.step())
+        widths.append(batch.attention.shape[1])
+    assert sorted(finished) == ["a", "b", "c", "d"]
+    prompts = {"a": "12+34=", "b": "5+5=", "c": "7=", "d": "123+456+789+1000="}
+    for key, prompt in prompts.items():
+        reference = alone(engine, prompt, 6)
+        assert finished[key].completion_ids == reference.completion_ids
+        assert finished[key].prompt_ids == reference.prompt_ids
+        torch.testing.assert_close(torch.tensor(finished[key].logprobs), torch.tensor(reference.logprobs),
+                                   atol=1e-4, rtol=0)
+    # and the recorded log-probs are the model's, scored from scratch
+    scores = completion_logprobs(engine.model, [finished[k].prompt_ids for k in prompts],
+                                 [finished[k].completion_ids for k in prompts], pad_id=0)
+    for key, row, mask in zip(prompts, scores.logprobs, scores.mask):
+        torch.testing.assert_close(torch.tensor(finished[key].logprobs), row[mask.bool()], atol=1e-4, rtol=0)
+    # once the first rows leave, the columns only they used are cut: the batch never outgrows its longest row
+    assert max(widths[3:-1]) <= len(finished["d"].prompt_ids) + 6
+
+
+def test_a_finished_row_leaves_at_once_and_its_slot_can_be_refilled(tiny_policy):
+    engine = TransformersEngine(tiny_policy)
+    engine.load_weights({k: v.clone() for k, v in engine.model.state_dict().items()}, version=3)
+    short = engine.decode_batch(max_new_tokens=2, temperature=0.0)  # greedy: no EOS from this model
+    short.add(["1+1=", "2+2=", "3+3="], keys=[0, 1, 2])
+    assert short.step() == [] and len(short) == 3
+    done = short.step()
+    assert sorted(k for k, _ in done) == [0, 1, 2] and len(short) == 0
+    assert all(c.versions == [3] * len(c.completion_ids) for _, c in done)
+    short.add(["4+4="], keys=[3])
+    short.step()
+    (key, completion), = short.step()
+    assert key == 3 and len(completion.completion_ids) == 2 and len(short) == 0
