@@ -35,6 +35,8 @@ import ray
 from rlplatform.config import RewardSpec, load_config
 from rlplatform.controller import run_job
 
+import long_tail  # benchmarks/long_tail.py, beside this script
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_BENCH = os.path.join(os.path.dirname(REPO), "shared", "bench")
 PROMPTS, GROUP, LR, COMPLETION_TOKENS = 16, 8, 2e-4, 6
@@ -72,25 +74,34 @@ def trl_peer(base: str, steps: int, delay_ms: float) -> Dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def trl_results(base: str, step_counts: List[int], delay_ms: float, target: float) -> Result:
-    """The peer at each step count (it has no in-run evaluation): time to target is the wall time of
-    the shortest run that ends at or above it, figures are those of the longest run."""
-    runs = [trl_peer(base, steps, delay_ms) for steps in step_counts]
+def trl_long_tail(base: str, steps: int, completion_tokens: int) -> Dict:
+    """One run of the peer's settings with a longer completion limit (benchmarks/trl_runner.py)."""
+    out = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "trl_runner.py"), base, "--steps", str(steps),
+                          "--max-completion-length", str(completion_tokens), "--prompts", str(PROMPTS),
+                          "--group", str(GROUP), "--lr", str(LR), "--out", tempfile.mkdtemp()],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def trl_results(runs: List[Dict], target: float) -> Result:
+    """The peer's runs at increasing step counts (it has no in-run evaluation): time to target is the
+    wall time of the shortest run that ends at or above it, figures are those of the longest run."""
     reached = next((r["wall_s"] for r in runs if r["acc_after"] >= target), None)
     last = runs[-1]
     return Result("TRL GRPOTrainer", last["steps"], last["wall_s"], last["completions_per_s"], last["acc_after"],
                   reached)
 
 
-def ours(base: str, steps: int, staleness: int, delay_ms: float, target: float, out: str) -> Result:
+def ours(base: str, steps: int, staleness: int, target: float, out: str, delay_ms: float = 0.0,
+         completion_tokens: int = COMPLETION_TOKENS, eval_tokens: int = 5) -> Result:
     config = load_config(None, [
         f"output_dir={out}", f"name=ours-{staleness}-{int(delay_ms)}-{time.time_ns()}", "wandb.mode=disabled",
         "model.kind=pretrained", f"model.path={base}", "data.kind=jsonl",
         f"data.train_path={os.path.join(base, 'train.jsonl')}", f"data.test_path={os.path.join(base, 'test.jsonl')}",
         "sft.enabled=false", f"rl.max_steps={steps}", f"rl.batch_prompts={PROMPTS}", f"rl.group_size={GROUP}",
-        f"rl.lr={LR}", f"rl.max_new_tokens={COMPLETION_TOKENS}", f"rl.max_staleness={staleness}",
+        f"rl.lr={LR}", f"rl.max_new_tokens={completion_tokens}", f"rl.max_staleness={staleness}",
         "rl.temperature=1.0", "rl.track_reference_kl=false", f"eval.every_steps={EVAL_EVERY}",
-        "eval.max_new_tokens=5"])
+        f"eval.max_new_tokens={eval_tokens}"])
     if delay_ms:
         config.imports = ["benchmarks.bench_rewards"]
         config.rewards = [RewardSpec(fn="benchmarks.bench_rewards:slow_exact_match", params={"delay_ms": delay_ms})]
@@ -125,9 +136,12 @@ def main() -> None:
     parser.add_argument("--base-steps", type=int, default=800, help="make_base.py SFT steps (~0.3 accuracy here)")
     parser.add_argument("--steps", type=int, nargs="+", default=[40, 80, 160])
     parser.add_argument("--target", type=float, default=0.5)
-    parser.add_argument("--scenarios", nargs="+", default=["overhead", "slow_rewards"])
+    parser.add_argument("--scenarios", nargs="+", default=["overhead", "slow_rewards", "long_tail"])
     parser.add_argument("--reward-delay-ms", type=float, default=30.0)
     parser.add_argument("--slow-steps", type=int, default=20)
+    parser.add_argument("--long-tail-steps", type=int, default=40)
+    parser.add_argument("--long-tail-base-steps", type=int, default=300)
+    parser.add_argument("--long-tail-target", type=float, default=0.55)
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "vs_trl.md"))
     args = parser.parse_args()
     work = tempfile.mkdtemp()
@@ -139,22 +153,32 @@ def main() -> None:
     sections = []
     if "overhead" in args.scenarios:
         steps = max(args.steps)
-        results = [trl_results(base, sorted(args.steps), 0.0, args.target),
-                   ours(base, steps, 0, 0.0, args.target, work), ours(base, steps, 1, 0.0, args.target, work)]
+        results = [trl_results([trl_peer(base, n, 0.0) for n in sorted(args.steps)], args.target),
+                   ours(base, steps, 0, args.target, work), ours(base, steps, 1, args.target, work)]
         sections += table("1. Overhead-bound: instant exact-match reward", results,
                           f"TRL runs {sorted(args.steps)} steps (its time to target is the shortest run that ends "
                           f"at or above {args.target}); rlplatform evaluates every {EVAL_EVERY} steps in the "
                           f"background (dated when the evaluated version was published).")
     if "slow_rewards" in args.scenarios:
         delay = args.reward_delay_ms
-        results = [trl_results(base, [args.slow_steps], delay, args.target),
-                   ours(base, args.slow_steps, 0, delay, args.target, work),
-                   ours(base, args.slow_steps, 1, delay, args.target, work)]
+        results = [trl_results([trl_peer(base, args.slow_steps, delay)], args.target),
+                   ours(base, args.slow_steps, 0, args.target, work, delay_ms=delay),
+                   ours(base, args.slow_steps, 1, args.target, work, delay_ms=delay)]
         sections += table(f"2. Slow rewards: {delay:g} ms per completion", results,
                           f"The same exact match behind {delay:g} ms per completion: TRL calls it in its training "
                           f"loop; rlplatform's reward workers await it concurrently (`benchmarks/bench_rewards.py`).")
-        for line in sections[-len(results) - 1:]:
-            print(line)
+    if "long_tail" in args.scenarios:
+        tail_base = os.path.join(work, "long_tail")
+        tail = long_tail.build(base, tail_base, args.long_tail_base_steps)
+        tokens, steps = tail["max_completion_tokens"], args.long_tail_steps
+        results = [trl_results([trl_long_tail(tail_base, steps, tokens)], args.long_tail_target),
+                   ours(tail_base, steps, 0, args.long_tail_target, work, completion_tokens=tokens, eval_tokens=tokens),
+                   ours(tail_base, steps, 1, args.long_tail_target, work, completion_tokens=tokens, eval_tokens=tokens)]
+        sections += table(f"3. Long tail: one prompt in {tail['long_every']} asks for a worked answer", results,
+                          f"`benchmarks/long_tail.py` fine-tunes the shared base for {tail['fine_tune_steps']} steps "
+                          f"on addition mixed with worked products (`37*4=` -> `37+37+37+37=148`): completions run "
+                          f"3 to {tokens} tokens. TRL runs the peer's settings with that completion limit "
+                          f"(`benchmarks/trl_runner.py`); target {args.long_tail_target}.")
     report = "\n".join(["# rlplatform vs TRL", "",
                         f"{date.today()}, {platform.node()}: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
                         f"`{' '.join(['python benchmarks/vs_trl.py', *sys.argv[1:]])}`", "",

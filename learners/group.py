@@ -37,15 +37,15 @@ class LearnerGroup:
         return _mean(ray.get([rank.sft_step.remote(p) for rank, p in zip(self.ranks, parts)]))
 
     def rl_step(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
-                sft_rows: Optional[List[Dict]] = None) -> Dict[str, float]:
-        return self.gather(self.rl_step_async(samples, advantages, rl, sft_rows))[0]
+                sft_rows: Optional[List[Dict]] = None, step: int = 0) -> Dict[str, float]:
+        return self.gather(self.rl_step_async(samples, advantages, rl, sft_rows, step))[0]
 
     def rl_step_async(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
-                      sft_rows: Optional[List[Dict]] = None) -> List[ray.ObjectRef]:
-        """Start an RL step on every rank, each publishing its new weights as it ends; `gather` the refs."""
+                      sft_rows: Optional[List[Dict]] = None, step: int = 0) -> List[ray.ObjectRef]:
+        """Start RL step `step` on every rank, each publishing its new weights as it ends; `gather` the refs."""
         n = len(self.ranks)
         sft_parts = shard(sft_rows, n) if sft_rows else [None] * n
-        return [rank.rl_step_and_publish.remote(s, a, rl, r) for rank, s, a, r in
+        return [rank.rl_step_and_publish.remote(s, a, rl, r, step) for rank, s, a, r in
                 zip(self.ranks, shard(samples, n), shard(advantages, n), sft_parts)]
 
     @staticmethod

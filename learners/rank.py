@@ -44,6 +44,7 @@ class LearnerRank:
         self.engine = None
         self.tokenizer = None
         self.reference = None  # frozen policy for KL, kept during RL when asked
+        self.stage_lr = 0.0
 
     def address(self) -> tuple:
         """(host, free port) where rank 0 listens for the rendezvous."""
@@ -80,6 +81,7 @@ class LearnerRank:
         inner.state.clear()
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
+        self.stage_lr = lr
         self.reference = None
         if keep_reference:
             self.reference, _ = load_policy(self.model_path)
@@ -98,10 +100,13 @@ class LearnerRank:
         return completion_logprobs(self.engine, prompts, targets, self.tokenizer.pad_token_id)
 
     def rl_step(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
-                sft_rows: Optional[List[Dict]] = None) -> Dict[str, float]:
+                sft_rows: Optional[List[Dict]] = None, step: int = 0) -> Dict[str, float]:
         """`rl.ppo_epochs` passes over `rl.minibatches` minibatches of the clipped, importance-weighted
-        policy gradient (plus the KL, entropy and SFT terms rl asks for). The proximal policy is
-        the weights at entry, so several updates per batch stay PPO-clipped against it."""
+        policy gradient (plus the KL, entropy and SFT terms rl asks for), at the learning rate of RL
+        step `step` (the stage's rate under `rl.lr_schedule`). The proximal policy is the weights at entry, so several updates per batch stay
+        PPO-clipped against it."""
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = self.stage_lr * lr_scale(rl, step)
         parts = max(1, min(rl.minibatches, len(samples)))
         single_update = parts == 1 and rl.ppo_epochs == 1
         minibatches = [self._prepare(samples[i::parts], advantages[i::parts], rl, single_update)
@@ -171,10 +176,10 @@ class LearnerRank:
         return module.state_dict() if wanted else None
 
     def rl_step_and_publish(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
-                            sft_rows: Optional[List[Dict]] = None
+                            sft_rows: Optional[List[Dict]] = None, step: int = 0
                             ) -> Tuple[Dict[str, float], Optional[List[ray.ObjectRef]]]:
         """`rl_step`, then a snapshot of the new weights, in one call: no round trip between them."""
-        return self.rl_step(samples, advantages, rl, sft_rows), self.publish_weights()
+        return self.rl_step(samples, advantages, rl, sft_rows, step), self.publish_weights()
 
     def publish_weights(self) -> Optional[List[ray.ObjectRef]]:
         """[ref] to a snapshot of the current weights in the object store (rank 0)."""
@@ -190,6 +195,14 @@ class LearnerRank:
         if state is not None:
             self.engine.module.save_pretrained(model_dir, state_dict=state)
             self.tokenizer.save_pretrained(model_dir)
+
+
+def lr_scale(rl: RLConfig, step: int) -> float:
+    """The fraction of the stage's learning rate RL step `step` (0-based) uses: 1, or under `linear`
+    decaying to 0 at max_steps."""
+    if rl.lr_schedule == "linear":
+        return max(0.0, 1.0 - step / rl.max_steps)
+    return 1.0
 
 
 LearnerActor = ray.remote(LearnerRank)

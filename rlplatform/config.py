@@ -71,6 +71,7 @@ class RLConfig:
     batch_prompts: int = 16  # complete groups per learner step
     group_size: int = 8  # completions sampled per prompt
     lr: float = 2e-4  # AdamW learning rate
+    lr_schedule: str = "linear"  # linear: decays to 0 at max_steps (as TRL does), or constant
     max_staleness: int = 1  # samples more than this many versions behind the learner are dropped
     max_new_tokens: int = 6  # completion length limit
     temperature: float = 1.0  # sampling temperature of the rollout workers
@@ -236,6 +237,7 @@ CHOICES = {
     "rl.algorithm": ("grpo", "rloo", "reinforce_pp"),
     "rl.correction": ("truncated_is", "decoupled_ppo", "on_policy"),
     "rl.loss_aggregation": ("token_mean", "sequence_mean", "fixed_length"),
+    "rl.lr_schedule": ("constant", "linear"),
     "wandb.mode": ("auto", "online", "offline", "disabled"),
     "rollout.weight_swap": ("in_flight", "finish_then_swap"),
     "learner.zero_stage": (0, 1, 2, 3),

@@ -142,7 +142,8 @@ class PolicyRun:
         advantages = [a for group in _advantages(self.rl, rewards) for a in group]
         sft_rows = random.Random(self.version).sample(self.train_rows, self.rl.batch_prompts) \
             if self.rl.sft_coef else None
-        refs = self.workers.learner.rl_step_async([s.sample for s in batch.samples], advantages, self.rl, sft_rows)
+        refs = self.workers.learner.rl_step_async([s.sample for s in batch.samples], advantages, self.rl, sft_rows,
+                                                  step=self.version)
         self._step = (refs, batch, time.perf_counter())
         return True
 

@@ -100,3 +100,15 @@ def test_ppo_epochs_minibatches_corrections_and_auxiliary_terms(learner, tiny_po
     second = learner.rl_step(samples, advantages, rl, sft_rows=ROWS)
     assert second["sft_loss"] < first["sft_loss"]  # the SFT term trains on its rows too
     assert {"pg_loss", "entropy", "sft_loss", "loss", "grad_norm", "lr"} <= set(second)
+
+
+def test_linear_lr_schedule_decays_the_stage_rate_to_zero_at_max_steps(learner, tiny_policy):
+    learner.start_stage(lr=1e-2)
+    samples, advantages = rl_batch(tiny_policy)
+    rl = RLConfig(lr_schedule="linear", max_steps=4)
+    rates = [learner.rl_step(samples, advantages, rl, step=step)["lr"] for step in (0, 1, 3)]
+    assert rates == pytest.approx([1e-2, 7.5e-3, 2.5e-3])
+    before = snapshot(learner)
+    assert learner.rl_step(samples, advantages, rl, step=4)["lr"] == 0.0
+    assert max_change(before, snapshot(learner)) == 0.0  # the last scheduled step moves nothing
+    assert learner.rl_step(samples, advantages, RLConfig(lr_schedule="constant"), step=3)["lr"] == pytest.approx(1e-2)

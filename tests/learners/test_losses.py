@@ -30,29 +30,30 @@ def test_sft_loss_with_empty_mask_is_zero():
     assert loss.item() == 0.0 and metrics["tokens"] == 1.0  # tokens clamped to 1: no division by zero
 
 
-def test_pack_masks_exactly_the_completion_positions():
+def test_pack_puts_sequences_back_to_back_and_indexes_exactly_the_completion_positions():
     prompts = [[1, 2, 3], [6]]
     completions = [[4, 5], [7, 8, 9]]
-    input_ids, mask = pack(prompts, completions, pad_id=0)
-    # length max(3 + 2, 1 + 3) = 5; mask covers next-token positions 0..3
-    assert input_ids.tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 0]]
-    # mask[i, t] = 1 exactly where input_ids[i, t + 1] is a completion token
-    assert mask.tolist() == [[0.0, 0.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0]]
+    batch = pack(prompts, completions, pad_id=0, row_tokens=16)
+    # one row: the longer pair first, positions restarting at each sequence and at the padding
+    assert batch.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3]]
+    # W = longest - 1 = 4; mask[i, t] = 1 exactly where token t + 1 of sequence i is a completion token
+    assert batch.completion_mask.tolist() == [[0.0, 0.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0]]
+    next_tokens = batch.input_ids[:, 1:].reshape(-1)
     for i, completion in enumerate(completions):
-        predicted = input_ids[i, 1:][mask[i].bool()].tolist()
-        assert predicted == completion
-    assert mask.sum().item() == sum(len(c) for c in completions)
+        assert next_tokens[batch.index[i]][batch.completion_mask[i].bool()].tolist() == completion
 
 
-def test_pack_pads_with_pad_id_and_aligns_behaviour_logprobs():
-    prompts = [[1, 2, 3, 4], [5, 6]]
-    completions = [[7], [8, 9]]
-    input_ids, mask = pack(prompts, completions, pad_id=99)
-    assert input_ids.tolist() == [[1, 2, 3, 4, 7], [5, 6, 8, 9, 99]]
-    assert mask.tolist() == [[0.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 0.0]]
-    aligned = align_per_token([[-0.5], [-0.25, -1.5]], prompts, mask.shape[1])
-    assert aligned.tolist() == [[0.0, 0.0, 0.0, -0.5], [0.0, -0.25, -1.5, 0.0]]
-    assert ((aligned != 0).float() == mask).all()  # behaviour values sit exactly on the mask
+def test_pack_starts_a_new_row_when_full_and_pads_with_pad_id():
+    prompts = [[1, 2, 3, 4], [5, 6], [10, 11]]
+    completions = [[7], [8, 9], [12]]
+    batch = pack(prompts, completions, pad_id=99, row_tokens=5)
+    assert batch.input_ids.tolist() == [[1, 2, 3, 4, 7], [5, 6, 8, 9, 99], [10, 11, 12, 99, 99]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 0], [0, 1, 2, 0, 1]]
+    assert batch.completion_mask.tolist() == [[0.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]]
+    aligned = align_per_token([[-0.5], [-0.25, -1.5], [-2.0]], prompts, batch.completion_mask.shape[1])
+    assert aligned.tolist() == [[0.0, 0.0, 0.0, -0.5], [0.0, -0.25, -1.5, 0.0], [0.0, -2.0, 0.0, 0.0]]
+    assert ((aligned != 0).float() == batch.completion_mask).all()  # behaviour values sit exactly on the mask
 
 
 def test_reference_kl_k3_estimate_by_hand():
@@ -65,15 +66,27 @@ def test_reference_kl_k3_estimate_by_hand():
     assert reference_kl(logprobs, reference).tolist()[0] == pytest.approx([0.0, 0.306853, 0.367879], abs=1e-6)
 
 
-def test_completion_logprobs_of_right_padded_rows_match_each_row_scored_alone(tiny_policy):
-    """No attention mask is passed: right padding must not change any completion token's log-prob."""
-    from rlplatform.learners.batching import completion_logprobs
+def test_packed_scores_and_gradients_match_each_sequence_scored_alone(tiny_policy, monkeypatch):
+    """Sequences sharing a row must not attend to each other: every completion token's log-prob, and
+    the gradient of their sum, is what the sequence alone gives."""
+    from rlplatform.learners import batching
     from rlplatform.policy import load_policy
 
     model, _ = load_policy(tiny_policy)
-    prompts, completions = [[5, 6, 7, 8, 9], [6, 7]], [[10], [11, 12, 13]]
-    batched = completion_logprobs(model, prompts, completions, pad_id=0)
-    for i, (prompt, completion) in enumerate(zip(prompts, completions)):
-        alone = completion_logprobs(model, [prompt], [completion], pad_id=0)
-        assert torch.allclose(batched.logprobs[i][batched.mask[i].bool()], alone.logprobs[0][alone.mask[0].bool()],
-                              atol=1e-5)
+    prompts, completions = [[5, 6, 7, 8, 9], [6, 7], [8], [9, 10, 11]], [[10], [11, 12, 13], [5, 5, 5, 5], [7, 8]]
+
+    def scored(row_tokens, pairs):
+        monkeypatch.setattr(batching, "ROW_TOKENS", row_tokens)
+        model.zero_grad()
+        scores = batching.completion_logprobs(model, [p for p, _ in pairs], [c for _, c in pairs], pad_id=0)
+        (scores.logprobs * scores.mask).sum().backward()
+        grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+        return [row[m.bool()] for row, m in zip(scores.logprobs.detach(), scores.mask)], grad
+
+    packed, packed_grad = scored(64, list(zip(prompts, completions)))  # all four in one row
+    alone_grad = 0
+    for pair, together in zip(zip(prompts, completions), packed):
+        (alone,), grad = scored(64, [pair])
+        alone_grad = alone_grad + grad
+        torch.testing.assert_close(together, alone, atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed_grad, alone_grad, atol=1e-4, rtol=1e-3)

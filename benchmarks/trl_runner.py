@@ -1,0 +1,66 @@
+"""TRL's GRPOTrainer with the settings of ../shared/bench/trl_peer.py and a completion limit of choice.
+
+The shared peer fixes `max_completion_length=6`, which suits the addition task but cuts the
+long-tail task's worked answers; this runner is that peer with the limit (and the greedy
+evaluation's token budget) as arguments, for scenario 3 of `vs_trl.py`. Prints one JSON line
+in the peer's format.
+
+Usage: python benchmarks/trl_runner.py BASE_DIR --max-completion-length 40 [--steps N] [--prompts P]
+           [--group G] [--lr LR] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import GRPOConfig, GRPOTrainer
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "bench"))
+from make_base import accuracy  # noqa: E402
+
+
+def exact_match(completions, answer, **_):
+    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("base")
+    parser.add_argument("--max-completion-length", type=int, required=True)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--out", default="/tmp/trl_runner_out")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(args.base)
+    model = AutoModelForCausalLM.from_pretrained(args.base)
+    rows = [json.loads(line) for line in open(os.path.join(args.base, "train.jsonl"))]
+    test = [json.loads(line) for line in open(os.path.join(args.base, "test.jsonl"))]
+    acc_before = accuracy(model, tokenizer, test, max_new_tokens=args.max_completion_length)
+    config = GRPOConfig(output_dir=args.out, max_steps=args.steps, learning_rate=args.lr,
+                        per_device_train_batch_size=args.prompts * args.group, num_generations=args.group,
+                        max_completion_length=args.max_completion_length, temperature=1.0, beta=0.0,
+                        logging_steps=5, save_strategy="no", report_to=[], use_cpu=True, bf16=False, seed=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=config, train_dataset=Dataset.from_list(rows),
+                          processing_class=tokenizer)
+    start = time.time()
+    trainer.train()
+    wall = time.time() - start
+    acc_after = accuracy(trainer.model, tokenizer, test, max_new_tokens=args.max_completion_length)
+    completions = args.steps * args.prompts * args.group
+    print(json.dumps({"peer": "trl", "steps": args.steps, "completions": completions, "wall_s": round(wall, 1),
+                      "completions_per_s": round(completions / wall, 1), "acc_before": acc_before,
+                      "acc_after": acc_after}))
+
+
+if __name__ == "__main__":
+    main()
