@@ -6,13 +6,16 @@ same rows with the same group size, prompts per step, learning rate and completi
 synchronous (`max_staleness: 0`) and asynchronous (`max_staleness: 1`) mode. Scenarios:
 
 - overhead: the instant exact-match reward; measures framework cost against one process;
-- slow_rewards: the same reward behind a fixed per-sample latency (a remote judge).
+- slow_rewards: the same reward behind a fixed per-sample latency (a remote judge);
+- long_tail: completions of 3 to 40 tokens (benchmarks/long_tail.py); TRL runs with that limit
+  through benchmarks/trl_runner.py, the peer's settings otherwise.
 
 Per system: completions/s, wall time to a target held-out greedy accuracy, accuracy after the
 same number of completions, and the ratios rlplatform/TRL; written to results/vs_trl.md.
 
 Usage: python benchmarks/vs_trl.py [--base DIR | --base-steps 800] [--steps 40 80 160] [--target 0.5]
-           [--scenarios overhead slow_rewards] [--reward-delay-ms 30] [--slow-steps 20]
+           [--scenarios overhead slow_rewards long_tail] [--reward-delay-ms 30] [--slow-steps 20]
+           [--long-tail-steps 40] [--long-tail-target 0.55]
 Needs the `bench` extra (`pip install -e ".[dev,bench]"`: trl, datasets).
 """
 
@@ -184,8 +187,9 @@ def main() -> None:
                         f"`{' '.join(['python benchmarks/vs_trl.py', *sys.argv[1:]])}`", "",
                         f"Shared base: greedy test accuracy {info['greedy_test_accuracy']:.3f} after "
                         f"{info['sft_steps']} SFT steps (make_base.py, seed {info['seed']}). Both systems: "
-                        f"{PROMPTS} prompts x {GROUP} completions per step, lr {LR}, at most {COMPLETION_TOKENS} "
-                        f"completion tokens, temperature 1, no KL term.", "", *sections])
+                        f"{PROMPTS} prompts x {GROUP} completions per step, lr {LR} decaying linearly to 0, at most "
+                        f"{COMPLETION_TOKENS} completion tokens (scenario 3: more), temperature 1, no KL term.", "",
+                        *sections])
     print(report)
     with open(args.out, "w") as f:
         f.write(report)
