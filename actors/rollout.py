@@ -32,6 +32,7 @@ class RolloutStats:
     groups_started: int = 0
     tokens_generated: int = 0
     busy_s: float = 0.0  # time spent generating
+    submit_s: float = 0.0  # time spent encoding samples and writing them to the reward queue
     weight_syncs: int = 0
     weight_sync_s: float = 0.0
 
@@ -106,7 +107,9 @@ class RolloutWorker:
             self._unreported_busy_s += time.perf_counter() - start
             samples = self._close_groups(open_groups, finished)
             if samples:
+                start = time.perf_counter()
                 self.queue.submit(samples)
+                self.stats.submit_s += time.perf_counter() - start
         return self.stats
 
     def _newer_published(self) -> bool:

@@ -55,6 +55,7 @@ class Result:
     completions_per_s: float
     accuracy: float  # held-out greedy accuracy after `steps` steps
     time_to_target_s: Optional[float]  # None: target not reached within the steps run
+    breakdown: Optional[Dict[str, float]] = None  # rlplatform: seconds per component (summary time_breakdown)
 
     @property
     def completions(self) -> int:
@@ -115,7 +116,7 @@ def ours(base: str, steps: int, staleness: int, target: float, out: str, delay_m
     reached = next((h["wall_s"] for h in rl["eval_history"] if h["accuracy"] >= target), None)
     mode = "sync" if staleness == 0 else f"async (staleness {staleness})"
     return Result(f"rlplatform {mode}", steps, rl["wall_s"], rl["samples_per_s"],
-                  summary["eval"]["after_rl"]["accuracy"], reached)
+                  summary["eval"]["after_rl"]["accuracy"], reached, rl["time_breakdown"])
 
 
 def table(title: str, results: List[Result], note: str) -> List[str]:
@@ -130,6 +131,15 @@ def table(title: str, results: List[Result], note: str) -> List[str]:
                      if r.time_to_target_s and peer.time_to_target_s and r is not peer else "-")
         lines.append(f"| {r.system} | {r.steps} | {r.completions} | {r.wall_s:.1f} | {r.completions_per_s:.0f} | "
                      f"{speed:.2f}x | {ttt} | {ttt_ratio} | {r.accuracy:.3f} |")
+    lines += ["", "Where rlplatform's time went (seconds of the train wall time; components run at once, so they "
+              "overlap; reward latency is the mean from a group's completion to its score):", "",
+              "| system | wall | generation | queue submit | reward work | reward latency | learner steps | "
+              "weight publish | weight sync |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results[1:]:
+        b = r.breakdown
+        lines.append(f"| {r.system} | {r.wall_s:.1f} | {b['generation_s']:.1f} | {b['queue_submit_s']:.2f} | "
+                     f"{b['reward_busy_s']:.1f} | {b['reward_latency_s_mean'] * 1000:.0f} ms | {b['learner_step_s']:.1f} | "
+                     f"{b['weight_publish_s']:.2f} | {b['weight_sync_s']:.2f} |")
     return lines + [""]
 
 

@@ -107,6 +107,7 @@ class PolicyRun:
         self.monitor = RLMonitor(job, self.rl, metrics, queue, workers.name, workers.keys, len(workers.rollout))
         self.monitor.last_accuracy = workers.evaluator.last_accuracy
         self.version, self.start = 0, time.perf_counter()
+        self._reward_counters_at_start = queue.counters(queue.keys.reward_stats)
         self._step: Optional[Tuple[list, Batch, float]] = None  # (result refs, batch, start time)
         workers.learner.start_stage(self.rl.lr, keep_reference=self.rl.kl_coef > 0 or self.rl.track_reference_kl)
 
@@ -174,6 +175,15 @@ class PolicyRun:
 
     def summary(self, rollout_stats: List) -> Dict:
         summary = _stage_summary(self.counters, rollout_stats, self.version, self.start)
+        reward = {k: v - self._reward_counters_at_start.get(k, 0.0)
+                  for k, v in self.queue.counters(self.queue.keys.reward_stats).items()}
+        summary["time_breakdown"] = {
+            "generation_s": round(sum(s.busy_s for s in rollout_stats), 2),
+            "queue_submit_s": round(sum(s.submit_s for s in rollout_stats), 2),
+            "reward_busy_s": round(reward.get("busy_s", 0.0), 2),  # all policies' reward work
+            "reward_latency_s_mean": round(reward.get("latency_s", 0.0) / max(reward.get("scored", 0.0), 1.0), 4),
+            "learner_step_s": round(self.counters.learner_busy_s, 2),
+            "weight_publish_s": summary["weight_publish_s"], "weight_sync_s": summary["weight_sync_s"]}
         summary["eval_history"] = self.monitor.eval_history
         return summary
 

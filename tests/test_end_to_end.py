@@ -33,6 +33,13 @@ def test_short_quickstart_writes_a_valid_summary(ray_session, tmp_path):
                                        + rl["samples_dropped_error"] + rl["samples_dropped_zero_advantage"]
                                        + rl["samples_unused_at_end"])
     assert rl["samples_per_s"] > 0 and summary["wall_s"] > 0
+    # where the stage's time went, per component: each ran, none for longer than the stage
+    times = rl["time_breakdown"]
+    assert set(times) == {"generation_s", "queue_submit_s", "reward_busy_s", "reward_latency_s_mean",
+                          "learner_step_s", "weight_publish_s", "weight_sync_s"}
+    assert all(0 < times[k] <= rl["wall_s"] for k in ("generation_s", "queue_submit_s", "reward_busy_s",
+                                                      "learner_step_s", "weight_publish_s", "weight_sync_s"))
+    assert 0 < times["reward_latency_s_mean"] < rl["wall_s"]
     assert (run_dir / "config.yaml").exists()
     assert (run_dir / "model" / "model.safetensors").exists() and (run_dir / "model" / "config.json").exists()
     assert (run_dir / "checkpoint" / "latest").exists()
