@@ -1,17 +1,21 @@
-"""Turning token-id sequences into packed tensors and per-token log-probs under a model.
+"""Turning token-id sequences into model inputs and per-token log-probs under a model.
 
-Both the SFT and the RL step score completions given prompts. Sequences are packed several to a
-row (first fit, longest first) with positions restarting at each, so the model's attention stays
-within each sequence and no compute goes to padding when lengths vary; the model runs once and
-the log-prob of every completion token is gathered back to one row per sequence.
+Both the SFT and the RL step score completions given prompts, with the cheaper of two layouts:
+- packed rows: sequences back to back several to a row (first fit, longest first) with positions
+  restarting at each, so attention stays within each sequence and no compute goes to padding
+  when lengths vary;
+- shared prompts: when many completions answer the same prompt (a GRPO group), each distinct
+  prompt runs once and its KV cache, repeated per completion, serves all of them.
+Either way the log-prob of every completion token comes back in one row per sequence.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Tuple
 
 import torch
+from transformers import DynamicCache
 
 ROW_TOKENS = 64  # packed row length, unless one sequence is longer
 
@@ -72,17 +76,73 @@ class TokenScores:
 
 def completion_logprobs(model, prompts: List[List[int]], completions: List[List[int]], pad_id: int,
                         temperature: float = 1.0, entropy_grad: bool = False) -> TokenScores:
-    """Score completions given prompts with one forward pass of `model` over packed rows; the
-    entropy carries a gradient only with `entropy_grad` (an entropy bonus needs it, metrics do not)."""
-    batch = pack(prompts, completions, pad_id)
-    logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits[:, :-1].float()
+    """Score completions given prompts in whichever layout feeds the model fewer tokens; the entropy
+    carries a gradient only with `entropy_grad` (an entropy bonus needs it, metrics do not)."""
+    if _shared_prompt_tokens(prompts, completions) < sum(len(p) + len(c) for p, c in zip(prompts, completions)):
+        logits, targets, index = _shared_prompt_forward(model, prompts, completions, pad_id)
+    else:
+        batch = pack(prompts, completions, pad_id)
+        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits[:, :-1]
+        targets, index = batch.input_ids[:, 1:], batch.index
+    logits = logits.float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     all_logprobs = torch.log_softmax(logits, dim=-1)
-    logprobs = all_logprobs.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    logprobs = all_logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(all_logprobs.exp() * all_logprobs).sum(-1)
-    return TokenScores(logprobs.reshape(-1)[batch.index], batch.completion_mask, entropy.reshape(-1)[batch.index])
+    return TokenScores(logprobs.reshape(-1)[index], _completion_mask(prompts, completions),
+                       entropy.reshape(-1)[index])
+
+
+def _completion_mask(prompts: List[List[int]], completions: List[List[int]]) -> torch.Tensor:
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1
+    mask = torch.zeros((len(prompts), width), dtype=torch.float32)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        mask[i, len(p) - 1:len(p) + len(c) - 1] = 1
+    return mask
+
+
+def _shared_prompt_tokens(prompts: List[List[int]], completions: List[List[int]]) -> int:
+    """Tokens the shared-prompt layout feeds: distinct prompts padded alike, completions padded alike."""
+    distinct = {tuple(p) for p in prompts}
+    return len(distinct) * max(len(p) for p in distinct) + len(completions) * max(len(c) for c in completions)
+
+
+def _shared_prompt_forward(model, prompts: List[List[int]], completions: List[List[int]], pad_id: int
+                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits, target tokens, index) with each distinct prompt run once, left-padded, and every
+    completion run right-padded on a copy of its prompt's KV cache (gradients flow back through it).
+
+    logits[i, j] predicts completion token j of sequence i: the prompt pass's last position gives
+    j = 0, the completion pass the rest. `index` places them as `pack` does: (batch, W) flat
+    positions into logits[:, :, 0], position t holding the prediction of the sequence's token t + 1.
+    """
+    distinct: dict = {}
+    owner = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts])
+    prompt_len, completion_len = max(len(p) for p in distinct), max(len(c) for c in completions)
+    prompt_ids = torch.full((len(distinct), prompt_len), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((len(distinct), prompt_len), dtype=torch.long)
+    for k, p in enumerate(distinct):
+        prompt_ids[k, prompt_len - len(p):] = torch.tensor(p)
+        prompt_mask[k, prompt_len - len(p):] = 1
+    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    prompt_logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
+                          past_key_values=cache, use_cache=True).logits[:, -1]
+    cache = DynamicCache(ddp_cache_data=[(layer.keys[owner], layer.values[owner]) for layer in cache.layers])
+    targets = torch.full((len(prompts), completion_len), pad_id, dtype=torch.long)
+    index = torch.zeros((len(prompts), prompt_len + completion_len - 1), dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        targets[i, :len(c)] = torch.tensor(c)
+        index[i, len(p) - 1:len(p) - 1 + len(c)] = i * completion_len + torch.arange(len(c))
+    attention = torch.cat([prompt_mask[owner], torch.ones_like(targets)], dim=1)
+    completion_logits = model(input_ids=targets, attention_mask=attention,
+                              position_ids=positions[owner, -1:] + 1 + torch.arange(completion_len),
+                              past_key_values=cache, use_cache=True).logits[:, :-1]
+    logits = torch.cat([prompt_logits[owner].unsqueeze(1), completion_logits], dim=1)
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1
+    return logits, targets, index[:, :width]
 
 
 def align_per_token(values: List[List[float]], prompts: List[List[int]], width: int) -> torch.Tensor:

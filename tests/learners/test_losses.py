@@ -66,27 +66,35 @@ def test_reference_kl_k3_estimate_by_hand():
     assert reference_kl(logprobs, reference).tolist()[0] == pytest.approx([0.0, 0.306853, 0.367879], abs=1e-6)
 
 
-def test_packed_scores_and_gradients_match_each_sequence_scored_alone(tiny_policy, monkeypatch):
-    """Sequences sharing a row must not attend to each other: every completion token's log-prob, and
-    the gradient of their sum, is what the sequence alone gives."""
-    from rlplatform.learners import batching
+GROUPS = {  # (prompts, completions): distinct prompts pack into one row; groups share their prompt's pass
+    "packed": ([[5, 6, 7, 8, 9], [6, 7], [8], [9, 10, 11]], [[10], [11, 12, 13], [5, 5, 5, 5], [7, 8]]),
+    "shared_prompt": ([[5, 6, 7, 8, 9]] * 3 + [[6, 7]] * 3, [[10], [11, 12], [13, 5, 5], [7], [8, 8], [9, 10, 11]]),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(GROUPS))
+def test_scores_and_gradients_match_each_sequence_scored_alone(tiny_policy, layout):
+    """Sequences sharing a row, or a prompt's KV cache, must not attend to each other: every completion
+    token's log-prob, and the gradient of their sum, is what the sequence alone gives."""
+    from rlplatform.learners.batching import _shared_prompt_tokens, completion_logprobs
     from rlplatform.policy import load_policy
 
     model, _ = load_policy(tiny_policy)
-    prompts, completions = [[5, 6, 7, 8, 9], [6, 7], [8], [9, 10, 11]], [[10], [11, 12, 13], [5, 5, 5, 5], [7, 8]]
+    prompts, completions = GROUPS[layout]
+    packed_tokens = sum(len(p) + len(c) for p, c in zip(prompts, completions))
+    assert (_shared_prompt_tokens(prompts, completions) < packed_tokens) == (layout == "shared_prompt")
 
-    def scored(row_tokens, pairs):
-        monkeypatch.setattr(batching, "ROW_TOKENS", row_tokens)
+    def scored(pairs):
         model.zero_grad()
-        scores = batching.completion_logprobs(model, [p for p, _ in pairs], [c for _, c in pairs], pad_id=0)
+        scores = completion_logprobs(model, [p for p, _ in pairs], [c for _, c in pairs], pad_id=0)
         (scores.logprobs * scores.mask).sum().backward()
         grad = torch.cat([p.grad.flatten() for p in model.parameters()])
         return [row[m.bool()] for row, m in zip(scores.logprobs.detach(), scores.mask)], grad
 
-    packed, packed_grad = scored(64, list(zip(prompts, completions)))  # all four in one row
+    together, together_grad = scored(list(zip(prompts, completions)))
     alone_grad = 0
-    for pair, together in zip(zip(prompts, completions), packed):
-        (alone,), grad = scored(64, [pair])
+    for pair, scores in zip(zip(prompts, completions), together):
+        (alone,), grad = scored([pair])
         alone_grad = alone_grad + grad
-        torch.testing.assert_close(together, alone, atol=1e-5, rtol=0)
-    torch.testing.assert_close(packed_grad, alone_grad, atol=1e-4, rtol=1e-3)
+        torch.testing.assert_close(scores, alone, atol=1e-5, rtol=0)
+    torch.testing.assert_close(together_grad, alone_grad, atol=1e-4, rtol=1e-3)
