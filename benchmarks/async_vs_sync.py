@@ -14,7 +14,6 @@ import os
 import platform
 import sys
 import tempfile
-import time
 from datetime import date
 from typing import Dict, List, Optional
 

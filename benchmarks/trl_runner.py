@@ -1,12 +1,15 @@
-"""TRL's GRPOTrainer with the settings of ../shared/bench/trl_peer.py and a completion limit of choice.
+"""TRL's GRPOTrainer with the settings of ../shared/bench/trl_peer.py, a completion limit of choice
+and, optionally, held-out evaluation during training.
 
 The shared peer fixes `max_completion_length=6`, which suits the addition task but cuts the
-long-tail task's worked answers; this runner is that peer with the limit (and the greedy
-evaluation's token budget) as arguments, for scenario 3 of `vs_trl.py`. Prints one JSON line
-in the peer's format.
+long-tail task's worked answers, and evaluates only before and after training; this runner is
+that peer with the limit (and the greedy evaluation's token budget) as an argument and, with
+`--eval-every N`, the greedy accuracy every N steps dated in training seconds (the evaluations'
+own time is left out), for the time-to-target figures of `vs_trl.py`. Prints one JSON line in the
+peer's format, plus `eval_history` as [step, train seconds, accuracy] rows.
 
 Usage: python benchmarks/trl_runner.py BASE_DIR --max-completion-length 40 [--steps N] [--prompts P]
-           [--group G] [--lr LR] [--out DIR]
+           [--group G] [--lr LR] [--eval-every N] [--eval-tokens T] [--out DIR]
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import time
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "bench"))
@@ -30,6 +33,24 @@ def exact_match(completions, answer, **_):
     return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
 
 
+class HeldOutAccuracy(TrainerCallback):
+    """Greedy test accuracy every `every` steps, dated in training time: the clock stops while it evaluates."""
+
+    def __init__(self, tokenizer, rows, every: int, max_new_tokens: int) -> None:
+        self.tokenizer, self.rows, self.every, self.max_new_tokens = tokenizer, rows, every, max_new_tokens
+        self.history, self.eval_s, self.start = [], 0.0, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.time()
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self.every and state.global_step % self.every == 0:
+            began = time.time()
+            acc = accuracy(model, self.tokenizer, self.rows, max_new_tokens=self.max_new_tokens)
+            self.history.append([state.global_step, round(began - self.start - self.eval_s, 2), acc])
+            self.eval_s += time.time() - began
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("base")
@@ -38,6 +59,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--eval-every", type=int, default=0, help="held-out accuracy every N steps (0: none)")
+    parser.add_argument("--eval-tokens", type=int, help="greedy evaluation's token budget (default: the limit)")
     parser.add_argument("--out", default="/tmp/trl_runner_out")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -45,21 +68,23 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.base)
     rows = [json.loads(line) for line in open(os.path.join(args.base, "train.jsonl"))]
     test = [json.loads(line) for line in open(os.path.join(args.base, "test.jsonl"))]
-    acc_before = accuracy(model, tokenizer, test, max_new_tokens=args.max_completion_length)
+    eval_tokens = args.eval_tokens or args.max_completion_length
+    acc_before = accuracy(model, tokenizer, test, max_new_tokens=eval_tokens)
     config = GRPOConfig(output_dir=args.out, max_steps=args.steps, learning_rate=args.lr,
                         per_device_train_batch_size=args.prompts * args.group, num_generations=args.group,
                         max_completion_length=args.max_completion_length, temperature=1.0, beta=0.0,
                         logging_steps=5, save_strategy="no", report_to=[], use_cpu=True, bf16=False, seed=0)
+    evaluation = HeldOutAccuracy(tokenizer, test, args.eval_every, eval_tokens)
     trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=config, train_dataset=Dataset.from_list(rows),
-                          processing_class=tokenizer)
+                          processing_class=tokenizer, callbacks=[evaluation])
     start = time.time()
     trainer.train()
-    wall = time.time() - start
-    acc_after = accuracy(trainer.model, tokenizer, test, max_new_tokens=args.max_completion_length)
+    wall = time.time() - start - evaluation.eval_s
+    acc_after = accuracy(trainer.model, tokenizer, test, max_new_tokens=eval_tokens)
     completions = args.steps * args.prompts * args.group
     print(json.dumps({"peer": "trl", "steps": args.steps, "completions": completions, "wall_s": round(wall, 1),
                       "completions_per_s": round(completions / wall, 1), "acc_before": acc_before,
-                      "acc_after": acc_after}))
+                      "acc_after": acc_after, "eval_history": evaluation.history}))
 
 
 if __name__ == "__main__":
