@@ -87,8 +87,8 @@ class RLConfig:
 @dataclass
 class RolloutConfig:
     num_workers: int = 1  # rollout worker actors
-    prompts_per_batch: int = 16  # prompts per generate call (each sampled group_size times)
-    weight_swap: str = "in_flight"  # in_flight: new weights load between decode steps; finish_then_swap: between batches
+    prompts_per_batch: int = 16  # groups a worker decodes at once (group_size sequences each, continuously refilled)
+    weight_swap: str = "in_flight"  # in_flight: new weights load between decode steps; finish_then_swap: once drained
     num_threads: int = 1  # torch threads per worker
     num_cpus: float = 1.0  # Ray CPUs reserved per worker
 
