@@ -3,7 +3,7 @@
 accuracy, samples/s, learner and rollout busy fractions and final accuracy.
 
 Usage: python benchmarks/async_vs_sync.py [--config configs/quickstart.yaml] [--staleness 0 1 2 4]
-           [--target 0.75] [--out benchmarks/results/async_vs_sync.md] [key=value ...]
+           [--target 0.9] [--out benchmarks/results/async_vs_sync.md] [key=value ...]
 Extra key=value overrides apply to every run (e.g. rl.max_steps=200 eval.every_steps=20).
 """
 
@@ -85,7 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default=os.path.join(REPO, "configs", "quickstart.yaml"))
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4])
-    parser.add_argument("--target", type=float, default=0.75)
+    parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "async_vs_sync.md"))
     parser.add_argument("overrides", nargs="*", help="key=value applied to every run")
     args = parser.parse_args()
