@@ -37,11 +37,12 @@ class GenerationEngine(Protocol):
 
 
 class TransformersEngine:
-    """Batched sampling with `transformers` on CPU; temperature 0 means greedy."""
+    """Batched sampling with `transformers` (CPU by default); temperature 0 means greedy."""
 
-    def __init__(self, model_path: str) -> None:
+    def __init__(self, model_path: str, device: str = "cpu") -> None:
+        self.device = torch.device(device)
         self.model, self.tokenizer = load_policy(model_path)
-        self.model.eval()
+        self.model.to(self.device).eval()
         self.version = -1
 
     def load_weights(self, state_dict: Dict[str, torch.Tensor], version: int) -> None:
@@ -97,9 +98,11 @@ class DecodeBatch:
         self.rows: List[_Row] = []
         self.waiting: List[Tuple[str, Hashable]] = []  # (prompt, key) not yet prefilled
         self.cache: Optional[DynamicCache] = None
-        self.attention = torch.zeros(0, 0, dtype=torch.long)  # (rows, cache length + 1 when rows have a token to feed)
-        self.positions = torch.zeros(0, 1, dtype=torch.long)  # position of each row's next token
-        self.last_tokens = torch.zeros(0, dtype=torch.long)  # each row's newest token, not yet in the cache
+        self.device = engine.device
+        # (rows, cache length + 1 when rows have a token to feed)
+        self.attention = torch.zeros(0, 0, dtype=torch.long, device=self.device)
+        self.positions = torch.zeros(0, 1, dtype=torch.long, device=self.device)  # each row's next token position
+        self.last_tokens = torch.zeros(0, dtype=torch.long, device=self.device)  # newest tokens, not yet in the cache
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.waiting)
@@ -125,7 +128,8 @@ class DecodeBatch:
             row.tokens.append(t)
             row.logprobs.append(lp)
             row.versions.append(self.engine.version)
-        finished = (token == self.eos_id) | torch.tensor([len(r.tokens) >= self.max_new_tokens for r in self.rows])
+        finished = (token == self.eos_id) | torch.tensor([len(r.tokens) >= self.max_new_tokens for r in self.rows],
+                                                         device=self.device)
         done = [(row.key, self._completion(row)) for row, f in zip(self.rows, finished.tolist()) if f]
         self._keep(~finished, token)
         return done
@@ -135,7 +139,7 @@ class DecodeBatch:
         prompts, keys = zip(*self.waiting)
         self.waiting = []
         encoded = self.engine.tokenizer(list(prompts), return_tensors="pt", padding=True)
-        ids, attention = encoded["input_ids"], encoded["attention_mask"]
+        ids, attention = encoded["input_ids"].to(self.device), encoded["attention_mask"].to(self.device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         logits = self.model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,

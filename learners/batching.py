@@ -78,12 +78,14 @@ def completion_logprobs(model, prompts: List[List[int]], completions: List[List[
                         temperature: float = 1.0, entropy_grad: bool = False) -> TokenScores:
     """Score completions given prompts in whichever layout feeds the model fewer tokens; the entropy
     carries a gradient only with `entropy_grad` (an entropy bonus needs it, metrics do not)."""
+    device = next(model.parameters()).device
     if _shared_prompt_tokens(prompts, completions) < sum(len(p) + len(c) for p, c in zip(prompts, completions)):
-        logits, targets, index = _shared_prompt_forward(model, prompts, completions, pad_id)
+        logits, targets, index = _shared_prompt_forward(model, prompts, completions, pad_id, device)
     else:
         batch = pack(prompts, completions, pad_id)
-        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits[:, :-1]
-        targets, index = batch.input_ids[:, 1:], batch.index
+        input_ids, index = batch.input_ids.to(device), batch.index.to(device)
+        logits = model(input_ids=input_ids, position_ids=batch.position_ids.to(device), use_cache=False).logits[:, :-1]
+        targets = input_ids[:, 1:]
     logits = logits.float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
@@ -91,7 +93,7 @@ def completion_logprobs(model, prompts: List[List[int]], completions: List[List[
     logprobs = all_logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(all_logprobs.exp() * all_logprobs).sum(-1)
-    return TokenScores(logprobs.reshape(-1)[index], _completion_mask(prompts, completions),
+    return TokenScores(logprobs.reshape(-1)[index], _completion_mask(prompts, completions).to(device),
                        entropy.reshape(-1)[index])
 
 
@@ -109,8 +111,8 @@ def _shared_prompt_tokens(prompts: List[List[int]], completions: List[List[int]]
     return len(distinct) * max(len(p) for p in distinct) + len(completions) * max(len(c) for c in completions)
 
 
-def _shared_prompt_forward(model, prompts: List[List[int]], completions: List[List[int]], pad_id: int
-                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _shared_prompt_forward(model, prompts: List[List[int]], completions: List[List[int]], pad_id: int,
+                           device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logits, target tokens, index) with each distinct prompt run once, left-padded, and every
     completion run right-padded on a copy of its prompt's KV cache (gradients flow back through it).
 
@@ -126,6 +128,7 @@ def _shared_prompt_forward(model, prompts: List[List[int]], completions: List[Li
     for k, p in enumerate(distinct):
         prompt_ids[k, prompt_len - len(p):] = torch.tensor(p)
         prompt_mask[k, prompt_len - len(p):] = 1
+    owner, prompt_ids, prompt_mask = owner.to(device), prompt_ids.to(device), prompt_mask.to(device)
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
     prompt_logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
@@ -136,9 +139,10 @@ def _shared_prompt_forward(model, prompts: List[List[int]], completions: List[Li
     for i, (p, c) in enumerate(zip(prompts, completions)):
         targets[i, :len(c)] = torch.tensor(c)
         index[i, len(p) - 1:len(p) - 1 + len(c)] = i * completion_len + torch.arange(len(c))
+    targets, index = targets.to(device), index.to(device)
     attention = torch.cat([prompt_mask[owner], torch.ones_like(targets)], dim=1)
     completion_logits = model(input_ids=targets, attention_mask=attention,
-                              position_ids=positions[owner, -1:] + 1 + torch.arange(completion_len),
+                              position_ids=positions[owner, -1:] + 1 + torch.arange(completion_len, device=device),
                               past_key_values=cache, use_cache=True).logits[:, :-1]
     logits = torch.cat([prompt_logits[owner].unsqueeze(1), completion_logits], dim=1)
     width = max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1

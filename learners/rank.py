@@ -86,7 +86,7 @@ class LearnerRank:
         if keep_reference:
             self.reference, _ = load_policy(self.model_path)
             self.reference.load_state_dict(self._full_state_dict(every_rank=True))
-            self.reference.eval().requires_grad_(False)
+            self.reference.to(self.engine.device).eval().requires_grad_(False)
 
     def sft_step(self, rows: List[Dict]) -> Dict[str, float]:
         """One optimizer step on prompt -> answer+EOS, loss on the answer tokens only."""
@@ -126,8 +126,9 @@ class LearnerRank:
         reference = None if self.reference is None else \
             completion_logprobs(self.reference, prompts, completions, pad_id, rl.temperature).logprobs
         width = max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1
-        behaviour = align_per_token([s.behaviour_logprobs for s in samples], prompts, width)
-        return Minibatch(prompts, completions, torch.tensor(advantages, dtype=torch.float32), behaviour,
+        device = self.engine.device
+        behaviour = align_per_token([s.behaviour_logprobs for s in samples], prompts, width).to(device)
+        return Minibatch(prompts, completions, torch.tensor(advantages, dtype=torch.float32, device=device), behaviour,
                          proximal, reference)
 
     def _policy_update(self, batch: "Minibatch", rl: RLConfig, sft_rows: Optional[List[Dict]]) -> Dict[str, float]:
