@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from rlplatform.policy import load_policy
+from rlplatform.weights import load_weights
 
 
 @dataclass
@@ -46,7 +47,7 @@ class TransformersEngine:
         self.version = -1
 
     def load_weights(self, state_dict: Dict[str, torch.Tensor], version: int) -> None:
-        self.model.load_state_dict(state_dict)
+        load_weights(self.model, state_dict)
         self.version = version
 
     def decode_batch(self, max_new_tokens: int, temperature: float) -> "DecodeBatch":

@@ -16,7 +16,26 @@ import torch
 
 
 def to_snapshot(state_dict: Dict[str, torch.Tensor]) -> Dict[str, np.ndarray]:
-    return {name: tensor.detach().to("cpu", torch.float32).numpy() for name, tensor in state_dict.items()}
+    """float32 arrays of the weights, each storage once: a tensor tied to an earlier one (an output
+    head sharing the embedding) is left out, and `load_weights` restores it through the tie."""
+    snapshot: Dict[str, np.ndarray] = {}
+    seen = set()
+    for name, tensor in state_dict.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            snapshot[name] = tensor.detach().to("cpu", torch.float32).numpy()
+    return snapshot
+
+
+def load_weights(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor]) -> None:
+    """Copy `state_dict` into `model`; only weights tied to one it holds may be absent from it."""
+    result = model.load_state_dict(state_dict, strict=False)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {params[name].data_ptr() for name in state_dict if name in params}
+    untied = [name for name in result.missing_keys if name not in params or params[name].data_ptr() not in loaded]
+    if untied or result.unexpected_keys:
+        raise ValueError(f"weights do not fit the model: missing {untied}, unexpected {result.unexpected_keys}")
 
 
 def from_snapshot(snapshot: Dict[str, np.ndarray]) -> Dict[str, torch.Tensor]:

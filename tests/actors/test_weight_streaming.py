@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import ray
 import torch
 
@@ -107,3 +108,19 @@ def test_finish_then_swap_keeps_one_version_per_batch(tiny_policy):
     engine.load_weights({k: v.clone() for k, v in engine.model.state_dict().items()}, version=7)
     groups = engine.generate(["12+34="], 3, 4, 1.0)
     assert all(c.versions == [7] * len(c.completion_ids) for c in groups[0])
+
+
+def test_snapshot_holds_tied_weights_once_and_loading_restores_them(tiny_policy):
+    from rlplatform.weights import from_snapshot, load_weights
+
+    trained = perturbed(tiny_policy, seed=4)
+    assert trained.lm_head.weight is trained.model.embed_tokens.weight  # the demo policy ties its head
+    snapshot = to_snapshot(trained.state_dict())
+    assert "lm_head.weight" not in snapshot and "model.embed_tokens.weight" in snapshot
+    engine = TransformersEngine(tiny_policy)
+    engine.load_weights(from_snapshot(snapshot), version=1)
+    for name, tensor in trained.state_dict().items():
+        assert torch.equal(engine.model.state_dict()[name], tensor), name
+    incomplete = {k: v for k, v in from_snapshot(snapshot).items() if k != "model.norm.weight"}
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        load_weights(engine.model, incomplete)
