@@ -94,7 +94,7 @@ class DecodeBatch:
 
     def __init__(self, engine: TransformersEngine, max_new_tokens: int, temperature: float) -> None:
         self.model, self.engine = engine.model, engine
-        self.eos_id, self.pad_id = engine.tokenizer.eos_token_id, engine.tokenizer.pad_token_id
+        self.eos_id = engine.tokenizer.eos_token_id
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.rows: List[_Row] = []
         self.waiting: List[Tuple[str, Hashable]] = []  # (prompt, key) not yet prefilled

@@ -62,8 +62,7 @@ class RolloutWorker:
 
     def sync_weights(self) -> int:
         """Load the newest published weights if they are newer; returns the version held."""
-        published = self.queue.client.get(self.keys.version)
-        if published is None or int(published) <= self.engine.version:
+        if not self._newer_published():
             return self.engine.version
         start = time.perf_counter()
         newer = ray.get(self.weight_store.newer_than.remote(self.engine.version))
@@ -113,6 +112,7 @@ class RolloutWorker:
         return self.stats
 
     def _newer_published(self) -> bool:
+        """Whether the version mirrored on Redis is newer than the weights held."""
         published = self.queue.client.get(self.keys.version)
         return published is not None and int(published) > self.engine.version
 

@@ -35,7 +35,7 @@ from rlplatform.config import LearnerConfig, RLConfig
 from rlplatform.learners.algorithms import grpo_advantages
 from rlplatform.learners.rank import LearnerRank
 from rlplatform.samples import Sample
-from rlplatform.weights import from_snapshot, to_snapshot
+from rlplatform.weights import from_snapshot
 
 SIZES = {  # Qwen2Config fields
     "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
@@ -97,11 +97,11 @@ def weight_sync(learner: LearnerRank, engine: TransformersEngine, repeats: int =
     for version in range(repeats):
         _synchronize()
         start = time.perf_counter()
-        ref = learner.publish_weights()[0]
-        engine.load_weights(from_snapshot(ray.get(ref)), version)
+        snapshot = ray.get(learner.publish_weights()[0])
+        engine.load_weights(from_snapshot(snapshot), version)
         _synchronize()
         seconds.append(time.perf_counter() - start)
-    gigabytes = sum(array.nbytes for array in to_snapshot(engine.model.state_dict()).values()) / 1e9
+    gigabytes = sum(array.nbytes for array in snapshot.values()) / 1e9
     return {"gigabytes": gigabytes, "best_s": min(seconds), "median_s": sorted(seconds)[len(seconds) // 2]}
 
 

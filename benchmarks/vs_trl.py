@@ -81,7 +81,8 @@ def trl_peer(base: str, steps: int, delay_ms: float) -> Dict:
 def trl_evaluated(base: str, steps: int, completion_tokens: int, eval_tokens: int) -> Dict:
     """One run of the peer's settings with held-out evaluation every EVAL_EVERY steps and a completion
     limit of choice (benchmarks/trl_runner.py); its JSON line."""
-    out = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "trl_runner.py"), base, "--steps", str(steps),
+    runner = os.path.join(REPO, "benchmarks", "trl_runner.py")
+    out = subprocess.run([sys.executable, runner, base, "--steps", str(steps),
                           "--max-completion-length", str(completion_tokens), "--eval-tokens", str(eval_tokens),
                           "--eval-every", str(EVAL_EVERY), "--prompts", str(PROMPTS), "--group", str(GROUP),
                           "--lr", str(LR), "--out", tempfile.mkdtemp()],
@@ -139,7 +140,8 @@ def table(title: str, results: List[Result], note: str) -> List[str]:
     for r in results[1:]:
         b = r.breakdown
         lines.append(f"| {r.system} | {r.wall_s:.1f} | {b['generation_s']:.1f} | {b['queue_submit_s']:.2f} | "
-                     f"{b['reward_busy_s']:.1f} | {b['reward_latency_s_mean'] * 1000:.0f} ms | {b['learner_step_s']:.1f} | "
+                     f"{b['reward_busy_s']:.1f} | {b['reward_latency_s_mean'] * 1000:.0f} ms | "
+                     f"{b['learner_step_s']:.1f} | "
                      f"{b['weight_publish_s']:.2f} | {b['weight_sync_s']:.2f} |")
     return lines + [""]
 

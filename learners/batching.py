@@ -53,7 +53,6 @@ def pack(prompts: List[List[int]], completions: List[List[int]], pad_id: int,
     input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), length), dtype=torch.long)
     index = torch.zeros((len(sequences), width - 1), dtype=torch.long)
-    completion_mask = torch.zeros((len(sequences), width - 1), dtype=torch.float32)
     for r, members in enumerate(rows):
         offset = 0
         for i in members:
@@ -61,10 +60,9 @@ def pack(prompts: List[List[int]], completions: List[List[int]], pad_id: int,
             input_ids[r, offset:offset + n] = torch.tensor(sequences[i])
             position_ids[r, offset:offset + n] = torch.arange(n)
             index[i, :n - 1] = r * (length - 1) + offset + torch.arange(n - 1)
-            completion_mask[i, len(prompts[i]) - 1:n - 1] = 1
             offset += n
         position_ids[r, offset:] = torch.arange(length - offset)
-    return PackedBatch(input_ids, position_ids, index, completion_mask)
+    return PackedBatch(input_ids, position_ids, index, _completion_mask(prompts, completions))
 
 
 @dataclass
@@ -135,7 +133,8 @@ def _shared_prompt_forward(model, prompts: List[List[int]], completions: List[Li
                           past_key_values=cache, use_cache=True).logits[:, -1]
     cache = DynamicCache(ddp_cache_data=[(layer.keys[owner], layer.values[owner]) for layer in cache.layers])
     targets = torch.full((len(prompts), completion_len), pad_id, dtype=torch.long)
-    index = torch.zeros((len(prompts), prompt_len + completion_len - 1), dtype=torch.long)
+    index = torch.zeros((len(prompts), max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1),
+                        dtype=torch.long)
     for i, (p, c) in enumerate(zip(prompts, completions)):
         targets[i, :len(c)] = torch.tensor(c)
         index[i, len(p) - 1:len(p) - 1 + len(c)] = i * completion_len + torch.arange(len(c))
@@ -144,9 +143,7 @@ def _shared_prompt_forward(model, prompts: List[List[int]], completions: List[Li
     completion_logits = model(input_ids=targets, attention_mask=attention,
                               position_ids=positions[owner, -1:] + 1 + torch.arange(completion_len, device=device),
                               past_key_values=cache, use_cache=True).logits[:, :-1]
-    logits = torch.cat([prompt_logits[owner].unsqueeze(1), completion_logits], dim=1)
-    width = max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1
-    return logits, targets, index[:, :width]
+    return torch.cat([prompt_logits[owner].unsqueeze(1), completion_logits], dim=1), targets, index
 
 
 def align_per_token(values: List[List[float]], prompts: List[List[int]], width: int) -> torch.Tensor:

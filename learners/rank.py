@@ -103,8 +103,8 @@ class LearnerRank:
                 sft_rows: Optional[List[Dict]] = None, step: int = 0) -> Dict[str, float]:
         """`rl.ppo_epochs` passes over `rl.minibatches` minibatches of the clipped, importance-weighted
         policy gradient (plus the KL, entropy and SFT terms rl asks for), at the learning rate of RL
-        step `step` (the stage's rate under `rl.lr_schedule`). The proximal policy is the weights at entry, so several updates per batch stay
-        PPO-clipped against it."""
+        step `step` (the stage's rate under `rl.lr_schedule`). The proximal policy is the weights at
+        entry, so several updates per batch stay PPO-clipped against it."""
         for group in self.engine.optimizer.param_groups:
             group["lr"] = self.stage_lr * lr_scale(rl, step)
         parts = max(1, min(rl.minibatches, len(samples)))
@@ -118,7 +118,8 @@ class LearnerRank:
         return metrics
 
     @torch.no_grad()
-    def _prepare(self, samples: List[Sample], advantages: List[float], rl: RLConfig, single_update: bool) -> "Minibatch":
+    def _prepare(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
+                 single_update: bool) -> "Minibatch":
         prompts, completions = [s.prompt_ids for s in samples], [s.completion_ids for s in samples]
         pad_id = self.tokenizer.pad_token_id
         proximal = None if single_update else \
