@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from rlplatform.policy import load_policy
-from rlplatform.weights import load_weights
+from rlplatform.transport.weights import load_weights
 
 
 @dataclass

@@ -18,11 +18,11 @@ import torch
 
 from rlplatform.actors.engine import Completion, DecodeBatch, TransformersEngine
 from rlplatform.config import RLConfig, RolloutConfig
-from rlplatform.redis_server import connect
-from rlplatform.reward_queue import PolicyKeys, RewardQueue
-from rlplatform.samples import Sample
-from rlplatform.staleness import RolloutGate
-from rlplatform.weights import from_snapshot
+from rlplatform.transport.redis_server import connect
+from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
+from rlplatform.transport.samples import Sample
+from rlplatform.transport.staleness import RolloutGate
+from rlplatform.transport.weights import from_snapshot
 
 
 @dataclass

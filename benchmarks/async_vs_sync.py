@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 import ray
 
 from rlplatform.config import load_config
-from rlplatform.controller import run_job
+from rlplatform.job.controller import run_job
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

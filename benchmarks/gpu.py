@@ -34,8 +34,8 @@ from rlplatform.actors.engine import TransformersEngine
 from rlplatform.config import LearnerConfig, RLConfig
 from rlplatform.learners.algorithms import grpo_advantages
 from rlplatform.learners.rank import LearnerRank
-from rlplatform.samples import Sample
-from rlplatform.weights import from_snapshot
+from rlplatform.transport.samples import Sample
+from rlplatform.transport.weights import from_snapshot
 
 SIZES = {  # Qwen2Config fields
     "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,

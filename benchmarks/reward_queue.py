@@ -17,10 +17,10 @@ import time
 from datetime import date
 
 from rlplatform.config import RewardSpec, RewardWorkersConfig
-from rlplatform.redis_server import EmbeddedRedis, connect
-from rlplatform.reward_queue import RewardQueue
 from rlplatform.rewards.worker import RewardWorker
-from rlplatform.samples import Sample
+from rlplatform.transport.redis_server import EmbeddedRedis, connect
+from rlplatform.transport.reward_queue import RewardQueue
+from rlplatform.transport.samples import Sample
 
 
 def make_samples(count: int, prefix: str):

@@ -33,12 +33,11 @@ from dataclasses import dataclass
 from datetime import date
 from typing import Dict, List, Optional
 
+import long_tail  # benchmarks/long_tail.py, beside this script
 import ray
 
 from rlplatform.config import RewardSpec, load_config
-from rlplatform.controller import run_job
-
-import long_tail  # benchmarks/long_tail.py, beside this script
+from rlplatform.job.controller import run_job
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_BENCH = os.path.join(os.path.dirname(REPO), "shared", "bench")

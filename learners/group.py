@@ -12,7 +12,7 @@ import ray
 
 from rlplatform.config import LearnerConfig, RLConfig
 from rlplatform.learners.rank import LearnerActor
-from rlplatform.samples import Sample
+from rlplatform.transport.samples import Sample
 
 T = TypeVar("T")
 

@@ -20,8 +20,8 @@ from rlplatform.learners.algorithms import entropy_bonus, policy_loss, sft_auxil
 from rlplatform.learners.batching import TokenScores, align_per_token, completion_logprobs
 from rlplatform.learners.losses import reference_kl, sft_loss
 from rlplatform.policy import load_policy
-from rlplatform.samples import Sample
-from rlplatform.weights import to_snapshot
+from rlplatform.transport.samples import Sample
+from rlplatform.transport.weights import to_snapshot
 
 
 @dataclass

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Callable, Dict, List, Optional
 
 if TYPE_CHECKING:  # the sandbox child runs this file without site-packages: no rlplatform there
-    from rlplatform.samples import Sample
+    from rlplatform.transport.samples import Sample
 
 SANDBOX_UID_BASE = 200_000  # a run as root gets uid SANDBOX_UID_BASE + its pid: unique among live runs
 MAX_PROCESSES = 64  # RLIMIT_NPROC: processes and threads of the run's uid

@@ -14,7 +14,7 @@ from typing import Optional
 
 from math_verify import parse, verify
 
-from rlplatform.samples import Sample
+from rlplatform.transport.samples import Sample
 
 _ANSWER_IS = re.compile(r"answer is\s*:?\s*(.+?)\s*\.?\s*$", re.IGNORECASE | re.MULTILINE)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, List, Tuple
 
-from rlplatform.samples import Sample
+from rlplatform.transport.samples import Sample
 
 if TYPE_CHECKING:  # torch and transformers load on first use: `rlp validate` stays fast
     import torch

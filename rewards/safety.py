@@ -11,7 +11,7 @@ import re
 from typing import List, Sequence
 
 from rlplatform.rewards.preference import PreferenceModel
-from rlplatform.samples import Sample
+from rlplatform.transport.samples import Sample
 
 
 def blocklist(sample: Sample, *, words: Sequence[str] = (), patterns: Sequence[str] = ()) -> float:

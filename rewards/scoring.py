@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Union
 
 from rlplatform.rewards.registry import BoundReward
-from rlplatform.samples import Sample, ScoredSample
+from rlplatform.transport.samples import Sample, ScoredSample
 
 Score = Union[float, Dict[str, float]]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from rlplatform.samples import Sample
+from rlplatform.transport.samples import Sample
 
 THINK_ANSWER = r"<think>.*?</think>\s*<answer>.*?</answer>"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlplatform.samples import Sample
+from rlplatform.transport.samples import Sample
 
 
 def exact_match(sample: Sample) -> float:

@@ -20,11 +20,11 @@ from typing import List, Optional, Tuple
 import ray
 
 from rlplatform.config import RewardSpec, RewardWorkersConfig
-from rlplatform.redis_server import connect
-from rlplatform.reward_queue import RewardQueue
 from rlplatform.rewards.registry import importable_from_cwd, resolve
 from rlplatform.rewards.scoring import Scorer
-from rlplatform.samples import Sample, WireFormatError
+from rlplatform.transport.redis_server import connect
+from rlplatform.transport.reward_queue import RewardQueue
+from rlplatform.transport.samples import Sample, WireFormatError
 
 
 @dataclass

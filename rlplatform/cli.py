@@ -35,7 +35,7 @@ def _resolve_rewards(config: JobConfig, source: str):
 
 def _run(args) -> int:
     config = _load(args)
-    from rlplatform.controller import run_job
+    from rlplatform.job.controller import run_job
 
     summary = run_job(config)
     print(_result_line(summary))
@@ -75,7 +75,7 @@ def _rewards_test(args) -> int:
 
     from rlplatform.data import read_jsonl
     from rlplatform.rewards.scoring import Scorer
-    from rlplatform.samples import Sample
+    from rlplatform.transport.samples import Sample
 
     config = load_config(args.config, args.overrides)
     scorer = Scorer(_resolve_rewards(config, args.config), config.reward_workers.concurrency)
@@ -97,9 +97,9 @@ def _reward_worker(args) -> int:
     import time
 
     from rlplatform.config import RewardWorkersConfig
-    from rlplatform.redis_server import connect
-    from rlplatform.reward_queue import RewardQueue
     from rlplatform.rewards.worker import RewardWorker, default_worker_name, job_rewards_from_json
+    from rlplatform.transport.redis_server import connect
+    from rlplatform.transport.reward_queue import RewardQueue
 
     queue = RewardQueue(connect(args.redis), args.job)
     while (published := queue.rewards_json()) is None:
@@ -118,8 +118,8 @@ def _reward_worker(args) -> int:
 def _status(args) -> int:
     import time
 
-    from rlplatform.job_status import JobStatus, format_status
-    from rlplatform.redis_server import connect
+    from rlplatform.monitoring.job_status import JobStatus, format_status
+    from rlplatform.transport.redis_server import connect
 
     fields = JobStatus(connect(args.redis), args.job).read()
     if not fields:
@@ -130,7 +130,7 @@ def _status(args) -> int:
 
 
 def _dashboard(args) -> int:
-    from rlplatform.dashboard import build_workspace, render_layout
+    from rlplatform.monitoring.dashboard import build_workspace, render_layout
 
     policies = args.policy or ["policy"]
     if args.dry_run:

@@ -13,7 +13,7 @@ os.environ.setdefault("WANDB_SILENT", "true")
 @pytest.fixture(scope="session")
 def redis_server():
     """A real redis-server on an ephemeral port with a password; yields its URL."""
-    from rlplatform.redis_server import EmbeddedRedis
+    from rlplatform.transport.redis_server import EmbeddedRedis
 
     with EmbeddedRedis() as server:
         yield server.url
@@ -21,7 +21,7 @@ def redis_server():
 
 @pytest.fixture
 def redis_client(redis_server):
-    from rlplatform.redis_server import connect
+    from rlplatform.transport.redis_server import connect
 
     client = connect(redis_server)
     client.flushdb()

@@ -6,7 +6,7 @@ import json
 import os
 
 from rlplatform.config import load_config
-from rlplatform.controller import run_job
+from rlplatform.job.controller import run_job
 
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.yaml")
 

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from rlplatform.config import load_config
-from rlplatform.controller import run_job
+from rlplatform.job.controller import run_job
 
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.yaml")
 TASK = ["data.digits=1", "data.test_size=200", "wandb.mode=disabled", "rl.track_reference_kl=false",

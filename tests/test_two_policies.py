@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rlplatform.config import load_config
-from rlplatform.controller import run_job
+from rlplatform.job.controller import run_job
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "two_policies.yaml")
 

@@ -13,8 +13,8 @@ from rlplatform.actors.rollout import RolloutActor
 from rlplatform.config import RLConfig, RolloutConfig
 from rlplatform.learners.batching import completion_logprobs
 from rlplatform.policy import load_policy
-from rlplatform.reward_queue import PolicyKeys, RewardQueue
-from rlplatform.weights import WeightStore, to_snapshot
+from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
+from rlplatform.transport.weights import WeightStore, to_snapshot
 
 ROWS = [{"prompt": "12+34=", "answer": "46"}, {"prompt": "5+5=", "answer": "10"}]
 
@@ -111,7 +111,7 @@ def test_finish_then_swap_keeps_one_version_per_batch(tiny_policy):
 
 
 def test_snapshot_holds_tied_weights_once_and_loading_restores_them(tiny_policy):
-    from rlplatform.weights import from_snapshot, load_weights
+    from rlplatform.transport.weights import from_snapshot, load_weights
 
     trained = perturbed(tiny_policy, seed=4)
     assert trained.lm_head.weight is trained.model.embed_tokens.weight  # the demo policy ties its head

@@ -10,7 +10,7 @@ import ray
 from rlplatform.actors.engine import TransformersEngine
 from rlplatform.config import LearnerConfig, RLConfig
 from rlplatform.learners.group import LearnerGroup
-from rlplatform.samples import Sample
+from rlplatform.transport.samples import Sample
 
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in [(1, 2), (13, 7), (40, 45), (9, 9)] * 4]
 

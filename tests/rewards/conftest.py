@@ -9,7 +9,7 @@ from typing import Callable, Optional
 import pytest
 import torch
 
-from rlplatform.samples import Sample
+from rlplatform.transport.samples import Sample
 
 
 @pytest.fixture
@@ -27,8 +27,9 @@ def tiny_classifier(tmp_path_factory) -> Callable[..., str]:
 
     Weights are random (seed 0) unless `make_head(model, tokenizer)` returns the score head's weight.
     """
-    from rlplatform.policy import demo_tokenizer
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from rlplatform.policy import demo_tokenizer
 
     def build(num_labels: int, make_head: Optional[Callable] = None) -> str:
         tokenizer = demo_tokenizer()

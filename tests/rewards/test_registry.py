@@ -11,7 +11,7 @@ import rlplatform
 from rlplatform.config import RewardSpec
 from rlplatform.rewards import REWARDS, RewardSpecError, all_rewards, resolve
 from rlplatform.rewards.registry import find
-from rlplatform.samples import Sample
+from rlplatform.transport.samples import Sample
 
 
 def sample(completion: str) -> Sample:

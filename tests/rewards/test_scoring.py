@@ -12,7 +12,7 @@ import pytest
 from rlplatform.config import RewardSpec
 from rlplatform.rewards import REWARDS, register, resolve
 from rlplatform.rewards.scoring import Scorer
-from rlplatform.samples import Sample
+from rlplatform.transport.samples import Sample
 
 
 def samples(*completions: str):

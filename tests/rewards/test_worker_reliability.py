@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from rlplatform.config import RewardSpec, RewardWorkersConfig, load_config
-from rlplatform.redis_server import connect
-from rlplatform.reward_queue import GROUP, RewardQueue
 from rlplatform.rewards.worker import RewardWorker, job_rewards_json
-from rlplatform.samples import Sample
+from rlplatform.transport.redis_server import connect
+from rlplatform.transport.reward_queue import GROUP, RewardQueue
+from rlplatform.transport.samples import Sample
 
 RLP = str(Path(sys.executable).parent / "rlp")
 REPO = Path(__file__).resolve().parents[2]
@@ -123,7 +123,7 @@ def test_producer_waits_on_a_full_queue_and_loses_nothing(redis_server, redis_cl
 
 
 def test_standalone_reward_worker_serves_a_running_job(ray_session, redis_server, tmp_path):
-    from rlplatform.controller import run_job
+    from rlplatform.job.controller import run_job
 
     job = f"standalone-{uuid.uuid4().hex[:6]}"
     worker = subprocess.Popen([RLP, "reward-worker", "--redis", redis_server, "--job", job],

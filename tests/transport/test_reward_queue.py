@@ -9,11 +9,11 @@ import msgpack
 import pytest
 
 from rlplatform.config import RewardSpec, RewardWorkersConfig
-from rlplatform.redis_server import connect
-from rlplatform.reward_queue import GROUP, RewardQueue
 from rlplatform.rewards import REWARDS, register
 from rlplatform.rewards.worker import RewardWorker
-from rlplatform.samples import Sample, ScoredSample
+from rlplatform.transport.redis_server import connect
+from rlplatform.transport.reward_queue import GROUP, RewardQueue
+from rlplatform.transport.samples import Sample, ScoredSample
 
 
 def make_sample(index: int, completion: str, answer: str = "85", group: str = "g0") -> Sample:

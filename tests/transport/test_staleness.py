@@ -7,8 +7,8 @@ import uuid
 
 import pytest
 
-from rlplatform.redis_server import connect
-from rlplatform.staleness import RolloutGate, groups_allowed
+from rlplatform.transport.redis_server import connect
+from rlplatform.transport.staleness import RolloutGate, groups_allowed
 
 
 @pytest.fixture

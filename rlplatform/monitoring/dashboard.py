@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Tuple
 
-from rlplatform.metrics import RL_AXES
+from rlplatform.monitoring.metrics import RL_AXES
 
 
 @dataclass

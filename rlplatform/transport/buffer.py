@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Set
 
-from rlplatform.samples import ScoredSample
+from rlplatform.transport.samples import ScoredSample
 
 Group = List[ScoredSample]
 

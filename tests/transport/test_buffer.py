@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from rlplatform.buffer import GroupBuffer, group_version
-from rlplatform.samples import Sample, ScoredSample
+from rlplatform.transport.buffer import GroupBuffer, group_version
+from rlplatform.transport.samples import Sample, ScoredSample
 
 
 def scored(group: str, index: int, version: int = 0, reward: float = 1.0,

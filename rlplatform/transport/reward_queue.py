@@ -14,8 +14,8 @@ from typing import List, Optional, Tuple
 
 import redis
 
-from rlplatform.samples import (Sample, ScoredSample, WireFormatError, decode_sample,
-                                decode_scored, encode_sample, encode_scored)
+from rlplatform.transport.samples import (Sample, ScoredSample, WireFormatError, decode_sample, decode_scored,
+                                          encode_sample, encode_scored)
 
 GROUP = "reward-workers"
 

@@ -15,11 +15,11 @@ from typing import Dict, List, Tuple
 
 import wandb
 
-from rlplatform.alerts import AlertRules, StepFigures
-from rlplatform.buffer import Batch
 from rlplatform.config import JobConfig, RLConfig
-from rlplatform.metrics import Metrics
-from rlplatform.reward_queue import PolicyKeys, RewardQueue
+from rlplatform.monitoring.alerts import AlertRules, StepFigures
+from rlplatform.monitoring.metrics import Metrics
+from rlplatform.transport.buffer import Batch
+from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 
 LEARNING_KEYS = ("loss", "pg_loss", "kl_to_reference", "entropy", "clip_fraction", "importance_weight_mean",
                  "importance_weight_max", "logprob_mismatch_abs", "grad_norm", "lr")

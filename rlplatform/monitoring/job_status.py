@@ -11,7 +11,7 @@ from typing import Dict
 
 import redis
 
-from rlplatform.reward_queue import JobKeys
+from rlplatform.transport.reward_queue import JobKeys
 
 STATUS_TTL_S = 7 * 24 * 3600  # a finished job's status stays readable for a week
 

@@ -11,18 +11,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rlplatform.buffer import Batch
 from rlplatform.config import load_config
-from rlplatform.controller import run_job
-from rlplatform.dashboard import build_workspace, dashboard_layout, render_layout
-from rlplatform.job_status import JobStatus
-from rlplatform.metrics import Metrics
-from rlplatform.reward_queue import PolicyKeys, RewardQueue
-from rlplatform.rl_loop import RLCounters
-from rlplatform.rl_monitor import RLMonitor
-from rlplatform.samples import Sample, ScoredSample
+from rlplatform.job.controller import run_job
+from rlplatform.job.rl_loop import RLCounters
+from rlplatform.monitoring.dashboard import build_workspace, dashboard_layout, render_layout
+from rlplatform.monitoring.job_status import JobStatus
+from rlplatform.monitoring.metrics import Metrics
+from rlplatform.monitoring.rl_monitor import RLMonitor
+from rlplatform.transport.buffer import Batch
+from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
+from rlplatform.transport.samples import Sample, ScoredSample
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
 
 

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 import wandb
 
 from rlplatform.config import JobConfig, to_dict
-from rlplatform.job_status import JobStatus
+from rlplatform.monitoring.job_status import JobStatus
 
 # RL metric family -> the step axis it is plotted against
 RL_AXES = {"learning": "learner_step", "rewards": "learner_step", "async": "wall_time_s",

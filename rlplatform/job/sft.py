@@ -8,7 +8,7 @@ from typing import Dict, List
 
 from rlplatform.config import SFTConfig
 from rlplatform.learners.group import LearnerGroup
-from rlplatform.metrics import Metrics
+from rlplatform.monitoring.metrics import Metrics
 
 
 def run_sft(config: SFTConfig, learner: LearnerGroup, rows: List[Dict], metrics: Metrics,

@@ -8,8 +8,8 @@ from dataclasses import asdict
 import msgpack
 import pytest
 
-from rlplatform.samples import (SCHEMA_VERSION, Sample, ScoredSample, WireFormatError, decode_sample,
-                                decode_scored, encode_sample, encode_scored)
+from rlplatform.transport.samples import (SCHEMA_VERSION, Sample, ScoredSample, WireFormatError, decode_sample,
+                                          decode_scored, encode_sample, encode_scored)
 
 
 def make_sample(**changes) -> Sample:

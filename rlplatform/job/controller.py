@@ -18,16 +18,18 @@ import ray
 
 from rlplatform.config import JobConfig, PolicyConfig, to_yaml
 from rlplatform.data import load_rows
+from rlplatform.job.rl_loop import run_rl
+from rlplatform.job.sft import run_sft
+from rlplatform.job.workers import Evaluator, PolicyWorkers, publish
 from rlplatform.learners.group import LearnerGroup
-from rlplatform.job_status import JobStatus
-from rlplatform.metrics import Metrics
+from rlplatform.monitoring.job_status import JobStatus
+from rlplatform.monitoring.metrics import Metrics
 from rlplatform.policy import save_initial_policy
-from rlplatform.redis_server import EmbeddedRedis, connect
-from rlplatform.reward_queue import PolicyKeys, RewardQueue
-from rlplatform.rl_loop import Evaluator, PolicyWorkers, publish, run_rl
-from rlplatform.sft import run_sft
-from rlplatform.staleness import RolloutGate
-from rlplatform.weights import WeightStore
+from rlplatform.transport.redis_server import EmbeddedRedis, connect
+from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
+from rlplatform.transport.staleness import RolloutGate
+from rlplatform.transport.weights import WeightStore
+
 
 def run_job(config: JobConfig) -> Dict:
     """Run the whole job; returns the summary that is also written to summary.json."""

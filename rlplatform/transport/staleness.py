@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import redis
 
-from rlplatform.reward_queue import PolicyKeys
+from rlplatform.transport.reward_queue import PolicyKeys
 
 # KEYS: groups started, groups dropped. ARGV: groups wanted, groups allowed in play.
 _CLAIM = """

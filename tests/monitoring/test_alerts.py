@@ -3,8 +3,8 @@ re-arms when it clears."""
 
 from __future__ import annotations
 
-from rlplatform.alerts import AlertRules, StepFigures
 from rlplatform.config import AlertRule
+from rlplatform.monitoring.alerts import AlertRules, StepFigures
 
 
 def figures(step, reward=0.5, errors=0.0, queue=0, idle_s=0.0):

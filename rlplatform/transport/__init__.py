@@ -1,0 +1,9 @@
+"""How data moves between the job's workers.
+
+Samples (`samples`: records and their msgpack wire format) go from rollout workers to reward
+workers through the reward queue on Redis Streams (`reward_queue`, served by `redis_server`
+when the job brings its own Redis); scored samples are grouped for the learner (`buffer`);
+the staleness gate (`staleness`) bounds how far rollout workers run ahead of the learner;
+versioned weight snapshots go from the learner back to the rollout workers (`weights`).
+Nothing here knows what a reward, a model or a loss is.
+"""
