@@ -23,26 +23,42 @@ class ConfigError(ValueError):
     """A job configuration that cannot run; the message names the file and the key."""
 
 
+def one_of(*choices: Any, default: Any = None) -> Any:
+    """A field that takes one of `choices`; its default is `default`, or the first choice."""
+    return field(default=choices[0] if default is None else default, metadata={"choices": choices})
+
+
+def at_least(default: Any, low: float) -> Any:
+    """A field whose value must be >= `low` (None, where allowed, means unset)."""
+    return field(default=default, metadata={"at_least": low})
+
+
+def above(default: Any, low: float) -> Any:
+    """A field whose value must be > `low`."""
+    return field(default=default, metadata={"above": low})
+
+
+
 @dataclass
 class ModelConfig:
-    kind: str = "demo"  # demo: a small Qwen2 built from the fields below; pretrained: load `path`
+    kind: str = one_of("demo", "pretrained")  # demo: a small Qwen2 built from the fields below; pretrained: load `path`
     path: Optional[str] = None  # Hugging Face model directory (kind=pretrained)
-    hidden_size: int = 128  # demo model width
-    num_layers: int = 4  # demo model depth
-    num_heads: int = 4  # demo attention heads
-    num_kv_heads: int = 2  # demo key/value heads (grouped-query attention)
-    intermediate_size: int = 384  # demo MLP width
-    max_positions: int = 64  # demo context length
+    hidden_size: int = at_least(128, 1)  # demo model width
+    num_layers: int = at_least(4, 1)  # demo model depth
+    num_heads: int = at_least(4, 1)  # demo attention heads
+    num_kv_heads: int = at_least(2, 1)  # demo key/value heads (grouped-query attention)
+    intermediate_size: int = at_least(384, 1)  # demo MLP width
+    max_positions: int = at_least(64, 1)  # demo context length
 
 
 @dataclass
 class DataConfig:
-    kind: str = "addition"  # addition: generated "37+48=" -> "85" rows; jsonl: read the paths below
+    kind: str = one_of("addition", "jsonl")  # addition: generated "37+48=" -> "85" rows; jsonl: read the paths below
     train_path: Optional[str] = None  # jsonl with {"prompt", "answer", ...} rows (kind=jsonl)
     test_path: Optional[str] = None  # held-out jsonl rows for evaluation (kind=jsonl)
-    digits: int = 2  # operand digits (kind=addition)
-    train_size: int = 20000  # generated training rows (kind=addition)
-    test_size: int = 500  # generated held-out rows (kind=addition)
+    digits: int = at_least(2, 1)  # operand digits (kind=addition)
+    train_size: int = at_least(20000, 1)  # generated training rows (kind=addition)
+    test_size: int = at_least(500, 1)  # generated held-out rows (kind=addition)
     # kind=addition: true holds out distinct problems no training row repeats (generalisation to unseen
     # problems); false draws test rows from the same problem space as training (task accuracy)
     disjoint_test: bool = False
@@ -51,46 +67,46 @@ class DataConfig:
 @dataclass
 class SFTConfig:
     enabled: bool = True  # run the supervised stage before RL
-    steps: int = 600  # optimizer steps
-    batch_size: int = 128  # rows per step
-    lr: float = 3e-3  # AdamW learning rate
-    log_every: int = 25  # console/W&B interval in steps
+    steps: int = at_least(600, 1)  # optimizer steps
+    batch_size: int = at_least(128, 1)  # rows per step
+    lr: float = above(3e-3, 0)  # AdamW learning rate
+    log_every: int = at_least(25, 1)  # console/W&B interval in steps
 
 
 @dataclass
 class RLConfig:
     enabled: bool = True  # run the asynchronous RL stage
-    algorithm: str = "grpo"  # advantage estimator: grpo (group-normalised), rloo (leave-one-out), reinforce_pp
-    correction: str = "truncated_is"  # off-policy correction: truncated_is, decoupled_ppo or on_policy
-    loss_aggregation: str = "token_mean"  # token_mean, sequence_mean (per completion) or fixed_length (Dr. GRPO)
-    ppo_epochs: int = 1  # passes over each batch (PPO-clip against the weights at the batch's start)
-    minibatches: int = 1  # optimizer steps per pass
-    entropy_coef: float = 0.0  # weight of the entropy bonus
-    sft_coef: float = 0.0  # weight of an SFT loss on data rows mixed into every RL step
-    max_steps: int = 60  # learner steps
-    batch_prompts: int = 16  # complete groups per learner step
-    group_size: int = 8  # completions sampled per prompt
-    lr: float = 2e-4  # AdamW learning rate
-    lr_schedule: str = "linear"  # linear: decays to 0 at max_steps (as TRL does), or constant
-    max_staleness: int = 1  # samples more than this many versions behind the learner are dropped
-    max_new_tokens: int = 6  # completion length limit
-    temperature: float = 1.0  # sampling temperature of the rollout workers
-    clip_eps: float = 0.2  # PPO-style clip on the policy ratio
-    is_cap: float = 2.0  # truncation of the behaviour importance weight
+    algorithm: str = one_of("grpo", "rloo", "reinforce_pp")  # advantage estimator: grpo (group-normalised), rloo (leave-one-out), reinforce_pp
+    correction: str = one_of("truncated_is", "decoupled_ppo", "on_policy")  # off-policy correction: truncated_is, decoupled_ppo or on_policy
+    loss_aggregation: str = one_of("token_mean", "sequence_mean", "fixed_length")  # token_mean, sequence_mean (per completion) or fixed_length (Dr. GRPO)
+    ppo_epochs: int = at_least(1, 1)  # passes over each batch (PPO-clip against the weights at the batch's start)
+    minibatches: int = at_least(1, 1)  # optimizer steps per pass
+    entropy_coef: float = at_least(0.0, 0)  # weight of the entropy bonus
+    sft_coef: float = at_least(0.0, 0)  # weight of an SFT loss on data rows mixed into every RL step
+    max_steps: int = at_least(60, 1)  # learner steps
+    batch_prompts: int = at_least(16, 1)  # complete groups per learner step
+    group_size: int = at_least(8, 2)  # completions sampled per prompt
+    lr: float = above(2e-4, 0)  # AdamW learning rate
+    lr_schedule: str = one_of("linear", "constant")  # linear: decays to 0 at max_steps (as TRL does), or constant
+    max_staleness: int = at_least(1, 0)  # samples more than this many versions behind the learner are dropped
+    max_new_tokens: int = at_least(6, 1)  # completion length limit
+    temperature: float = above(1.0, 0)  # sampling temperature of the rollout workers
+    clip_eps: float = above(0.2, 0)  # PPO-style clip on the policy ratio
+    is_cap: float = above(2.0, 0)  # truncation of the behaviour importance weight
     std_normalize: bool = True  # divide group advantages by the group reward std
     filter_zero_advantage: bool = False  # skip (and count) groups whose rewards are all equal
-    kl_coef: float = 0.0  # weight of the KL-to-reference penalty in the loss
+    kl_coef: float = at_least(0.0, 0)  # weight of the KL-to-reference penalty in the loss
     track_reference_kl: bool = True  # keep the RL-start policy frozen and log KL to it
-    log_every: int = 5  # console/W&B interval in steps
+    log_every: int = at_least(5, 1)  # console/W&B interval in steps
 
 
 @dataclass
 class RolloutConfig:
-    num_workers: int = 1  # rollout worker actors
-    prompts_per_batch: int = 16  # groups a worker decodes at once (group_size sequences each, continuously refilled)
-    weight_swap: str = "in_flight"  # in_flight: new weights load between decode steps; finish_then_swap: once drained
-    num_threads: int = 1  # torch threads per worker
-    num_cpus: float = 1.0  # Ray CPUs reserved per worker
+    num_workers: int = at_least(1, 1)  # rollout worker actors
+    prompts_per_batch: int = at_least(16, 1)  # groups a worker decodes at once (group_size sequences each, continuously refilled)
+    weight_swap: str = one_of("in_flight", "finish_then_swap")  # in_flight: new weights load between decode steps; finish_then_swap: once drained
+    num_threads: int = at_least(1, 1)  # torch threads per worker
+    num_cpus: float = at_least(1.0, 0)  # Ray CPUs reserved per worker
 
 
 @dataclass
@@ -99,10 +115,10 @@ class RewardSpec:
     fn: Optional[str] = None  # or an import path "package.module:function"
     weight: float = 1.0  # weight in the summed reward (role=reward)
     params: Dict[str, Any] = field(default_factory=dict)  # keyword arguments for the function
-    role: str = "reward"  # reward: adds weight * score; filter: gates the sample when it flags it
-    on_flag: str = "veto"  # filter action: veto (reward 0), penalty (minus `penalty`), drop (not trained on)
-    penalty: float = 1.0  # subtracted from the reward when a penalty filter flags a sample
-    timeout_s: float = 30.0  # a call running longer is an error result for its samples
+    role: str = one_of("reward", "filter")  # reward: adds weight * score; filter: gates the sample when it flags it
+    on_flag: str = one_of("veto", "penalty", "drop")  # filter action: veto (reward 0), penalty (minus `penalty`), drop (not trained on)
+    penalty: float = at_least(1.0, 0)  # subtracted from the reward when a penalty filter flags a sample
+    timeout_s: float = above(30.0, 0)  # a call running longer is an error result for its samples
 
     @property
     def label(self) -> str:
@@ -112,27 +128,27 @@ class RewardSpec:
 
 @dataclass
 class RewardWorkersConfig:
-    num_workers: int = 1  # reward worker actors started for the job (0: only standalone workers)
-    batch_size: int = 64  # queue messages read per call
-    concurrency: int = 8  # samples scored at once per worker (threads for sync rewards, tasks for async)
-    claim_idle_s: float = 30.0  # a request unacknowledged this long is reclaimed from its (dead) worker
-    max_deliveries: int = 3  # a request delivered this often without a result goes to dead letters
-    num_cpus: float = 0.5  # Ray CPUs reserved per worker
+    num_workers: int = at_least(1, 0)  # reward worker actors started for the job (0: only standalone workers)
+    batch_size: int = at_least(64, 1)  # queue messages read per call
+    concurrency: int = at_least(8, 1)  # samples scored at once per worker (threads for sync rewards, tasks for async)
+    claim_idle_s: float = above(30.0, 0)  # a request unacknowledged this long is reclaimed from its (dead) worker
+    max_deliveries: int = at_least(3, 1)  # a request delivered this often without a result goes to dead letters
+    num_cpus: float = at_least(0.5, 0)  # Ray CPUs reserved per worker
 
 
 @dataclass
 class LearnerConfig:
-    num_ranks: int = 1  # DeepSpeed data-parallel ranks (Ray actors)
-    zero_stage: int = 1  # DeepSpeed ZeRO stage 0-3
-    grad_clip: float = 1.0  # gradient norm clip
-    num_threads: int = 1  # torch threads per rank
-    num_cpus: float = 1.0  # Ray CPUs reserved per rank
+    num_ranks: int = at_least(1, 1)  # DeepSpeed data-parallel ranks (Ray actors)
+    zero_stage: int = one_of(0, 1, 2, 3, default=1)  # DeepSpeed ZeRO stage 0-3
+    grad_clip: float = above(1.0, 0)  # gradient norm clip
+    num_threads: int = at_least(1, 1)  # torch threads per rank
+    num_cpus: float = at_least(1.0, 0)  # Ray CPUs reserved per rank
 
 
 @dataclass
 class RedisConfig:
     url: Optional[str] = None  # redis:// or rediss:// URL; unset: an embedded server for the job
-    max_stream_len: int = 10000  # bound on the reward request stream
+    max_stream_len: int = at_least(10000, 1)  # bound on the reward request stream
 
 
 @dataclass
@@ -142,23 +158,23 @@ class RayConfig:
 
 @dataclass
 class WandbConfig:
-    mode: str = "auto"  # auto: online with an API key, else offline; online; offline; disabled
+    mode: str = one_of("auto", "online", "offline", "disabled")  # auto: online with an API key, else offline; online; offline; disabled
     project: str = "rlplatform"  # W&B project
     entity: Optional[str] = None  # W&B entity (team or user)
 
 
 @dataclass
 class EvalConfig:
-    every_steps: int = 0  # RL steps between held-out evaluations during RL (0: after each stage only)
-    max_new_tokens: int = 6  # greedy completion length on the held-out set
-    batch_size: int = 256  # prompts per generate call
+    every_steps: int = at_least(0, 0)  # RL steps between held-out evaluations during RL (0: after each stage only)
+    max_new_tokens: int = at_least(6, 1)  # greedy completion length on the held-out set
+    batch_size: int = at_least(256, 1)  # prompts per generate call
 
 
 @dataclass
 class AlertRule:
-    kind: str = "reward_collapse"  # reward_collapse | no_progress | reward_errors | queue_backlog
-    threshold: float = 0.5  # collapse: fraction of the best reward; no_progress: minutes; errors: fraction; backlog: requests
-    window: int = 20  # learner steps the rule averages over
+    kind: str = one_of("reward_collapse", "no_progress", "reward_errors", "queue_backlog")  # what the rule watches
+    threshold: float = at_least(0.5, 0)  # collapse: fraction of the best reward; no_progress: minutes; errors: fraction; backlog: requests
+    window: int = at_least(20, 1)  # learner steps the rule averages over
 
 
 def _default_alerts() -> List[AlertRule]:
@@ -168,8 +184,8 @@ def _default_alerts() -> List[AlertRule]:
 
 @dataclass
 class MonitoringConfig:
-    samples_every: int = 50  # learner steps between W&B tables of sample completions (0: never)
-    samples_rows: int = 16  # completions per table
+    samples_every: int = at_least(50, 0)  # learner steps between W&B tables of sample completions (0: never)
+    samples_rows: int = at_least(16, 1)  # completions per table
     alerts: List[AlertRule] = field(default_factory=_default_alerts)
 
 
@@ -222,26 +238,6 @@ class JobConfig:
     def policy_dir(self, policy: str) -> str:
         """Where a policy's checkpoint and models go: the run directory itself for a one-policy job."""
         return os.path.join(self.run_dir, policy) if self.policies else self.run_dir
-
-
-ALERT_KINDS = ("reward_collapse", "no_progress", "reward_errors", "queue_backlog")
-
-POSITIVE = ("sft.steps", "sft.batch_size", "rl.max_steps", "rl.batch_prompts", "rl.group_size", "rl.max_new_tokens",
-            "rl.ppo_epochs", "rl.minibatches", "rollout.num_workers", "rollout.prompts_per_batch",
-            "reward_workers.batch_size", "reward_workers.concurrency", "reward_workers.max_deliveries",
-            "learner.num_ranks", "data.digits", "data.train_size", "data.test_size")
-
-CHOICES = {
-    "model.kind": ("demo", "pretrained"),
-    "data.kind": ("addition", "jsonl"),
-    "rl.algorithm": ("grpo", "rloo", "reinforce_pp"),
-    "rl.correction": ("truncated_is", "decoupled_ppo", "on_policy"),
-    "rl.loss_aggregation": ("token_mean", "sequence_mean", "fixed_length"),
-    "rl.lr_schedule": ("constant", "linear"),
-    "wandb.mode": ("auto", "online", "offline", "disabled"),
-    "rollout.weight_swap": ("in_flight", "finish_then_swap"),
-    "learner.zero_stage": (0, 1, 2, 3),
-}
 
 
 def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = None) -> JobConfig:
@@ -338,20 +334,15 @@ def _merge(base, update, source: str):
 
 
 def _check_values(config: JobConfig, source: str) -> None:
-    _check_sections(config, "", source)
+    _check_fields(config, "", source)
     names = [p.name for p in config.policies]
     if len(set(names)) != len(names):
         raise ConfigError(f"{source}: 'policies' names must be unique, got {names}")
     for i, policy in enumerate(config.policies):
-        _check_sections(policy, f"policies[{i}].", source)
-    if config.reward_workers.num_workers < 0:
-        raise ConfigError(f"{source}: 'reward_workers.num_workers' must be >= 0")
+        _check_policy(policy, f"policies[{i}].", source)
+    _check_policy(config, "", source)
     for i, spec in enumerate(config.rewards):
         _check_reward_spec(spec, f"rewards[{i}]", source)
-    for i, rule in enumerate(config.monitoring.alerts):
-        if rule.kind not in ALERT_KINDS:
-            raise ConfigError(f"{source}: 'monitoring.alerts[{i}].kind' is {rule.kind!r}; "
-                              f"expected one of {list(ALERT_KINDS)}")
     if not config.rewards:
         raise ConfigError(f"{source}: 'rewards' is empty; name at least one reward")
     problems = (10 ** config.data.digits) ** 2
@@ -363,23 +354,31 @@ def _check_values(config: JobConfig, source: str) -> None:
         _require_path(config.data.test_path, "data.test_path", source)
 
 
-def _check_sections(config, prefix: str, source: str) -> None:
-    """The checks of the policy sections (and the job's other choices) on a JobConfig or PolicyConfig."""
-    structured = OmegaConf.structured(config)
-    for key, allowed in CHOICES.items():
-        if key.split(".")[0] not in structured:
-            continue
-        value = OmegaConf.select(structured, key)
-        if value not in allowed:
-            raise ConfigError(f"{source}: '{prefix}{key}' is {value!r}; expected one of {list(allowed)}")
-    for key in POSITIVE:
-        value = OmegaConf.select(structured, key) if key.split(".")[0] in structured else None
-        if value is not None and value <= 0:
-            raise ConfigError(f"{source}: '{prefix}{key}' must be positive")
-    if config.rl.max_staleness < 0:
-        raise ConfigError(f"{source}: '{prefix}rl.max_staleness' must be >= 0")
-    if config.rl.group_size < 2:
-        raise ConfigError(f"{source}: '{prefix}rl.group_size' must be >= 2 (group-relative advantages)")
+def _check_fields(value: Any, prefix: str, source: str) -> None:
+    """Every field's declared constraint (`one_of`, `at_least`, `above`), through nested sections and lists."""
+    for spec in dataclasses.fields(value):
+        key, current = f"{prefix}{spec.name}", getattr(value, spec.name)
+        if dataclasses.is_dataclass(current):
+            _check_fields(current, f"{key}.", source)
+        elif isinstance(current, list):
+            for i, item in enumerate(current):
+                if dataclasses.is_dataclass(item):
+                    _check_fields(item, f"{key}[{i}].", source)
+        elif current is not None:
+            _check_constraint(spec.metadata, current, key, source)
+
+
+def _check_constraint(metadata, value: Any, key: str, source: str) -> None:
+    if "choices" in metadata and value not in metadata["choices"]:
+        raise ConfigError(f"{source}: '{key}' is {value!r}; expected one of {list(metadata['choices'])}")
+    if "at_least" in metadata and value < metadata["at_least"]:
+        raise ConfigError(f"{source}: '{key}' is {value!r}; it must be >= {metadata['at_least']}")
+    if "above" in metadata and value <= metadata["above"]:
+        raise ConfigError(f"{source}: '{key}' is {value!r}; it must be > {metadata['above']}")
+
+
+def _check_policy(config, prefix: str, source: str) -> None:
+    """What one policy's sections need beyond their fields' own constraints."""
     if config.model.kind == "pretrained":
         _require_path(config.model.path, f"{prefix}model.path", source, directory=True)
 
@@ -389,12 +388,6 @@ def _check_reward_spec(spec: RewardSpec, key: str, source: str) -> None:
         raise ConfigError(f"{source}: '{key}' needs exactly one of 'name' or 'fn'")
     if spec.fn and ":" not in spec.fn:
         raise ConfigError(f"{source}: '{key}.fn' is {spec.fn!r}; expected 'package.module:function'")
-    if spec.role not in ("reward", "filter"):
-        raise ConfigError(f"{source}: '{key}.role' is {spec.role!r}; expected 'reward' or 'filter'")
-    if spec.on_flag not in ("veto", "penalty", "drop"):
-        raise ConfigError(f"{source}: '{key}.on_flag' is {spec.on_flag!r}; expected veto, penalty or drop")
-    if spec.timeout_s <= 0:
-        raise ConfigError(f"{source}: '{key}.timeout_s' must be positive")
 
 
 def _require_path(path: Optional[str], key: str, source: str, directory: bool = False) -> None:

@@ -182,7 +182,7 @@ def test_a_job_without_policies_is_one_policy_in_the_run_directory():
 
 def test_bad_value_in_a_policy_entry_names_the_entry(tmp_path):
     path = write(tmp_path, "policies:\n  - name: a\n  - name: b\n    rl: {group_size: 1}\n")
-    with pytest.raises(ConfigError, match=r"'policies\[1\]\.rl\.group_size' must be >= 2"):
+    with pytest.raises(ConfigError, match=r"'policies\[1\]\.rl\.group_size' is 1; it must be >= 2"):
         load_config(path)
 
 
@@ -196,3 +196,19 @@ def test_unknown_key_in_a_policy_entry(tmp_path):
     path = write(tmp_path, "policies:\n  - name: a\n    rl: {lrr: 1}\n")
     with pytest.raises(ConfigError, match="lrr"):
         load_config(path)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rl.temperature=-1", "'rl.temperature' is -1.0; it must be > 0"),
+    ("rl.lr=0", "'rl.lr' is 0.0; it must be > 0"),
+    ("learner.num_cpus=-1", "'learner.num_cpus' is -1.0; it must be >= 0"),
+    ("learner.grad_clip=-0.5", "'learner.grad_clip' is -0.5; it must be > 0"),
+    ("reward_workers.claim_idle_s=0", "'reward_workers.claim_idle_s' is 0.0; it must be > 0"),
+    ("redis.max_stream_len=0", "'redis.max_stream_len' is 0; it must be >= 1"),
+    ("learner.zero_stage=4", "'learner.zero_stage' is 4; expected one of \\[0, 1, 2, 3\\]"),
+    ("monitoring.alerts=[{kind: nope}]", "'monitoring.alerts\\[0\\].kind' is 'nope'"),
+    ("rewards=[{name: exact_match, on_flag: ban}]", "'rewards\\[0\\].on_flag' is 'ban'"),
+])
+def test_values_that_cannot_work_are_rejected_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
