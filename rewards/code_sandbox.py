@@ -1,83 +1,72 @@
-"""Code-test reward: runs a completion's Python code, then the row's tests, in a sandboxed process.
+"""Code-test reward: runs a completion's Python code and the row's tests in a sandbox of two processes.
 
 Consumes a `Sample` whose row holds `tests` (Python source, usually asserts) and produces 1.0
-only when the code and every test run to the end. `run_in_sandbox` does the work and says why
-a run failed. This file is also the sandbox's bootstrap: the child interpreter runs it as a script.
+only when every test passes. The code runs in one isolated process (`sandbox_solution`) and the
+tests in another (`sandbox_judge`) that sees only the raw values the code returns, so nothing the
+code does in its own process can change the verdict. `run_in_sandbox` does the work and says why
+a run failed; the child processes start from `sandbox_child.py`.
 """
 
 from __future__ import annotations
 
-import ctypes
-import json
-import linecache
+import logging
 import math
 import os
 import re
-import resource
-import secrets
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Callable, Dict, List, Optional
+from typing import IO, TYPE_CHECKING, Dict, List, Optional, Tuple
 
-if TYPE_CHECKING:  # the sandbox child runs this file without site-packages: no rlplatform there
+from rlplatform.rewards.sandbox_jail import SANDBOX_UID_BASE
+
+if TYPE_CHECKING:
     from rlplatform.transport.samples import Sample
 
-SANDBOX_UID_BASE = 200_000  # a run as root gets uid SANDBOX_UID_BASE + its pid: unique among live runs
-MAX_PROCESSES = 64  # RLIMIT_NPROC: processes and threads of the run's uid
-MAX_FILE_BYTES = 16 << 20  # RLIMIT_FSIZE, which also caps what stdout and stderr can hold
-MAX_OPEN_FILES = 64
 TAIL_BYTES = 2000  # how much of stdout and stderr a result keeps
 KILL_WAIT_S = 5.0  # how long to keep killing survivors before giving up
+REPORT_BYTES = 1 << 20  # how much of a report pipe is read
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
+PYTHON = os.path.realpath(sys.executable)  # the base interpreter: a virtualenv's directory is not in the sandbox
 
 _FENCED = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
-
-# audit events denied outright, by prefix, and the reason's kind ("socket.__new__" is allowed:
-# creating a socket is harmless, connecting or resolving is not)
-_DENIED_EVENTS = {
-    "socket.": "network", "os.fork": "process", "os.posix_spawn": "process", "os.spawn": "process",
-    "os.exec": "process", "os.system": "process", "subprocess.Popen": "process", "pty.spawn": "process",
-    "os.kill": "process", "signal.pthread_kill": "process", "ctypes.": "native",
-}
-_DENIED_PREFIXES = tuple(_DENIED_EVENTS)
-# audit events whose path arguments must lie inside the scratch directory
-_PATH_EVENTS = {
-    "os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.link", "os.symlink",
-    "os.truncate", "os.utime", "os.mkfifo", "os.mknod", "os.setxattr", "os.removexattr",
-}
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
-_CLONE_NEWNET = 0x40000000
-_PR_SET_KEEPCAPS, _PR_SET_NO_NEW_PRIVS = 8, 38
-_CAPABILITY_VERSION_3, _CAP_DAC_READ_SEARCH = 0x20080522, 2
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class SandboxResult:
-    passed: bool  # the code and all tests ran to the end
-    reason: str  # "passed", or "<kind>: <detail>"; kinds: failed, error, timeout, memory, network,
-    #              filesystem, process, native, killed, exited
+    passed: bool  # the judge ran every test to the end and the solution broke no rule
+    reason: str  # "passed", or "<kind>: <detail>"; kinds: failed, error, exited, timeout, memory,
+    #              network, filesystem, process, native, killed
     duration_s: float
-    stdout_tail: str
-    stderr_tail: str
-    isolation: str  # the layers that applied, e.g. "netns rlimits uid=201234 audit"
+    stdout_tail: str  # both processes' stdout
+    stderr_tail: str  # both processes' stderr: the solution's traceback, or the failed test's
+    isolation: str  # the layers that applied to the solution, e.g. "namespaces rlimits uid=201234 audit"
 
 
-class SandboxViolation(PermissionError):
-    """Raised inside the sandbox by the audit hook."""
+class SandboxUnavailable(RuntimeError):
+    """The kernel refuses the isolation the sandbox needs, and weak isolation was not allowed."""
 
 
-def code_tests(sample: Sample, *, timeout_s: float = 5.0, memory_mb: int = 512) -> float:
+def code_tests(sample: Sample, *, timeout_s: float = 5.0, memory_mb: int = 512,
+               allow_weak_isolation: bool = False) -> float:
     """1.0 when the completion's code passes every test in the row's `tests`, else 0.0.
 
     The code is the last ```python fenced block of the completion, or the whole completion.
     timeout_s: wall-clock seconds for the code and the tests together.
-    memory_mb: address-space limit of the sandboxed interpreter.
+    memory_mb: address-space limit of each sandboxed interpreter.
+    allow_weak_isolation: score even where namespaces are unavailable (a non-root caller
+    without user namespaces), with rlimits and the audit hook only; otherwise such a call
+    raises SandboxUnavailable, which the scorer reports as an error result.
+    Why a sample scored 0 is logged at INFO under this module's logger.
     """
-    result = run_in_sandbox(extract_code(sample.completion), sample.tests, timeout_s=timeout_s, memory_mb=memory_mb)
+    result = run_in_sandbox(extract_code(sample.completion), sample.tests, timeout_s=timeout_s,
+                            memory_mb=memory_mb, allow_weak_isolation=allow_weak_isolation)
+    if not result.passed:
+        log.info("code_tests: sample %s scored 0: %s", sample.sample_id, result.reason)
     return float(result.passed)
 
 
@@ -87,51 +76,105 @@ def extract_code(completion: str) -> str:
     return blocks[-1] if blocks else completion
 
 
-def run_in_sandbox(code: str, tests: str, timeout_s: float = 5.0, memory_mb: int = 512) -> SandboxResult:
-    """Run `code`, then `tests`, in one namespace in a sandboxed interpreter; never raises for their faults.
+def run_in_sandbox(code: str, tests: str, timeout_s: float = 5.0, memory_mb: int = 512,
+                   allow_weak_isolation: bool = False) -> SandboxResult:
+    """Run `code` in a sandboxed solution process and `tests` in a sandboxed judge process that
+    calls into it; never raises for their faults. Raises SandboxUnavailable when the kernel
+    refuses namespaces and `allow_weak_isolation` is false.
 
-    A run passes only when the bootstrap reports that the tests ran to the end: a zero exit
-    status is not enough (the code could call `os._exit(0)` first).
+    The verdict is the judge's: it reports "passed" on a pipe the solution cannot reach, only
+    after every test ran, comparing values the solution returned as exact built-in types. The
+    solution's own report can only veto (an error, or an attempt the audit hook denied).
 
-    Isolation, outermost first (`SandboxResult.isolation` lists the layers that applied):
-    - a fresh scratch directory as cwd, HOME and TMPDIR, deleted afterwards; `python -I -S -B -u`;
-    - its own session, SIGKILLed as a group when the run ends or times out;
-    - a new network namespace (`unshare(CLONE_NEWNET)`: no interfaces but a down loopback), when
-      permitted (needs root or CAP_SYS_ADMIN);
+    Isolation of both processes (`sandbox_jail`; `SandboxResult.isolation` lists what applied):
+    - new mount, network (no interfaces but a down loopback), PID, IPC and UTS namespaces, and a
+      user namespace when not root; the root is a read-only tmpfs holding only read-only binds of
+      the system and Python directories, four devices and the run's scratch directory (writable
+      by the solution only), so no way of opening a file reaches anything else;
     - rlimits: address space (`memory_mb`), CPU seconds, processes, file size, open files, core;
-    - as root: its own uid (SANDBOX_UID_BASE + pid), so RLIMIT_NPROC binds, root-owned files are
-      read-only, and every process of that uid is killed at the end, escaped sessions included.
-      It keeps one capability, CAP_DAC_READ_SEARCH, because the interpreter may live where only
-      root can read (a pyenv under /root, as on the development machine); no_new_privs stops
-      setuid binaries from granting more.
-    - an audit hook (PEP 578) that denies sockets, process creation, signals, ctypes, and writes
-      outside the scratch directory, naming what was attempted. Audit hooks are not a security
-      boundary on their own (`_posixsubprocess.fork_exec` bypasses them); the layers above bound
-      what a bypass can do.
+    - every capability dropped, bounding set included, and no_new_privs; as root, a uid of its
+      own (SANDBOX_UID_BASE + pid), so RLIMIT_NPROC binds per run and every process of that uid
+      is killed at the end;
+    - in the solution, an audit hook (PEP 578) that names denied attempts (sockets, process
+      creation, signals, ctypes, writes outside the scratch directory) and fails the run; the
+      layers above hold where it is bypassed.
+    Every process either starts inherits all of it; when the judge ends or `timeout_s` passes,
+    both process groups and every process of the runs' uids are SIGKILLed.
     """
-    nonce = secrets.token_hex(16)  # marks the bootstrap's report lines: printing "passed" or exiting early is no pass
-    job = json.dumps({"nonce": nonce, "code": code, "tests": tests}).encode()
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="rlp-sandbox-", ignore_cleanup_errors=True) as scratch, \
-            tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr, \
-            tempfile.TemporaryFile() as report:
-        args = [sys.executable, "-I", "-S", "-B", "-u", os.path.abspath(__file__),
-                str(memory_mb), str(math.ceil(timeout_s) + 1), str(report.fileno())]
-        proc = subprocess.Popen(args, cwd=scratch, env={"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch},
-                                stdin=subprocess.PIPE, stdout=stdout, stderr=stderr,
-                                pass_fds=(report.fileno(),), start_new_session=True)
-        timed_out = _wait(proc, job, timeout_s)
-        _kill_sandbox(proc, SANDBOX_UID_BASE + proc.pid if os.geteuid() == 0 else None)
-        lines = _report_lines(report, nonce)
-        reason = lines.get("outcome") or _reason_without_outcome(proc.returncode, timed_out, timeout_s)
-        return SandboxResult(reason == "passed", reason, time.monotonic() - start,
-                             _tail(stdout), _tail(stderr), lines.get("isolation", ""))
+    with tempfile.TemporaryDirectory(prefix="rlp-sandbox-", ignore_cleanup_errors=True) as run_dir, \
+            tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
+        scratch = _layout(run_dir)
+        args = [str(memory_mb), str(math.ceil(timeout_s) + 1), str(int(allow_weak_isolation))]
+        solution, judge, reports = _start(scratch, args, stdout, stderr)
+        for proc, job in ((solution, code), (judge, tests)):
+            _send(proc, job)
+        timed_out = _wait(judge, timeout_s)
+        for proc in (judge, solution):
+            _kill_sandbox(proc, SANDBOX_UID_BASE + proc.pid if os.geteuid() == 0 else None)
+        solution_lines, judge_lines = (_report_lines(fd) for fd in reports)
+        refused = solution_lines.get("unavailable") or judge_lines.get("unavailable")
+        if refused:
+            raise SandboxUnavailable(f"code sandbox: {refused}; run as root or where user namespaces are "
+                                     "allowed, or set allow_weak_isolation: true in the reward's params")
+        passed, reason = _verdict(solution_lines, judge_lines, judge.returncode, timed_out, timeout_s)
+        return SandboxResult(passed, reason, time.monotonic() - start, _tail(stdout), _tail(stderr),
+                             solution_lines.get("isolation", ""))
 
 
-def _wait(proc: subprocess.Popen, job: bytes, timeout_s: float) -> bool:
-    """Send the job and wait for the sandbox to exit; True when it ran out of time."""
+def _layout(run_dir: str) -> str:
+    """Make the run's scratch directory (readable by the judge) and the sandboxes' root mount point."""
+    scratch = os.path.join(run_dir, "work")
+    for path in (scratch, os.path.join(run_dir, "root")):
+        os.mkdir(path)
+        os.chmod(path, 0o755)
+    return scratch
+
+
+def _start(scratch: str, args: List[str], stdout: IO[bytes], stderr: IO[bytes]) \
+        -> Tuple[subprocess.Popen, subprocess.Popen, Tuple[int, int]]:
+    """Start the solution and judge processes joined by two pipes, each with a report pipe."""
+    to_solution, to_judge, solution_report, judge_report = os.pipe(), os.pipe(), os.pipe(), os.pipe()
+    ends = {"solution": (solution_report[1], to_solution[0], to_judge[1]),
+            "judge": (judge_report[1], to_judge[0], to_solution[1])}
+    procs = {}
     try:
-        proc.communicate(job, timeout=timeout_s)
+        for role, fds in ends.items():
+            procs[role] = subprocess.Popen(
+                [PYTHON, "-I", "-S", "-B", "-u", CHILD, role, *args, *map(str, fds)], cwd=scratch,
+                env={"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch}, stdin=subprocess.PIPE,
+                stdout=stdout, stderr=stderr, pass_fds=fds, start_new_session=True)
+    finally:
+        for fd in (*ends["solution"], *ends["judge"]):
+            os.close(fd)
+    for fd in (solution_report[0], judge_report[0]):
+        os.set_blocking(fd, False)
+    return procs["solution"], procs["judge"], (solution_report[0], judge_report[0])
+
+
+def _send(proc: subprocess.Popen, job: str) -> None:
+    try:
+        proc.stdin.write(job.encode(errors="surrogatepass"))
+        proc.stdin.close()
+    except BrokenPipeError:  # it already ended (refused, or killed by a limit); its report says why
+        pass
+
+
+def _verdict(solution: Dict[str, str], judge: Dict[str, str], returncode: int, timed_out: bool,
+             timeout_s: float) -> Tuple[bool, str]:
+    """Passed only on the judge's word with no veto from the solution; else the first reason."""
+    vetoes = [solution[key] for key in ("violation", "error") if key in solution]
+    outcome = judge.get("outcome")
+    if outcome == "passed" and not vetoes:
+        return True, "passed"
+    reasons = [reason for reason in vetoes + [outcome] if reason and reason != "passed"]
+    return False, reasons[0] if reasons else _reason_without_outcome(returncode, timed_out, timeout_s)
+
+
+def _wait(proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait for the judge to exit; True when it ran out of time."""
+    try:
+        proc.wait(timeout=timeout_s)
         return False
     except subprocess.TimeoutExpired:
         return True
@@ -169,15 +212,20 @@ def _live_processes(pgid: int, uid: Optional[int]) -> List[int]:
     return found
 
 
-def _report_lines(report: IO[bytes], nonce: str) -> Dict[str, str]:
-    """The bootstrap's `<nonce> <key> <value>` lines as {key: value}; the first line of a key wins."""
-    report.seek(0)
-    lines = {}
-    for line in report.read().decode(errors="replace").splitlines():
-        marker, _, rest = line.partition(" ")
-        key, _, value = rest.partition(" ")
-        if marker == nonce:
-            lines.setdefault(key, value)
+def _report_lines(fd: int) -> Dict[str, str]:
+    """A child's `<key> <value>` report lines as {key: value}, the first of a key winning; closes `fd`."""
+    chunks = []
+    try:
+        while sum(map(len, chunks)) < REPORT_BYTES and (chunk := os.read(fd, 65536)):
+            chunks.append(chunk)
+    except BlockingIOError:  # a process of the run still holds the pipe open: what is there is all there is
+        pass
+    finally:
+        os.close(fd)
+    lines: Dict[str, str] = {}
+    for line in b"".join(chunks).decode(errors="replace").splitlines():
+        key, _, value = line.partition(" ")
+        lines.setdefault(key, value)
     return lines
 
 
@@ -196,113 +244,3 @@ def _tail(output: IO[bytes]) -> str:
     output.seek(0, os.SEEK_END)
     output.seek(max(0, output.tell() - TAIL_BYTES))
     return output.read().decode(errors="replace")
-
-
-# ---- the sandbox child: everything below runs inside it ----
-
-def _sandbox_main(memory_mb: int, cpu_s: int, report_fd: int) -> None:
-    """Isolate this process, run the job read from stdin, report the outcome and exit."""
-    job = json.loads(sys.stdin.buffer.read())
-    nonce, write, exit_now = job["nonce"], os.write, os._exit  # bound before untrusted code runs
-    layers = _isolate(memory_mb, cpu_s)
-    violations: List[str] = []
-    sys.addaudithook(_audit_hook(os.path.realpath(os.getcwd()), violations))
-    write(report_fd, f"{nonce} isolation {' '.join(layers + ['audit'])}\n".encode())
-    outcome = _run_untrusted(job["code"], job["tests"], violations)
-    write(report_fd, f"{nonce} outcome {outcome}\n".encode(errors="replace"))
-    exit_now(0)
-
-
-def _isolate(memory_mb: int, cpu_s: int) -> List[str]:
-    """Apply the kernel-level layers this process is allowed to; returns their names."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    layers = ["netns"] if libc.unshare(_CLONE_NEWNET) == 0 else []
-    libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    for limit, value in ((resource.RLIMIT_AS, memory_mb << 20), (resource.RLIMIT_CPU, cpu_s),
-                         (resource.RLIMIT_NPROC, MAX_PROCESSES), (resource.RLIMIT_FSIZE, MAX_FILE_BYTES),
-                         (resource.RLIMIT_NOFILE, MAX_OPEN_FILES), (resource.RLIMIT_CORE, 0)):
-        hard = resource.getrlimit(limit)[1]
-        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-        resource.setrlimit(limit, (value, value))
-    layers.append("rlimits")
-    uid = SANDBOX_UID_BASE + os.getpid()
-    if os.geteuid() == 0 and _switch_uid(libc, uid):
-        layers.append(f"uid={uid}")
-    return layers
-
-
-def _switch_uid(libc: ctypes.CDLL, uid: int) -> bool:
-    """Become `uid` (owning the scratch directory), keeping only CAP_DAC_READ_SEARCH; False if not permitted."""
-    os.chown(".", uid, uid)
-    libc.prctl(_PR_SET_KEEPCAPS, 1, 0, 0, 0)
-    try:
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
-    except OSError:
-        return False
-    keep = 1 << _CAP_DAC_READ_SEARCH
-    header = (ctypes.c_uint32 * 2)(_CAPABILITY_VERSION_3, 0)
-    sets = (ctypes.c_uint32 * 6)(keep, keep, 0, 0, 0, 0)  # effective, permitted, inheritable (x2 words)
-    if libc.capset(header, sets) != 0:
-        raise OSError(ctypes.get_errno(), "capset failed; refusing to run untrusted code with capabilities left")
-    return True
-
-
-def _audit_hook(root: str, violations: List[str]) -> Callable[[str, tuple], None]:
-    """A hook that records and raises on every denied event."""
-    def hook(event: str, args: tuple) -> None:
-        violation = _violation(event, args, root)
-        if violation:
-            violations.append(violation)
-            raise SandboxViolation(violation)
-    return hook
-
-
-def _violation(event: str, args: tuple, root: str) -> Optional[str]:
-    """Why `event` is denied, or None when it is allowed."""
-    if event == "open":
-        path, _mode, flags = args
-        if flags & _WRITE_FLAGS and not isinstance(path, int) and not _inside(path, root):
-            return f"filesystem: write to {path} outside the sandbox directory"
-        return None
-    if event in _PATH_EVENTS:
-        outside = [arg for arg in args if isinstance(arg, (str, bytes, os.PathLike)) and not _inside(arg, root)]
-        return f"filesystem: {event} on {outside[0]} outside the sandbox directory" if outside else None
-    if event == "socket.__new__" or not event.startswith(_DENIED_PREFIXES):
-        return None
-    kind = next(kind for prefix, kind in _DENIED_EVENTS.items() if event.startswith(prefix))
-    return f"{kind}: {event} denied"
-
-
-def _inside(path: str | bytes | os.PathLike, root: str) -> bool:
-    real = os.path.realpath(os.fsdecode(path))
-    return real == root or real.startswith(root + os.sep)
-
-
-def _run_untrusted(code: str, tests: str, violations: List[str]) -> str:
-    """Run the code, then the tests, in one namespace; "passed" or why not."""
-    run, build = exec, compile  # bound before the untrusted code can replace the builtins
-    namespace = {"__name__": "__main__"}
-    for filename, source, kind in (("solution.py", code, "error"), ("tests.py", tests, "failed")):
-        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # for tracebacks
-        try:
-            run(build(source, filename, "exec"), namespace)
-        except BaseException as err:  # untrusted code may raise anything, SystemExit included
-            traceback.print_exception(type(err), err, err.__traceback__.tb_next)  # from the untrusted frame on
-            return violations[0] if violations else _describe(kind, filename, err)
-    return violations[0] if violations else "passed"
-
-
-def _describe(kind: str, filename: str, err: BaseException) -> str:
-    """One line naming the exception and the line of `filename` it came from."""
-    if isinstance(err, MemoryError):
-        return f"memory: MemoryError in {filename}"
-    lines = [frame.lineno for frame in traceback.extract_tb(err.__traceback__) if frame.filename == filename]
-    where = f" line {lines[-1]}" if lines else ""
-    detail = f": {err}" if str(err) else ""
-    return f"{kind}: {type(err).__name__} in {filename}{where}{detail}"[:300].replace("\n", " ")
-
-
-if __name__ == "__main__":
-    _sandbox_main(*map(int, sys.argv[1:4]))

@@ -12,10 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from rlplatform.rewards.code_sandbox import MAX_PROCESSES, code_tests, extract_code, run_in_sandbox
+from rlplatform.rewards.code_sandbox import code_tests, extract_code, run_in_sandbox
+from rlplatform.rewards.sandbox_jail import MAX_PROCESSES
 
 ADD_TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"
-PRINT_GROUP = "import os\nprint(os.getpgid(0), os.getuid(), flush=True)\n"
 
 
 def run(code: str, tests: str = "", timeout_s: float = 2.0):
@@ -26,11 +26,18 @@ def run(code: str, tests: str = "", timeout_s: float = 2.0):
     return result
 
 
-def live_processes(pgid: int, uid: int) -> list:
-    """`ps` rows of processes, zombies aside, in process group `pgid` or owned by `uid`."""
-    rows = subprocess.run(["ps", "-eo", "pid=,pgid=,uid=,stat=,comm="], capture_output=True, text=True).stdout
-    return [row for row in rows.splitlines()
-            if (int(row.split()[1]) == pgid or int(row.split()[2]) == uid) and not row.split()[3].startswith("Z")]
+def run_uid(result) -> int:
+    """The uid the run had to itself (as root), from its isolation layers."""
+    layers = [layer for layer in result.isolation.split() if layer.startswith("uid=")]
+    if not layers:
+        pytest.skip(f"no per-run uid here ({result.isolation}): needs root")
+    return int(layers[0][4:])
+
+
+def live_processes(uid: int) -> list:
+    """`ps` rows of processes, zombies aside, owned by `uid` (every process of a run as root)."""
+    rows = subprocess.run(["ps", "-eo", "pid=,uid=,stat=,comm="], capture_output=True, text=True).stdout
+    return [row for row in rows.splitlines() if int(row.split()[1]) == uid and not row.split()[2].startswith("Z")]
 
 
 def test_correct_solution_scores_one(make_sample):
@@ -59,7 +66,7 @@ def test_extract_code_takes_the_last_fenced_block():
 
 def test_leaving_early_is_not_a_pass():
     # a zero exit status is not enough: the bootstrap must report that the tests ran to the end
-    assert run("import os\nos._exit(0)", "assert False").reason == "exited: exit code 0 before the tests finished"
+    assert run("import os\nos._exit(0)", "assert False").reason == "exited: the solution ended before the tests ran"
     assert run("import sys\nsys.exit(0)", "assert False").reason == "error: SystemExit in solution.py line 2: 0"
     skip_tests = "import builtins\nbuiltins.exec = lambda *args: None\nbuiltins.compile = lambda *args: None\n"
     assert run(skip_tests, "assert False").reason == "failed: AssertionError in tests.py line 1"
@@ -74,12 +81,13 @@ def test_runs_from_several_threads_are_independent():
     assert len({r.isolation for r in results}) == 4 or os.geteuid() != 0  # a uid of its own per run
 
 
-def test_infinite_loop_times_out_and_its_group_is_killed():
-    result = run(PRINT_GROUP + "while True:\n    pass\n", timeout_s=1.0)
+def test_infinite_loop_times_out_and_is_killed():
+    result = run("while True:\n    pass\n", timeout_s=1.0)
     assert (result.passed, result.reason) == (False, "timeout: still running after 1 s")
     assert 1.0 <= result.duration_s < 6.0
-    pgid, uid = map(int, result.stdout_tail.split())
-    assert live_processes(pgid, uid) == []
+    assert live_processes(run_uid(result)) == []
+    looping_call = run("def add(a, b):\n    while True:\n        pass\n", ADD_TESTS, timeout_s=1.0)
+    assert looping_call.reason == "timeout: still running after 1 s"
 
 
 def test_huge_allocation_is_a_memory_failure():
@@ -132,25 +140,24 @@ def test_process_creation_signals_and_ctypes_are_denied(code, reason):
 def test_fork_bomb_that_bypasses_the_audit_hook_is_bounded_and_killed():
     """`_posixsubprocess` raises no audit event: this bomb is stopped by the kernel layers alone."""
     bomb = b"setsid sleep 60 & while :; do sleep 60 & done"  # one process escapes the group with setsid
-    result = run(PRINT_GROUP + "import multiprocessing.util as util\n"
+    result = run("import multiprocessing.util as util\n"
                  f"util.spawnv_passfds(b'/bin/sh', [b'sh', b'-c', {bomb!r}], ())\n"
                  "while True:\n    pass\n", timeout_s=1.5)
-    if not any(layer.startswith("uid=") for layer in result.isolation.split()):
-        pytest.skip(f"no per-run uid here ({result.isolation}): RLIMIT_NPROC counts the caller's processes")
+    uid = run_uid(result)  # without one, RLIMIT_NPROC counts the caller's processes
     assert result.reason == "timeout: still running after 1.5 s"
     assert "fork" in result.stderr_tail  # the shell's complaint: RLIMIT_NPROC refused it more processes
-    pgid, uid = map(int, result.stdout_tail.split())
-    assert live_processes(pgid, uid) == []  # the group, and the `setsid` escapee running as the run's uid
+    assert live_processes(uid) == []  # the `setsid` escapee included
 
 
 def test_isolation_layers_reported_are_in_force():
-    result = run("import os, resource\nprint(os.getuid(), resource.getrlimit(resource.RLIMIT_NPROC)[0])\n"
-                 "print(*[line.split(':')[0].strip() for line in open('/proc/net/dev').readlines()[2:]])")
+    result = run("import os, resource, socket\nprint(os.getuid(), resource.getrlimit(resource.RLIMIT_NPROC)[0])\n"
+                 "print(*[name for _index, name in socket.if_nameindex()], sorted(os.listdir('/')))")
     layers = result.isolation.split()
     assert result.reason == "passed" and {"rlimits", "audit"} <= set(layers)
-    uid, nproc, *interfaces = result.stdout_tail.split()
+    uid, nproc, interfaces, root = result.stdout_tail.split(maxsplit=3)
     assert int(nproc) <= MAX_PROCESSES
     uid_layer = [layer for layer in layers if layer.startswith("uid=")]
     assert uid_layer == [f"uid={uid}"] if uid_layer else int(uid) == os.geteuid()
-    if "netns" in layers:
-        assert interfaces == ["lo"]
+    if "namespaces" in layers:
+        assert interfaces == "lo"
+        assert "etc" not in root and "proc" not in root and "home" not in root  # system directories only

@@ -1,0 +1,47 @@
+"""Bootstrap of the sandbox's two child interpreters, run as a script by `code_sandbox`.
+
+`sandbox_child.py ROLE MEMORY_MB CPU_S ALLOW_WEAK REPORT_FD LINK_IN LINK_OUT`: reads its job from
+stdin (the code for the `solution` role, the tests for the `judge`), isolates itself
+(`sandbox_jail`), then plays its role; `<key> <value>` lines on REPORT_FD tell the caller the
+isolation that applied, a refusal (`unavailable`), the judge's `outcome`, and the solution's
+`error` or `violation`.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))  # for the modules below; taken out before any job runs
+import sandbox_jail  # noqa: E402
+import sandbox_judge  # noqa: E402
+import sandbox_solution  # noqa: E402
+from sandbox_wire import Channel  # noqa: E402
+
+del sys.path[0]
+
+
+def main(role: str, memory_mb: int, cpu_s: int, allow_weak: int, report_fd: int, link_in: int, link_out: int) -> None:
+    job = sys.stdin.read()
+    write, exit_now = os.write, os._exit  # bound before untrusted code runs
+
+    def report(line: str) -> None:
+        write(report_fd, (line.replace("\n", " ") + "\n").encode(errors="replace"))
+
+    try:
+        layers = sandbox_jail.enter(os.path.realpath(os.getcwd()), role == "solution", memory_mb, cpu_s,
+                                    bool(allow_weak))
+    except OSError as err:
+        report(f"unavailable {role}: {err}")
+        exit_now(3)
+    channel = Channel(link_in, link_out)
+    if role == "judge":
+        sandbox_jail.forbid_tracing()
+        report(f"isolation {' '.join(layers)}")
+        report(f"outcome {sandbox_judge.run(job, channel)}")
+    else:
+        report(f"isolation {' '.join(layers + ['audit'])}")
+        sandbox_solution.run(job, channel, report)
+    exit_now(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], *map(int, sys.argv[2:8]))
