@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import IO, TYPE_CHECKING, Dict, List, Set, Tuple
 
 from rlplatform.rewards.sandbox_jail import SANDBOX_UID_BASE
 
@@ -110,8 +110,7 @@ def run_in_sandbox(code: str, tests: str, timeout_s: float = 5.0, memory_mb: int
         for proc, job in ((solution, code), (judge, tests)):
             _send(proc, job)
         timed_out = _wait(judge, timeout_s)
-        for proc in (judge, solution):
-            _kill_sandbox(proc, SANDBOX_UID_BASE + proc.pid if os.geteuid() == 0 else None)
+        _kill_sandbox([judge, solution])
         solution_lines, judge_lines = (_report_lines(fd) for fd in reports)
         refused = solution_lines.get("unavailable") or judge_lines.get("unavailable")
         if refused:
@@ -180,15 +179,19 @@ def _wait(proc: subprocess.Popen, timeout_s: float) -> bool:
         return True
 
 
-def _kill_sandbox(proc: subprocess.Popen, uid: Optional[int]) -> None:
-    """SIGKILL the run's process group, then every live process left in it or running as its uid."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
+def _kill_sandbox(procs: List[subprocess.Popen]) -> None:
+    """SIGKILL the processes' groups, then every live process left in them or running as their
+    runs' uids (as root, a uid per process: SANDBOX_UID_BASE + its pid)."""
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    groups = {proc.pid for proc in procs}
+    uids = {SANDBOX_UID_BASE + proc.pid for proc in procs} if os.geteuid() == 0 else set()
     deadline = time.monotonic() + KILL_WAIT_S
-    while (survivors := _live_processes(proc.pid, uid)) and time.monotonic() < deadline:
+    while (survivors := _live_processes(groups, uids)) and time.monotonic() < deadline:
         for pid in survivors:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -197,8 +200,8 @@ def _kill_sandbox(proc: subprocess.Popen, uid: Optional[int]) -> None:
         time.sleep(0.01)
 
 
-def _live_processes(pgid: int, uid: Optional[int]) -> List[int]:
-    """Pids of processes, zombies aside, in process group `pgid` or running as `uid`."""
+def _live_processes(groups: Set[int], uids: Set[int]) -> List[int]:
+    """Pids of processes, zombies aside, in one of the process `groups` or running as one of `uids`."""
     found = []
     for entry in os.listdir("/proc"):
         try:
@@ -207,7 +210,7 @@ def _live_processes(pgid: int, uid: Optional[int]) -> List[int]:
             owner = os.stat(f"/proc/{entry}").st_uid
         except (OSError, ValueError):  # not a process, or it just exited
             continue
-        if state != "Z" and (int(group) == pgid or owner == uid):
+        if state != "Z" and (int(group) in groups or owner in uids):
             found.append(int(entry))
     return found
 

@@ -1,8 +1,8 @@
 """Bootstrap of the sandbox's two child interpreters, run as a script by `code_sandbox`.
 
-`sandbox_child.py ROLE MEMORY_MB CPU_S ALLOW_WEAK REPORT_FD LINK_IN LINK_OUT`: reads its job from
-stdin (the code for the `solution` role, the tests for the `judge`), isolates itself
-(`sandbox_jail`), then plays its role; `<key> <value>` lines on REPORT_FD tell the caller the
+`sandbox_child.py ROLE MEMORY_MB CPU_S ALLOW_WEAK REPORT_FD LINK_IN LINK_OUT`: isolates itself
+(`sandbox_jail`), reads its job from stdin (the code for the `solution` role, the tests for the
+`judge`), then plays its role; `<key> <value>` lines on REPORT_FD tell the caller the
 isolation that applied, a refusal (`unavailable`), the judge's `outcome`, and the solution's
 `error` or `violation`.
 """
@@ -20,7 +20,6 @@ del sys.path[0]
 
 
 def main(role: str, memory_mb: int, cpu_s: int, allow_weak: int, report_fd: int, link_in: int, link_out: int) -> None:
-    job = sys.stdin.read()
     write, exit_now = os.write, os._exit  # bound before untrusted code runs
 
     def report(line: str) -> None:
@@ -32,9 +31,10 @@ def main(role: str, memory_mb: int, cpu_s: int, allow_weak: int, report_fd: int,
     except OSError as err:
         report(f"unavailable {role}: {err}")
         exit_now(3)
-    channel = Channel(link_in, link_out)
     if role == "judge":
-        sandbox_jail.forbid_tracing()
+        sandbox_jail.forbid_tracing()  # where weak isolation shares a uid, the solution cannot read it
+    job, channel = sys.stdin.read(), Channel(link_in, link_out)
+    if role == "judge":
         report(f"isolation {' '.join(layers)}")
         report(f"outcome {sandbox_judge.run(job, channel)}")
     else:

@@ -4,6 +4,7 @@ with a reason, within the time limit, leaving no process behind."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import time
@@ -56,6 +57,50 @@ def test_wrong_solution_scores_zero_naming_the_failed_test(make_sample):
 def test_solution_that_raises_or_does_not_parse():
     assert run("x = 1 / 0", ADD_TESTS).reason == "error: ZeroDivisionError in solution.py line 1: division by zero"
     assert run("def add(a, b) return a", ADD_TESTS).reason.startswith("error: SyntaxError in solution.py")
+
+
+def test_reason_for_a_zero_is_logged(make_sample, caplog):
+    sample = make_sample("def add(a, b):\n    return a * b\n", tests=ADD_TESTS)
+    with caplog.at_level(logging.INFO, logger="rlplatform.rewards.code_sandbox"):
+        assert code_tests(sample) == 0.0
+    assert "g0/0 scored 0: failed: AssertionError in tests.py line 1" in caplog.text
+
+
+@pytest.mark.parametrize("code, tests", [
+    # objects the tests call methods on, iterate, index and measure
+    ("class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n"
+     "        self.items.append(x)\n    def pop(self):\n        return self.items.pop()\n"
+     "    def __len__(self):\n        return len(self.items)\n",
+     "s = Stack()\ns.push(1)\ns.push(2)\nassert len(s) == 2 and s.pop() == 2 and s.items == [1]\n"),
+    ("def count(n):\n    yield from range(n)\n", "assert list(count(3)) == [0, 1, 2]\nassert sum(count(4)) == 6\n"),
+    # the solution's exceptions reach the tests as themselves
+    ("def root(x):\n    if x < 0:\n        raise ValueError('negative')\n    return x ** 0.5\n",
+     "try:\n    root(-1)\nexcept ValueError as err:\n    assert str(err) == 'negative'\nelse:\n    assert False\n"
+     "assert root(4) == 2\n"),
+    # a list the solution sorts in place is sorted for the tests too; values keep their types
+    ("def sort_in_place(xs):\n    xs.sort()\n",
+     "xs = [3, 1, 2]\nsort_in_place(xs)\nassert xs == [1, 2, 3]\n"),
+    ("def mixed():\n    return {'a': (1, 2.5), 'b': {3}, 'c': [None, True, b'x', 1j]}\n",
+     "assert mixed() == {'a': (1, 2.5), 'b': {3}, 'c': [None, True, b'x', 1j]}\nassert mixed() != {'a': (1, 2.5)}\n"),
+    # a module the solution imported is there for tests that forgot to import it
+    ("import math\ndef area(r):\n    return math.pi * r * r\n", "assert math.isclose(area(1), math.pi)\n"),
+])
+def test_correct_solutions_of_many_shapes_pass(code, tests):
+    result = run(code, tests)
+    assert result.reason == "passed", result.stderr_tail
+
+
+@pytest.mark.parametrize("code, tests", [
+    # the tests' built-ins are their own, whatever the solution names its functions
+    ("def all(xs):\n    return True\ndef is_even(n):\n    return False\n", "assert all(is_even(n) for n in [2, 4])\n"),
+    # StopIteration from a call cannot end the loop that made it early
+    ("def is_even(n):\n    raise StopIteration\n", "assert all(map(lambda n: is_even(n) == (n % 2 == 0), [1, 2]))\n"),
+    # an object of the solution has no truth value and equals only itself
+    ("class Yes:\n    def __bool__(self):\n        return True\ndef is_prime(n):\n    return Yes()\n",
+     "assert is_prime(7)\n"),
+])
+def test_wrong_solutions_that_bend_the_tests_fail(code, tests):
+    assert not run(code, tests).passed
 
 
 def test_extract_code_takes_the_last_fenced_block():
