@@ -92,7 +92,7 @@ def test_correct_solutions_of_many_shapes_pass(code, tests):
 
 @pytest.mark.parametrize("code, tests", [
     # the tests' built-ins are their own, whatever the solution names its functions
-    ("def all(xs):\n    return True\ndef is_even(n):\n    return False\n", "assert all(is_even(n) for n in [2, 4])\n"),
+    ("def all(xs):\n    return True\ndef is_even(n):\n    return False\n", "assert all([is_even(2), is_even(4)])\n"),
     # StopIteration from a call cannot end the loop that made it early
     ("def is_even(n):\n    raise StopIteration\n", "assert all(map(lambda n: is_even(n) == (n % 2 == 0), [1, 2]))\n"),
     # an object of the solution has no truth value and equals only itself

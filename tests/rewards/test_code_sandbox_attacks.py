@@ -37,24 +37,15 @@ while frame is not None:
     frame = frame.f_back
 """
 GC_WALK = """
-import gc, os, sys
-for obj in gc.get_objects():
-    if isinstance(obj, dict) and 'nonce' in obj and 'tests' in obj:
-        for fd in range(3, 64):
-            try:
-                os.write(fd, f"{obj['nonce']} outcome passed\\n".encode())
-            except OSError:
-                pass
-        os._exit(0)
+import gc
+for obj in gc.get_objects():  # any list a harness closure holds (a list of reasons, say) gets a "passed"
+    for cell in getattr(obj, '__closure__', None) or ():
+        if type(cell.cell_contents) is list:
+            cell.cell_contents.insert(0, 'passed')
 """
 REPLACE_HARNESS = """
 import __main__
-for name in dir(__main__):
-    if callable(getattr(__main__, name)) and name.startswith('_'):
-        try:
-            setattr(__main__, name, lambda *args, **kwargs: 'passed')
-        except (AttributeError, TypeError):
-            pass
+__main__._describe = lambda *args: 'passed'
 """
 TRACE_HARNESS = """
 import sys
@@ -130,7 +121,7 @@ ESCAPES = {
     "dir-fd": "import os\nd = os.open({dir!r}, os.O_RDONLY)\n"
               "os.write(os.open({name!r}, os.O_WRONLY | os.O_CREAT, 0o666, dir_fd=d), b'escaped')\n",
     "spawned-shell": "import multiprocessing.util as util, os\n"
-                     "pid = util.spawnv_passfds(b'/bin/sh', [b'sh', b'-c', b'echo escaped > {dir}/{name}'], ())\n"
+                     "pid = util.spawnv_passfds(b'/bin/sh', [b'sh', b'-c', b'echo escaped > {dir}/{name}; echo shell ran'], ())\n"
                      "os.waitpid(pid, 0)\n",
 }
 
@@ -139,8 +130,9 @@ ESCAPES = {
 @pytest.mark.parametrize("how", sorted(ESCAPES))
 def test_no_way_of_writing_reaches_outside(where, how):
     name = f"escaped-{uuid.uuid4().hex}"
-    run_in_sandbox(ESCAPES[how].format(dir=where, name=name), "", timeout_s=3.0)
+    result = run_in_sandbox(ESCAPES[how].format(dir=where, name=name), "", timeout_s=3.0)
     assert not os.path.exists(os.path.join(where, name))
+    assert how != "spawned-shell" or "shell ran" in result.stdout_tail  # the attempt was made
 
 
 def test_localhost_is_unreachable_even_bypassing_the_audit_hook():
@@ -150,11 +142,12 @@ def test_localhost_is_unreachable_even_bypassing_the_audit_hook():
         server.settimeout(0.1)
         port = server.getsockname()[1]
         code = ("import multiprocessing.util as util, os\n"
-                f"pid = util.spawnv_passfds(b'/bin/bash', [b'bash', b'-c', b'echo hi > /dev/tcp/127.0.0.1/{port}'], ())\n"
+                f"pid = util.spawnv_passfds(b'/bin/bash', [b'bash', b'-c', b'echo hi > /dev/tcp/127.0.0.1/{port}; echo bash ran'], ())\n"
                 "os.waitpid(pid, 0)\n")
-        run_in_sandbox(code, "", timeout_s=3.0)
+        result = run_in_sandbox(code, "", timeout_s=3.0)
         with pytest.raises(socket.timeout):
             server.accept()
+    assert "bash ran" in result.stdout_tail  # the attempt was made
 
 
 @pytest.fixture
@@ -217,10 +210,10 @@ def test_unprivileged_caller_is_still_isolated(nobody_dir):
         server.listen()
         server.settimeout(0.1)
         port = server.getsockname()[1]
-        code = (f"print(open({job_file!r}).read())\n"
+        code = (f"try:\n    print(open({job_file!r}).read())\nexcept OSError as err:\n    print(err)\n"
                 "import multiprocessing.util as util, os\n"
                 f"pid = util.spawnv_passfds(b'/bin/bash', [b'bash', b'-c', b'echo hi > /dev/tcp/127.0.0.1/{port}; "
-                f"echo changed > {job_file}'], ())\nos.waitpid(pid, 0)\n")
+                f"echo changed > {job_file}; echo bash ran'], ())\nos.waitpid(pid, 0)\n")
         found = as_nobody(nobody_dir, f"""
             import json
             from rlplatform.rewards.code_sandbox import run_in_sandbox
@@ -229,7 +222,7 @@ def test_unprivileged_caller_is_still_isolated(nobody_dir):
             """)
         with pytest.raises(socket.timeout):
             server.accept()
-    assert found["isolation"].split()[:2] == ["namespaces", "rlimits"]
+    assert found["isolation"].split()[:2] == ["namespaces", "rlimits"] and "bash ran" in found["out"]
     assert secret not in found["out"]
     with open(job_file) as file:
         assert file.read() == secret
