@@ -112,7 +112,7 @@ def run_in_sandbox(code: str, tests: str, timeout_s: float = 5.0, memory_mb: int
         timed_out = _wait(judge, timeout_s)
         _kill_sandbox([judge, solution])
         solution_lines, judge_lines = (_report_lines(fd) for fd in reports)
-        refused = solution_lines.get("unavailable") or judge_lines.get("unavailable")
+        refused = _refusal(solution_lines) or _refusal(judge_lines)
         if refused:
             raise SandboxUnavailable(f"code sandbox: {refused}; run as root or where user namespaces are "
                                      "allowed, or set allow_weak_isolation: true in the reward's params")
@@ -157,6 +157,12 @@ def _send(proc: subprocess.Popen, job: str) -> None:
         proc.stdin.close()
     except BrokenPipeError:  # it already ended (refused, or killed by a limit); its report says why
         pass
+
+
+def _refusal(lines: Dict[str, str]) -> str:
+    """Why the bootstrap refused to run, when it did: only as a report's first line, which it
+    writes before any job runs (a solution that wrote one later would dodge its 0)."""
+    return lines["unavailable"] if next(iter(lines), None) == "unavailable" else ""
 
 
 def _verdict(solution: Dict[str, str], judge: Dict[str, str], returncode: int, timed_out: bool,

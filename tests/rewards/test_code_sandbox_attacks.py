@@ -60,6 +60,11 @@ while frame is not None:
     frame.f_trace = tracer
     frame = frame.f_back
 """
+FAKE_REFUSAL = """
+import os, sys
+for line in (b"unavailable solution: no namespaces\\n", b"error passed\\n", b"outcome passed\\n"):
+    os.write(int(sys.argv[5]), line)  # the report pipe's number, from the bootstrap's arguments
+"""
 ALWAYS_EQUAL = """
 class Anything:
     def __eq__(self, other): return True
@@ -87,8 +92,9 @@ def greet(name):
 
 
 @pytest.mark.parametrize("attack", [FRAME_WALK, GC_WALK, REPLACE_HARNESS, TRACE_HARNESS.format(hook="settrace"),
-                                    TRACE_HARNESS.format(hook="setprofile"), ALWAYS_EQUAL, LYING_INT],
-                         ids=["frames", "gc", "harness", "settrace", "setprofile", "always-equal", "lying-int"])
+                                    TRACE_HARNESS.format(hook="setprofile"), FAKE_REFUSAL, ALWAYS_EQUAL, LYING_INT],
+                         ids=["frames", "gc", "harness", "settrace", "setprofile", "fake-report", "always-equal",
+                              "lying-int"])
 def test_wrong_solution_cannot_report_its_own_pass(attack):
     result = run_in_sandbox(WRONG_ADD + attack, ADD_TESTS, timeout_s=3.0)
     assert not result.passed, result.reason
