@@ -11,6 +11,7 @@ import re
 import socket
 import shutil
 import subprocess
+import sys
 import tempfile
 import textwrap
 import uuid
@@ -179,13 +180,17 @@ def as_nobody(directory: str, script: str, deny_unshare: bool = False) -> dict:
     """Run `script` (which ends by printing a JSON object) as the unprivileged user `nobody`
     from `directory`, with unshare(2) refused by a seccomp filter when `deny_unshare`; returns
     that object."""
+    return run_script([SYSTEM_PYTHON, "-s"], directory, script, deny_unshare, user=NOBODY, group=NOBODY,
+                      extra_groups=[])
+
+
+def run_script(python: list, directory: str, script: str, deny_unshare: bool, **user) -> dict:
     path = os.path.join(directory, "script.py")
     with open(path, "w") as file:
         file.write((SECCOMP_DENY_UNSHARE if deny_unshare else "") + textwrap.dedent(script))
     os.chmod(path, 0o644)
-    done = subprocess.run([SYSTEM_PYTHON, "-s", path], capture_output=True, text=True, timeout=60,
-                          user=NOBODY, group=NOBODY, extra_groups=[], cwd=directory,
-                          env={"PATH": "/usr/bin:/bin", "HOME": directory})
+    done = subprocess.run([*python, path], capture_output=True, text=True, timeout=120, cwd=directory,
+                          env={"PATH": "/usr/bin:/bin", "HOME": directory}, **user)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -256,3 +261,23 @@ def test_without_namespaces_it_refuses_unless_weak_isolation_is_allowed(nobody_d
                     found["refused"]), found
     assert "allow_weak_isolation: true" in found["refused"]
     assert found["weak"] == ["passed", "rlimits nocaps audit"]
+
+
+def test_a_refusal_is_an_error_result_for_the_scorer(tmp_path):
+    """Even as root: where a seccomp policy forbids unshare, the reward does not score."""
+    if platform.machine() != "x86_64":
+        pytest.skip("the seccomp filter names unshare by its x86_64 number")
+    found = run_script([sys.executable], str(tmp_path), """
+        import json
+        from rlplatform.config import RewardSpec
+        from rlplatform.rewards import resolve
+        from rlplatform.rewards.scoring import Scorer
+        from rlplatform.transport.samples import Sample
+        row = {"tests": "assert add(2, 3) == 5\\n"}
+        sample = Sample("g0/0", "g0", "policy", "", "def add(a, b):\\n    return a + b\\n", [], [0], [0.0], [0], row)
+        scored = Scorer(resolve([RewardSpec(name="code_tests")])).score([sample])[0]
+        print(json.dumps({"error": scored.error, "components": scored.components}))
+        """, deny_unshare=True)
+    assert found["components"] == {}
+    assert found["error"].startswith("code_tests: SandboxUnavailable: code sandbox: "), found
+    assert "unshare failed: Operation not permitted" in found["error"]
