@@ -116,19 +116,7 @@ def _private_root(scratch: str, writable: bool) -> None:
     new_root = os.path.join(os.path.dirname(scratch), "root")
     _mount("tmpfs", new_root, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=64k,mode=755")
     for source, read_only in _binds(scratch, writable):
-        target = new_root + source
-        if os.path.islink(source):
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            os.symlink(os.readlink(source), target)
-            continue
-        if os.path.isdir(source):
-            os.makedirs(target, exist_ok=True)
-        else:
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            open(target, "w").close()
-        _mount(source, target, None, _MS_BIND | _MS_REC)
-        if read_only:
-            _mount(None, target, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _kept_flags(source))
+        _bind(source, new_root + source, read_only)
     _mount(None, new_root, None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
     os.chdir(new_root)
     _call(_libc.syscall(_SYS_PIVOT_ROOT[os.uname().machine], b".", b"."), "pivot_root")
@@ -136,12 +124,27 @@ def _private_root(scratch: str, writable: bool) -> None:
     os.chdir("/")
 
 
+def _bind(source: str, target: str, read_only: bool) -> None:
+    """Show `source` at `target` (a symbolic link is copied as a link, to be followed in the new root)."""
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if os.path.islink(source):
+        os.symlink(os.readlink(source), target)
+        return
+    if os.path.isdir(source):
+        os.mkdir(target)
+    else:
+        open(target, "w").close()
+    _mount(source, target, None, _MS_BIND | _MS_REC)
+    if read_only:
+        _mount(None, target, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _kept_flags(source))
+
+
 def _binds(scratch: str, writable: bool) -> List[Tuple[str, bool]]:
     """(path, read-only) pairs to show in the new root: the Python installation only where the
     system directories do not already hold it."""
     system = [path for path in SYSTEM_DIRS if os.path.lexists(path)]
     python = {os.path.realpath(prefix) for prefix in (sys.base_prefix, sys.prefix)}
-    python = [path for path in python if not any(path.startswith(d + os.sep) for d in system)]
+    python = [path for path in python if not any(path == d or path.startswith(d + os.sep) for d in system)]
     devices = [(path, False) for path in DEVICES if os.path.exists(path)]
     return [(path, True) for path in system + python] + devices + [(scratch, not writable)]
 
