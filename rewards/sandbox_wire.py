@@ -25,6 +25,8 @@ _NUMBERS = (int, float)
 def encode(value: Any, handle: Callable[[Any], int]) -> Any:
     """`value` as JSON-ready data; `handle(obj)` numbers an object that cannot travel as a value."""
     kind = type(value)
+    if kind is int and value.bit_length() > 64:  # in hex: decimal strings of huge ints are length-limited
+        return {"int": hex(value)}
     if kind in _SCALARS:
         return value
     if kind in _CONTAINERS:
@@ -49,6 +51,8 @@ def decode(data: Any, remote: Callable[[int], Any], module: Callable[[str], Any]
         return _BY_TAG[tag](decode(item, remote, module) for item in body)
     if tag == "dict":
         return {decode(k, remote, module): decode(v, remote, module) for k, v in body}
+    if tag == "int":
+        return int(body, 16)
     if tag == "bytes":
         return bytes.fromhex(body)
     if tag == "complex":

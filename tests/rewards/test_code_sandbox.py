@@ -82,6 +82,7 @@ def test_reason_for_a_zero_is_logged(make_sample, caplog):
      "xs = [3, 1, 2]\nsort_in_place(xs)\nassert xs == [1, 2, 3]\n"),
     ("def mixed():\n    return {'a': (1, 2.5), 'b': {3}, 'c': [None, True, b'x', 1j]}\n",
      "assert mixed() == {'a': (1, 2.5), 'b': {3}, 'c': [None, True, b'x', 1j]}\nassert mixed() != {'a': (1, 2.5)}\n"),
+    ("def power(n):\n    return -3 ** n\n", "assert power(10000) == -3 ** 10000 and power(2) == -9\n"),
     # a module the solution imported is there for tests that forgot to import it
     ("import math\ndef area(r):\n    return math.pi * r * r\n", "assert math.isclose(area(1), math.pi)\n"),
 ])

@@ -128,7 +128,8 @@ ESCAPES = {
     "dir-fd": "import os\nd = os.open({dir!r}, os.O_RDONLY)\n"
               "os.write(os.open({name!r}, os.O_WRONLY | os.O_CREAT, 0o666, dir_fd=d), b'escaped')\n",
     "spawned-shell": "import multiprocessing.util as util, os\n"
-                     "pid = util.spawnv_passfds(b'/bin/sh', [b'sh', b'-c', b'echo escaped > {dir}/{name}; echo shell ran'], ())\n"
+                     "script = b'echo escaped > {dir}/{name}; echo shell ran'\n"
+                     "pid = util.spawnv_passfds(b'/bin/sh', [b'sh', b'-c', script], ())\n"
                      "os.waitpid(pid, 0)\n",
 }
 
@@ -149,7 +150,8 @@ def test_localhost_is_unreachable_even_bypassing_the_audit_hook():
         server.settimeout(0.1)
         port = server.getsockname()[1]
         code = ("import multiprocessing.util as util, os\n"
-                f"pid = util.spawnv_passfds(b'/bin/bash', [b'bash', b'-c', b'echo hi > /dev/tcp/127.0.0.1/{port}; echo bash ran'], ())\n"
+                f"script = b'echo hi > /dev/tcp/127.0.0.1/{port}; echo bash ran'\n"
+                "pid = util.spawnv_passfds(b'/bin/bash', [b'bash', b'-c', script], ())\n"
                 "os.waitpid(pid, 0)\n")
         result = run_in_sandbox(code, "", timeout_s=3.0)
         with pytest.raises(socket.timeout):
