@@ -114,8 +114,7 @@ def run_in_sandbox(code: str, tests: str, timeout_s: float = 5.0, memory_mb: int
         solution_lines, judge_lines = (_report_lines(fd) for fd in reports)
         refused = _refusal(solution_lines) or _refusal(judge_lines)
         if refused:
-            raise SandboxUnavailable(f"code sandbox: {refused}; run as root or where user namespaces are "
-                                     "allowed, or set allow_weak_isolation: true in the reward's params")
+            raise SandboxUnavailable(f"code sandbox: {refused}")
         passed, reason = _verdict(solution_lines, judge_lines, judge.returncode, timed_out, timeout_s)
         return SandboxResult(passed, reason, time.monotonic() - start, _tail(stdout), _tail(stderr),
                              solution_lines.get("isolation", ""))

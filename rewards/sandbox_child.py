@@ -28,7 +28,7 @@ def main(role: str, memory_mb: int, cpu_s: int, allow_weak: int, report_fd: int,
     try:
         layers = sandbox_jail.enter(os.path.realpath(os.getcwd()), role == "solution", memory_mb, cpu_s,
                                     bool(allow_weak))
-    except OSError as err:
+    except (OSError, sandbox_jail.JailUnavailable) as err:
         report(f"unavailable {role}: {err}")
         exit_now(3)
     if role == "judge":

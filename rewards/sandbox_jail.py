@@ -36,7 +36,7 @@ _CAPABILITY_VERSION_3 = 0x20080522
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-class JailUnavailable(OSError):
+class JailUnavailable(Exception):
     """The kernel refused a layer the sandbox needs (no user namespaces for a non-root caller, a
     seccomp policy that forbids unshare, ...)."""
 
@@ -56,6 +56,8 @@ def enter(scratch: str, writable: bool, memory_mb: int, cpu_s: int, allow_weak: 
     except JailUnavailable:
         if not allow_weak:
             raise
+        if root_caller:
+            _check_readable_by_all(os.path.realpath(sys.base_prefix))
     else:
         _become_namespace_init()
         _private_root(scratch, writable)
@@ -67,19 +69,37 @@ def enter(scratch: str, writable: bool, memory_mb: int, cpu_s: int, allow_weak: 
     return layers
 
 
+def _check_readable_by_all(path: str) -> None:
+    """Without a private root, a run's own uid reads the Python installation as any user would."""
+    for directory in [path] + _ancestors(path):
+        if os.stat(directory).st_mode & 0o005 != 0o005:
+            raise JailUnavailable(f"weak isolation as root runs code under a uid of its own, which cannot read "
+                                     f"the Python installation {path} ({directory} is closed to other users)")
+
+
+def _ancestors(path: str) -> List[str]:
+    """The directories above `path`, up to /."""
+    parents = []
+    while path != os.path.dirname(path):
+        path = os.path.dirname(path)
+        parents.append(path)
+    return parents
+
+
 def _run_uid(first_pid: int) -> int:
     return SANDBOX_UID_BASE + first_pid
 
 
 def _call(result: int, what: str) -> None:
     if result != 0:
-        error = ctypes.get_errno()
-        raise JailUnavailable(error, f"{what} failed: {os.strerror(error)}")
+        raise JailUnavailable(f"{what} failed: {os.strerror(ctypes.get_errno())}")
 
 
 def _unshare(flags: int) -> None:
     uid, gid = os.getuid(), os.getgid()
-    _call(_libc.unshare(flags), "unshare")
+    if _libc.unshare(flags) != 0:
+        raise JailUnavailable(f"unshare failed: {os.strerror(ctypes.get_errno())}; namespaces need root or user "
+                              "namespaces: run there, or set allow_weak_isolation: true in the reward's params")
     if flags & _CLONE_NEWUSER:  # be root inside the new namespace, mapped to the caller outside
         for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
             with open(f"/proc/self/{name}", "w") as file:
@@ -182,7 +202,7 @@ def _drop_privileges(uid: int | None) -> str:
     _call(_libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clearing ambient capabilities")
     _call(_libc.capset(header, (ctypes.c_uint32 * 6)()), "capset")
     if any(_capabilities(header)):
-        raise JailUnavailable(0, "capabilities survived capset; refusing to run untrusted code")
+        raise JailUnavailable("capabilities survived capset; refusing to run untrusted code")
     _call(_libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
     _call(_libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "parent-death signal")
     return f"uid={os.getuid()}" if uid is not None else "nocaps"

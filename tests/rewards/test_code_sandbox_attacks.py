@@ -15,6 +15,7 @@ import sys
 import tempfile
 import textwrap
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -262,7 +263,7 @@ def test_without_namespaces_it_refuses_unless_weak_isolation_is_allowed(nobody_d
     if platform.machine() != "x86_64":
         pytest.skip("the seccomp filter names unshare by its x86_64 number")
     found = as_nobody(nobody_dir, REFUSAL_SCRIPT, deny_unshare=True)
-    assert re.match(r"code sandbox: (solution|judge): \[Errno 1\] unshare failed: Operation not permitted;",
+    assert re.match(r"code sandbox: (solution|judge): unshare failed: Operation not permitted;",
                     found["refused"]), found
     assert "allow_weak_isolation: true" in found["refused"]
     assert found["weak"] == ["passed", "rlimits nocaps audit"]
@@ -281,8 +282,17 @@ def test_a_refusal_is_an_error_result_for_the_scorer(tmp_path):
         row = {"tests": "assert add(2, 3) == 5\\n"}
         sample = Sample("g0/0", "g0", "policy", "", "def add(a, b):\\n    return a + b\\n", [], [0], [0.0], [0], row)
         scored = Scorer(resolve([RewardSpec(name="code_tests")])).score([sample])[0]
-        print(json.dumps({"error": scored.error, "components": scored.components}))
+        weak = RewardSpec(name="code_tests", params={"allow_weak_isolation": True})
+        scored_weak = Scorer(resolve([weak])).score([sample])[0]
+        print(json.dumps({"error": scored.error, "components": scored.components,
+                          "weak": [scored_weak.error, scored_weak.components]}))
         """, deny_unshare=True)
     assert found["components"] == {}
     assert found["error"].startswith("code_tests: SandboxUnavailable: code sandbox: "), found
     assert "unshare failed: Operation not permitted" in found["error"]
+    # weakly isolated, as root, the code runs under a uid of its own: it must be able to read Python
+    python_closed = any(os.stat(path).st_mode & 0o005 != 0o005 for path in Path(sys.base_prefix).resolve().parents)
+    if python_closed:
+        assert "cannot read the Python installation" in found["weak"][0]
+    else:
+        assert found["weak"] == [None, {"code_tests": 1.0}]
