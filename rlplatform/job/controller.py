@@ -82,7 +82,7 @@ def _start_services(config: JobConfig, resources: ExitStack) -> str:
         connect(config.redis.url)  # fails early with a clear message if unreachable
         redis_url = config.redis.url
     else:
-        redis_url = resources.enter_context(EmbeddedRedis()).url
+        redis_url = resources.enter_context(EmbeddedRedis(os.path.join(config.run_dir, "redis"))).url
     needed = _cpus_needed(config)
     if not ray.is_initialized():
         if config.ray.address or os.environ.get("RAY_ADDRESS"):

@@ -1,0 +1,90 @@
+"""Checks a job's files and cluster address before any service starts.
+
+`check(config, source)` runs after `load_config` and before Redis, Ray or any worker starts:
+every JSONL row parses, every pretrained model folder loads its config and tokenizer, and
+the Ray cluster to join answers on its port. A failure is a `ConfigError` naming the file
+(and line) or the key, so `rlp run` and `rlp validate` stop with one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Optional, Tuple
+
+from rlplatform.config import ConfigError, JobConfig
+
+CONNECT_TIMEOUT_S = 5.0  # how long the Ray address may take to accept a connection
+
+
+def check(config: JobConfig, source: str) -> None:
+    """Every pre-start check; raises `ConfigError` on the first problem."""
+    check_data(config, source)
+    for prefix, policy in _policies(config):
+        if policy.model.kind == "pretrained":
+            check_model(policy.model.path, f"{prefix}model.path", source)
+    check_ray_address(config, source)
+
+
+def _policies(config: JobConfig):
+    if config.policies:
+        return [(f"policies[{i}].", p) for i, p in enumerate(config.policies)]
+    return [("", config.policy_list()[0])]
+
+
+def check_data(config: JobConfig, source: str) -> None:
+    """Each JSONL file parses line by line into rows with a 'prompt'."""
+    from rlplatform.data import read_jsonl
+
+    if config.data.kind != "jsonl":
+        return
+    for key, path in (("data.train_path", config.data.train_path), ("data.test_path", config.data.test_path)):
+        try:
+            rows = read_jsonl(path)
+        except ValueError as err:
+            raise ConfigError(f"{err} ('{key}' in {source})") from None
+        if not rows:
+            raise ConfigError(f"{path}: no rows ('{key}' in {source}); each line needs a JSON object with 'prompt'")
+
+
+def check_model(path: str, key: str, source: str) -> None:
+    """The folder holds a Hugging Face config and tokenizer that load (no weights are read)."""
+    from transformers import AutoConfig
+
+    from rlplatform.policy import load_tokenizer
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"{source}: '{key}' points at {path!r}, which has no config.json; "
+                          f"give a Hugging Face model folder (save_pretrained output)")
+    for part, load in (("config", AutoConfig.from_pretrained), ("tokenizer", load_tokenizer)):
+        try:
+            load(path)
+        except Exception as err:  # transformers raises many kinds; all mean the folder cannot be used
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise ConfigError(f"{source}: '{key}' points at {path!r}, whose {part} does not load: {reason}") from None
+
+
+def check_ray_address(config: JobConfig, source: str) -> None:
+    """The Ray cluster the job joins (`ray.address`, else RAY_ADDRESS) accepts a connection."""
+    key, address = ("ray.address", config.ray.address) if config.ray.address else (
+        "RAY_ADDRESS", os.environ.get("RAY_ADDRESS") or None)
+    target = _host_port(address, key, source)
+    if target is None:
+        return
+    try:
+        socket.create_connection(target, timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as err:
+        reason = err.strerror or str(err) or type(err).__name__
+        raise ConfigError(f"{source}: '{key}' is {address!r} but no Ray cluster answers at {target[0]}:{target[1]} "
+                          f"({reason}); start it (ray start --head) or fix the address") from None
+
+
+def _host_port(address: Optional[str], key: str, source: str) -> Optional[Tuple[str, int]]:
+    """(host, port) to probe; None for a local cluster ('local', unset) or one Ray finds itself ('auto')."""
+    if address in (None, "local", "auto"):
+        return None
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{source}: '{key}' is {address!r}; expected host:port (the head's GCS port, "
+                          f"e.g. 10.0.0.5:6379), ray://host:port, 'auto' or 'local'")
+    return host.strip("[]"), int(port)
