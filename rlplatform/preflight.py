@@ -15,6 +15,7 @@ from typing import Optional, Tuple
 from rlplatform.config import ConfigError, JobConfig
 
 CONNECT_TIMEOUT_S = 5.0  # how long the Ray address may take to accept a connection
+SLOW_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "vocab.txt")  # what a folder without tokenizer.json needs
 
 
 def check(config: JobConfig, source: str) -> None:
@@ -48,20 +49,29 @@ def check_data(config: JobConfig, source: str) -> None:
 
 
 def check_model(path: str, key: str, source: str) -> None:
-    """The folder holds a Hugging Face config and tokenizer that load (no weights are read)."""
-    from transformers import AutoConfig
-
-    from rlplatform.policy import load_tokenizer
-
+    """The folder holds a Hugging Face config that loads and a tokenizer (no weights are read)."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"{source}: '{key}' points at {path!r}, which has no config.json; "
                           f"give a Hugging Face model folder (save_pretrained output)")
-    for part, load in (("config", AutoConfig.from_pretrained), ("tokenizer", load_tokenizer)):
-        try:
-            load(path)
-        except Exception as err:  # transformers raises many kinds; all mean the folder cannot be used
-            reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            raise ConfigError(f"{source}: '{key}' points at {path!r}, whose {part} does not load: {reason}") from None
+    from transformers import AutoConfig
+
+    _load_or_fail(AutoConfig.from_pretrained, path, "config", key, source)
+    fast = os.path.join(path, "tokenizer.json")
+    if os.path.isfile(fast):
+        from tokenizers import Tokenizer
+
+        _load_or_fail(Tokenizer.from_file, fast, "tokenizer", key, source)
+    elif not any(os.path.isfile(os.path.join(path, name)) for name in SLOW_TOKENIZER_FILES):
+        raise ConfigError(f"{source}: '{key}' points at {path!r}, which has no tokenizer "
+                          f"(tokenizer.json, or one of {', '.join(SLOW_TOKENIZER_FILES)})")
+
+
+def _load_or_fail(load, target: str, part: str, key: str, source: str) -> None:
+    try:
+        load(target)
+    except Exception as err:  # transformers and tokenizers raise many kinds; all mean it cannot be used
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(f"{source}: '{key}': the {part} at {target!r} does not load: {reason}") from None
 
 
 def check_ray_address(config: JobConfig, source: str) -> None:
