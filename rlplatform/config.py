@@ -150,7 +150,7 @@ class LearnerConfig:
 @dataclass
 class RedisConfig:
     url: Optional[str] = None  # redis://, rediss:// or unix:// URL; unset: an embedded server for the job
-    max_stream_len: int = at_least(10000, 1)  # bound on the reward request stream
+    max_stream_len: int = at_least(10000, 1)  # unscored reward requests at most; producers wait at this bound
 
 
 @dataclass

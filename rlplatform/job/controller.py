@@ -72,6 +72,7 @@ def _record_redis_url(url: str, run_dir: str) -> None:
     """The job's Redis URL (with its password) for `rlp status`, readable by the owner only."""
     path = os.path.join(run_dir, "redis.url")
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(descriptor, 0o600)  # also when an earlier run left the file with wider permissions
     with os.fdopen(descriptor, "w") as f:
         f.write(url + "\n")
 

@@ -93,8 +93,11 @@ class EmbeddedRedis:
     def _launch(self, timeout_s: float) -> bool:
         self._process = subprocess.Popen([redis_binary(), "-"], stdin=subprocess.PIPE,  # `-`: config on stdin
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self._process.stdin.write(self._config().encode())
-        self._process.stdin.close()
+        try:
+            self._process.stdin.write(self._config().encode())
+            self._process.stdin.close()
+        except BrokenPipeError:  # it exited at once; _wait_ready sees that
+            pass
         if self._wait_ready(timeout_s):
             return True
         self._kill()
@@ -122,9 +125,10 @@ class EmbeddedRedis:
 
     def stop(self) -> None:
         self._kill()
-        self._remove_data()
-        if not os.listdir(self.data_dir):
-            os.rmdir(self.data_dir)
+        if os.path.isdir(self.data_dir):
+            self._remove_data()
+            if not os.listdir(self.data_dir):
+                os.rmdir(self.data_dir)
 
     def _remove_data(self) -> None:
         for name in os.listdir(self.data_dir):

@@ -5,6 +5,8 @@ Requests go to `rlp:<job>:requests`, read through the consumer group `reward-wor
 sample id, appends the result to `rlp:<job>:results` only the first time that id is seen
 (idempotent), then acknowledges and deletes the request. Messages that cannot be decoded go
 to `rlp:<job>:dead` with the reason. The controller reads results in order from the results stream.
+Producers append only while the requests stream stays within the job's bound (recorded on
+Redis by the controller), and otherwise wait: backpressure, never dropping.
 """
 
 from __future__ import annotations
