@@ -21,24 +21,19 @@ SLOW_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "vocab.txt")  # what a 
 def check(config: JobConfig, source: str) -> None:
     """Every pre-start check; raises `ConfigError` on the first problem."""
     check_data(config, source)
-    for prefix, policy in _policies(config):
+    for i, policy in enumerate(config.policy_list()):
         if policy.model.kind == "pretrained":
+            prefix = f"policies[{i}]." if config.policies else ""
             check_model(policy.model.path, f"{prefix}model.path", source)
     check_ray_address(config, source)
 
 
-def _policies(config: JobConfig):
-    if config.policies:
-        return [(f"policies[{i}].", p) for i, p in enumerate(config.policies)]
-    return [("", config.policy_list()[0])]
-
-
 def check_data(config: JobConfig, source: str) -> None:
     """Each JSONL file parses line by line into rows with a 'prompt'."""
-    from rlplatform.data import read_jsonl
-
     if config.data.kind != "jsonl":
         return
+    from rlplatform.data import read_jsonl
+
     for key, path in (("data.train_path", config.data.train_path), ("data.test_path", config.data.test_path)):
         try:
             rows = read_jsonl(path)
