@@ -241,6 +241,8 @@ def test_run_records_hide_the_redis_password(url):
 
 
 def test_wandb_run_config_hides_the_redis_password(tmp_path, monkeypatch):
+    import wandb
+
     from rlplatform.monitoring.metrics import Metrics
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -248,6 +250,7 @@ def test_wandb_run_config_hides_the_redis_password(tmp_path, monkeypatch):
     config = load_config(None, ["name=wandb-secret", f"redis.url={url}", "wandb.mode=offline"])
     metrics = Metrics(config, str(tmp_path))
     metrics.finish()
+    wandb.teardown()  # the W&B service writes the run's records out before it exits
     records, = Path(tmp_path, "wandb").glob("offline-run-*/run-*.wandb")  # what `wandb sync` uploads
     assert b'"url":"redis://:***@10.0.0.1:6379/0"' in records.read_bytes()  # the run config's redis section
     for path in Path(tmp_path).rglob("*"):
