@@ -82,13 +82,15 @@ def test_unreachable_redis_fails_fast_with_one_line_and_a_failed_summary(tmp_pat
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    result = rlp("run", str(REPO / "configs" / "quickstart.yaml"), f"redis.url=redis://127.0.0.1:{port}/0",
+    result = rlp("run", str(REPO / "configs" / "quickstart.yaml"), f"redis.url=redis://:s3cret@127.0.0.1:{port}/0",
                  f"output_dir={tmp_path}", "name=noredis", cwd=tmp_path)
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"rlp: cannot reach Redis at redis://127.0.0.1:{port}/0")
+    assert len(lines) == 1 and lines[0].startswith(f"rlp: cannot reach Redis at redis://:***@127.0.0.1:{port}/0")
     summary = json.loads((tmp_path / "noredis" / "summary.json").read_text())
     assert summary["status"] == "failed" and "cannot reach Redis" in summary["error"]
+    recorded = (tmp_path / "noredis" / "config.yaml").read_text()  # world-readable: the password is hidden
+    assert f"url: redis://:***@127.0.0.1:{port}/0" in recorded and "s3cret" not in recorded + result.stderr
 
 
 def closed_port() -> int:
