@@ -420,8 +420,8 @@ def _check_redis_url(url: str, source: str) -> None:
     except ValueError as err:  # a port that is not a number in 1-65535
         raise ConfigError(f"{source}: 'redis.url' {redact_url(url)!r} is not a valid URL: {err}") from None
     if parts.scheme not in ("redis", "rediss", "unix") or not has_target:
-        raise ConfigError(f"{source}: 'redis.url' is {redact_url(url)!r}; expected redis://[:password@]host[:port][/db], "
-                          f"rediss://... or unix:///path/to/redis.sock")
+        raise ConfigError(f"{source}: 'redis.url' is {redact_url(url)!r}; expected "
+                          f"redis://[:password@]host[:port][/db], rediss://... or unix:///path/to/redis.sock")
 
 
 def _check_policy(config, prefix: str, source: str) -> None:

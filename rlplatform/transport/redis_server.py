@@ -213,5 +213,6 @@ def connect(url: str, reconnect_s: float = RECONNECT_S) -> redis.Redis:
 def server_name(url: str) -> str:
     """`redis://host:port` (or the socket path), saying so when a password was left out."""
     parts = urlsplit(url)
-    where = f"{parts.scheme}://{parts.path}" if parts.scheme == "unix" else f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}"
+    place = parts.path if parts.scheme == "unix" else f"{parts.hostname}:{parts.port or 6379}"
+    where = f"{parts.scheme}://{place}"
     return f"{where} (password hidden)" if parts.password or "password=" in parts.query else where
