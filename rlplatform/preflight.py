@@ -48,9 +48,6 @@ def check_model(path: str, key: str, source: str) -> None:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"{source}: '{key}' points at {path!r}, which has no config.json; "
                           f"give a Hugging Face model folder (save_pretrained output)")
-    from transformers import AutoConfig
-
-    _load_or_fail(AutoConfig.from_pretrained, path, "config", key, source)
     fast = os.path.join(path, "tokenizer.json")
     if os.path.isfile(fast):
         from tokenizers import Tokenizer
@@ -59,6 +56,9 @@ def check_model(path: str, key: str, source: str) -> None:
     elif not any(os.path.isfile(os.path.join(path, name)) for name in SLOW_TOKENIZER_FILES):
         raise ConfigError(f"{source}: '{key}' points at {path!r}, which has no tokenizer "
                           f"(tokenizer.json, or one of {', '.join(SLOW_TOKENIZER_FILES)})")
+    from transformers import AutoConfig  # last: it imports torch
+
+    _load_or_fail(AutoConfig.from_pretrained, path, "config", key, source)
 
 
 def _load_or_fail(load, target: str, part: str, key: str, source: str) -> None:

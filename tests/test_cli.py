@@ -31,7 +31,7 @@ def rlp_executable() -> str:
 def rlp(*args: str, cwd: Path, ray_address: str = "") -> subprocess.CompletedProcess:
     env = dict(os.environ, WANDB_MODE="disabled", RAY_ADDRESS=ray_address)
     return subprocess.run([rlp_executable(), *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=180)  # generous: `run` imports Ray and torch before failing
 
 
 def stderr_lines(result: subprocess.CompletedProcess) -> list:
