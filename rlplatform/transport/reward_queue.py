@@ -5,6 +5,8 @@ Requests go to `rlp:<job>:requests`, read through the consumer group `reward-wor
 sample id, appends the result to `rlp:<job>:results` only the first time that id is seen
 (idempotent), then acknowledges and deletes the request. Messages that cannot be decoded go
 to `rlp:<job>:dead` with the reason. The controller reads results in order from the results stream.
+Producers append only while the requests stream stays within the job's bound (recorded on
+Redis by the controller), and otherwise wait: backpressure, never dropping.
 """
 
 from __future__ import annotations
@@ -35,6 +37,22 @@ return added
 """
 
 
+# KEYS: requests stream. ARGV: the bound, then payloads. Appends them all only when the stream
+# stays within the bound (one atomic step, so producers together never exceed it); returns 1
+# when appended, 0 when the caller must wait.
+_SUBMIT_WITHIN_BOUND = """
+if redis.call('XLEN', KEYS[1]) + #ARGV - 1 > tonumber(ARGV[1]) then
+  return 0
+end
+for i = 2, #ARGV do
+  redis.call('XADD', KEYS[1], '*', 'data', ARGV[i])
+end
+return 1
+"""
+
+DEFAULT_MAX_PENDING = 10000  # the producer bound when the job recorded none (redis.max_stream_len's default)
+
+
 class JobKeys:
     """Names of one job's Redis keys shared by all its policies."""
 
@@ -48,6 +66,7 @@ class JobKeys:
         self.reward_stats = f"{self.prefix}:reward-stats"  # counters summed over reward workers
         self.status = f"{self.prefix}:status"  # the job's live progress, read by `rlp status`
         self.rewards = f"{self.prefix}:rewards"  # the job's reward list, read by standalone reward workers
+        self.max_pending = f"{self.prefix}:max-pending"  # the job's producer bound (redis.max_stream_len)
 
 
 class PolicyKeys:
@@ -64,11 +83,14 @@ class PolicyKeys:
 class RewardQueue:
     """Both ends of one job's reward queue."""
 
-    def __init__(self, client: redis.Redis, job: str, max_pending: int = 10000) -> None:
+    def __init__(self, client: redis.Redis, job: str, max_pending: Optional[int] = None) -> None:
+        """`max_pending`: the job's bound on unscored requests. The controller passes it and
+        `reset` records it on Redis; producers built without it read it from there."""
         self.client = client
         self.keys = JobKeys(job)
         self.max_pending = max_pending
         self._store = client.register_script(_STORE_RESULTS)
+        self._submit = client.register_script(_SUBMIT_WITHIN_BOUND)
         self._last_result_id = "0-0"
 
     def create_group(self) -> None:
@@ -80,13 +102,22 @@ class RewardQueue:
 
     # producer side (rollout workers)
     def submit(self, samples: List[Sample], poll_s: float = 0.01) -> None:
-        """Append samples; waits while the stream holds `max_pending` unscored requests."""
-        while self.client.xlen(self.keys.requests) >= self.max_pending:
-            time.sleep(poll_s)
-        pipe = self.client.pipeline(transaction=False)
-        for sample in samples:
-            pipe.xadd(self.keys.requests, {"data": encode_sample(sample)})
-        pipe.execute()
+        """Append samples, waiting while they would take the stream past the job's bound of
+        unscored requests (backpressure: nothing is dropped); a batch larger than the bound
+        goes in parts."""
+        bound = self.bound()
+        payloads = [encode_sample(sample) for sample in samples]
+        for start in range(0, len(payloads), bound):
+            part = payloads[start:start + bound]
+            while not self._submit(keys=[self.keys.requests], args=[bound, *part]):
+                time.sleep(poll_s)
+
+    def bound(self) -> int:
+        """Unscored requests the stream may hold: given, else the job's recorded bound."""
+        if self.max_pending is None:
+            recorded = self.client.get(self.keys.max_pending)
+            self.max_pending = int(recorded) if recorded is not None else DEFAULT_MAX_PENDING
+        return self.max_pending
 
     # consumer side (reward workers)
     def fetch(self, consumer: str, count: int, block_ms: int) -> List[Tuple[str, bytes]]:
@@ -176,8 +207,10 @@ class RewardQueue:
         return bool(self.client.exists(self.keys.stop))
 
     def reset(self) -> None:
-        """Before a job starts: nothing left from an earlier run of the same name."""
+        """Before a job starts: nothing left from an earlier run of the same name, and the
+        job's producer bound recorded for every producer."""
         self._delete_all_but({self.keys.status})
+        self.client.set(self.keys.max_pending, self.bound())
 
     def clear(self) -> None:
         """After a job ends: its queues and counters go, its status and stop flag stay."""

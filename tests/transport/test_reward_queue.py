@@ -1,8 +1,11 @@
 """The Redis reward queue with an in-process RewardWorker (no Ray): scoring round trip,
-dead letters, idempotent result storage, failing rewards, and acknowledged requests."""
+dead letters, idempotent result storage, failing rewards, acknowledged requests, and the
+producer bound every producer of a job honours."""
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 
 import msgpack
@@ -221,3 +224,27 @@ def test_stop_flag(redis_server, job, queue):
     assert queue.stop_requested()
     queue.reset()  # the start of the next run of the same job name
     assert not queue.stop_requested()
+
+
+def test_producers_built_without_a_bound_wait_at_the_jobs_bound_until_a_consumer_acks(redis_server, job):
+    controller = RewardQueue(connect(redis_server), job, max_pending=4)  # the job's redis.max_stream_len
+    controller.reset()  # records the bound on Redis
+    controller.create_group()
+    producer = RewardQueue(connect(redis_server), job)  # as a rollout worker builds it, no bound given
+    producer.submit([make_sample(i, "85", group="a") for i in range(4)])
+    blocked = threading.Thread(target=producer.submit, args=([make_sample(i, "85", group="b") for i in range(3)],))
+    blocked.start()
+    lengths = []
+    for _ in range(20):
+        lengths.append(controller.pending())
+        time.sleep(0.02)
+    assert blocked.is_alive() and max(lengths) == 4  # waiting at the bound, not growing past it
+    worker = worker_for(redis_server, job, batch_size=2)
+    assert worker.step(block_ms=50) == 2
+    time.sleep(0.1)
+    assert blocked.is_alive() and controller.pending() == 2  # 2 + 3 would pass the bound: still waiting
+    assert worker.step(block_ms=50) == 2
+    blocked.join(timeout=5)
+    assert not blocked.is_alive() and controller.pending() == 3
+    scored = drain(worker) + 4
+    assert scored == 7 and len(read_all(controller)) == 7

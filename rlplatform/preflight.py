@@ -1,0 +1,95 @@
+"""Checks a job's files and cluster address before any service starts.
+
+`check(config, source)` runs after `load_config` and before Redis, Ray or any worker starts:
+every JSONL row parses, every pretrained model folder loads its config and tokenizer, and
+the Ray cluster to join answers on its port. A failure is a `ConfigError` naming the file
+(and line) or the key, so `rlp run` and `rlp validate` stop with one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Optional, Tuple
+
+from rlplatform.config import ConfigError, JobConfig
+
+CONNECT_TIMEOUT_S = 5.0  # how long the Ray address may take to accept a connection
+SLOW_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "vocab.txt")  # what a folder without tokenizer.json needs
+
+
+def check(config: JobConfig, source: str) -> None:
+    """Every pre-start check; raises `ConfigError` on the first problem."""
+    check_data(config, source)
+    for i, policy in enumerate(config.policy_list()):
+        if policy.model.kind == "pretrained":
+            prefix = f"policies[{i}]." if config.policies else ""
+            check_model(policy.model.path, f"{prefix}model.path", source)
+    check_ray_address(config, source)
+
+
+def check_data(config: JobConfig, source: str) -> None:
+    """Each JSONL file parses line by line into rows with a 'prompt'."""
+    if config.data.kind != "jsonl":
+        return
+    from rlplatform.data import read_jsonl
+
+    for key, path in (("data.train_path", config.data.train_path), ("data.test_path", config.data.test_path)):
+        try:
+            rows = read_jsonl(path)
+        except ValueError as err:
+            raise ConfigError(f"{err} ('{key}' in {source})") from None
+        if not rows:
+            raise ConfigError(f"{path}: no rows ('{key}' in {source}); each line needs a JSON object with 'prompt'")
+
+
+def check_model(path: str, key: str, source: str) -> None:
+    """The folder holds a Hugging Face config that loads and a tokenizer (no weights are read)."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"{source}: '{key}' points at {path!r}, which has no config.json; "
+                          f"give a Hugging Face model folder (save_pretrained output)")
+    fast = os.path.join(path, "tokenizer.json")
+    if os.path.isfile(fast):
+        from tokenizers import Tokenizer
+
+        _load_or_fail(Tokenizer.from_file, fast, "tokenizer", key, source)
+    elif not any(os.path.isfile(os.path.join(path, name)) for name in SLOW_TOKENIZER_FILES):
+        raise ConfigError(f"{source}: '{key}' points at {path!r}, which has no tokenizer "
+                          f"(tokenizer.json, or one of {', '.join(SLOW_TOKENIZER_FILES)})")
+    from transformers import AutoConfig  # last: it imports torch
+
+    _load_or_fail(AutoConfig.from_pretrained, path, "config", key, source)
+
+
+def _load_or_fail(load, target: str, part: str, key: str, source: str) -> None:
+    try:
+        load(target)
+    except Exception as err:  # transformers and tokenizers raise many kinds; all mean it cannot be used
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(f"{source}: '{key}': the {part} at {target!r} does not load: {reason}") from None
+
+
+def check_ray_address(config: JobConfig, source: str) -> None:
+    """The Ray cluster the job joins (`ray.address`, else RAY_ADDRESS) accepts a connection."""
+    key, address = ("ray.address", config.ray.address) if config.ray.address else (
+        "RAY_ADDRESS", os.environ.get("RAY_ADDRESS") or None)
+    target = _host_port(address, key, source)
+    if target is None:
+        return
+    try:
+        socket.create_connection(target, timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as err:
+        reason = err.strerror or str(err) or type(err).__name__
+        raise ConfigError(f"{source}: '{key}' is {address!r} but no Ray cluster answers at {target[0]}:{target[1]} "
+                          f"({reason}); start it (ray start --head) or fix the address") from None
+
+
+def _host_port(address: Optional[str], key: str, source: str) -> Optional[Tuple[str, int]]:
+    """(host, port) to probe; None for a local cluster ('local', unset) or one Ray finds itself ('auto')."""
+    if address in (None, "local", "auto"):
+        return None
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{source}: '{key}' is {address!r}; expected host:port (the head's GCS port, "
+                          f"e.g. 10.0.0.5:6379), ray://host:port, 'auto' or 'local'")
+    return host.strip("[]"), int(port)

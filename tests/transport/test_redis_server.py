@@ -1,0 +1,93 @@
+"""The embedded redis-server and its clients: no password on the command line, an append-only
+file that survives SIGKILL so a restart on the same port carries a producer/consumer pair on,
+and one `RedisUnavailable` line, password hidden, when the server does not come back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import uuid
+
+import pytest
+
+from rlplatform.config import RewardSpec, RewardWorkersConfig
+from rlplatform.rewards.worker import RewardWorker
+from rlplatform.transport.redis_server import EmbeddedRedis, RedisUnavailable, connect
+from rlplatform.transport.reward_queue import GROUP, RewardQueue
+from rlplatform.transport.samples import Sample
+
+
+def make_samples(count: int, group: str) -> list:
+    return [Sample(sample_id=f"{group}/{i}", group_id=group, policy="policy", prompt="1+1=", completion="2",
+                   prompt_ids=[1, 2], completion_ids=[3], behaviour_logprobs=[-0.5], token_versions=[0],
+                   row={"prompt": "1+1=", "answer": "2"}) for i in range(count)]
+
+
+@pytest.fixture
+def server(tmp_path):
+    embedded = EmbeddedRedis(str(tmp_path / "redis")).start()
+    yield embedded
+    embedded.stop()
+
+
+def test_password_is_not_on_the_command_line_and_the_data_folder_is_private(server):
+    with open(f"/proc/{server.pid}/cmdline", "rb") as f:
+        cmdline = f.read()
+    assert server.password.encode() not in cmdline and b"redis-server" in cmdline
+    # redis-server rewrites its title once up, so the argv it was started with is checked too
+    assert not any(server.password in arg for arg in server._process.args)
+    assert connect(server.url).ping()
+    assert os.stat(server.data_dir).st_mode & 0o777 == 0o700
+    assert os.path.isfile(os.path.join(server.data_dir, "appendonly.aof"))
+
+
+def collect_until(queue: RewardQueue, worker: RewardWorker, expected: int, timeout_s: float = 60) -> list:
+    results: list = []
+    deadline = time.monotonic() + timeout_s
+    while len(results) < expected and time.monotonic() < deadline:
+        worker.step(block_ms=20)
+        results += queue.read_results(block_ms=20)
+    return results
+
+
+def test_a_killed_server_restarted_on_its_port_loses_no_acknowledged_result(server):
+    job = f"aof-{uuid.uuid4().hex[:6]}"
+    queue = RewardQueue(connect(server.url), job, max_pending=100)
+    queue.reset()
+    queue.create_group()
+    worker = RewardWorker("w", [RewardSpec(name="exact_match")], server.url, job, RewardWorkersConfig(batch_size=8))
+    queue.submit(make_samples(6, "before"))
+    assert worker.step(block_ms=50) == 6  # scored, stored and acknowledged before the crash
+    queue.submit(make_samples(4, "pending"))  # submitted, not yet scored
+
+    os.kill(server.pid, signal.SIGKILL)
+    restart = threading.Timer(1.0, server.start)
+    restart.start()
+    queue.submit(make_samples(5, "after"))  # reconnects once the server is back
+    restart.join()
+
+    assert queue.client.xinfo_groups(queue.keys.requests)[0]["name"].decode() == GROUP
+    results = collect_until(queue, worker, 15)
+    assert sorted(r.sample.sample_id for r in results) == sorted(
+        s.sample_id for s in make_samples(6, "before") + make_samples(4, "pending") + make_samples(5, "after"))
+    assert queue.pending() == 0
+
+
+def test_a_server_that_does_not_come_back_is_one_line_within_the_timeout(server):
+    queue = RewardQueue(connect(server.url, reconnect_s=2), f"gone-{uuid.uuid4().hex[:6]}", max_pending=10)
+    queue.create_group()
+    os.kill(server.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RedisUnavailable) as raised:
+        queue.submit(make_samples(1, "lost"))
+    assert 1.5 < time.monotonic() - start < 6
+    message = str(raised.value)
+    assert message.startswith(f"the job's Redis at redis://127.0.0.1:{server.port} (password hidden) went away: ")
+    assert "\n" not in message and server.password not in message
+    assert raised.value.__suppress_context__  # printed alone, not as a chain of tracebacks
+    start = time.monotonic()
+    with pytest.raises(RedisUnavailable):  # given up: later calls fail at once, with the same line
+        queue.pending()
+    assert time.monotonic() - start < 0.5
