@@ -31,6 +31,10 @@ class LearnerGroup:
         host, port = ray.get(self.ranks[0].address.remote())
         ray.get([rank.setup.remote(host, port) for rank in self.ranks])
 
+    def placements(self) -> List[Dict]:
+        """Each rank's device, LOCAL_RANK, backend, Ray GPU ids and weights' dtype."""
+        return ray.get([rank.placement.remote() for rank in self.ranks])
+
     def start_stage(self, lr: float, keep_reference: bool = False) -> None:
         ray.get([rank.start_stage.remote(lr, keep_reference) for rank in self.ranks])
 

@@ -77,6 +77,14 @@ class LearnerRank:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=self._deepspeed_config())
 
+    def placement(self) -> Dict:
+        """Where and how this rank computes: device, LOCAL_RANK, process-group backend, the GPU ids Ray
+        assigned, the weights' dtype and DeepSpeed's precision mode (bf16/fp16 keep float32 master weights)."""
+        mode = "bf16" if self.engine.bfloat16_enabled() else "fp16" if self.engine.fp16_enabled() else "fp32"
+        return {"device": str(self.engine.device), "local_rank": int(os.environ["LOCAL_RANK"]),
+                "backend": torch.distributed.get_backend(), "ray_gpu_ids": [str(i) for i in ray.get_gpu_ids()],
+                "dtype": str(next(self.engine.module.parameters()).dtype).removeprefix("torch."), "mode": mode}
+
     def _deepspeed_config(self) -> Dict:
         """ZeRO stage and clipping from config; bf16/fp16 mode for those dtypes (float32 master weights)."""
         config = {
