@@ -32,7 +32,7 @@ class LearnerGroup:
         ray.get([rank.setup.remote(host, port) for rank in self.ranks])
 
     def placements(self) -> List[Dict]:
-        """Each rank's device, LOCAL_RANK, backend, Ray GPU ids and weights' dtype."""
+        """Each rank's `LearnerRank.placement`: device, LOCAL_RANK, backend, Ray GPU ids, dtype, precision mode."""
         return ray.get([rank.placement.remote() for rank in self.ranks])
 
     def start_stage(self, lr: float, keep_reference: bool = False) -> None:

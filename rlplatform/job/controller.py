@@ -98,16 +98,17 @@ def _start_services(config: JobConfig, resources: ExitStack) -> str:
 def _check_cluster(config: JobConfig, cpus: float) -> None:
     """The Ray cluster holds the CPUs and GPUs the job's actors reserve, else a message saying what to change."""
     cluster = ray.cluster_resources()
-    if cluster.get("CPU", 0.0) < cpus:
-        raise RuntimeError(f"the Ray cluster has {cluster.get('CPU', 0.0):g} CPUs but the job's actors reserve {cpus:g} "
+    have_cpus, have_gpus = cluster.get("CPU", 0.0), cluster.get("GPU", 0.0)
+    if have_cpus < cpus:
+        raise RuntimeError(f"the Ray cluster has {have_cpus:g} CPUs but the job's actors reserve {cpus:g} "
                            f"(learner.num_cpus, rollout.num_cpus, reward_workers.num_cpus); "
                            f"lower them or give the cluster more CPUs")
-    gpus = _gpus_needed(config, cluster.get("GPU", 0.0))
-    if cluster.get("GPU", 0.0) < gpus:
-        raise RuntimeError(f"the Ray cluster has {cluster.get('GPU', 0.0):g} GPUs but the job's actors reserve {gpus:g} "
-                           f"(learner.num_gpus per rank, rollout.num_gpus per rollout worker and evaluator; 1 each on a "
-                           f"GPU device unless set); set fractions such as learner.num_gpus: 0.5 and rollout.num_gpus: "
-                           f"0.25 to share a GPU, device: cpu, or give the cluster more GPUs")
+    gpus = _gpus_needed(config, have_gpus)
+    if have_gpus < gpus:
+        raise RuntimeError(f"the Ray cluster has {have_gpus:g} GPUs but the job's actors reserve {gpus:g} "
+                           f"(learner.num_gpus per rank, rollout.num_gpus per rollout worker and evaluator; 1 each "
+                           f"on a GPU device unless set); set fractions such as learner.num_gpus: 0.5 and "
+                           f"rollout.num_gpus: 0.25 to share a GPU, device: cpu, or give the cluster more GPUs")
 
 
 def _cpus_needed(config: JobConfig) -> float:

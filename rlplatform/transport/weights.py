@@ -2,8 +2,9 @@
 
 A snapshot is a dict of numpy arrays, in the weights' own dtype, put once in the Ray object store
 (readers map it without a copy); numpy has no bfloat16, so bfloat16 weights travel as their raw
-16 bits under the `BFLOAT16` dtype and come back bit for bit. The `WeightStore` actor holds the newest reference and its version, and the version
-number is mirrored on Redis so workers can check for news without a Ray call.
+16 bits under the `BFLOAT16` dtype and come back bit for bit. The `WeightStore` actor holds the
+newest reference and its version, and the version number is mirrored on Redis so workers can
+check for news without a Ray call.
 """
 
 from __future__ import annotations
