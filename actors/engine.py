@@ -1,7 +1,8 @@
 """Generation engines: turn prompts into sampled completions with per-token behaviour log-probs.
 
 `GenerationEngine` is the contract a rollout worker drives (`generate`, `load_weights`);
-`TransformersEngine` is the CPU engine: a KV-cached decode loop over a Hugging Face causal LM
+`TransformersEngine` is the transformers engine (CPU or one GPU, in the policy's dtype, log-probs
+in float32): a KV-cached decode loop over a Hugging Face causal LM
 that records, for every token, its log-prob and the weight version that produced it. Between
 decode steps it calls `between_steps`, which may load newer weights: sequences in progress
 continue with them (in-flight weight update). A GPU engine (vLLM) is a second class.
@@ -15,6 +16,7 @@ from typing import Callable, Dict, Hashable, List, Optional, Protocol, Tuple
 import torch
 from transformers import DynamicCache
 
+from rlplatform.devices import resolve_device
 from rlplatform.policy import load_policy
 from rlplatform.transport.weights import load_weights
 
@@ -38,11 +40,12 @@ class GenerationEngine(Protocol):
 
 
 class TransformersEngine:
-    """Batched sampling with `transformers` (CPU by default); temperature 0 means greedy."""
+    """Batched sampling with `transformers` on `device` (auto, cpu or cuda: `resolve_device`) in
+    `dtype` (a `model.dtype` name); temperature 0 means greedy."""
 
-    def __init__(self, model_path: str, device: str = "cpu") -> None:
-        self.device = torch.device(device)
-        self.model, self.tokenizer = load_policy(model_path)
+    def __init__(self, model_path: str, device: str = "auto", dtype: str = "float32") -> None:
+        self.device = resolve_device(device)
+        self.model, self.tokenizer = load_policy(model_path, dtype)
         self.model.to(self.device).eval()
         self.version = -1
 

@@ -46,11 +46,12 @@ class _OpenGroup:
 
 class RolloutWorker:
     def __init__(self, index: int, policy: str, model_path: str, rows: List[Dict], rl: RLConfig,
-                 rollout: RolloutConfig, redis_url: str, job: str, weight_store, seed: int) -> None:
+                 rollout: RolloutConfig, redis_url: str, job: str, weight_store, seed: int,
+                 dtype: str = "float32") -> None:
         torch.set_num_threads(rollout.num_threads)
         torch.manual_seed(seed + 1000 * (index + 1))
         self.index, self.policy, self.rows, self.rl, self.rollout = index, policy, rows, rl, rollout
-        self.engine = TransformersEngine(model_path)
+        self.engine = TransformersEngine(model_path, rollout.device, dtype)
         self.weight_store = weight_store
         client = connect(redis_url)
         self.queue = RewardQueue(client, job)

@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, TypeVar
 import ray
 
 from rlplatform.config import LearnerConfig, RLConfig
+from rlplatform.devices import gpus_per_actor
 from rlplatform.learners.rank import LearnerActor
 from rlplatform.transport.samples import Sample
 
@@ -22,12 +23,17 @@ def shard(items: Sequence[T], parts: int) -> List[List[T]]:
 
 
 class LearnerGroup:
-    def __init__(self, config: LearnerConfig, model_path: str, seed: int) -> None:
+    def __init__(self, config: LearnerConfig, model_path: str, seed: int, dtype: str = "float32") -> None:
         n = config.num_ranks
-        self.ranks = [LearnerActor.options(num_cpus=config.num_cpus).remote(r, n, model_path, config, seed)
-                      for r in range(n)]
+        gpus = gpus_per_actor(config.device, config.num_gpus, ray.cluster_resources().get("GPU", 0.0))
+        self.ranks = [LearnerActor.options(num_cpus=config.num_cpus, num_gpus=gpus).remote(
+            r, n, model_path, config, seed, dtype) for r in range(n)]
         host, port = ray.get(self.ranks[0].address.remote())
         ray.get([rank.setup.remote(host, port) for rank in self.ranks])
+
+    def placements(self) -> List[Dict]:
+        """Each rank's `LearnerRank.placement`: device, LOCAL_RANK, backend, Ray GPU ids, dtype, precision mode."""
+        return ray.get([rank.placement.remote() for rank in self.ranks])
 
     def start_stage(self, lr: float, keep_reference: bool = False) -> None:
         ray.get([rank.start_stage.remote(lr, keep_reference) for rank in self.ranks])

@@ -1,7 +1,8 @@
 """One DeepSpeed learner rank, run as a Ray actor: SFT and RL steps on its shard of each batch.
 
-Ranks of a group rendezvous over torch.distributed (gloo on CPU, nccl on GPU) and DeepSpeed
-averages their gradients; ZeRO stage 0-3 comes from config. Rank 0 publishes full weight
+Ranks of a group rendezvous over torch.distributed (gloo on CPU, nccl on the GPU Ray assigned
+each rank) and DeepSpeed averages their gradients; ZeRO stage 0-3 and the weights' dtype (DeepSpeed's
+bf16/fp16 modes, with float32 master weights) come from config. Rank 0 publishes full weight
 snapshots to the Ray object store and writes checkpoints and the Hugging Face model.
 """
 
@@ -16,6 +17,7 @@ import ray
 import torch
 
 from rlplatform.config import LearnerConfig, RLConfig
+from rlplatform.devices import resolve_device
 from rlplatform.learners.algorithms import entropy_bonus, policy_loss, sft_auxiliary_loss, token_mean
 from rlplatform.learners.batching import TokenScores, align_per_token, completion_logprobs
 from rlplatform.learners.losses import reference_kl, sft_loss
@@ -36,11 +38,13 @@ class Minibatch:
 
 
 class LearnerRank:
-    def __init__(self, rank: int, world_size: int, model_path: str, config: LearnerConfig, seed: int) -> None:
+    def __init__(self, rank: int, world_size: int, model_path: str, config: LearnerConfig, seed: int,
+                 dtype: str = "float32") -> None:
         torch.set_num_threads(config.num_threads)
         torch.manual_seed(seed)
         self.rank, self.world_size, self.config = rank, world_size, config
-        self.model_path = model_path
+        self.model_path, self.dtype = model_path, dtype
+        self.device = resolve_device(config.device)
         self.engine = None
         self.tokenizer = None
         self.reference = None  # frozen policy for KL, kept during RL when asked
@@ -54,22 +58,47 @@ class LearnerRank:
         return ray.util.get_node_ip_address(), port
 
     def setup(self, master_addr: str, master_port: int) -> None:
+        """Join the group's process group on this rank's device and wrap the policy in DeepSpeed."""
+        if self.dtype == "float16" and self.device.type == "cpu":
+            raise RuntimeError("model.dtype float16 needs a GPU learner (DeepSpeed trains float16 on GPUs only) but "
+                               "this rank runs on CPU; use bfloat16 or float32, or learner.device: cuda")
+        # DeepSpeed picks its accelerator once, at import: the rank's device, not whatever the node has
+        os.environ["DS_ACCELERATOR"] = self.device.type
         import deepspeed
 
+        # DeepSpeed places the model on cuda:LOCAL_RANK; ours is the index of the GPU Ray assigned
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
-                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-        model, self.tokenizer = load_policy(self.model_path)
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.device.index or 0))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo",
+                                   auto_mpi_discovery=False)
+        model, self.tokenizer = load_policy(self.model_path, self.dtype)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
-        ds_config = {
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=self._deepspeed_config())
+
+    def placement(self) -> Dict:
+        """Where and how this rank computes: device, LOCAL_RANK, process-group backend, the GPU ids Ray
+        assigned, the weights' dtype and DeepSpeed's precision mode (bf16/fp16 keep float32 master weights)."""
+        mode = "bf16" if self.engine.bfloat16_enabled() else "fp16" if self.engine.fp16_enabled() else "fp32"
+        return {"device": str(self.engine.device), "local_rank": int(os.environ["LOCAL_RANK"]),
+                "backend": torch.distributed.get_backend(), "ray_gpu_ids": [str(i) for i in ray.get_gpu_ids()],
+                "dtype": str(next(self.engine.module.parameters()).dtype).removeprefix("torch."), "mode": mode}
+
+    def _deepspeed_config(self) -> Dict:
+        """ZeRO stage and clipping from config; bf16/fp16 mode for those dtypes (float32 master weights)."""
+        config = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
             "gradient_clipping": self.config.grad_clip,
             "zero_optimization": {"stage": self.config.zero_stage},
             "steps_per_print": 10 ** 9,
         }
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        if self.dtype == "bfloat16":
+            config["bf16"] = {"enabled": True}
+        elif self.dtype == "float16":
+            config["fp16"] = {"enabled": True}
+        return config
 
     def start_stage(self, lr: float, keep_reference: bool = False) -> None:
         """Fresh optimizer state at `lr`: each stage (SFT, RL) has its own AdamW moments.
@@ -84,7 +113,7 @@ class LearnerRank:
         self.stage_lr = lr
         self.reference = None
         if keep_reference:
-            self.reference, _ = load_policy(self.model_path)
+            self.reference, _ = load_policy(self.model_path, self.dtype)
             self.reference.load_state_dict(self._full_state_dict(every_rank=True))
             self.reference.to(self.engine.device).eval().requires_grad_(False)
 

@@ -51,6 +51,7 @@ class ModelConfig:
     num_kv_heads: int = at_least(2, 1)  # demo key/value heads (grouped-query attention)
     intermediate_size: int = at_least(384, 1)  # demo MLP width
     max_positions: int = at_least(64, 1)  # demo context length
+    dtype: str = one_of("float32", "bfloat16", "float16")  # weights' precision in learners, rollout workers and the saved model
 
 
 @dataclass
@@ -109,6 +110,8 @@ class RolloutConfig:
     weight_swap: str = one_of("in_flight", "finish_then_swap")  # in_flight: new weights load between decode steps; finish_then_swap: once drained
     num_threads: int = at_least(1, 1)  # torch threads per worker
     num_cpus: float = at_least(1.0, 0)  # Ray CPUs reserved per worker
+    device: str = one_of("auto", "cpu", "cuda")  # auto: the GPU Ray assigns the worker when the cluster has GPUs, else CPU
+    num_gpus: Optional[float] = at_least(None, 0)  # Ray GPUs per worker (fractions share one); unset: 1 on a GPU device, else 0
 
 
 @dataclass
@@ -145,6 +148,8 @@ class LearnerConfig:
     grad_clip: float = above(1.0, 0)  # gradient norm clip
     num_threads: int = at_least(1, 1)  # torch threads per rank
     num_cpus: float = at_least(1.0, 0)  # Ray CPUs reserved per rank
+    device: str = one_of("auto", "cpu", "cuda")  # auto: the GPU Ray assigns the rank when the cluster has GPUs, else CPU
+    num_gpus: Optional[float] = at_least(None, 0)  # Ray GPUs per rank (a fraction shares one); unset: 1 on a GPU device, else 0
 
 
 @dataclass
@@ -428,6 +433,13 @@ def _check_policy(config, prefix: str, source: str) -> None:
     """What one policy's sections need beyond their fields' own constraints."""
     if config.model.kind == "pretrained":
         _require_path(config.model.path, f"{prefix}model.path", source, directory=True)
+    if config.model.dtype == "float16" and config.learner.device == "cpu":
+        raise ConfigError(f"{source}: '{prefix}model.dtype' is float16 but '{prefix}learner.device' is cpu: DeepSpeed "
+                          f"trains float16 on GPUs only; use bfloat16 (or float32) on CPU")
+    learner = config.learner
+    if learner.num_ranks > 1 and learner.num_gpus is not None and 0 < learner.num_gpus < 1:
+        raise ConfigError(f"{source}: '{prefix}learner.num_gpus' is {learner.num_gpus} with {learner.num_ranks} ranks: "
+                          f"NCCL needs a whole GPU per rank; set it to 1 or use one rank")
 
 
 def _check_reward_spec(spec: RewardSpec, key: str, source: str) -> None:

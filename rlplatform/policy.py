@@ -1,8 +1,8 @@
 """Policy models: the demo policy built from config, and loading any saved policy.
 
 The demo policy is a small Qwen2 causal LM with a character-level tokenizer, built offline
-from `ModelConfig`; the controller saves the initial policy once in Hugging Face format and
-every learner rank and rollout worker loads it from that directory.
+from `ModelConfig`; the controller saves the initial policy once in Hugging Face format, in
+`model.dtype`, and every learner rank and rollout worker loads it from that directory in that dtype.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
 from rlplatform.config import ModelConfig
+from rlplatform.devices import torch_dtype
 
 transformers.logging.set_verbosity_error()
 transformers.logging.disable_progress_bar()
@@ -45,13 +46,13 @@ def build_demo_policy(config: ModelConfig, seed: int) -> Tuple[PreTrainedModel, 
         max_position_embeddings=config.max_positions, tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id)
-    return Qwen2ForCausalLM(model_config), tokenizer
+    return Qwen2ForCausalLM(model_config).to(torch_dtype(config.dtype)), tokenizer
 
 
 def save_initial_policy(config: ModelConfig, seed: int, out_dir: str) -> str:
-    """Write the job's starting policy to `out_dir` and return the directory to load from."""
+    """Write the job's starting policy, in `config.dtype`, to `out_dir` and return the directory to load from."""
     if config.kind == "pretrained":
-        model, tokenizer = load_policy(config.path)
+        model, tokenizer = load_policy(config.path, config.dtype)
     else:
         model, tokenizer = build_demo_policy(config, seed)
     model.save_pretrained(out_dir)
@@ -70,8 +71,9 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_policy(path: str) -> Tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+def load_policy(path: str, dtype: str = "float32") -> Tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """The model in `dtype` (a `model.dtype` name) and its tokenizer, left-padding."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
     tokenizer = load_tokenizer(path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:

@@ -18,6 +18,7 @@ import ray
 
 from rlplatform.config import JobConfig, PolicyConfig, to_yaml
 from rlplatform.data import load_rows
+from rlplatform.devices import gpus_per_actor
 from rlplatform.job.rl_loop import run_rl
 from rlplatform.job.sft import run_sft
 from rlplatform.job.workers import Evaluator, PolicyWorkers, publish
@@ -91,12 +92,24 @@ def _start_services(config: JobConfig, resources: ExitStack) -> str:
         else:
             ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(needed)), include_dashboard=False)
         resources.callback(ray.shutdown)
-    available = ray.cluster_resources().get("CPU", 0.0)
-    if available < needed:
-        raise RuntimeError(f"the Ray cluster has {available:g} CPUs but the job's actors reserve {needed:g} "
+    _check_cluster(config, needed)
+    return redis_url
+
+
+def _check_cluster(config: JobConfig, cpus: float) -> None:
+    """The Ray cluster holds the CPUs and GPUs the job's actors reserve, else a message saying what to change."""
+    cluster = ray.cluster_resources()
+    have_cpus, have_gpus = cluster.get("CPU", 0.0), cluster.get("GPU", 0.0)
+    if have_cpus < cpus:
+        raise RuntimeError(f"the Ray cluster has {have_cpus:g} CPUs but the job's actors reserve {cpus:g} "
                            f"(learner.num_cpus, rollout.num_cpus, reward_workers.num_cpus); "
                            f"lower them or give the cluster more CPUs")
-    return redis_url
+    gpus = _gpus_needed(config, have_gpus)
+    if have_gpus < gpus:
+        raise RuntimeError(f"the Ray cluster has {have_gpus:g} GPUs but the job's actors reserve {gpus:g} "
+                           f"(learner.num_gpus per rank, rollout.num_gpus per rollout worker and evaluator; 1 each "
+                           f"on a GPU device unless set); set fractions such as learner.num_gpus: 0.5 and "
+                           f"rollout.num_gpus: 0.25 to share a GPU, device: cpu, or give the cluster more GPUs")
 
 
 def _cpus_needed(config: JobConfig) -> float:
@@ -104,6 +117,13 @@ def _cpus_needed(config: JobConfig) -> float:
     return config.reward_workers.num_workers * config.reward_workers.num_cpus + sum(
         p.learner.num_ranks * p.learner.num_cpus + (p.rollout.num_workers + 1) * p.rollout.num_cpus
         for p in config.policy_list())
+
+
+def _gpus_needed(config: JobConfig, cluster_gpus: float) -> float:
+    """Ray GPUs the job's actors reserve: per policy its ranks, rollout workers and evaluator."""
+    return sum(p.learner.num_ranks * gpus_per_actor(p.learner.device, p.learner.num_gpus, cluster_gpus)
+               + (p.rollout.num_workers + 1) * gpus_per_actor(p.rollout.device, p.rollout.num_gpus, cluster_gpus)
+               for p in config.policy_list())
 
 
 def _run_stages(config: JobConfig, redis_url: str, metrics: Metrics, summary: Dict) -> None:
@@ -160,10 +180,11 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, train_rows, test_rows
     model_path = save_initial_policy(policy.model, config.seed,
                                      os.path.join(config.policy_dir(policy.name), "initial_policy"))
     store = WeightStore.remote()
-    rollout = [RolloutActor.options(num_cpus=policy.rollout.num_cpus).remote(
-        i, policy.name, model_path, train_rows, policy.rl, policy.rollout, redis_url, config.name, store, config.seed)
-        for i in range(policy.rollout.num_workers + 1)]
-    learner = LearnerGroup(policy.learner, model_path, config.seed)
+    gpus = gpus_per_actor(policy.rollout.device, policy.rollout.num_gpus, ray.cluster_resources().get("GPU", 0.0))
+    rollout = [RolloutActor.options(num_cpus=policy.rollout.num_cpus, num_gpus=gpus).remote(
+        i, policy.name, model_path, train_rows, policy.rl, policy.rollout, redis_url, config.name, store, config.seed,
+        policy.model.dtype) for i in range(policy.rollout.num_workers + 1)]
+    learner = LearnerGroup(policy.learner, model_path, config.seed, policy.model.dtype)
     gate = RolloutGate(client, config.name, policy.rl.max_staleness, policy.rl.batch_prompts, policy.name)
     evaluator = Evaluator(rollout.pop(), test_rows, config.eval)
     return PolicyWorkers(policy, learner, rollout, store, gate, evaluator, PolicyKeys(config.name, policy.name))

@@ -1,8 +1,10 @@
 """Weight streaming: the learner publishes versioned weight snapshots, rollout workers pull them.
 
-A snapshot is a dict of numpy arrays put once in the Ray object store (readers map it without
-a copy); the `WeightStore` actor holds the newest reference and its version, and the version
-number is mirrored on Redis so workers can check for news without a Ray call.
+A snapshot is a dict of numpy arrays, in the weights' own dtype, put once in the Ray object store
+(readers map it without a copy); numpy has no bfloat16, so bfloat16 weights travel as their raw
+16 bits under the `BFLOAT16` dtype and come back bit for bit. The `WeightStore` actor holds the
+newest reference and its version, and the version number is mirrored on Redis so workers can
+check for news without a Ray call.
 """
 
 from __future__ import annotations
@@ -14,18 +16,26 @@ import numpy as np
 import ray
 import torch
 
+BFLOAT16 = np.dtype([("bfloat16", np.int16)])  # the bits of a bfloat16 tensor, marked as such
+
 
 def to_snapshot(state_dict: Dict[str, torch.Tensor]) -> Dict[str, np.ndarray]:
-    """float32 arrays of the weights, each storage once: a tensor tied to an earlier one (an output
-    head sharing the embedding) is left out, and `load_weights` restores it through the tie."""
+    """Arrays of the weights in their own dtype, each storage once: a tensor tied to an earlier one (an
+    output head sharing the embedding) is left out, and `load_weights` restores it through the tie."""
     snapshot: Dict[str, np.ndarray] = {}
     seen = set()
     for name, tensor in state_dict.items():
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
         if key not in seen:
             seen.add(key)
-            snapshot[name] = tensor.detach().to("cpu", torch.float32).numpy()
+            snapshot[name] = _to_array(tensor.detach().to("cpu"))
     return snapshot
+
+
+def _to_array(tensor: torch.Tensor) -> np.ndarray:
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(BFLOAT16)
+    return tensor.numpy()
 
 
 def load_weights(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor]) -> None:
@@ -42,7 +52,13 @@ def from_snapshot(snapshot: Dict[str, np.ndarray]) -> Dict[str, torch.Tensor]:
     """Tensors viewing the (read-only, shared) snapshot arrays; load_state_dict copies them."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return {name: torch.from_numpy(array) for name, array in snapshot.items()}
+        return {name: _to_tensor(array) for name, array in snapshot.items()}
+
+
+def _to_tensor(array: np.ndarray) -> torch.Tensor:
+    if array.dtype == BFLOAT16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 @ray.remote(num_cpus=0)

@@ -1,0 +1,72 @@
+"""Where an actor computes, and in what precision.
+
+The controller asks Ray for `gpus_per_actor` GPUs per learner rank and rollout worker; inside the
+actor, `resolve_device` turns `device: auto|cpu|cuda` into a torch device on the machine it runs
+on, using the GPU Ray assigned to it. `torch_dtype` maps `model.dtype` to the torch dtype.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import ray
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a `model.dtype` name."""
+    return DTYPES[name]
+
+
+def gpus_per_actor(device: str, num_gpus: Optional[float], cluster_gpus: float) -> float:
+    """GPUs to reserve per actor: `num_gpus` when set, else one on cuda, none on cpu, and under
+    auto one when the Ray cluster has GPUs."""
+    if num_gpus is not None:
+        return num_gpus
+    if device == "auto":
+        return 1.0 if cluster_gpus > 0 else 0.0
+    return 1.0 if device == "cuda" else 0.0
+
+
+def resolve_device(device: str) -> torch.device:
+    """The torch device an actor computes on. `auto` is the GPU Ray assigned to this actor (outside
+    a Ray actor: any visible GPU), else the CPU; `cuda` without a visible GPU is an error."""
+    gpu = assigned_gpu()
+    if device == "cpu" or (device == "auto" and not _gpu_here(gpu)):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device 'cuda' was asked for but this process sees no CUDA device (torch "
+                           f"{torch.__version__}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+                           f"install a CUDA build of torch, or set learner.device / rollout.device to cpu or auto")
+    return torch.device("cuda", gpu or 0)
+
+
+def assigned_gpu() -> Optional[int]:
+    """The CUDA index, among the devices this process sees, of the first GPU Ray assigned to this
+    actor; None outside a Ray actor or when it was assigned none.
+
+    Ray narrows CUDA_VISIBLE_DEVICES to the actor's GPUs (index 0 then), unless told not to, when
+    the assigned ids are positions in the node's list.
+    """
+    if not _in_actor():
+        return None
+    ids = [str(i) for i in ray.get_gpu_ids()]
+    if not ids:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return min(int(i) for i in ids)
+    order = [v.strip() for v in visible.split(",")]
+    return min((order.index(i) for i in ids if i in order), default=0)
+
+
+def _gpu_here(gpu: Optional[int]) -> bool:
+    """Whether `auto` means CUDA: in a Ray actor, when Ray assigned it a GPU; elsewhere, when one is visible."""
+    return torch.cuda.is_available() and (gpu is not None or not _in_actor())
+
+
+def _in_actor() -> bool:
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None

@@ -1,0 +1,113 @@
+"""Devices: what the controller reserves from Ray, where `auto` resolves inside an actor, the config
+checks and the cluster check; on a GPU machine, learner ranks and engines on the GPU Ray assigned."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from rlplatform.actors.engine import TransformersEngine
+from rlplatform.config import ConfigError, JobConfig, LearnerConfig, load_config
+from rlplatform.devices import assigned_gpu, gpus_per_actor, resolve_device
+from rlplatform.job.controller import _check_cluster, _gpus_needed
+from rlplatform.learners.group import LearnerGroup
+from rlplatform.transport.weights import from_snapshot, to_snapshot
+
+ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in [(1, 2), (13, 7), (40, 45), (9, 9)]]
+
+
+@ray.remote
+class Probe:
+    """An actor reporting how `device` resolves where Ray placed it."""
+
+    def where(self, device: str) -> tuple:
+        return str(resolve_device(device)), assigned_gpu()
+
+
+def test_gpus_per_actor_defaults_follow_the_device_and_the_cluster():
+    assert gpus_per_actor("cuda", None, 0) == 1 and gpus_per_actor("cpu", None, 8) == 0
+    assert gpus_per_actor("auto", None, 8) == 1 and gpus_per_actor("auto", None, 0) == 0
+    assert gpus_per_actor("auto", 0.25, 8) == 0.25 and gpus_per_actor("cuda", 0, 8) == 0
+
+
+def test_gpus_needed_counts_ranks_rollout_workers_and_the_evaluator():
+    config = JobConfig()
+    config.learner.num_ranks, config.rollout.num_workers = 2, 3
+    assert _gpus_needed(config, cluster_gpus=0) == 0  # auto on a CPU cluster
+    assert _gpus_needed(config, cluster_gpus=8) == 2 + 4  # one each; the evaluator is a rollout worker
+    config.rollout.num_gpus = 0.25
+    assert _gpus_needed(config, cluster_gpus=8) == 2 + 1
+
+
+def test_cluster_check_names_the_gpu_shortfall_and_the_keys(ray_session):
+    config = JobConfig()
+    config.learner.device = config.rollout.device = "cpu"
+    _check_cluster(config, cpus=1)
+    config.learner.device = "cuda"
+    gpus = ray.cluster_resources().get("GPU", 0.0)
+    config.rollout.device, config.rollout.num_gpus = "cuda", gpus + 1  # more than the cluster holds
+    with pytest.raises(RuntimeError, match=r"has \d+ GPUs but the job's actors reserve .*learner.num_gpus"):
+        _check_cluster(config, cpus=1)
+
+
+def test_config_rejects_unknown_devices_cpu_float16_and_shared_gpus_across_ranks():
+    assert load_config(None, ["model.dtype=bfloat16", "learner.device=cpu"]).model.dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="'rollout.device' is 'gpu'; expected one of"):
+        load_config(None, ["rollout.device=gpu"])
+    with pytest.raises(ConfigError, match="'model.dtype' is float16 but 'learner.device' is cpu"):
+        load_config(None, ["model.dtype=float16", "learner.device=cpu"])
+    with pytest.raises(ConfigError, match="'learner.num_gpus' is 0.5 with 2 ranks"):
+        load_config(None, ["learner.num_ranks=2", "learner.num_gpus=0.5"])
+    with pytest.raises(ConfigError, match="'learner.num_gpus' is -1"):
+        load_config(None, ["learner.num_gpus=-1"])
+
+
+def test_cpu_and_auto_resolve_to_cpu_in_an_actor_without_a_gpu(ray_session):
+    probe = Probe.options(num_gpus=0).remote()
+    try:
+        assert ray.get(probe.where.remote("cpu")) == ("cpu", None)
+        assert ray.get(probe.where.remote("auto")) == ("cpu", None)
+    finally:
+        ray.kill(probe)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_without_a_gpu_says_what_to_change():
+    with pytest.raises(RuntimeError, match="device 'cuda' was asked for but this process sees no CUDA device"):
+        resolve_device("cuda")
+
+
+@pytest.mark.gpu
+def test_auto_follows_the_gpu_ray_assigned(ray_session):
+    with_gpu, without = Probe.options(num_gpus=1).remote(), Probe.options(num_gpus=0).remote()
+    try:
+        assert ray.get(with_gpu.where.remote("auto")) == ("cuda:0", 0)  # Ray narrowed CUDA_VISIBLE_DEVICES to it
+        assert ray.get(without.where.remote("auto")) == ("cpu", None)
+    finally:
+        ray.kill(with_gpu)
+        ray.kill(without)
+
+
+@pytest.mark.gpu
+def test_learner_rank_trains_on_its_ray_assigned_gpu_with_nccl(ray_session, tiny_policy):
+    learner = LearnerGroup(LearnerConfig(device="cuda", zero_stage=2), tiny_policy, 0, dtype="bfloat16")
+    try:
+        (placement,) = learner.placements()
+        assert placement["device"] == "cuda:0" and placement["local_rank"] == 0
+        assert placement["backend"] == "nccl" and len(placement["ray_gpu_ids"]) == 1
+        assert (placement["dtype"], placement["mode"]) == ("bfloat16", "bf16")
+        learner.start_stage(lr=1e-2)
+        first = learner.sft_step(ROWS)
+        assert learner.sft_step(ROWS)["loss"] < first["loss"]
+    finally:
+        learner.shutdown()
+
+
+@pytest.mark.gpu
+def test_engine_generates_on_cuda_in_bfloat16_and_loads_streamed_weights(tiny_policy):
+    engine = TransformersEngine(tiny_policy, "cuda", "bfloat16")
+    assert {(p.device.type, p.dtype) for p in engine.model.parameters()} == {("cuda", torch.bfloat16)}
+    engine.load_weights(from_snapshot(to_snapshot(engine.model.state_dict())), 3)
+    (group,) = engine.generate(["12+34="], 4, 5, 1.0)
+    assert all(c.versions == [3] * len(c.completion_ids) and all(lp <= 0 for lp in c.logprobs) for c in group)

@@ -1,0 +1,93 @@
+"""model.dtype end to end on CPU: a bfloat16 policy is saved, trained by two DeepSpeed ranks (gloo,
+bf16 mode), streamed bit for bit to a bfloat16 rollout engine and saved at its own size, while
+log-probs and losses stay float32."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import ray
+import torch
+from safetensors import safe_open
+
+from rlplatform.actors.engine import TransformersEngine
+from rlplatform.config import LearnerConfig, ModelConfig, RLConfig
+from rlplatform.learners.group import LearnerGroup
+from rlplatform.policy import load_policy, save_initial_policy
+from rlplatform.transport.samples import Sample
+from rlplatform.transport.weights import BFLOAT16, from_snapshot
+
+ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in [(1, 2), (13, 7), (40, 45), (9, 9)] * 2]
+TINY = dict(hidden_size=64, num_layers=2, intermediate_size=128)
+
+
+def saved_dtypes(model_dir: str) -> set:
+    with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:
+        return {f.get_slice(name).get_dtype() for name in f.keys()}
+
+
+def saved_bytes(model_dir: str) -> int:
+    return os.path.getsize(os.path.join(model_dir, "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def bf16_policy(tmp_path_factory):
+    return save_initial_policy(ModelConfig(**TINY, dtype="bfloat16"), 0, str(tmp_path_factory.mktemp("bf16")))
+
+
+def test_saved_initial_policy_keeps_the_dtype_at_half_the_size(bf16_policy, tiny_policy):
+    assert saved_dtypes(bf16_policy) == {"BF16"} and saved_dtypes(tiny_policy) == {"F32"}
+    assert json.load(open(os.path.join(bf16_policy, "config.json")))["dtype"] == "bfloat16"
+    # same architecture and seed: every weight is 2 bytes instead of 4
+    assert saved_bytes(bf16_policy) < 0.52 * saved_bytes(tiny_policy)
+    model, _ = load_policy(bf16_policy, "bfloat16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def engine_samples(engine: TransformersEngine):
+    groups = engine.generate(["1+2=", "40+45="], 4, 4, 1.0)
+    samples = [Sample(f"{g}/{i}", str(g), "policy", "", c.text, c.prompt_ids, c.completion_ids, c.logprobs,
+                      c.versions) for g, group in enumerate(groups) for i, c in enumerate(group)]
+    return samples, [1.0 if s.group_id == "0" else -1.0 for s in samples]
+
+
+def test_bfloat16_train_publish_generate_and_save(ray_session, bf16_policy, tmp_path):
+    learner = LearnerGroup(LearnerConfig(num_ranks=2, zero_stage=2, num_cpus=0.5, device="cpu"), bf16_policy, 0,
+                           dtype="bfloat16")
+    try:
+        assert learner.placements() == [{"device": "cpu", "local_rank": 0, "backend": "gloo", "ray_gpu_ids": [],
+                                         "dtype": "bfloat16", "mode": "bf16"}] * 2
+        learner.start_stage(lr=1e-2)
+        first = learner.sft_step(ROWS)
+        assert learner.sft_step(ROWS)["loss"] < first["loss"]
+
+        snapshot = ray.get(learner.publish_weights())
+        assert {a.dtype for a in snapshot.values()} == {BFLOAT16}
+        engine = TransformersEngine(bf16_policy, "cpu", "bfloat16")
+        engine.load_weights(from_snapshot(snapshot), 1)
+        for name, param in engine.model.state_dict().items():
+            if name in snapshot:  # the published bits are the ones the engine generates with
+                assert param.dtype == torch.bfloat16
+                assert np.array_equal(param.view(torch.int16).numpy(), snapshot[name].view(np.int16))
+
+        samples, advantages = engine_samples(engine)
+        assert all(isinstance(lp, float) and lp <= 0 for s in samples for lp in s.behaviour_logprobs)
+        metrics = learner.rl_step(samples, advantages, RLConfig())
+        # the learner rescores the engine's tokens under the same bfloat16 weights, in float32 arithmetic
+        assert metrics["logprob_mismatch_abs"] < 0.05
+        assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+
+        model_dir = str(tmp_path / "model")
+        learner.save(str(tmp_path / "checkpoint"), model_dir)
+        assert saved_dtypes(model_dir) == {"BF16"}
+        assert saved_bytes(model_dir) == pytest.approx(saved_bytes(bf16_policy), rel=0.01)
+        saved, _ = load_policy(model_dir, "bfloat16")
+        after = ray.get(learner.publish_weights())
+        for name, param in saved.state_dict().items():
+            if name in after:
+                assert np.array_equal(param.view(torch.int16).numpy(), after[name].view(np.int16))
+    finally:
+        learner.shutdown()
