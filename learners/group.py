@@ -22,9 +22,10 @@ def shard(items: Sequence[T], parts: int) -> List[List[T]]:
 
 
 class LearnerGroup:
-    def __init__(self, config: LearnerConfig, model_path: str, seed: int) -> None:
+    def __init__(self, config: LearnerConfig, model_path: str, seed: int, chat_template: str = "auto") -> None:
         n = config.num_ranks
-        self.ranks = [LearnerActor.options(num_cpus=config.num_cpus).remote(r, n, model_path, config, seed)
+        self.ranks = [LearnerActor.options(num_cpus=config.num_cpus).remote(r, n, model_path, config, seed,
+                                                                            chat_template)
                       for r in range(n)]
         host, port = ray.get(self.ranks[0].address.remote())
         ray.get([rank.setup.remote(host, port) for rank in self.ranks])
