@@ -81,7 +81,7 @@ def pretrain(model: Qwen2ForCausalLM, tokenizer, texts: List[str], steps: int, s
     eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     loss = torch.tensor(0.0)
     for step in range(steps):
-        batch = [tokenizer(t)["input_ids"] + [eot] for t in rng.sample(texts, 64)]
+        batch = [tokenizer(t)["input_ids"] + [eot] for t in rng.sample(texts, 32)]
         width = max(len(ids) for ids in batch)
         ids = torch.tensor([ids + [eot] * (width - len(ids)) for ids in batch])
         labels = torch.tensor([ids_ + [-100] * (width - len(ids_)) for ids_ in batch])
@@ -105,14 +105,14 @@ def main() -> None:
     parser.add_argument("out", help="output directory: <out>/model and <out>/data are written")
     parser.add_argument("--train-rows", type=int, default=5000)
     parser.add_argument("--test-rows", type=int, default=200)
-    parser.add_argument("--pretrain-steps", type=int, default=600)
+    parser.add_argument("--pretrain-steps", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = random.Random(args.seed)
     train = [word_problem(rng) for _ in range(args.train_rows)]
     test = [word_problem(rng) for _ in range(args.test_rows)]
     documents = [f"{r['messages'][0]['content']} {r['messages'][1]['content']}." for r in train]
-    torch.set_num_threads(min(4, os.cpu_count() or 1))
+    torch.set_num_threads(1)
     tokenizer = train_tokenizer(documents + [m["content"] for r in train for m in r["messages"]], vocab_size=384)
     model = build_model(tokenizer, args.seed)
     loss = pretrain(model, tokenizer, documents, args.pretrain_steps, args.seed)
