@@ -133,8 +133,8 @@ class DecodeBatch:
             row.tokens.append(t)
             row.logprobs.append(lp)
             row.versions.append(self.engine.version)
-        finished = torch.isin(token, self.stop_ids) | torch.tensor([len(r.tokens) >= self.max_new_tokens for r in self.rows],
-                                                         device=self.device)
+        finished = torch.isin(token, self.stop_ids) | torch.tensor(
+            [len(r.tokens) >= self.max_new_tokens for r in self.rows], device=self.device)
         done = [(row.key, self._completion(row)) for row, f in zip(self.rows, finished.tolist()) if f]
         self._keep(~finished, token)
         return done

@@ -53,7 +53,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    kind: str = one_of("addition", "jsonl", "hf")  # addition: generated "37+48=" -> "85" rows; jsonl or hf: read the paths below
+    kind: str = one_of("addition", "jsonl", "hf")  # addition: generated "37+48=" -> "85" rows; jsonl, hf: read files
     # kind=jsonl: jsonl files; kind=hf: json/jsonl/parquet/csv files (format by extension) or save_to_disk directories
     train_path: Optional[str] = None  # training rows
     test_path: Optional[str] = None  # held-out rows for evaluation
@@ -64,7 +64,7 @@ class DataConfig:
     messages_key: str = "messages"  # row field holding a conversation: a list of {role, content}
     answer_key: str = "answer"  # row field holding the reference answer (optional)
     chat_template: str = one_of("auto", "none")  # auto: the tokenizer's chat template when it has one; none: plain text
-    max_prompt_tokens: int = at_least(0, 0)  # prompts longer than this many tokens are skipped and counted (0: no limit)
+    max_prompt_tokens: int = at_least(0, 0)  # longer prompts (in tokens) are skipped and counted (0: no limit)
     digits: int = at_least(2, 1)  # operand digits (kind=addition)
     train_size: int = at_least(20000, 1)  # generated training rows (kind=addition)
     test_size: int = at_least(500, 1)  # generated held-out rows (kind=addition)

@@ -74,7 +74,8 @@ def test_chat_rows_train_on_every_assistant_turn_only(tiny_policy, tmp_path):
     assert tokenizer.decode(trained) == "2</s>4</s>"  # both replies with their end of turn, no user turn
     # rollouts of the same row decode from the same prompt: the conversation before its last reply
     rollout = encode_prompts(tokenizer, [{"messages": messages}], "auto")[0]
-    assert tokenizer.decode(rollout.ids) == "u:1+1</s>a:2</s>u:2+2</s>a:" and rollout.text == tokenizer.decode(rollout.ids)
+    assert tokenizer.decode(rollout.ids) == "u:1+1</s>a:2</s>u:2+2</s>a:"
+    assert rollout.text == tokenizer.decode(rollout.ids)
     # a prompt row becomes a user turn answered by its answer
     prompt_ids, target, mask = encode_sft(tokenizer, {"prompt": "3+4", "answer": "7"}, "auto")
     assert tokenizer.decode(prompt_ids) == "u:3+4</s>a:" and tokenizer.decode(target) == "7</s>" and all(mask)
@@ -106,7 +107,8 @@ def test_generation_stops_on_every_eos_id_of_the_generation_config(tiny_policy, 
     assert engine.stop_ids == sorted({first, 3, engine.tokenizer.eos_token_id})
     stopped = engine.generate([prompt], 1, 5, 0.0)[0][0]
     assert stopped.completion_ids == [first]
-    assert stop_token_ids(engine.tokenizer, GenerationConfig(eos_token_id=7)) == sorted({7, engine.tokenizer.eos_token_id})
+    eos = engine.tokenizer.eos_token_id
+    assert stop_token_ids(engine.tokenizer, GenerationConfig(eos_token_id=7)) == sorted({7, eos})
 
 
 def test_prompts_over_the_limit_are_skipped_and_counted(tiny_policy):

@@ -8,7 +8,6 @@ prompt is drawn twice, by any worker, and every prompt is drawn once across the 
 from __future__ import annotations
 
 import random
-from typing import List
 
 
 class EpochSampler:
