@@ -1,8 +1,9 @@
 """Generation engines: turn prompts into sampled completions with per-token behaviour log-probs.
 
-`GenerationEngine` is the contract a rollout worker drives (`generate`, `load_weights`);
-`TransformersEngine` is the transformers engine (CPU or one GPU, in the policy's dtype, log-probs
-in float32): a KV-cached decode loop over a Hugging Face causal LM
+`GenerationEngine` is the contract a rollout worker drives (`generate`, `load_weights`): prompts
+come in as token ids (`rlplatform.tokenization` encodes them) and a completion ends at any of the
+model's stop ids. `TransformersEngine` is the transformers engine (CPU or one GPU, in the policy's
+dtype, log-probs in float32): a KV-cached decode loop over a Hugging Face causal LM
 that records, for every token, its log-prob and the weight version that produced it. Between
 decode steps it calls `between_steps`, which may load newer weights: sequences in progress
 continue with them (in-flight weight update). A GPU engine (vLLM) is a second class.
@@ -18,6 +19,7 @@ from transformers import DynamicCache
 
 from rlplatform.devices import resolve_device
 from rlplatform.policy import load_policy
+from rlplatform.tokenization import stop_token_ids
 from rlplatform.transport.weights import load_weights
 
 
@@ -33,7 +35,7 @@ class Completion:
 class GenerationEngine(Protocol):
     version: int  # version of the weights loaded now
 
-    def generate(self, prompts: List[str], samples_per_prompt: int, max_new_tokens: int, temperature: float,
+    def generate(self, prompts: List[List[int]], samples_per_prompt: int, max_new_tokens: int, temperature: float,
                  between_steps: Optional[Callable[[], None]] = None) -> List[List[Completion]]: ...
 
     def load_weights(self, state_dict: Dict[str, torch.Tensor], version: int) -> None: ...
@@ -47,6 +49,7 @@ class TransformersEngine:
         self.device = resolve_device(device)
         self.model, self.tokenizer = load_policy(model_path, dtype)
         self.model.to(self.device).eval()
+        self.stop_ids = stop_token_ids(self.tokenizer, self.model.generation_config)
         self.version = -1
 
     def load_weights(self, state_dict: Dict[str, torch.Tensor], version: int) -> None:
@@ -58,9 +61,9 @@ class TransformersEngine:
         return DecodeBatch(self, max_new_tokens, temperature)
 
     @torch.no_grad()
-    def generate(self, prompts: List[str], samples_per_prompt: int, max_new_tokens: int, temperature: float,
+    def generate(self, prompts: List[List[int]], samples_per_prompt: int, max_new_tokens: int, temperature: float,
                  between_steps: Optional[Callable[[], None]] = None) -> List[List[Completion]]:
-        """For each prompt, `samples_per_prompt` completions (one list per prompt)."""
+        """For each prompt (token ids), `samples_per_prompt` completions (one list per prompt)."""
         batch = self.decode_batch(max_new_tokens, temperature)
         rows = [p for p in prompts for _ in range(samples_per_prompt)]
         batch.add(rows, keys=list(range(len(rows))))
@@ -87,7 +90,7 @@ class _Row:
 class DecodeBatch:
     """Sequences decoded together, one token each per `step` (continuous batching).
 
-    New prompts may join before any step; a sequence leaves the batch the step it emits EOS or
+    New prompts may join before any step; a sequence leaves the batch the step it emits a stop id or
     reaches `max_new_tokens`, so short completions free their slot for new work instead of
     waiting for the longest one. The rows stay left-padded: joining rows are padded to the
     batch's length (or the batch to theirs), and columns no row attends to any more are cut.
@@ -97,10 +100,11 @@ class DecodeBatch:
 
     def __init__(self, engine: TransformersEngine, max_new_tokens: int, temperature: float) -> None:
         self.model, self.engine = engine.model, engine
-        self.eos_id = engine.tokenizer.eos_token_id
+        self.stop_ids = torch.tensor(engine.stop_ids, dtype=torch.long, device=engine.device)
+        self.pad_id = engine.tokenizer.pad_token_id
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.rows: List[_Row] = []
-        self.waiting: List[Tuple[str, Hashable]] = []  # (prompt, key) not yet prefilled
+        self.waiting: List[Tuple[List[int], Hashable]] = []  # (prompt ids, key) not yet prefilled
         self.cache: Optional[DynamicCache] = None
         self.device = engine.device
         # (rows, cache length + 1 when rows have a token to feed)
@@ -111,8 +115,8 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.rows) + len(self.waiting)
 
-    def add(self, prompts: List[str], keys: List[Hashable]) -> None:
-        """Queue prompts to join at the next step; each finished completion comes back with its key."""
+    def add(self, prompts: List[List[int]], keys: List[Hashable]) -> None:
+        """Queue prompts (token ids) to join at the next step; each finished completion comes back with its key."""
         self.waiting.extend(zip(prompts, keys))
 
     @torch.no_grad()
@@ -132,8 +136,8 @@ class DecodeBatch:
             row.tokens.append(t)
             row.logprobs.append(lp)
             row.versions.append(self.engine.version)
-        finished = (token == self.eos_id) | torch.tensor([len(r.tokens) >= self.max_new_tokens for r in self.rows],
-                                                         device=self.device)
+        finished = torch.isin(token, self.stop_ids) | torch.tensor(
+            [len(r.tokens) >= self.max_new_tokens for r in self.rows], device=self.device)
         done = [(row.key, self._completion(row)) for row, f in zip(self.rows, finished.tolist()) if f]
         self._keep(~finished, token)
         return done
@@ -142,8 +146,7 @@ class DecodeBatch:
         """Run the waiting prompts through the model and merge them into the batch; their last logits."""
         prompts, keys = zip(*self.waiting)
         self.waiting = []
-        encoded = self.engine.tokenizer(list(prompts), return_tensors="pt", padding=True)
-        ids, attention = encoded["input_ids"].to(self.device), encoded["attention_mask"].to(self.device)
+        ids, attention = _left_padded(prompts, self.pad_id, self.device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         logits = self.model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
@@ -181,6 +184,18 @@ class DecodeBatch:
         return Completion(prompt_ids=row.prompt_ids, completion_ids=row.tokens,
                           text=self.engine.tokenizer.decode(row.tokens, skip_special_tokens=True),
                           logprobs=row.logprobs, versions=row.versions)
+
+
+def _left_padded(prompts: Tuple[List[int], ...], pad_id: int, device: torch.device
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) of token-id prompts, left-padded to the longest."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        attention[i, width - len(prompt):] = 1
+    return ids.to(device), attention.to(device)
 
 
 def _pad_left(tensor: torch.Tensor, width: int) -> torch.Tensor:

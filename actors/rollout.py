@@ -4,11 +4,12 @@ Each worker is a Ray actor that loops until the job's stop flag is set: pull new
 published, claim groups from the staleness gate, decode their `group_size` completions each in a
 continuous batch, and submit every group to the reward queue as soon as it is complete. It never
 waits for the learner except when the staleness bound says any more samples would arrive too old.
+Prompts arrive as token ids and are drawn in seeded epochs, each worker its own share of an epoch.
+The spare worker the job keeps for evaluation scores held-out completions with the job's rewards.
 """
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass
 from typing import Dict, Hashable, List, Optional, Tuple
@@ -17,7 +18,13 @@ import ray
 import torch
 
 from rlplatform.actors.engine import Completion, DecodeBatch, TransformersEngine
-from rlplatform.config import RLConfig, RolloutConfig
+from rlplatform.config import EvalConfig, RewardSpec, RLConfig, RolloutConfig
+from rlplatform.data import EpochSampler
+from rlplatform.monitoring.evaluation import evaluation_figures
+from rlplatform.tokenization import Prompt
+from rlplatform.rewards.registry import resolve
+from rlplatform.rewards.scoring import Scorer
+from rlplatform.rewards.worker import import_modules
 from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.samples import Sample
@@ -40,25 +47,26 @@ class RolloutStats:
 @dataclass
 class _OpenGroup:
     """A claimed prompt whose completions are still being decoded."""
-    row: Dict
+    prompt: Prompt
     completions: List[Optional[Completion]]
 
 
 class RolloutWorker:
-    def __init__(self, index: int, policy: str, model_path: str, rows: List[Dict], rl: RLConfig,
+    def __init__(self, index: int, policy: str, model_path: str, prompts: List[Prompt], rl: RLConfig,
                  rollout: RolloutConfig, redis_url: str, job: str, weight_store, seed: int,
                  dtype: str = "float32") -> None:
         torch.set_num_threads(rollout.num_threads)
         torch.manual_seed(seed + 1000 * (index + 1))
-        self.index, self.policy, self.rows, self.rl, self.rollout = index, policy, rows, rl, rollout
+        self.index, self.policy, self.prompts, self.rl, self.rollout = index, policy, prompts, rl, rollout
+        self.sampler = EpochSampler(len(prompts), seed, share=index, shares=rollout.num_workers)
         self.engine = TransformersEngine(model_path, rollout.device, dtype)
         self.weight_store = weight_store
         client = connect(redis_url)
         self.queue = RewardQueue(client, job)
         self.keys = PolicyKeys(job, policy)
         self.gate = RolloutGate(client, job, rl.max_staleness, rl.batch_prompts, policy)
-        self.rng = random.Random(seed + index)
         self.stats = RolloutStats()
+        self._scorer = None  # the job's rewards, built on the first evaluation
         self._unreported_busy_s = 0.0
 
     def sync_weights(self) -> int:
@@ -118,13 +126,13 @@ class RolloutWorker:
         return published is not None and int(published) > self.engine.version
 
     def _admit(self, batch: DecodeBatch, open_groups: Dict[str, _OpenGroup], groups: int) -> None:
-        """Start `groups` claimed groups on prompts drawn from the training rows."""
+        """Start `groups` claimed groups on the next prompts of this worker's share."""
         for _ in range(groups):
-            row = self.rng.choice(self.rows)
+            prompt = self.prompts[self.sampler.draw()]
             group_id = f"{self.policy}-r{self.index}-g{self.stats.groups_started}"
             self.stats.groups_started += 1
-            open_groups[group_id] = _OpenGroup(row, [None] * self.rl.group_size)
-            batch.add([row["prompt"]] * self.rl.group_size, keys=[(group_id, i) for i in range(self.rl.group_size)])
+            open_groups[group_id] = _OpenGroup(prompt, [None] * self.rl.group_size)
+            batch.add([prompt.ids] * self.rl.group_size, keys=[(group_id, i) for i in range(self.rl.group_size)])
 
     def _close_groups(self, open_groups: Dict[str, _OpenGroup],
                       finished: List[Tuple[Hashable, Completion]]) -> List[Sample]:
@@ -139,10 +147,7 @@ class RolloutWorker:
             return []
         samples, now = [], time.time()
         for group_id, group in closed:
-            samples += [Sample(sample_id=f"{group_id}/{i}", group_id=group_id, policy=self.policy,
-                               prompt=group.row["prompt"], completion=c.text, prompt_ids=c.prompt_ids,
-                               completion_ids=c.completion_ids, behaviour_logprobs=c.logprobs,
-                               token_versions=c.versions, row=dict(group.row), created_at=now)
+            samples += [self._sample(f"{group_id}/{i}", group_id, group.prompt, c, now)
                         for i, c in enumerate(group.completions)]
         tokens = sum(len(s.completion_ids) for s in samples)
         self.stats.groups_generated += len(closed)
@@ -154,19 +159,35 @@ class RolloutWorker:
         self._unreported_busy_s = 0.0
         return samples
 
-    def evaluate_latest(self, rows: List[Dict], max_new_tokens: int, batch_size: int) -> tuple:
-        """(version, greedy accuracy) of the newest published weights on `rows`."""
-        version = self.sync_weights()
-        return version, self.evaluate(rows, max_new_tokens, batch_size)
+    def _sample(self, sample_id: str, group_id: str, prompt: Prompt, c: Completion, now: float) -> Sample:
+        return Sample(sample_id=sample_id, group_id=group_id, policy=self.policy, prompt=prompt.text,
+                      completion=c.text, prompt_ids=c.prompt_ids, completion_ids=c.completion_ids,
+                      behaviour_logprobs=c.logprobs, token_versions=c.versions, row=dict(prompt.row), created_at=now)
 
-    def evaluate(self, rows: List[Dict], max_new_tokens: int, batch_size: int) -> float:
-        """Greedy accuracy on `rows`: the completion, stripped, equals the row's answer."""
-        correct = 0
-        for i in range(0, len(rows), batch_size):
-            chunk = rows[i:i + batch_size]
-            outputs = self.engine.generate([r["prompt"] for r in chunk], 1, max_new_tokens, 0.0)
-            correct += sum(out[0].text.strip() == str(r["answer"]).strip() for out, r in zip(outputs, chunk))
-        return correct / max(len(rows), 1)
+    def evaluate_latest(self, prompts: List[Prompt], config: EvalConfig, rewards: List[RewardSpec],
+                        imports: List[str]) -> tuple:
+        """(version, evaluation figures) of the newest published weights on `prompts`."""
+        version = self.sync_weights()
+        return version, self.evaluate(prompts, config, rewards, imports)
+
+    def evaluate(self, prompts: List[Prompt], config: EvalConfig, rewards: List[RewardSpec],
+                 imports: List[str]) -> Dict:
+        """`config.samples_per_prompt` completions per prompt (greedy, or sampled at `config.temperature`),
+        scored by the job's rewards in this process: the figures of `evaluation_figures`."""
+        if self._scorer is None:
+            import_modules(imports)
+            self._scorer = Scorer(resolve(rewards))
+        temperature = 0.0 if config.greedy else config.temperature
+        samples, now = [], time.time()
+        for start in range(0, len(prompts), config.batch_size):
+            chunk = prompts[start:start + config.batch_size]
+            outputs = self.engine.generate([p.ids for p in chunk], config.samples_per_prompt,
+                                           config.max_new_tokens, temperature)
+            for i, (prompt, completions) in enumerate(zip(chunk, outputs), start):
+                samples += [self._sample(f"eval/{i}/{j}", f"eval/{i}", prompt, c, now)
+                            for j, c in enumerate(completions)]
+        scored = self._scorer.score(samples) if samples else []
+        return evaluation_figures(scored, config.samples_per_prompt, self._scorer.rewards, config.pass_reward)
 
 
 RolloutActor = ray.remote(RolloutWorker)

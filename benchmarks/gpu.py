@@ -68,6 +68,7 @@ def random_prompts(n: int, vocab_size: int, seed: int = 0) -> List[str]:
 
 
 def engine_generation(engine: TransformersEngine, prompts: List[str], group: int, new_tokens: int) -> Dict:
+    prompts = engine.tokenizer(prompts)["input_ids"]
     engine.generate(prompts[:2], 1, 4, 1.0)  # warm-up
     _synchronize()
     start = time.perf_counter()

@@ -12,7 +12,7 @@ Either way the log-prob of every completion token comes back in one row per sequ
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from transformers import DynamicCache
@@ -73,9 +73,11 @@ class TokenScores:
 
 
 def completion_logprobs(model, prompts: List[List[int]], completions: List[List[int]], pad_id: int,
-                        temperature: float = 1.0, entropy_grad: bool = False) -> TokenScores:
+                        temperature: float = 1.0, entropy_grad: bool = False,
+                        token_mask: Optional[List[List[int]]] = None) -> TokenScores:
     """Score completions given prompts in whichever layout feeds the model fewer tokens; the entropy
-    carries a gradient only with `entropy_grad` (an entropy bonus needs it, metrics do not)."""
+    carries a gradient only with `entropy_grad` (an entropy bonus needs it, metrics do not).
+    `token_mask` (0/1 per completion token) keeps only some completion tokens in the mask."""
     device = next(model.parameters()).device
     if _shared_prompt_tokens(prompts, completions) < sum(len(p) + len(c) for p, c in zip(prompts, completions)):
         logits, targets, index = _shared_prompt_forward(model, prompts, completions, pad_id, device)
@@ -91,8 +93,10 @@ def completion_logprobs(model, prompts: List[List[int]], completions: List[List[
     logprobs = all_logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(all_logprobs.exp() * all_logprobs).sum(-1)
-    return TokenScores(logprobs.reshape(-1)[index], _completion_mask(prompts, completions).to(device),
-                       entropy.reshape(-1)[index])
+    mask = _completion_mask(prompts, completions)
+    if token_mask is not None:
+        mask = mask * align_per_token(token_mask, prompts, mask.shape[1])
+    return TokenScores(logprobs.reshape(-1)[index], mask.to(device), entropy.reshape(-1)[index])
 
 
 def _completion_mask(prompts: List[List[int]], completions: List[List[int]]) -> torch.Tensor:

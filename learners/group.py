@@ -23,11 +23,12 @@ def shard(items: Sequence[T], parts: int) -> List[List[T]]:
 
 
 class LearnerGroup:
-    def __init__(self, config: LearnerConfig, model_path: str, seed: int, dtype: str = "float32") -> None:
+    def __init__(self, config: LearnerConfig, model_path: str, seed: int, dtype: str = "float32",
+                 chat_template: str = "auto") -> None:
         n = config.num_ranks
         gpus = gpus_per_actor(config.device, config.num_gpus, ray.cluster_resources().get("GPU", 0.0))
         self.ranks = [LearnerActor.options(num_cpus=config.num_cpus, num_gpus=gpus).remote(
-            r, n, model_path, config, seed, dtype) for r in range(n)]
+            r, n, model_path, config, seed, dtype, chat_template) for r in range(n)]
         host, port = ray.get(self.ranks[0].address.remote())
         ray.get([rank.setup.remote(host, port) for rank in self.ranks])
 

@@ -22,6 +22,7 @@ from rlplatform.learners.algorithms import entropy_bonus, policy_loss, sft_auxil
 from rlplatform.learners.batching import TokenScores, align_per_token, completion_logprobs
 from rlplatform.learners.losses import reference_kl, sft_loss
 from rlplatform.policy import load_policy
+from rlplatform.tokenization import encode_sft
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.weights import to_snapshot
 
@@ -39,12 +40,13 @@ class Minibatch:
 
 class LearnerRank:
     def __init__(self, rank: int, world_size: int, model_path: str, config: LearnerConfig, seed: int,
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", chat_template: str = "auto") -> None:
         torch.set_num_threads(config.num_threads)
         torch.manual_seed(seed)
         self.rank, self.world_size, self.config = rank, world_size, config
         self.model_path, self.dtype = model_path, dtype
         self.device = resolve_device(config.device)
+        self.chat_template = chat_template  # data.chat_template: how SFT rows are encoded
         self.engine = None
         self.tokenizer = None
         self.reference = None  # frozen policy for KL, kept during RL when asked
@@ -124,9 +126,10 @@ class LearnerRank:
         return self._step(loss, metrics)
 
     def _sft_scores(self, rows: List[Dict]) -> TokenScores:
-        prompts = [self._encode(r["prompt"]) for r in rows]
-        targets = [self._encode(str(r["answer"])) + [self.tokenizer.eos_token_id] for r in rows]
-        return completion_logprobs(self.engine, prompts, targets, self.tokenizer.pad_token_id)
+        """Log-probs of each row's target, masked to the trained tokens (`encode_sft`)."""
+        prompts, targets, masks = zip(*(encode_sft(self.tokenizer, r, self.chat_template) for r in rows))
+        return completion_logprobs(self.engine, list(prompts), list(targets), self.tokenizer.pad_token_id,
+                                   token_mask=list(masks))
 
     def rl_step(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
                 sft_rows: Optional[List[Dict]] = None, step: int = 0) -> Dict[str, float]:
@@ -190,9 +193,6 @@ class LearnerRank:
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         metrics["lr"] = self.engine.optimizer.param_groups[0]["lr"]
         return metrics
-
-    def _encode(self, text: str) -> List[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _full_state_dict(self, every_rank: bool = False) -> Optional[Dict[str, torch.Tensor]]:
         """The whole model's weights (gathered under ZeRO-3) on rank 0, or on every rank."""

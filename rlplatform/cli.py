@@ -83,8 +83,9 @@ def _rewards_test(args) -> int:
     config = load_config(args.config, args.overrides)
     scorer = Scorer(_resolve_rewards(config, args.config), config.reward_workers.concurrency)
     rows = read_jsonl(args.input)
-    samples = [Sample(f"row-{i}", f"row-{i}", "test", r["prompt"], str(r.get("completion", "")), [], [], [], [],
-                      {k: v for k, v in r.items() if k not in ("prompt", "completion")}) for i, r in enumerate(rows)]
+    samples = [Sample(f"row-{i}", f"row-{i}", "test", str(r.get("prompt", "")), str(r.get("completion", "")),
+                      [], [], [], [], {k: v for k, v in r.items() if k not in ("prompt", "completion")})
+               for i, r in enumerate(rows)]
     results = scorer.score(samples)
     for scored in results:
         print(json.dumps({"row": scored.sample.sample_id, "reward": scored.reward, "components": scored.components,

@@ -56,9 +56,18 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    kind: str = one_of("addition", "jsonl")  # addition: generated "37+48=" -> "85" rows; jsonl: read the paths below
-    train_path: Optional[str] = None  # jsonl with {"prompt", "answer", ...} rows (kind=jsonl)
-    test_path: Optional[str] = None  # held-out jsonl rows for evaluation (kind=jsonl)
+    kind: str = one_of("addition", "jsonl", "hf")  # addition: generated "37+48=" -> "85" rows; jsonl, hf: read files
+    # kind=jsonl: jsonl files; kind=hf: json/jsonl/parquet/csv files (format by extension) or save_to_disk directories
+    train_path: Optional[str] = None  # training rows
+    test_path: Optional[str] = None  # held-out rows for evaluation
+    path: Optional[str] = None  # kind=hf, instead of the two paths: a save_to_disk directory of a DatasetDict
+    split: str = "train"  # training split of `path`
+    test_split: str = "test"  # held-out split of `path`
+    prompt_key: str = "prompt"  # row field holding the prompt text
+    messages_key: str = "messages"  # row field holding a conversation: a list of {role, content}
+    answer_key: str = "answer"  # row field holding the reference answer (optional)
+    chat_template: str = one_of("auto", "none")  # auto: the tokenizer's chat template when it has one; none: plain text
+    max_prompt_tokens: int = at_least(0, 0)  # longer prompts (in tokens) are skipped and counted (0: no limit)
     digits: int = at_least(2, 1)  # operand digits (kind=addition)
     train_size: int = at_least(20000, 1)  # generated training rows (kind=addition)
     test_size: int = at_least(500, 1)  # generated held-out rows (kind=addition)
@@ -173,8 +182,14 @@ class WandbConfig:
 @dataclass
 class EvalConfig:
     every_steps: int = at_least(0, 0)  # RL steps between held-out evaluations during RL (0: after each stage only)
-    max_new_tokens: int = at_least(6, 1)  # greedy completion length on the held-out set
+    max_new_tokens: int = at_least(6, 1)  # completion length limit on the held-out set
     batch_size: int = at_least(256, 1)  # prompts per generate call
+    max_rows: int = at_least(0, 0)  # held-out rows evaluated, the first ones (0: all)
+    greedy: bool = True  # greedy decoding; false samples at `temperature`
+    temperature: float = above(1.0, 0)  # sampling temperature when greedy is false
+    samples_per_prompt: int = at_least(1, 1)  # completions per prompt (pass@k for k = this; needs greedy: false when > 1)
+    # a completion passes when every role=reward entry scores 1, or only this reward entry (its name or fn label)
+    pass_reward: Optional[str] = None
 
 
 @dataclass
@@ -379,9 +394,36 @@ def _check_values(config: JobConfig, source: str) -> None:
     if config.data.kind == "addition" and config.data.disjoint_test and config.data.test_size > problems // 2:
         raise ConfigError(f"{source}: 'data.test_size' is {config.data.test_size}; at most {problems // 2} "
                           f"(half of the {problems} distinct {config.data.digits}-digit additions) can be held out")
-    if config.data.kind == "jsonl":
-        _require_path(config.data.train_path, "data.train_path", source)
-        _require_path(config.data.test_path, "data.test_path", source)
+    _check_data(config.data, source)
+    _check_eval(config, source)
+
+
+def _check_data(data: DataConfig, source: str) -> None:
+    if data.kind == "jsonl":
+        _require_path(data.train_path, "data.train_path", source)
+        _require_path(data.test_path, "data.test_path", source)
+    if data.kind != "hf":
+        return
+    if data.path:
+        _require_path(data.path, "data.path", source, directory=True)
+        return
+    for key in ("train_path", "test_path"):
+        path = getattr(data, key)
+        if not path:
+            raise ConfigError(f"{source}: 'data.kind' is hf: set 'data.path' (a save_to_disk directory) "
+                              f"or both 'data.train_path' and 'data.test_path'")
+        if not os.path.exists(path):
+            raise ConfigError(f"{source}: 'data.{key}' points at {path!r}, which does not exist")
+
+
+def _check_eval(config: JobConfig, source: str) -> None:
+    if config.eval.greedy and config.eval.samples_per_prompt > 1:
+        raise ConfigError(f"{source}: 'eval.samples_per_prompt' is {config.eval.samples_per_prompt}; greedy "
+                          f"completions are all alike: set 'eval.greedy: false' to sample several")
+    labels = [spec.label for spec in config.rewards if spec.role == "reward"]
+    if config.eval.pass_reward is not None and config.eval.pass_reward not in labels:
+        raise ConfigError(f"{source}: 'eval.pass_reward' is {config.eval.pass_reward!r}; expected one of the "
+                          f"role=reward entries {labels}")
 
 
 def _check_fields(value: Any, prefix: str, source: str) -> None:

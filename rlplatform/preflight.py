@@ -29,7 +29,7 @@ def check(config: JobConfig, source: str) -> None:
 
 
 def check_data(config: JobConfig, source: str) -> None:
-    """Each JSONL file parses line by line into rows with a 'prompt'."""
+    """Each JSONL file parses line by line into JSON objects (rows)."""
     if config.data.kind != "jsonl":
         return
     from rlplatform.data import read_jsonl
@@ -40,7 +40,7 @@ def check_data(config: JobConfig, source: str) -> None:
         except ValueError as err:
             raise ConfigError(f"{err} ('{key}' in {source})") from None
         if not rows:
-            raise ConfigError(f"{path}: no rows ('{key}' in {source}); each line needs a JSON object with 'prompt'")
+            raise ConfigError(f"{path}: no rows ('{key}' in {source}); each line needs a JSON object with 'prompt' or 'messages'")
 
 
 def check_model(path: str, key: str, source: str) -> None:

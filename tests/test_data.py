@@ -1,12 +1,15 @@
-"""Generated addition data: correct answers, reproducible, and with `disjoint_test` a held-out
-split whose problems never appear in training."""
+"""Prompt data: generated addition rows (correct, reproducible, with `disjoint_test` a held-out split
+never trained on), Hugging Face datasets with mapped field names, conversation rows, and the seeded
+epochs rollout workers draw prompts in."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from rlplatform.config import ConfigError, DataConfig, load_config
-from rlplatform.data import load_rows
+from rlplatform.data import EpochSampler, load_rows
 
 
 def test_addition_rows_are_correct_and_reproducible():
@@ -34,3 +37,72 @@ def test_held_out_problems_are_distinct_and_never_in_training():
 def test_holding_out_more_than_half_the_problems_is_a_config_error():
     with pytest.raises(ConfigError, match="'data.test_size' is 60; at most 50"):
         load_config(None, ["data.digits=1", "data.test_size=60", "data.disjoint_test=true"])
+
+
+ROWS = [{"question": f"{a}+{a}", "solution": f"{2 * a} in all", "tests": "assert True"} for a in range(6)]
+
+
+def hf_config(**fields) -> DataConfig:
+    return DataConfig(kind="hf", prompt_key="question", answer_key="solution", **fields)
+
+
+def expected(rows):
+    return [{"prompt": r["question"], "answer": r["solution"], "tests": r["tests"]} for r in rows]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet", ".csv"])
+def test_hf_files_of_each_format_load_with_mapped_keys(tmp_path, suffix):
+    from datasets import Dataset
+
+    train_path, test_path = str(tmp_path / f"train{suffix}"), str(tmp_path / f"test{suffix}")
+    for rows, path in ((ROWS[:4], train_path), (ROWS[4:], test_path)):
+        dataset = Dataset.from_list(rows)
+        {".jsonl": dataset.to_json, ".json": dataset.to_json, ".parquet": dataset.to_parquet,
+         ".csv": dataset.to_csv}[suffix](path, **({"index": False} if suffix == ".csv" else {}))
+    train, test = load_rows(hf_config(train_path=train_path, test_path=test_path), seed=0)
+    assert train == expected(ROWS[:4]) and test == expected(ROWS[4:])
+
+
+def test_hf_save_to_disk_splits_and_datasets(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    DatasetDict({"fit": Dataset.from_list(ROWS[:4]), "held": Dataset.from_list(ROWS[4:])}).save_to_disk(
+        str(tmp_path / "dict"))
+    train, test = load_rows(hf_config(path=str(tmp_path / "dict"), split="fit", test_split="held"), seed=0)
+    assert train == expected(ROWS[:4]) and test == expected(ROWS[4:])
+    with pytest.raises(ValueError, match="must name two of its splits"):
+        load_rows(hf_config(path=str(tmp_path / "dict")), seed=0)
+    Dataset.from_list(ROWS[:3]).save_to_disk(str(tmp_path / "one"))
+    train, _ = load_rows(hf_config(train_path=str(tmp_path / "one"), test_path=str(tmp_path / "one")), seed=0)
+    assert train == expected(ROWS[:3])
+
+
+def test_conversation_rows_and_rows_without_a_prompt(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    chat = {"dialog": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}], "answer": "2"}
+    path.write_text(json.dumps(chat) + "\n")
+    train, _ = load_rows(DataConfig(kind="jsonl", train_path=str(path), test_path=str(path),
+                                    messages_key="dialog"), seed=0)
+    assert train == [{"messages": chat["dialog"], "answer": "2"}]
+    with pytest.raises(ValueError, match="row 0 has neither 'prompt' nor 'messages'"):
+        load_rows(DataConfig(kind="jsonl", train_path=str(path), test_path=str(path)), seed=0)
+
+
+def test_hf_config_needs_its_paths():
+    with pytest.raises(ConfigError, match="set 'data.path'"):
+        load_config(None, ["data.kind=hf"])
+
+
+def test_epochs_draw_every_prompt_once_across_workers():
+    count, workers = 11, 3
+    samplers = [EpochSampler(count, seed=5, share=i, shares=workers) for i in range(workers)]
+    shares = [[s.draw() for _ in range(len(range(i, count, workers)))] for i, s in enumerate(samplers)]
+    first_epoch = [i for share in shares for i in share]
+    assert sorted(first_epoch) == list(range(count))  # no prompt twice in an epoch, by any worker
+    second = [samplers[0].draw() for _ in range(len(shares[0]))]
+    assert len(set(second)) == len(second) and samplers[0].epoch == 1
+    assert second != shares[0]  # each epoch is shuffled anew
+    again = EpochSampler(count, seed=5, share=0, shares=workers)
+    assert [again.draw() for _ in range(len(shares[0]))] == shares[0]  # the job's seed fixes the order
+    other = EpochSampler(count, seed=6, share=0, shares=workers)
+    assert [other.draw() for _ in range(8)] != [EpochSampler(count, 5, 0, workers).draw() for _ in range(8)]

@@ -25,7 +25,8 @@ from rlplatform.job.workers import Evaluator, PolicyWorkers, publish
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.monitoring.job_status import JobStatus
 from rlplatform.monitoring.metrics import Metrics
-from rlplatform.policy import save_initial_policy
+from rlplatform.policy import load_tokenizer, save_initial_policy
+from rlplatform.tokenization import encode_prompts, within_limit
 from rlplatform.transport.redis_server import EmbeddedRedis, connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.staleness import RolloutGate
@@ -136,7 +137,7 @@ def _run_stages(config: JobConfig, redis_url: str, metrics: Metrics, summary: Di
         reward_actors = _start_reward_workers(config, redis_url)
         for policy in config.policy_list():
             policies.append(_start_policy(config, policy, train_rows, test_rows, redis_url, client))
-        results = {p.name: {"stages": {}, "eval": {}} for p in policies}
+        results = {p.name: {"data": p.data, "stages": {}, "eval": {}} for p in policies}
         for workers in policies:
             _supervised_stage(config, workers, train_rows, metrics, client, results[workers.name])
         if any(p.config.rl.enabled for p in policies):
@@ -179,15 +180,30 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, train_rows, test_rows
 
     model_path = save_initial_policy(policy.model, config.seed,
                                      os.path.join(config.policy_dir(policy.name), "initial_policy"))
+    train, test, data = _encode_prompts(config, model_path, train_rows, test_rows)
     store = WeightStore.remote()
     gpus = gpus_per_actor(policy.rollout.device, policy.rollout.num_gpus, ray.cluster_resources().get("GPU", 0.0))
     rollout = [RolloutActor.options(num_cpus=policy.rollout.num_cpus, num_gpus=gpus).remote(
-        i, policy.name, model_path, train_rows, policy.rl, policy.rollout, redis_url, config.name, store, config.seed,
+        i, policy.name, model_path, train, policy.rl, policy.rollout, redis_url, config.name, store, config.seed,
         policy.model.dtype) for i in range(policy.rollout.num_workers + 1)]
-    learner = LearnerGroup(policy.learner, model_path, config.seed, policy.model.dtype)
+    learner = LearnerGroup(policy.learner, model_path, config.seed, policy.model.dtype, config.data.chat_template)
     gate = RolloutGate(client, config.name, policy.rl.max_staleness, policy.rl.batch_prompts, policy.name)
-    evaluator = Evaluator(rollout.pop(), test_rows, config.eval)
-    return PolicyWorkers(policy, learner, rollout, store, gate, evaluator, PolicyKeys(config.name, policy.name))
+    evaluator = Evaluator(rollout.pop(), test, config.eval, config.rewards, config.imports)
+    return PolicyWorkers(policy, learner, rollout, store, gate, evaluator, PolicyKeys(config.name, policy.name),
+                         [p.row for p in train], data)
+
+
+def _encode_prompts(config: JobConfig, model_path: str, train_rows, test_rows):
+    """(train prompts, held-out prompts, their counts) as the policy's tokenizer encodes them; prompts
+    over `data.max_prompt_tokens` are skipped and counted, then at most `eval.max_rows` are held out."""
+    tokenizer = load_tokenizer(model_path)
+    train, train_skipped = within_limit(encode_prompts(tokenizer, train_rows, config.data.chat_template),
+                                        config.data.max_prompt_tokens)
+    test, test_skipped = within_limit(encode_prompts(tokenizer, test_rows, config.data.chat_template),
+                                      config.data.max_prompt_tokens)
+    test = test[:config.eval.max_rows or None]
+    return train, test, {"train_rows": len(train), "test_rows": len(test), "train_skipped_long_prompt":
+                         train_skipped, "test_skipped_long_prompt": test_skipped}
 
 
 def _supervised_stage(config: JobConfig, workers: PolicyWorkers, train_rows, metrics: Metrics, client,
@@ -195,8 +211,8 @@ def _supervised_stage(config: JobConfig, workers: PolicyWorkers, train_rows, met
     """SFT (when enabled), then version 0 published and evaluated."""
     if workers.config.sft.enabled:
         stage = "sft" if not config.policies else f"{workers.name}/sft"
-        result["stages"]["sft"] = run_sft(workers.config.sft, workers.learner, train_rows, metrics, config.seed,
-                                          stage)
+        result["stages"]["sft"] = run_sft(workers.config.sft, workers.learner, workers.sft_rows, metrics,
+                                          config.seed, stage)
     publish(workers, client, 0)
     result["eval"]["after_sft"] = _evaluate(workers, metrics, "after_sft")
 
@@ -221,11 +237,14 @@ def _stop(policies: List[PolicyWorkers], reward_actors: List) -> None:
 
 
 def _evaluate(workers: PolicyWorkers, metrics: Metrics, label: str) -> Dict:
-    """Greedy accuracy of the policy's newest published weights on the held-out rows."""
-    version, accuracy = workers.evaluator.run_now()
-    metrics.console.note(f"eval {workers.name} {label}: greedy accuracy {accuracy:.3f} on "
-                         f"{len(workers.evaluator.rows)} held-out rows (policy version {version})")
-    return {"accuracy": accuracy, "policy_version": version}
+    """The policy's newest published weights on the held-out prompts, scored by the job's rewards."""
+    version, figures = workers.evaluator.run_now()
+    config = workers.evaluator.config
+    how = "greedy" if config.greedy else f"{config.samples_per_prompt} sampled per prompt"
+    metrics.console.note(f"eval {workers.name} {label}: pass@1 {figures['pass_at_1']:.3f}, reward "
+                         f"{figures['reward_mean']:.3f} on {figures['rows']} held-out rows ({how}, "
+                         f"policy version {version})")
+    return {**figures, "policy_version": version}
 
 
 def _flat(summary: Dict, prefix: str = "") -> Dict:

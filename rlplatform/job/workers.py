@@ -12,39 +12,45 @@ from typing import Dict, List, Optional, Tuple
 
 import ray
 
-from rlplatform.config import EvalConfig, PolicyConfig
+from rlplatform.config import EvalConfig, PolicyConfig, RewardSpec
 from rlplatform.learners.group import LearnerGroup
+from rlplatform.tokenization import Prompt
 from rlplatform.transport.reward_queue import PolicyKeys
 from rlplatform.transport.staleness import RolloutGate
 
 
 class Evaluator:
-    """A spare rollout worker that measures held-out greedy accuracy without stopping training."""
+    """A spare rollout worker that evaluates held-out prompts, scored by the job's rewards, without
+    stopping training. Results are the figures of `rlplatform.monitoring.evaluation`."""
 
-    def __init__(self, actor, rows: List[Dict], config: EvalConfig) -> None:
-        self.actor, self.rows, self.config = actor, rows, config
+    def __init__(self, actor, prompts: List[Prompt], config: EvalConfig, rewards: List[RewardSpec],
+                 imports: List[str]) -> None:
+        self.actor, self.prompts, self.config = actor, prompts, config
+        self.rewards, self.imports = rewards, imports
         self._pending = None
-        self.last_accuracy: Optional[float] = None
+        self.last_accuracy: Optional[float] = None  # pass@1 of the newest finished evaluation
 
     def _call(self):
-        return self.actor.evaluate_latest.remote(self.rows, self.config.max_new_tokens, self.config.batch_size)
+        return self.actor.evaluate_latest.remote(self.prompts, self.config, self.rewards, self.imports)
 
-    def run_now(self) -> Tuple[int, float]:
-        version, self.last_accuracy = ray.get(self._call())
-        return version, self.last_accuracy
+    def run_now(self) -> Tuple[int, Dict]:
+        version, figures = ray.get(self._call())
+        self.last_accuracy = figures["accuracy"]
+        return version, figures
 
     def start(self) -> None:
         """Begin evaluating the newest weights in the background, unless one is under way."""
         if self._pending is None:
             self._pending = self._call()
 
-    def poll(self) -> Optional[Tuple[int, float]]:
-        """(version, accuracy) of a finished background evaluation, else None."""
+    def poll(self) -> Optional[Tuple[int, Dict]]:
+        """(version, figures) of a finished background evaluation, else None."""
         if self._pending is None or not ray.wait([self._pending], timeout=0)[0]:
             return None
-        version, self.last_accuracy = ray.get(self._pending)
+        version, figures = ray.get(self._pending)
+        self.last_accuracy = figures["accuracy"]
         self._pending = None
-        return version, self.last_accuracy
+        return version, figures
 
 
 @dataclass
@@ -57,6 +63,8 @@ class PolicyWorkers:
     gate: RolloutGate
     evaluator: Evaluator
     keys: PolicyKeys
+    sft_rows: List[Dict]  # the training rows whose prompts fit `data.max_prompt_tokens`
+    data: Dict[str, int]  # rows kept and skipped as too long, for the summary
 
     @property
     def name(self) -> str:

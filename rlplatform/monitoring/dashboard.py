@@ -37,7 +37,8 @@ SECTIONS: List[Tuple[str, str, List[Panel]]] = [
         Panel("Busy fractions", ["rollout_busy_fraction", "learner_busy_fraction", "reward_busy_fraction"]),
         Panel("Reward queue depth", ["queue_depth"]), Panel("Reward latency (s)", ["reward_latency_s"]),
         Panel("Throughput", ["samples_per_s", "trained_samples_per_s"]), Panel("Tokens/s", ["tokens_per_s", "learner_tokens_per_s"])]),
-    ("eval", "Evaluation", [Panel("Held-out accuracy", ["accuracy"])]),
+    ("eval", "Evaluation", [Panel("Held-out pass@1", ["accuracy"]), Panel("Held-out reward", ["reward_mean"]),
+                            Panel("Held-out reward components", ["component/.*"])]),
     ("samples", "Samples", [Panel("Completions", ["table"], "table")]),
 ]
 

@@ -4,8 +4,9 @@ line and job status, the samples table, and alerts.
 Families (logged as `<policy>/<family>/<name>`): `learning` (losses, KL, entropy, clipping,
 importance weights, grad norm, lr, response length), `rewards` (total, each component, error,
 timeout and filter fractions, zero-advantage groups), `async` (version, staleness, drops,
-weight sync, busy fractions, queue depth, reward latency, throughput), `eval` (held-out
-accuracy) and `samples` (a table of completions every `monitoring.samples_every` steps).
+weight sync, busy fractions, queue depth, reward latency, throughput), `eval` (held-out pass@1
+as accuracy, reward mean and components) and `samples` (a table of completions every
+`monitoring.samples_every` steps).
 """
 
 from __future__ import annotations
@@ -77,14 +78,16 @@ class RLMonitor:
             for alert in self.alerts.check_stall(version, now - self.last_step):
                 self.metrics.event(alert.kind, alert.message, alert.step)
 
-    def evaluation(self, version: int, accuracy: float) -> None:
-        """Record a finished evaluation of `version`, dated when that version was published."""
-        self.last_accuracy = accuracy
+    def evaluation(self, version: int, figures: Dict) -> None:
+        """Record a finished evaluation of `version` (`monitoring.evaluation` figures), dated when that
+        version was published."""
+        self.last_accuracy = figures["accuracy"]
         published_s, samples_seen = self._published[version]
-        self.eval_history.append({"version": version, "wall_s": round(published_s, 2),
-                                  "samples_seen": samples_seen, "accuracy": accuracy})
-        self.metrics.log_rl(self.policy, {"eval": {"accuracy": accuracy, "policy_version": version}},
-                            self._axes(version))
+        self.eval_history.append({"version": version, "wall_s": round(published_s, 2), "samples_seen": samples_seen,
+                                  "accuracy": figures["accuracy"], "reward_mean": figures["reward_mean"]})
+        logged = {k: v for k, v in figures.items() if isinstance(v, float)}
+        logged.update({f"component/{k}": v for k, v in figures["components"].items()})
+        self.metrics.log_rl(self.policy, {"eval": {**logged, "policy_version": version}}, self._axes(version))
 
     def _axes(self, version: int) -> Dict[str, float]:
         return {"learner_step": version, "samples_seen": self.samples_seen,

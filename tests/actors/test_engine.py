@@ -8,20 +8,24 @@ from rlplatform.actors.engine import TransformersEngine
 from rlplatform.learners.batching import completion_logprobs
 
 
+def ids(engine: TransformersEngine, prompts):
+    return engine.tokenizer(prompts)["input_ids"]
+
+
 def alone(engine: TransformersEngine, prompt: str, max_new_tokens: int):
-    return engine.generate([prompt], 1, max_new_tokens, 0.0)[0][0]
+    return engine.generate(ids(engine, [prompt]), 1, max_new_tokens, 0.0)[0][0]
 
 
 def test_rows_joining_and_leaving_decode_exactly_as_alone(tiny_policy):
     engine = TransformersEngine(tiny_policy)
     engine.load_weights({k: v.clone() for k, v in engine.model.state_dict().items()}, version=0)
     batch = engine.decode_batch(max_new_tokens=6, temperature=0.0)
-    batch.add(["12+34=", "5+5="], keys=["a", "b"])
+    batch.add(ids(engine, ["12+34=", "5+5="]), keys=["a", "b"])
     finished = {}
     for _ in range(3):
         finished.update(batch.step())
     # one prompt shorter than the batch's columns, one longer: each side gets left-padded
-    batch.add(["7=", "123+456+789+1000="], keys=["c", "d"])
+    batch.add(ids(engine, ["7=", "123+456+789+1000="]), keys=["c", "d"])
     widths = []
     while batch:
         finished.update(batch.step())
@@ -47,12 +51,12 @@ def test_a_finished_row_leaves_at_once_and_its_slot_can_be_refilled(tiny_policy)
     engine = TransformersEngine(tiny_policy)
     engine.load_weights({k: v.clone() for k, v in engine.model.state_dict().items()}, version=3)
     short = engine.decode_batch(max_new_tokens=2, temperature=0.0)  # greedy: no EOS from this model
-    short.add(["1+1=", "2+2=", "3+3="], keys=[0, 1, 2])
+    short.add(ids(engine, ["1+1=", "2+2=", "3+3="]), keys=[0, 1, 2])
     assert short.step() == [] and len(short) == 3
     done = short.step()
     assert sorted(k for k, _ in done) == [0, 1, 2] and len(short) == 0
     assert all(c.versions == [3] * len(c.completion_ids) for _, c in done)
-    short.add(["4+4="], keys=[3])
+    short.add(ids(engine, ["4+4="]), keys=[3])
     short.step()
     (key, completion), = short.step()
     assert key == 3 and len(completion.completion_ids) == 2 and len(short) == 0

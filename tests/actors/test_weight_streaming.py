@@ -12,7 +12,8 @@ from rlplatform.actors.engine import TransformersEngine
 from rlplatform.actors.rollout import RolloutActor
 from rlplatform.config import RLConfig, RolloutConfig
 from rlplatform.learners.batching import completion_logprobs
-from rlplatform.policy import load_policy
+from rlplatform.policy import load_policy, load_tokenizer
+from rlplatform.tokenization import encode_prompts
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.weights import WeightStore, to_snapshot
 
@@ -50,7 +51,8 @@ def test_worker_generates_with_each_new_version(ray_session, redis_server, redis
     queue.create_group()
     store = WeightStore.remote()
     rl = RLConfig(group_size=2, max_new_tokens=4, batch_prompts=2, max_staleness=0)
-    worker = RolloutActor.remote(0, "policy", tiny_policy, ROWS, rl,
+    prompts = encode_prompts(load_tokenizer(tiny_policy), ROWS, "auto")
+    worker = RolloutActor.remote(0, "policy", tiny_policy, prompts, rl,
                                  RolloutConfig(prompts_per_batch=2, weight_swap="finish_then_swap"),
                                  redis_server, job, store, 0)
     running = worker.run.remote()
@@ -90,7 +92,8 @@ def test_in_flight_swap_changes_version_mid_sequence_without_dropping_any(tiny_p
             engine.load_weights(new_weights, version=1)
 
     torch.manual_seed(0)
-    groups = engine.generate(["12+34=", "5+5="], 4, 5, 0.0, between_steps=swap_after_two_steps)
+    prompts = engine.tokenizer(["12+34=", "5+5="])["input_ids"]
+    groups = engine.generate(prompts, 4, 5, 0.0, between_steps=swap_after_two_steps)
     completions = [c for g in groups for c in g]
     assert len(completions) == 8  # every sequence in progress finished
     for c in completions:
@@ -106,7 +109,7 @@ def test_in_flight_swap_changes_version_mid_sequence_without_dropping_any(tiny_p
 def test_finish_then_swap_keeps_one_version_per_batch(tiny_policy):
     engine = TransformersEngine(tiny_policy)
     engine.load_weights({k: v.clone() for k, v in engine.model.state_dict().items()}, version=7)
-    groups = engine.generate(["12+34="], 3, 4, 1.0)
+    groups = engine.generate(engine.tokenizer(["12+34="])["input_ids"], 3, 4, 1.0)
     assert all(c.versions == [7] * len(c.completion_ids) for c in groups[0])
 
 

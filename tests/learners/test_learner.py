@@ -43,7 +43,7 @@ def test_sft_step_changes_weights_and_lowers_loss(learner):
 def rl_batch(policy_path: str):
     """Sampled completions for two prompts; completions of prompt 0 get +1, prompt 1 gets -1."""
     engine = TransformersEngine(policy_path)
-    groups = engine.generate(["1+2=", "40+45="], 4, 4, 1.0)
+    groups = engine.generate(engine.tokenizer(["1+2=", "40+45="])["input_ids"], 4, 4, 1.0)
     samples, advantages = [], []
     for g, (group, advantage) in enumerate(zip(groups, (1.0, -1.0))):
         for i, c in enumerate(group):

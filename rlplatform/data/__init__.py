@@ -1,0 +1,67 @@
+"""Prompt data: the rows rollout workers draw prompts from, SFT trains on and evaluation scores.
+
+`load_rows` gives a job's (train, test) rows, each a dict holding `prompt` (text) or `messages`
+(a conversation: a list of {role, content}), usually `answer`, and any other fields the rewards
+read (`tests`, ...). Rows come from the generated addition task, jsonl files, or a Hugging Face
+dataset (`kind: hf`); the `data.*_key` fields map a dataset's own field names onto these.
+`EpochSampler` deals prompts to rollout workers in seeded epochs without replacement.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Dict, List, Tuple
+
+from rlplatform.config import DataConfig
+from rlplatform.data.addition import addition_rows, pair
+from rlplatform.data.files import read_hf, read_jsonl
+from rlplatform.data.sampler import EpochSampler
+
+Row = Dict
+
+__all__ = ["EpochSampler", "Row", "addition_rows", "load_rows", "read_jsonl"]
+
+
+def load_rows(config: DataConfig, seed: int) -> Tuple[List[Row], List[Row]]:
+    """(train rows, held-out test rows) for a job, with `prompt`/`messages`/`answer` under those names."""
+    if config.kind == "addition":
+        return _addition(config, seed)
+    if config.kind == "jsonl":
+        train, test = read_jsonl(config.train_path), read_jsonl(config.test_path)
+        sources = (config.train_path, config.test_path)
+    else:
+        (train, test), sources = read_hf(config), (config.train_path or config.path, config.test_path or config.path)
+    return _canonical(train, config, sources[0]), _canonical(test, config, sources[1])
+
+
+def _addition(config: DataConfig, seed: int) -> Tuple[List[Row], List[Row]]:
+    rng = random.Random(seed)
+    if not config.disjoint_test:
+        train = addition_rows(config.train_size, rng, config.digits)
+        return train, addition_rows(config.test_size, rng, config.digits)
+    test = addition_rows(config.test_size, rng, config.digits, distinct=True)
+    train = addition_rows(config.train_size, rng, config.digits, exclude=frozenset(map(pair, test)))
+    return train, test
+
+
+def _canonical(rows: List[Row], config: DataConfig, source: str) -> List[Row]:
+    """Rows with the mapped keys renamed to `prompt`, `messages` and `answer`; other fields kept."""
+    renames = {config.prompt_key: "prompt", config.messages_key: "messages", config.answer_key: "answer"}
+    out = []
+    for i, row in enumerate(rows):
+        row = {renames.get(key, key): value for key, value in row.items()}
+        if "prompt" not in row and "messages" not in row:
+            raise ValueError(f"{source}: row {i} has neither '{config.prompt_key}' nor '{config.messages_key}' "
+                             f"(fields: {sorted(rows[i])}); set data.prompt_key or data.messages_key")
+        if "messages" in row:
+            _check_messages(row["messages"], source, i)
+        out.append(row)
+    return out
+
+
+def _check_messages(messages, source: str, index: int) -> None:
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise ValueError(f"{source}: row {index}: 'messages' must be a non-empty list of "
+                         f"{{'role': str, 'content': str}}")
