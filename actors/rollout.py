@@ -8,7 +8,6 @@ waits for the learner except when the staleness bound says any more samples woul
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass
 from typing import Dict, Hashable, List, Optional, Tuple
@@ -18,6 +17,7 @@ import torch
 
 from rlplatform.actors.engine import Completion, DecodeBatch, TransformersEngine
 from rlplatform.config import RLConfig, RolloutConfig
+from rlplatform.transport.ledger import PromptLedger, prompt_row
 from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.samples import Sample
@@ -56,9 +56,12 @@ class RolloutWorker:
         self.queue = RewardQueue(client, job)
         self.keys = PolicyKeys(job, policy)
         self.gate = RolloutGate(client, job, rl.max_staleness, rl.batch_prompts, policy)
-        self.rng = random.Random(seed + index)
+        self.ledger = PromptLedger(client, job, policy)
+        self.gate.release(self.ledger.abandon_worker(index))  # a restart: the groups its predecessor left
+        self.seed = seed
         self.stats = RolloutStats()
         self._unreported_busy_s = 0.0
+        self._last_beat = 0.0
 
     def sync_weights(self) -> int:
         """Load the newest published weights if they are newer; returns the version held."""
@@ -90,6 +93,7 @@ class RolloutWorker:
         open_groups: Dict[str, _OpenGroup] = {}
         in_flight = self.rollout.weight_swap == "in_flight"
         while not self.queue.stop_requested():
+            self._heartbeat()
             if in_flight or not batch:
                 self.sync_weights()
             if self.version < 0:
@@ -108,8 +112,16 @@ class RolloutWorker:
             if samples:
                 start = time.perf_counter()
                 self.queue.submit(samples)
+                self.ledger.submitted(sorted({s.group_id for s in samples}))
                 self.stats.submit_s += time.perf_counter() - start
         return self.stats
+
+    def _heartbeat(self) -> None:
+        """At most once a second: this worker's loop is alive (the RL loop names workers gone quiet)."""
+        now = time.time()
+        if now - self._last_beat >= 1.0:
+            self._last_beat = now
+            self.queue.client.hset(self.keys.heartbeats, str(self.index), now)
 
     def _newer_published(self) -> bool:
         """Whether the version mirrored on Redis is newer than the weights held."""
@@ -117,10 +129,9 @@ class RolloutWorker:
         return published is not None and int(published) > self.engine.version
 
     def _admit(self, batch: DecodeBatch, open_groups: Dict[str, _OpenGroup], groups: int) -> None:
-        """Start `groups` claimed groups on prompts drawn from the training rows."""
-        for _ in range(groups):
-            row = self.rng.choice(self.rows)
-            group_id = f"{self.policy}-r{self.index}-g{self.stats.groups_started}"
+        """Start `groups` claimed groups on the ledger's next prompts."""
+        for group_id, position in self.ledger.issue(self.index, groups):
+            row = self.rows[prompt_row(position, len(self.rows), self.seed)]
             self.stats.groups_started += 1
             open_groups[group_id] = _OpenGroup(row, [None] * self.rl.group_size)
             batch.add([row["prompt"]] * self.rl.group_size, keys=[(group_id, i) for i in range(self.rl.group_size)])

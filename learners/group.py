@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, TypeVar
 import ray
 
 from rlplatform.config import LearnerConfig, RLConfig
+from rlplatform.job.supervision import LEARNER_TIMEOUT_S, deadline_get
 from rlplatform.learners.rank import LearnerActor
 from rlplatform.transport.samples import Sample
 
@@ -26,15 +27,17 @@ class LearnerGroup:
         n = config.num_ranks
         self.ranks = [LearnerActor.options(num_cpus=config.num_cpus).remote(r, n, model_path, config, seed)
                       for r in range(n)]
-        host, port = ray.get(self.ranks[0].address.remote())
-        ray.get([rank.setup.remote(host, port) for rank in self.ranks])
+        host, port = deadline_get(self.ranks[0].address.remote(), "learner rank 0", LEARNER_TIMEOUT_S)
+        deadline_get([rank.setup.remote(host, port) for rank in self.ranks], "a learner rank's setup", LEARNER_TIMEOUT_S)
 
     def start_stage(self, lr: float, keep_reference: bool = False) -> None:
-        ray.get([rank.start_stage.remote(lr, keep_reference) for rank in self.ranks])
+        deadline_get([rank.start_stage.remote(lr, keep_reference) for rank in self.ranks], "a learner rank",
+                     LEARNER_TIMEOUT_S)
 
     def sft_step(self, rows: List[Dict]) -> Dict[str, float]:
         parts = shard(rows, len(self.ranks))
-        return _mean(ray.get([rank.sft_step.remote(p) for rank, p in zip(self.ranks, parts)]))
+        return _mean(deadline_get([rank.sft_step.remote(p) for rank, p in zip(self.ranks, parts)],
+                                  "a learner rank's SFT step", LEARNER_TIMEOUT_S))
 
     def rl_step(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
                 sft_rows: Optional[List[Dict]] = None, step: int = 0) -> Dict[str, float]:
@@ -51,15 +54,23 @@ class LearnerGroup:
     @staticmethod
     def gather(refs: List[ray.ObjectRef]) -> Tuple[Dict[str, float], ray.ObjectRef]:
         """(rank-averaged metrics, the new weights' snapshot ref) of a step started by `rl_step_async`."""
-        results = ray.get(refs)
+        results = deadline_get(refs, "a learner rank's RL step", LEARNER_TIMEOUT_S)
         return _mean([metrics for metrics, _ in results]), results[0][1][0]
 
     def publish_weights(self) -> ray.ObjectRef:
-        refs = ray.get([rank.publish_weights.remote() for rank in self.ranks])
+        refs = deadline_get([rank.publish_weights.remote() for rank in self.ranks], "a learner rank's weights",
+                            LEARNER_TIMEOUT_S)
         return refs[0][0]
 
-    def save(self, checkpoint_dir: str, model_dir: str) -> None:
-        ray.get([rank.save.remote(checkpoint_dir, model_dir) for rank in self.ranks])
+    def save(self, checkpoint_dir: str, model_dir: Optional[str] = None, client_state: Optional[Dict] = None) -> None:
+        """Every rank's checkpoint under `checkpoint_dir` (and the Hugging Face model in `model_dir`)."""
+        deadline_get([rank.save.remote(checkpoint_dir, model_dir, client_state) for rank in self.ranks],
+                     f"a learner rank saving to {checkpoint_dir}", LEARNER_TIMEOUT_S)
+
+    def load_checkpoint(self, checkpoint_dir: str) -> Dict:
+        """Restore every rank from `save`'s `checkpoint_dir`; returns its client state."""
+        return deadline_get([rank.load_checkpoint.remote(checkpoint_dir) for rank in self.ranks],
+                            f"a learner rank loading {checkpoint_dir}", LEARNER_TIMEOUT_S)[0]
 
     def shutdown(self) -> None:
         for rank in self.ranks:

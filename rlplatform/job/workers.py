@@ -11,27 +11,36 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import ray
+from ray.exceptions import RayActorError
 
 from rlplatform.config import EvalConfig, PolicyConfig
+from rlplatform.job.supervision import EVAL_TIMEOUT_S, MAX_RESTARTS, WEIGHTS_TIMEOUT_S, JobFailed, deadline_get
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.transport.reward_queue import PolicyKeys
 from rlplatform.transport.staleness import RolloutGate
 
 
 class Evaluator:
-    """A spare rollout worker that measures held-out greedy accuracy without stopping training."""
+    """A spare rollout worker that measures held-out greedy accuracy without stopping training.
+
+    Ray restarts its actor when its process dies; the evaluation it was running starts again."""
 
     def __init__(self, actor, rows: List[Dict], config: EvalConfig) -> None:
         self.actor, self.rows, self.config = actor, rows, config
         self._pending = None
         self.last_accuracy: Optional[float] = None
+        self.restarts = 0
 
     def _call(self):
         return self.actor.evaluate_latest.remote(self.rows, self.config.max_new_tokens, self.config.batch_size)
 
     def run_now(self) -> Tuple[int, float]:
-        version, self.last_accuracy = ray.get(self._call())
-        return version, self.last_accuracy
+        while True:
+            try:
+                version, self.last_accuracy = deadline_get(self._call(), "the evaluator", EVAL_TIMEOUT_S)
+                return version, self.last_accuracy
+            except RayActorError:
+                self._restarted()
 
     def start(self) -> None:
         """Begin evaluating the newest weights in the background, unless one is under way."""
@@ -42,9 +51,19 @@ class Evaluator:
         """(version, accuracy) of a finished background evaluation, else None."""
         if self._pending is None or not ray.wait([self._pending], timeout=0)[0]:
             return None
-        version, self.last_accuracy = ray.get(self._pending)
+        try:
+            version, self.last_accuracy = ray.get(self._pending)
+        except RayActorError:
+            self._restarted()
+            self._pending = self._call()
+            return None
         self._pending = None
         return version, self.last_accuracy
+
+    def _restarted(self) -> None:
+        self.restarts += 1
+        if self.restarts > MAX_RESTARTS:
+            raise JobFailed(f"the evaluator died {self.restarts} times; see the Ray logs") from None
 
 
 @dataclass
@@ -68,6 +87,7 @@ def publish(workers: PolicyWorkers, client, version: int, snapshot: Optional[ray
     learner's current weights. Returns the seconds it took."""
     start = time.perf_counter()
     ref = snapshot if snapshot is not None else workers.learner.publish_weights()
-    ray.get(workers.weight_store.publish.remote(version, [ref]))
+    deadline_get(workers.weight_store.publish.remote(version, [ref]), f"the weight store of policy '{workers.name}'",
+                 WEIGHTS_TIMEOUT_S)
     client.set(workers.keys.version, version)
     return time.perf_counter() - start
