@@ -23,10 +23,11 @@ def shard(items: Sequence[T], parts: int) -> List[List[T]]:
 
 
 class LearnerGroup:
-    def __init__(self, config: LearnerConfig, model_path: str, seed: int) -> None:
+    def __init__(self, config: LearnerConfig, model_path: str, seed: int, name: Optional[str] = None) -> None:
+        """`name`: the ranks become Ray actors named `<name>-<rank>`."""
         n = config.num_ranks
-        self.ranks = [LearnerActor.options(num_cpus=config.num_cpus).remote(r, n, model_path, config, seed)
-                      for r in range(n)]
+        self.ranks = [LearnerActor.options(num_cpus=config.num_cpus, name=name and f"{name}-{r}"
+                                           ).remote(r, n, model_path, config, seed) for r in range(n)]
         host, port = deadline_get(self.ranks[0].address.remote(), "learner rank 0", LEARNER_TIMEOUT_S)
         deadline_get([rank.setup.remote(host, port) for rank in self.ranks], "a learner rank's setup", LEARNER_TIMEOUT_S)
 

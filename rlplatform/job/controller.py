@@ -179,23 +179,26 @@ def _open_queue(config: JobConfig, client) -> RewardQueue:
 def _start_reward_workers(config: JobConfig, redis_url: str) -> List:
     from rlplatform.rewards.worker import RewardActor
 
-    return [RewardActor.options(num_cpus=config.reward_workers.num_cpus, max_restarts=MAX_RESTARTS).remote(
+    return [RewardActor.options(num_cpus=config.reward_workers.num_cpus, max_restarts=MAX_RESTARTS,
+                                name=f"{config.name}-reward-{i}").remote(
         f"{config.name}-reward-{i}", config.rewards, redis_url, config.name, config.reward_workers, config.imports)
         for i in range(config.reward_workers.num_workers)]
 
 
 def _start_policy(config: JobConfig, policy: PolicyConfig, train_rows, test_rows, redis_url: str,
                   client) -> PolicyWorkers:
-    """A policy's initial weights on disk, its learner ranks, rollout workers and evaluator."""
+    """A policy's initial weights on disk, its learner ranks, rollout workers and evaluator (the last
+    rollout actor). Actors are named `<job>-<policy>-rollout-<i>`, `<job>-<policy>-learner-<rank>`."""
     from rlplatform.actors.rollout import RolloutActor
 
     model_path = save_initial_policy(policy.model, config.seed,
                                      os.path.join(config.policy_dir(policy.name), "initial_policy"))
     store = WeightStore.remote()
-    rollout = [RolloutActor.options(num_cpus=policy.rollout.num_cpus, max_restarts=MAX_RESTARTS).remote(
+    rollout = [RolloutActor.options(num_cpus=policy.rollout.num_cpus, max_restarts=MAX_RESTARTS,
+                                    name=f"{config.name}-{policy.name}-rollout-{i}").remote(
         i, policy.name, model_path, train_rows, policy.rl, policy.rollout, redis_url, config.name, store, config.seed)
         for i in range(policy.rollout.num_workers + 1)]
-    learner = LearnerGroup(policy.learner, model_path, config.seed)
+    learner = LearnerGroup(policy.learner, model_path, config.seed, name=f"{config.name}-{policy.name}-learner")
     gate = RolloutGate(client, config.name, policy.rl.max_staleness, policy.rl.batch_prompts, policy.name)
     evaluator = Evaluator(rollout.pop(), test_rows, config.eval)
     return PolicyWorkers(policy, learner, rollout, store, gate, evaluator, PolicyKeys(config.name, policy.name))
