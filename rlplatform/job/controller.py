@@ -23,7 +23,7 @@ from rlplatform.job.checkpoint import latest_checkpoint, read_state
 from rlplatform.job.rl_loop import Resume, run_rl
 from rlplatform.job.signals import Interrupted, StopSignals
 from rlplatform.job.sft import run_sft
-from rlplatform.job.supervision import MAX_RESTARTS
+from rlplatform.job.supervision import MAX_RESTARTS, JobFailed, LearnerDied
 from rlplatform.job.workers import Evaluator, PolicyWorkers, publish
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.monitoring.job_status import JobStatus
@@ -153,10 +153,18 @@ def _run_stages(config: JobConfig, redis_url: str, metrics: Metrics, summary: Di
         summary.update(results[policies[0].name])  # a one-policy job's figures sit at the top level
         if config.policies:
             summary["policies"] = results
+    except LearnerDied as err:
+        raise JobFailed(_resume_hint(config, str(err))) from None
     finally:
         queue.request_stop()
         queue.clear()
         _stop(policies, reward_actors)
+
+
+def _resume_hint(config: JobConfig, what: str) -> str:
+    checkpoint = latest_checkpoint(config.run_dir)
+    where = f"newest checkpoint {checkpoint}" if checkpoint else "no checkpoint yet: it starts over"
+    return f"{what}; resume with `rlp run --resume {config.run_dir}` ({where})"
 
 
 def _save_final(config: JobConfig, policies: List[PolicyWorkers]) -> None:

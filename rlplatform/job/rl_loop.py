@@ -17,12 +17,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import ray
-from ray.exceptions import RayActorError
 
 from rlplatform.config import JobConfig
 from rlplatform.job.checkpoint import latest_checkpoint, learner_dir, write_checkpoint
 from rlplatform.job.signals import StopSignals
-from rlplatform.job.supervision import WORKER_SILENT_S, JobFailed, Supervisor
+from rlplatform.job.supervision import WORKER_SILENT_S, Supervisor
 from rlplatform.job.workers import PolicyWorkers, publish
 from rlplatform.learners.algorithms import ADVANTAGE_ESTIMATORS, grpo_advantages
 from rlplatform.monitoring.metrics import Metrics
@@ -160,10 +159,7 @@ class PolicyRun:
         refs, batch, started = self._step
         if len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
             return False
-        try:
-            step_metrics, snapshot = self.workers.learner.gather(refs)
-        except RayActorError as err:
-            raise JobFailed(self._learner_died(err)) from None
+        step_metrics, snapshot = self.workers.learner.gather(refs)
         self._step = None
         self.counters.learner_busy_s += time.perf_counter() - started
         self.counters.samples_trained += len(batch.samples)
@@ -184,12 +180,6 @@ class PolicyRun:
         with open(self._trained_log, "a") as f:
             f.write(json.dumps({"step": self.version, "sample_ids": [s.sample.sample_id for s in batch.samples]})
                     + "\n")
-
-    def _learner_died(self, err: Exception) -> str:
-        checkpoint = latest_checkpoint(self.job.run_dir)
-        where = f"newest checkpoint {checkpoint}" if checkpoint else "no checkpoint yet: it starts over"
-        return (f"a learner rank of policy '{self.workers.name}' died during step {self.version + 1} "
-                f"({type(err).__name__}); resume with `rlp run --resume {self.job.run_dir}` ({where})")
 
     def _evaluate_in_background(self) -> None:
         finished = self.workers.evaluator.poll()

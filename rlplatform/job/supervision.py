@@ -27,6 +27,10 @@ class JobFailed(RuntimeError):
     """The job cannot go on; the one-line message says why and how to resume."""
 
 
+class LearnerDied(JobFailed):
+    """A learner rank's process died: its state is gone and the job must resume from a checkpoint."""
+
+
 class WorkerHung(JobFailed):
     """A remote call passed its deadline; the message names the worker."""
 
@@ -35,6 +39,10 @@ def deadline_get(refs, what: str, timeout_s: float):
     """`ray.get(refs)`, failing after `timeout_s` with a message naming `what` did not answer."""
     try:
         return ray.get(refs, timeout=timeout_s)
+    except RayActorError as err:
+        if getattr(err, "actor_id", None) and "LearnerRank" in str(err):
+            raise LearnerDied(f"a learner rank died ({what}: {type(err).__name__})") from None
+        raise
     except GetTimeoutError:
         raise WorkerHung(f"{what} did not answer within {timeout_s:.0f}s; it hangs or its node is lost "
                          f"(see the Ray logs under /tmp/ray/session_latest/logs)") from None
