@@ -60,7 +60,8 @@ class EmbeddedRedis:
                 [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
                  "--requirepass", self.password, "--save", "", "--appendonly", "no",
                  "--dir", self._workdir, "--protected-mode", "yes"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True)  # a Ctrl-C to the job's process group must not take Redis down first
             if self._wait_ready(timeout_s):
                 return self
             self._kill()
