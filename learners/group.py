@@ -29,7 +29,8 @@ class LearnerGroup:
         self.ranks = [LearnerActor.options(num_cpus=config.num_cpus, name=name and f"{name}-{r}"
                                            ).remote(r, n, model_path, config, seed) for r in range(n)]
         host, port = deadline_get(self.ranks[0].address.remote(), "learner rank 0", LEARNER_TIMEOUT_S)
-        deadline_get([rank.setup.remote(host, port) for rank in self.ranks], "a learner rank's setup", LEARNER_TIMEOUT_S)
+        deadline_get([rank.setup.remote(host, port) for rank in self.ranks], "a learner rank's setup",
+                     LEARNER_TIMEOUT_S)
 
     def start_stage(self, lr: float, keep_reference: bool = False) -> None:
         deadline_get([rank.start_stage.remote(lr, keep_reference) for rank in self.ranks], "a learner rank",

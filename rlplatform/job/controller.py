@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from contextlib import ExitStack
 from typing import Dict, List, Optional
@@ -19,7 +20,7 @@ import ray
 
 from rlplatform.config import ConfigError, JobConfig, PolicyConfig, to_yaml
 from rlplatform.data import load_rows
-from rlplatform.job.checkpoint import latest_checkpoint, read_state
+from rlplatform.job.checkpoint import checkpoints_dir, latest_checkpoint, read_state
 from rlplatform.job.rl_loop import Resume, run_rl
 from rlplatform.job.signals import Interrupted, StopSignals
 from rlplatform.job.sft import run_sft
@@ -81,12 +82,14 @@ def run_job(config: JobConfig) -> Dict:
 
 
 def find_resume(config: JobConfig) -> Optional[Resume]:
-    """The checkpoint this run continues from, as `resume` asks: never, auto (if any), always."""
+    """The checkpoint this run continues from, as `resume` asks: never, auto (if any), always.
+    A run that starts afresh deletes the checkpoints an earlier run of its name left."""
     checkpoint = latest_checkpoint(config.run_dir) if config.resume != "never" else None
     if checkpoint is None:
         if config.resume == "always":
             raise ConfigError(f"resume: no checkpoint under {config.run_dir}/checkpoints to resume from; "
                               f"run without --resume to start the job afresh")
+        shutil.rmtree(checkpoints_dir(config.run_dir), ignore_errors=True)
         return None
     return Resume(checkpoint, read_state(checkpoint))
 

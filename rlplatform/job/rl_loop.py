@@ -73,7 +73,7 @@ class PolicyRun:
         self._reward_counters_at_start = queue.counters(queue.keys.reward_stats)
         self._step: Optional[Tuple[list, Batch, float]] = None  # (result refs, batch, start time)
         self._last_watch, self._silent_named = time.monotonic(), set()
-        self._trained_log = os.path.join(job.policy_dir(workers.name), "trained.jsonl")
+        self.trained_log = os.path.join(job.policy_dir(workers.name), "trained.jsonl")
         workers.learner.start_stage(self.rl.lr, keep_reference=self.rl.kl_coef > 0 or self.rl.track_reference_kl)
 
     def restore(self, state: Dict, checkpoint: str, attempt: int) -> None:
@@ -85,7 +85,7 @@ class PolicyRun:
         self.monitor.eval_history = state["eval_history"]
         self.ledger.restore(state["ledger"], attempt)
         self.workers.gate.restore(self.version * self.rl.batch_prompts)
-        _keep_lines(self._trained_log, self.version)
+        _keep_lines(self.trained_log, self.version)
         publish(self.workers, self.queue.client, self.version)
 
     def state(self) -> Dict:
@@ -177,7 +177,7 @@ class PolicyRun:
         """Close the batch's groups in the ledger and append its sample ids to trained.jsonl."""
         for group in batch.groups:
             self.ledger.close(group[0].sample.group_id, "trained")
-        with open(self._trained_log, "a") as f:
+        with open(self.trained_log, "a") as f:
             f.write(json.dumps({"step": self.version, "sample_ids": [s.sample.sample_id for s in batch.samples]})
                     + "\n")
 
@@ -224,9 +224,11 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
     and at the end; a stop signal ends it early, checkpointed. Returns each policy's figures by name."""
     runs = {p.name: PolicyRun(job, p, queue, metrics, train_rows) for p in policies}
     attempt = resume.attempt if resume else 0
-    if resume:
-        for name, run in runs.items():
+    for name, run in runs.items():
+        if resume:
             run.restore(resume.state["policies"][name], resume.path, attempt)
+        else:
+            _keep_lines(run.trained_log, 0)  # a fresh start: nothing trained yet
     supervisor = _start_loops(job, policies, reward_actors, metrics)
     checkpoints = Checkpoints(job, runs, job_state, attempt)
     with stop.polled():

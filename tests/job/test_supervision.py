@@ -5,7 +5,6 @@ a learner rank's death ends the job with a message naming how to resume."""
 from __future__ import annotations
 
 import os
-import signal
 import threading
 
 import pytest
