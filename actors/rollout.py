@@ -19,12 +19,12 @@ import torch
 
 from rlplatform.actors.engine import Completion, DecodeBatch, TransformersEngine
 from rlplatform.config import EvalConfig, RewardSpec, RLConfig, RolloutConfig
-from rlplatform.data import EpochSampler
 from rlplatform.monitoring.evaluation import evaluation_figures
-from rlplatform.tokenization import Prompt
 from rlplatform.rewards.registry import resolve
 from rlplatform.rewards.scoring import Scorer
 from rlplatform.rewards.worker import import_modules
+from rlplatform.tokenization import Prompt
+from rlplatform.transport.ledger import PromptLedger, prompt_row
 from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.samples import Sample
@@ -58,16 +58,19 @@ class RolloutWorker:
         torch.set_num_threads(rollout.num_threads)
         torch.manual_seed(seed + 1000 * (index + 1))
         self.index, self.policy, self.prompts, self.rl, self.rollout = index, policy, prompts, rl, rollout
-        self.sampler = EpochSampler(len(prompts), seed, share=index, shares=rollout.num_workers)
         self.engine = TransformersEngine(model_path, rollout.device, dtype)
         self.weight_store = weight_store
         client = connect(redis_url)
         self.queue = RewardQueue(client, job)
         self.keys = PolicyKeys(job, policy)
         self.gate = RolloutGate(client, job, rl.max_staleness, rl.batch_prompts, policy)
+        self.ledger = PromptLedger(client, job, policy)
+        self.gate.release(self.ledger.abandon_worker(index))  # a restart: the groups its predecessor left
+        self.seed = seed
         self.stats = RolloutStats()
         self._scorer = None  # the job's rewards, built on the first evaluation
         self._unreported_busy_s = 0.0
+        self._last_beat = 0.0
 
     def sync_weights(self) -> int:
         """Load the newest published weights if they are newer; returns the version held."""
@@ -99,6 +102,7 @@ class RolloutWorker:
         open_groups: Dict[str, _OpenGroup] = {}
         in_flight = self.rollout.weight_swap == "in_flight"
         while not self.queue.stop_requested():
+            self._heartbeat()
             if in_flight or not batch:
                 self.sync_weights()
             if self.version < 0:
@@ -117,8 +121,16 @@ class RolloutWorker:
             if samples:
                 start = time.perf_counter()
                 self.queue.submit(samples)
+                self.ledger.submitted(sorted({s.group_id for s in samples}))
                 self.stats.submit_s += time.perf_counter() - start
         return self.stats
+
+    def _heartbeat(self) -> None:
+        """At most once a second: this worker's loop is alive (the RL loop names workers gone quiet)."""
+        now = time.time()
+        if now - self._last_beat >= 1.0:
+            self._last_beat = now
+            self.queue.client.hset(self.keys.heartbeats, str(self.index), now)
 
     def _newer_published(self) -> bool:
         """Whether the version mirrored on Redis is newer than the weights held."""
@@ -126,10 +138,9 @@ class RolloutWorker:
         return published is not None and int(published) > self.engine.version
 
     def _admit(self, batch: DecodeBatch, open_groups: Dict[str, _OpenGroup], groups: int) -> None:
-        """Start `groups` claimed groups on the next prompts of this worker's share."""
-        for _ in range(groups):
-            prompt = self.prompts[self.sampler.draw()]
-            group_id = f"{self.policy}-r{self.index}-g{self.stats.groups_started}"
+        """Start `groups` claimed groups on the ledger's next prompts."""
+        for group_id, position in self.ledger.issue(self.index, groups):
+            prompt = self.prompts[prompt_row(position, len(self.prompts), self.seed)]
             self.stats.groups_started += 1
             open_groups[group_id] = _OpenGroup(prompt, [None] * self.rl.group_size)
             batch.add([prompt.ids] * self.rl.group_size, keys=[(group_id, i) for i in range(self.rl.group_size)])

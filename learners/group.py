@@ -12,6 +12,7 @@ import ray
 
 from rlplatform.config import LearnerConfig, RLConfig
 from rlplatform.devices import gpus_per_actor
+from rlplatform.job.supervision import LEARNER_TIMEOUT_S, deadline_get
 from rlplatform.learners.rank import LearnerActor
 from rlplatform.transport.samples import Sample
 
@@ -24,24 +25,28 @@ def shard(items: Sequence[T], parts: int) -> List[List[T]]:
 
 class LearnerGroup:
     def __init__(self, config: LearnerConfig, model_path: str, seed: int, dtype: str = "float32",
-                 chat_template: str = "auto") -> None:
+                 chat_template: str = "auto", name: Optional[str] = None) -> None:
+        """`name`: the ranks become Ray actors named `<name>-<rank>`."""
         n = config.num_ranks
         gpus = gpus_per_actor(config.device, config.num_gpus, ray.cluster_resources().get("GPU", 0.0))
-        self.ranks = [LearnerActor.options(num_cpus=config.num_cpus, num_gpus=gpus).remote(
-            r, n, model_path, config, seed, dtype, chat_template) for r in range(n)]
-        host, port = ray.get(self.ranks[0].address.remote())
-        ray.get([rank.setup.remote(host, port) for rank in self.ranks])
+        self.ranks = [LearnerActor.options(num_cpus=config.num_cpus, num_gpus=gpus, name=name and f"{name}-{r}")
+                      .remote(r, n, model_path, config, seed, dtype, chat_template) for r in range(n)]
+        host, port = deadline_get(self.ranks[0].address.remote(), "learner rank 0", LEARNER_TIMEOUT_S)
+        deadline_get([rank.setup.remote(host, port) for rank in self.ranks], "a learner rank's setup",
+                     LEARNER_TIMEOUT_S)
 
     def placements(self) -> List[Dict]:
         """Each rank's `LearnerRank.placement`: device, LOCAL_RANK, backend, Ray GPU ids, dtype, precision mode."""
         return ray.get([rank.placement.remote() for rank in self.ranks])
 
     def start_stage(self, lr: float, keep_reference: bool = False) -> None:
-        ray.get([rank.start_stage.remote(lr, keep_reference) for rank in self.ranks])
+        deadline_get([rank.start_stage.remote(lr, keep_reference) for rank in self.ranks], "a learner rank",
+                     LEARNER_TIMEOUT_S)
 
     def sft_step(self, rows: List[Dict]) -> Dict[str, float]:
         parts = shard(rows, len(self.ranks))
-        return _mean(ray.get([rank.sft_step.remote(p) for rank, p in zip(self.ranks, parts)]))
+        return _mean(deadline_get([rank.sft_step.remote(p) for rank, p in zip(self.ranks, parts)],
+                                  "a learner rank's SFT step", LEARNER_TIMEOUT_S))
 
     def rl_step(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
                 sft_rows: Optional[List[Dict]] = None, step: int = 0) -> Dict[str, float]:
@@ -58,15 +63,23 @@ class LearnerGroup:
     @staticmethod
     def gather(refs: List[ray.ObjectRef]) -> Tuple[Dict[str, float], ray.ObjectRef]:
         """(rank-averaged metrics, the new weights' snapshot ref) of a step started by `rl_step_async`."""
-        results = ray.get(refs)
+        results = deadline_get(refs, "a learner rank's RL step", LEARNER_TIMEOUT_S)
         return _mean([metrics for metrics, _ in results]), results[0][1][0]
 
     def publish_weights(self) -> ray.ObjectRef:
-        refs = ray.get([rank.publish_weights.remote() for rank in self.ranks])
+        refs = deadline_get([rank.publish_weights.remote() for rank in self.ranks], "a learner rank's weights",
+                            LEARNER_TIMEOUT_S)
         return refs[0][0]
 
-    def save(self, checkpoint_dir: str, model_dir: str) -> None:
-        ray.get([rank.save.remote(checkpoint_dir, model_dir) for rank in self.ranks])
+    def save(self, checkpoint_dir: str, model_dir: Optional[str] = None, client_state: Optional[Dict] = None) -> None:
+        """Every rank's checkpoint under `checkpoint_dir` (and the Hugging Face model in `model_dir`)."""
+        deadline_get([rank.save.remote(checkpoint_dir, model_dir, client_state) for rank in self.ranks],
+                     f"a learner rank saving to {checkpoint_dir}", LEARNER_TIMEOUT_S)
+
+    def load_checkpoint(self, checkpoint_dir: str) -> Dict:
+        """Restore every rank from `save`'s `checkpoint_dir`; returns its client state."""
+        return deadline_get([rank.load_checkpoint.remote(checkpoint_dir) for rank in self.ranks],
+                            f"a learner rank loading {checkpoint_dir}", LEARNER_TIMEOUT_S)[0]
 
     def shutdown(self) -> None:
         for rank in self.ranks:

@@ -9,6 +9,7 @@ snapshots to the Ray object store and writes checkpoints and the Hugging Face mo
 from __future__ import annotations
 
 import os
+import random
 import socket
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -219,13 +220,33 @@ class LearnerRank:
             return None
         return [ray.put(to_snapshot(state))]
 
-    def save(self, checkpoint_dir: str, model_dir: str) -> None:
-        """DeepSpeed checkpoint (all ranks) and, on rank 0, the model in Hugging Face format."""
-        self.engine.save_checkpoint(checkpoint_dir)
+    def save(self, checkpoint_dir: str, model_dir: Optional[str] = None, client_state: Optional[Dict] = None) -> None:
+        """DeepSpeed checkpoint (all ranks: weights, optimizer moments, `client_state`), each rank's
+        RNG states, the frozen reference when kept, and, on rank 0 when `model_dir` is given, the
+        model in Hugging Face format."""
+        self.engine.save_checkpoint(checkpoint_dir, client_state={**(client_state or {}), "stage_lr": self.stage_lr})
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate()},
+                   os.path.join(checkpoint_dir, f"rng-rank{self.rank}.pt"))
+        if self.reference is not None and self.rank == 0:
+            torch.save(self.reference.state_dict(), os.path.join(checkpoint_dir, "reference.pt"))
         state = self._full_state_dict()
-        if state is not None:
+        if state is not None and model_dir is not None:
             self.engine.module.save_pretrained(model_dir, state_dict=state)
             self.tokenizer.save_pretrained(model_dir)
+
+    def load_checkpoint(self, checkpoint_dir: str) -> Dict:
+        """Continue from `save`: weights, optimizer moments, learning rate, RNG states and the
+        reference (when this stage keeps one); returns the checkpoint's client state."""
+        path, client_state = self.engine.load_checkpoint(checkpoint_dir)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint in {checkpoint_dir}; resume from another checkpoint")
+        self.stage_lr = client_state["stage_lr"]
+        rng = torch.load(os.path.join(checkpoint_dir, f"rng-rank{self.rank}.pt"), weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if self.reference is not None:
+            self.reference.load_state_dict(torch.load(os.path.join(checkpoint_dir, "reference.pt")))
+        return client_state
 
 
 def lr_scale(rl: RLConfig, step: int) -> float:

@@ -63,6 +63,7 @@ class RewardWorker:
         self.queue.create_group()
         self.stats = RewardStats()
         self._last_reclaim = 0.0
+        self._recovered = False  # requests an earlier process of this name held are taken back first
 
     def step(self, block_ms: int = 100) -> int:
         """Score one batch from the queue; returns how many messages were handled."""
@@ -102,7 +103,13 @@ class RewardWorker:
             return None
 
     def _reclaim(self) -> List[Tuple[str, bytes, int]]:
-        """Every half idle period: take over requests that a dead worker left unacknowledged."""
+        """Every half idle period: take over requests that a dead worker left unacknowledged; at the
+        first step, at once those this worker's name held before a restart."""
+        if not self._recovered:
+            self._recovered = True
+            taken = self.queue.reclaim(self.name, 0, self.config.batch_size, owner=self.name)
+            self.stats.reclaimed += len(taken)
+            return taken
         now = time.monotonic()
         if now - self._last_reclaim < self.config.claim_idle_s / 2:
             return []

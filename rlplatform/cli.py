@@ -7,6 +7,7 @@ config fails in a second with one line naming the file and key, and exit code 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
@@ -35,13 +36,29 @@ def _resolve_rewards(config: JobConfig, source: str):
 
 
 def _run(args) -> int:
+    if args.resume:
+        if args.config and "=" in args.config:  # `rlp run --resume runs/x key=value`: no config given
+            args.config, args.overrides = None, [args.config, *args.overrides]
+        args.overrides = _resume_overrides(args)
+        args.config = args.config or os.path.join(args.resume, "config.yaml")
+    elif args.config is None:
+        raise ConfigError("rlp run: give a job YAML, or --resume runs/<name>")
     config = _load(args)
     preflight.check(config, args.config)
     from rlplatform.job.controller import run_job
 
     summary = run_job(config)
     print(_result_line(summary))
-    return 0
+    return summary.get("exit_code", 0)
+
+
+def _resume_overrides(args) -> List[str]:
+    """`--resume runs/<name>`: that run's config (unless one is given), its directory, resume required."""
+    run_dir = os.path.normpath(args.resume)
+    if not os.path.isdir(run_dir):
+        raise ConfigError(f"--resume {args.resume}: no such run directory")
+    return [*args.overrides, f"output_dir={os.path.dirname(run_dir) or '.'}", f"name={os.path.basename(run_dir)}",
+            "resume=always"]
 
 
 def _validate(args) -> int:
@@ -151,9 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     for name, handler, text in (("run", _run, "run a job"), ("validate", _validate, "check a job config")):
         sub = commands.add_parser(name, help=text)
-        sub.add_argument("config", help="job YAML, e.g. configs/quickstart.yaml")
+        sub.add_argument("config", nargs="?" if name == "run" else None,
+                         help="job YAML, e.g. configs/quickstart.yaml")
         sub.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rl.max_steps=5")
         sub.set_defaults(handler=handler)
+    run = commands.choices["run"]
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue runs/<name> from its newest checkpoint "
+                     "(its config.yaml unless a config is given)")
     rewards = commands.add_parser("rewards", help="list rewards, or score rows with a config's rewards")
     reward_actions = rewards.add_subparsers(dest="action", required=True)
     reward_actions.add_parser("list", help="every reward that can be found, with its parameters"
@@ -202,6 +223,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print("rlp: interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as err:
+        from rlplatform.job.supervision import JobFailed
+
+        if not isinstance(err, JobFailed):
+            raise
+        print(f"rlp: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -109,6 +109,7 @@ class RLConfig:
     filter_zero_advantage: bool = False  # skip (and count) groups whose rewards are all equal
     kl_coef: float = at_least(0.0, 0)  # weight of the KL-to-reference penalty in the loss
     track_reference_kl: bool = True  # keep the RL-start policy frozen and log KL to it
+    group_timeout_s: float = above(300.0, 0)  # a group not complete this long after its claim expires and frees its capacity
     log_every: int = at_least(5, 1)  # console/W&B interval in steps
 
 
@@ -193,6 +194,12 @@ class EvalConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every_steps: int = at_least(0, 0)  # RL steps between checkpoints (0: only when the job ends or is interrupted)
+    keep_last: int = at_least(2, 1)  # newest checkpoints kept; older ones are deleted
+
+
+@dataclass
 class AlertRule:
     kind: str = one_of("reward_collapse", "no_progress", "reward_errors", "queue_backlog")  # what the rule watches
     threshold: float = at_least(0.5, 0)  # collapse: fraction of the best reward; no_progress: minutes; errors: fraction; backlog: requests
@@ -244,6 +251,8 @@ class JobConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resume: str = one_of("never", "auto", "always")  # auto: resume when the run directory holds a checkpoint; always: require one
     # several policies trained at once, sharing rewards and data; each entry's sections start
     # from the top-level ones above. Empty: one policy named "policy" made of the top-level sections.
     policies: List[PolicyConfig] = field(default_factory=list)

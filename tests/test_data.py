@@ -9,7 +9,8 @@ import json
 import pytest
 
 from rlplatform.config import ConfigError, DataConfig, load_config
-from rlplatform.data import EpochSampler, load_rows
+from rlplatform.data import load_rows
+from rlplatform.transport.ledger import prompt_row
 
 
 def test_addition_rows_are_correct_and_reproducible():
@@ -93,16 +94,11 @@ def test_hf_config_needs_its_paths():
         load_config(None, ["data.kind=hf"])
 
 
-def test_epochs_draw_every_prompt_once_across_workers():
-    count, workers = 11, 3
-    samplers = [EpochSampler(count, seed=5, share=i, shares=workers) for i in range(workers)]
-    shares = [[s.draw() for _ in range(len(range(i, count, workers)))] for i, s in enumerate(samplers)]
-    first_epoch = [i for share in shares for i in share]
-    assert sorted(first_epoch) == list(range(count))  # no prompt twice in an epoch, by any worker
-    second = [samplers[0].draw() for _ in range(len(shares[0]))]
-    assert len(set(second)) == len(second) and samplers[0].epoch == 1
-    assert second != shares[0]  # each epoch is shuffled anew
-    again = EpochSampler(count, seed=5, share=0, shares=workers)
-    assert [again.draw() for _ in range(len(shares[0]))] == shares[0]  # the job's seed fixes the order
-    other = EpochSampler(count, seed=6, share=0, shares=workers)
-    assert [other.draw() for _ in range(8)] != [EpochSampler(count, 5, 0, workers).draw() for _ in range(8)]
+def test_epochs_draw_every_prompt_once_in_a_fresh_seeded_order():
+    count = 11
+    first = [prompt_row(p, count, seed=5) for p in range(count)]
+    second = [prompt_row(p, count, seed=5) for p in range(count, 2 * count)]
+    assert sorted(first) == sorted(second) == list(range(count))  # no prompt twice within an epoch
+    assert first != second  # each epoch is shuffled anew
+    assert first == [prompt_row(p, count, seed=5) for p in range(count)]  # the job's seed fixes the order
+    assert first != [prompt_row(p, count, seed=6) for p in range(count)]

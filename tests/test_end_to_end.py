@@ -7,6 +7,7 @@ import os
 
 from rlplatform.config import load_config
 from rlplatform.job.controller import run_job
+from rlplatform.transport.ledger import balanced
 
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.yaml")
 
@@ -43,6 +44,12 @@ def test_short_quickstart_writes_a_valid_summary(ray_session, tmp_path):
     assert (run_dir / "config.yaml").exists()
     assert (run_dir / "model" / "model.safetensors").exists() and (run_dir / "model" / "config.json").exists()
     assert (run_dir / "checkpoint" / "latest").exists()
+    # RL's end is checkpointed too, and every prompt issued ended one way or is still open
+    assert (run_dir / "checkpoints" / "step-000012" / "state.json").exists()
+    assert rl["restarts"] == {"rollout": 0, "reward": 0, "evaluator": 0}
+    ledger = rl["ledger"]
+    assert ledger["trained"] == 12 * 16 and balanced(ledger)
+    assert rl["groups_expired"] == 0 and rl["samples_dropped_expired"] == 0
     assert os.path.isdir(rl["wandb_dir"]) and os.listdir(rl["wandb_dir"])
 
 

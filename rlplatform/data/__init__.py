@@ -4,7 +4,8 @@
 (a conversation: a list of {role, content}), usually `answer`, and any other fields the rewards
 read (`tests`, ...). Rows come from the generated addition task, jsonl files, or a Hugging Face
 dataset (`kind: hf`); the `data.*_key` fields map a dataset's own field names onto these.
-`EpochSampler` deals prompts to rollout workers in seeded epochs without replacement.
+Rollout workers draw training prompts in seeded epochs without replacement through the prompt
+ledger (`rlplatform.transport.ledger`).
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ from typing import Dict, List, Tuple
 from rlplatform.config import DataConfig
 from rlplatform.data.addition import addition_rows, pair
 from rlplatform.data.files import read_hf, read_jsonl
-from rlplatform.data.sampler import EpochSampler
 
 Row = Dict
 
-__all__ = ["EpochSampler", "Row", "addition_rows", "load_rows", "read_jsonl"]
+__all__ = ["Row", "addition_rows", "load_rows", "read_jsonl"]
 
 
 def load_rows(config: DataConfig, seed: int) -> Tuple[List[Row], List[Row]]:

@@ -1,8 +1,9 @@
 """The job controller: starts a job's services and workers, runs its stages, writes its results.
 
 `run_job` is what `rlp run` calls. It starts (or joins) Ray and Redis, saves the initial
-policy, runs SFT then asynchronous RL with evaluations after each, saves the checkpoint and
-the final Hugging Face model, and always writes `summary.json`, also when the job fails.
+policy, runs SFT then asynchronous RL with evaluations after each (or continues RL from the
+run's newest checkpoint), saves the checkpoint and the final Hugging Face model, and always
+writes `summary.json`, also when the job fails or a signal stops it (status `interrupted`).
 """
 
 from __future__ import annotations
@@ -10,17 +11,21 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from contextlib import ExitStack
 from typing import Dict, List, Optional
 
 import ray
 
-from rlplatform.config import JobConfig, PolicyConfig, to_yaml
+from rlplatform.config import ConfigError, JobConfig, PolicyConfig, to_yaml
 from rlplatform.data import load_rows
 from rlplatform.devices import gpus_per_actor
-from rlplatform.job.rl_loop import run_rl
+from rlplatform.job.checkpoint import checkpoints_dir, latest_checkpoint, read_state
+from rlplatform.job.rl_loop import Resume, run_rl
 from rlplatform.job.sft import run_sft
+from rlplatform.job.signals import Interrupted, StopSignals
+from rlplatform.job.supervision import MAX_RESTARTS, JobFailed, LearnerDied
 from rlplatform.job.workers import Evaluator, PolicyWorkers, publish
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.monitoring.job_status import JobStatus
@@ -42,32 +47,53 @@ def run_job(config: JobConfig) -> Dict:
     start = time.perf_counter()
     summary: Dict = {"status": "running", "name": config.name, "run_dir": os.path.abspath(run_dir)}
     metrics: Optional[Metrics] = None
+    resume = find_resume(config)
+    stop = StopSignals()
     try:
         with ExitStack() as resources:
             redis_url = _start_services(config, resources)
+            stop.install()  # after ray.init, which sets its own SIGTERM handler
+            resources.callback(stop.restore)
             _record_redis_url(redis_url, run_dir)
-            metrics = Metrics(config, run_dir)
+            metrics = Metrics(config, run_dir, run_id=resume.state["wandb_run_id"] if resume else None)
             metrics.console.note(f"job status from anywhere: rlp status --redis \"$(cat {run_dir}/redis.url)\" "
                                  f"--job {config.name}")
             metrics.status = JobStatus(connect(redis_url), config.name)
             summary["wandb_dir"] = metrics.wandb_dir
             try:
-                _run_stages(config, redis_url, metrics, summary)
-                summary["status"] = "completed"
+                _run_stages(config, redis_url, metrics, summary, stop, resume)
+                summary["status"] = "interrupted" if stop.requested else "completed"
             finally:
-                final = summary["status"] if summary["status"] == "completed" else "failed"
+                final = summary["status"] if summary["status"] != "running" else "failed"
                 metrics.status.write({"stage": final, "wall_s": round(time.perf_counter() - start, 2)})
+    except Interrupted as err:
+        summary.update(status="interrupted", error=str(err))
     except BaseException as err:
         summary.update(status="failed", error=f"{type(err).__name__}: {err}")
         raise
     finally:
         summary["wall_s"] = round(time.perf_counter() - start, 2)
+        if stop.requested:
+            summary["exit_code"] = stop.exit_code
         if metrics is not None:
             metrics.summary(_flat(summary))
             metrics.finish(failed=summary["status"] != "completed")
         with open(os.path.join(run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
     return summary
+
+
+def find_resume(config: JobConfig) -> Optional[Resume]:
+    """The checkpoint this run continues from, as `resume` asks: never, auto (if any), always.
+    A run that starts afresh deletes the checkpoints an earlier run of its name left."""
+    checkpoint = latest_checkpoint(config.run_dir) if config.resume != "never" else None
+    if checkpoint is None:
+        if config.resume == "always":
+            raise ConfigError(f"resume: no checkpoint under {config.run_dir}/checkpoints to resume from; "
+                              f"run without --resume to start the job afresh")
+        shutil.rmtree(checkpoints_dir(config.run_dir), ignore_errors=True)
+        return None
+    return Resume(checkpoint, read_state(checkpoint))
 
 
 def _record_redis_url(url: str, run_dir: str) -> None:
@@ -127,7 +153,8 @@ def _gpus_needed(config: JobConfig, cluster_gpus: float) -> float:
                for p in config.policy_list())
 
 
-def _run_stages(config: JobConfig, redis_url: str, metrics: Metrics, summary: Dict) -> None:
+def _run_stages(config: JobConfig, redis_url: str, metrics: Metrics, summary: Dict, stop: StopSignals,
+                resume: Optional[Resume]) -> None:
     train_rows, test_rows = load_rows(config.data, config.seed)
     client = connect(redis_url)
     queue = _open_queue(config, client)
@@ -137,22 +164,40 @@ def _run_stages(config: JobConfig, redis_url: str, metrics: Metrics, summary: Di
         reward_actors = _start_reward_workers(config, redis_url)
         for policy in config.policy_list():
             policies.append(_start_policy(config, policy, train_rows, test_rows, redis_url, client))
-        results = {p.name: {"data": p.data, "stages": {}, "eval": {}} for p in policies}
+        results = resume.state["results"] if resume else \
+            {p.name: {"data": p.data, "stages": {}, "eval": {}} for p in policies}
+        resumed = resume.state["policies"] if resume else {}
         for workers in policies:
-            _supervised_stage(config, workers, train_rows, metrics, client, results[workers.name])
+            if workers.name not in resumed:
+                _supervised_stage(config, workers, train_rows, metrics, client, results[workers.name])
         if any(p.config.rl.enabled for p in policies):
+            job_state = {"results": results, "wandb_run_id": metrics.run.id if metrics.run else None}
             _rl_stage(config, [p for p in policies if p.config.rl.enabled], queue, reward_actors, metrics,
-                      train_rows, results)
-        for workers in policies:
-            policy_dir = os.path.abspath(config.policy_dir(workers.name))
-            workers.learner.save(os.path.join(policy_dir, "checkpoint"), os.path.join(policy_dir, "model"))
+                      train_rows, results, stop, job_state, resume)
+        if not stop.requested:
+            _save_final(config, policies)
         summary.update(results[policies[0].name])  # a one-policy job's figures sit at the top level
         if config.policies:
             summary["policies"] = results
+    except LearnerDied as err:
+        raise JobFailed(_resume_hint(config, str(err))) from None
     finally:
         queue.request_stop()
         queue.clear()
         _stop(policies, reward_actors)
+
+
+def _resume_hint(config: JobConfig, what: str) -> str:
+    checkpoint = latest_checkpoint(config.run_dir)
+    where = f"newest checkpoint {checkpoint}" if checkpoint else "no checkpoint yet: it starts over"
+    return f"{what}; resume with `rlp run --resume {config.run_dir}` ({where})"
+
+
+def _save_final(config: JobConfig, policies: List[PolicyWorkers]) -> None:
+    """Each policy's final DeepSpeed checkpoint and Hugging Face model."""
+    for workers in policies:
+        policy_dir = os.path.abspath(config.policy_dir(workers.name))
+        workers.learner.save(os.path.join(policy_dir, "checkpoint"), os.path.join(policy_dir, "model"))
 
 
 def _open_queue(config: JobConfig, client) -> RewardQueue:
@@ -168,14 +213,16 @@ def _open_queue(config: JobConfig, client) -> RewardQueue:
 def _start_reward_workers(config: JobConfig, redis_url: str) -> List:
     from rlplatform.rewards.worker import RewardActor
 
-    return [RewardActor.options(num_cpus=config.reward_workers.num_cpus).remote(
+    return [RewardActor.options(num_cpus=config.reward_workers.num_cpus, max_restarts=MAX_RESTARTS,
+                                name=f"{config.name}-reward-{i}").remote(
         f"{config.name}-reward-{i}", config.rewards, redis_url, config.name, config.reward_workers, config.imports)
         for i in range(config.reward_workers.num_workers)]
 
 
 def _start_policy(config: JobConfig, policy: PolicyConfig, train_rows, test_rows, redis_url: str,
                   client) -> PolicyWorkers:
-    """A policy's initial weights on disk, its learner ranks, rollout workers and evaluator."""
+    """A policy's initial weights on disk, its learner ranks, rollout workers and evaluator (the last
+    rollout actor). Actors are named `<job>-<policy>-rollout-<i>`, `<job>-<policy>-learner-<rank>`."""
     from rlplatform.actors.rollout import RolloutActor
 
     model_path = save_initial_policy(policy.model, config.seed,
@@ -183,10 +230,12 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, train_rows, test_rows
     train, test, data = _encode_prompts(config, model_path, train_rows, test_rows)
     store = WeightStore.remote()
     gpus = gpus_per_actor(policy.rollout.device, policy.rollout.num_gpus, ray.cluster_resources().get("GPU", 0.0))
-    rollout = [RolloutActor.options(num_cpus=policy.rollout.num_cpus, num_gpus=gpus).remote(
+    rollout = [RolloutActor.options(num_cpus=policy.rollout.num_cpus, num_gpus=gpus, max_restarts=MAX_RESTARTS,
+                                    name=f"{config.name}-{policy.name}-rollout-{i}").remote(
         i, policy.name, model_path, train, policy.rl, policy.rollout, redis_url, config.name, store, config.seed,
         policy.model.dtype) for i in range(policy.rollout.num_workers + 1)]
-    learner = LearnerGroup(policy.learner, model_path, config.seed, policy.model.dtype, config.data.chat_template)
+    learner = LearnerGroup(policy.learner, model_path, config.seed, policy.model.dtype, config.data.chat_template,
+                           name=f"{config.name}-{policy.name}-learner")
     gate = RolloutGate(client, config.name, policy.rl.max_staleness, policy.rl.batch_prompts, policy.name)
     evaluator = Evaluator(rollout.pop(), test, config.eval, config.rewards, config.imports)
     return PolicyWorkers(policy, learner, rollout, store, gate, evaluator, PolicyKeys(config.name, policy.name),
@@ -218,13 +267,15 @@ def _supervised_stage(config: JobConfig, workers: PolicyWorkers, train_rows, met
 
 
 def _rl_stage(config: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, reward_actors: List,
-              metrics: Metrics, train_rows, results: Dict) -> None:
-    figures = run_rl(config, policies, queue, reward_actors, metrics, train_rows)
+              metrics: Metrics, train_rows, results: Dict, stop: StopSignals, job_state: Dict,
+              resume: Optional[Resume]) -> None:
+    figures = run_rl(config, policies, queue, reward_actors, metrics, train_rows, stop, job_state, resume)
     for workers in policies:
         rl = figures[workers.name]
         results[workers.name]["stages"]["rl"] = {"steps": rl["steps"], "wall_s": rl["wall_s"]}
         results[workers.name]["rl"] = {**rl, "wandb_dir": metrics.wandb_dir}
-        results[workers.name]["eval"]["after_rl"] = _evaluate(workers, metrics, "after_rl")
+        if not stop.requested:
+            results[workers.name]["eval"]["after_rl"] = _evaluate(workers, metrics, "after_rl")
 
 
 def _stop(policies: List[PolicyWorkers], reward_actors: List) -> None:

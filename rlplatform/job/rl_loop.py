@@ -8,20 +8,26 @@ version back. Samples too stale for the bound are dropped and counted.
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import ray
 
 from rlplatform.config import JobConfig
+from rlplatform.job.checkpoint import latest_checkpoint, learner_dir, write_checkpoint
+from rlplatform.job.signals import StopSignals
+from rlplatform.job.supervision import WORKER_SILENT_S, Supervisor
 from rlplatform.job.workers import PolicyWorkers, publish
 from rlplatform.learners.algorithms import ADVANTAGE_ESTIMATORS, grpo_advantages
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.rl_monitor import RLMonitor
 from rlplatform.transport.buffer import Batch, GroupBuffer
+from rlplatform.transport.ledger import PromptLedger
 from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.staleness import RolloutGate
 
@@ -33,12 +39,22 @@ class RLCounters:
     samples_dropped_stale: int = 0
     samples_dropped_error: int = 0
     samples_dropped_zero_advantage: int = 0
+    samples_dropped_expired: int = 0  # samples of groups that did not complete within rl.group_timeout_s
+    groups_expired: int = 0
     reward_errors: int = 0
     reward_timeouts: int = 0
     samples_filtered: int = 0
     staleness_trained: Counter = field(default_factory=Counter)  # version gap -> samples
     learner_busy_s: float = 0.0
     weight_publish_s: float = 0.0
+
+    def state(self) -> Dict:
+        return {**asdict(self), "staleness_trained": {str(k): v for k, v in self.staleness_trained.items()}}
+
+    @classmethod
+    def from_state(cls, state: Dict) -> "RLCounters":
+        gaps = Counter({int(k): v for k, v in state["staleness_trained"].items()})
+        return cls(**{**state, "staleness_trained": gaps})
 
 
 class PolicyRun:
@@ -47,14 +63,35 @@ class PolicyRun:
     def __init__(self, job: JobConfig, workers: PolicyWorkers, queue: RewardQueue, metrics: Metrics,
                  train_rows: List[Dict]) -> None:
         self.job, self.workers, self.queue, self.rl = job, workers, queue, workers.config.rl
-        self.train_rows = train_rows
+        self.train_rows, self.metrics = train_rows, metrics
         self.counters, self.buffer = RLCounters(), GroupBuffer(self.rl.group_size)
+        self.ledger = PromptLedger(queue.client, job.name, workers.name)
         self.monitor = RLMonitor(job, self.rl, metrics, queue, workers.name, workers.keys, len(workers.rollout))
         self.monitor.last_accuracy = workers.evaluator.last_accuracy
         self.version, self.start = 0, time.perf_counter()
+        self.hold = False  # no new learner step starts while set (a checkpoint or a stop is under way)
         self._reward_counters_at_start = queue.counters(queue.keys.reward_stats)
         self._step: Optional[Tuple[list, Batch, float]] = None  # (result refs, batch, start time)
+        self._last_watch, self._silent_named = time.monotonic(), set()
+        self.trained_log = os.path.join(job.policy_dir(workers.name), "trained.jsonl")
         workers.learner.start_stage(self.rl.lr, keep_reference=self.rl.kl_coef > 0 or self.rl.track_reference_kl)
+
+    def restore(self, state: Dict, checkpoint: str, attempt: int) -> None:
+        """Continue from a checkpoint: learner, counters, ledger (in-flight prompts re-issued), gate, weights."""
+        self.workers.learner.load_checkpoint(learner_dir(checkpoint, self.workers.name))
+        self.version = state["version"]
+        self.counters = RLCounters.from_state(state["counters"])
+        self.monitor.samples_seen = self.counters.samples_trained
+        self.monitor.eval_history = state["eval_history"]
+        self.ledger.restore(state["ledger"], attempt)
+        self.workers.gate.restore(self.version * self.rl.batch_prompts)
+        _keep_lines(self.trained_log, self.version)
+        publish(self.workers, self.queue.client, self.version)
+
+    def state(self) -> Dict:
+        """What a checkpoint keeps of this policy's stage (taken with no learner step in flight)."""
+        return {"version": self.version, "counters": self.counters.state(), "ledger": self.ledger.state(),
+                "eval_history": self.monitor.eval_history}
 
     @property
     def done(self) -> bool:
@@ -67,7 +104,32 @@ class PolicyRun:
 
     def absorb(self, scored) -> None:
         self.buffer.add(scored)
+        self.counters.samples_dropped_expired = self.buffer.samples_expired
         _count_scored(scored, self.counters)
+
+    def watch(self) -> None:
+        """Every few seconds: expire groups past rl.group_timeout_s, name rollout workers gone quiet."""
+        if time.monotonic() - self._last_watch < 2.0:
+            return
+        self._last_watch = time.monotonic()
+        for group_id in self.ledger.overdue(self.rl.group_timeout_s):
+            if not self.buffer.is_complete(group_id) and self.ledger.close(group_id, "expired"):
+                self.buffer.expire(group_id)
+                self.workers.gate.release(1)
+                self.counters.groups_expired += 1
+        self.counters.samples_dropped_expired = self.buffer.samples_expired
+        self._name_silent_workers()
+
+    def _name_silent_workers(self) -> None:
+        now = time.time()
+        for index, beat in self.queue.client.hgetall(self.workers.keys.heartbeats).items():
+            silent = now - float(beat)
+            if silent > WORKER_SILENT_S and index not in self._silent_named:
+                self._silent_named.add(index)
+                self.metrics.event("worker_silent", f"rollout worker {index.decode()} of policy "
+                                   f"'{self.workers.name}' made no progress for {silent:.0f}s", self.version)
+            elif silent <= WORKER_SILENT_S:
+                self._silent_named.discard(index)
 
     def advance(self) -> bool:
         """Finish the learner step in flight, or start one if a batch is ready; True if either happened."""
@@ -76,11 +138,11 @@ class PolicyRun:
         return self._start_step()
 
     def _start_step(self) -> bool:
-        if self.version >= self.rl.max_steps:
+        if self.version >= self.rl.max_steps or self.hold:
             return False
         batch = self.buffer.take(self.rl.batch_prompts, self.version, self.rl.max_staleness,
                                  self.rl.filter_zero_advantage)
-        _count_dropped(batch, self.counters, self.workers.gate)
+        _count_dropped(batch, self.counters, self.workers.gate, self.ledger)
         if not batch.groups:
             self.monitor.idle(self.version)
             return False
@@ -103,12 +165,21 @@ class PolicyRun:
         self.counters.samples_trained += len(batch.samples)
         self.counters.staleness_trained.update(self.version - s.sample.version for s in batch.samples)
         self.version += 1
+        self._record_trained(batch)
         self._start_step()  # the next step runs while this one's weights are published
         publish_s = publish(self.workers, self.queue.client, self.version, snapshot)
         self.counters.weight_publish_s += publish_s
         self._evaluate_in_background()
         self.monitor.step(self.version, step_metrics, batch, self.counters, publish_s)
         return True
+
+    def _record_trained(self, batch: Batch) -> None:
+        """Close the batch's groups in the ledger and append its sample ids to trained.jsonl."""
+        for group in batch.groups:
+            self.ledger.close(group[0].sample.group_id, "trained")
+        with open(self.trained_log, "a") as f:
+            f.write(json.dumps({"step": self.version, "sample_ids": [s.sample.sample_id for s in batch.samples]})
+                    + "\n")
 
     def _evaluate_in_background(self) -> None:
         finished = self.workers.evaluator.poll()
@@ -130,29 +201,118 @@ class PolicyRun:
             "learner_step_s": round(self.counters.learner_busy_s, 2),
             "weight_publish_s": summary["weight_publish_s"], "weight_sync_s": summary["weight_sync_s"]}
         summary["eval_history"] = self.monitor.eval_history
+        summary["ledger"] = self.ledger.counts()
         return summary
 
 
+@dataclass
+class Resume:
+    """A checkpoint to continue from: its path and its state.json."""
+    path: str
+    state: Dict
+
+    @property
+    def attempt(self) -> int:
+        return self.state["attempt"] + 1
+
+
 def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, reward_actors: List,
-           metrics: Metrics, train_rows: List[Dict]) -> Dict[str, Dict]:
-    """Train every policy `rl.max_steps` steps from its version 0 (already published), learner steps
-    of different policies running at once; returns each policy's stage figures by name."""
+           metrics: Metrics, train_rows: List[Dict], stop: StopSignals, job_state: Dict,
+           resume: Optional[Resume] = None) -> Dict[str, Dict]:
+    """Train every policy to `rl.max_steps` from its version 0 (already published) or from `resume`,
+    learner steps of different policies running at once, checkpoints every `checkpoint.every_steps`
+    and at the end; a stop signal ends it early, checkpointed. Returns each policy's figures by name."""
     runs = {p.name: PolicyRun(job, p, queue, metrics, train_rows) for p in policies}
-    rollout_loops = {p.name: [w.run.remote() for w in p.rollout] for p in policies}
-    loops = [ref for refs in rollout_loops.values() for ref in refs] + [w.run.remote() for w in reward_actors]
-    while not all(run.done for run in runs.values()):
-        in_flight = [ref for run in runs.values() for ref in run.step_refs]
-        if in_flight:  # wake the moment the learner steps end; results wait in Redis meanwhile
-            ray.wait(in_flight, num_returns=len(in_flight), timeout=0.02)
-        for scored in queue.read_results(block_ms=None if in_flight else 20):
-            if scored.sample.policy in runs:
-                runs[scored.sample.policy].absorb(scored)
-        progressed = [run.advance() for run in runs.values()]
-        if not any(progressed):
-            _raise_if_worker_died(loops)
+    attempt = resume.attempt if resume else 0
+    for name, run in runs.items():
+        if resume:
+            run.restore(resume.state["policies"][name], resume.path, attempt)
+        else:
+            _keep_lines(run.trained_log, 0)  # a fresh start: nothing trained yet
+    supervisor = _start_loops(job, policies, reward_actors, metrics)
+    checkpoints = Checkpoints(job, runs, job_state, attempt)
+    with stop.polled():
+        while not all(run.done for run in runs.values()) and not stop.requested:
+            _turn(runs, queue)
+            supervisor.check()
+            checkpoints.maybe_save()
+        checkpoints.save_now()
     queue.request_stop()
-    ray.get(loops)
-    return {name: run.summary(ray.get(rollout_loops[name])) for name, run in runs.items()}
+    supervisor.results("reward", 600.0)
+    rollout_stats = supervisor.results("rollout", 600.0)
+    figures = {}
+    for name, run in runs.items():
+        figures[name] = run.summary([rollout_stats[f"{name}-{i}"] for i in range(len(run.workers.rollout))])
+        figures[name]["restarts"] = {"rollout": 0, "reward": 0, **supervisor.restarts,
+                                     "evaluator": run.workers.evaluator.restarts}
+        figures[name]["checkpoint"] = checkpoints.latest
+    return figures
+
+
+def _start_loops(job: JobConfig, policies: List[PolicyWorkers], reward_actors: List, metrics: Metrics) -> Supervisor:
+    supervisor = Supervisor(lambda text: metrics.event("worker_restart", text, 0))
+    for workers in policies:
+        for i, actor in enumerate(workers.rollout):
+            supervisor.start("rollout", f"{workers.name}-{i}", actor)
+    for i, actor in enumerate(reward_actors):
+        supervisor.start("reward", f"{job.name}-reward-{i}", actor)
+    return supervisor
+
+
+def _turn(runs: Dict[str, PolicyRun], queue: RewardQueue) -> None:
+    """One turn of the loop: route new results, finish or start learner steps, expire late groups."""
+    in_flight = [ref for run in runs.values() for ref in run.step_refs]
+    if in_flight:  # wake the moment the learner steps end; results wait in Redis meanwhile
+        ray.wait(in_flight, num_returns=len(in_flight), timeout=0.02)
+    for scored in queue.read_results(block_ms=None if in_flight else 20):
+        if scored.sample.policy in runs:
+            runs[scored.sample.policy].absorb(scored)
+    for run in runs.values():
+        run.advance()
+        run.watch()
+
+
+class Checkpoints:
+    """When to checkpoint and what: every `checkpoint.every_steps` of any policy, and at the end.
+
+    A checkpoint is taken between learner steps: when one is due, no new step starts until
+    every step in flight has ended, then all policies are saved together."""
+
+    def __init__(self, job: JobConfig, runs: Dict[str, PolicyRun], job_state: Dict, attempt: int) -> None:
+        self.job, self.runs, self.job_state, self.attempt = job, runs, job_state, attempt
+        self.saved = {name: run.version for name, run in runs.items()}
+        self.latest: Optional[str] = latest_checkpoint(job.run_dir)
+
+    def maybe_save(self) -> None:
+        every = self.job.checkpoint.every_steps
+        if every and any(run.version >= self.saved[name] + every for name, run in self.runs.items()):
+            for run in self.runs.values():
+                run.hold = True
+            if not any(run.step_refs for run in self.runs.values()):
+                self._save()
+
+    def save_now(self) -> None:
+        """Let the steps in flight end, then save (the stage's end, or a stop)."""
+        for run in self.runs.values():
+            run.hold = True
+        while any(run.step_refs for run in self.runs.values()):
+            _turn(self.runs, self.runs[next(iter(self.runs))].queue)
+        self._save()
+
+    def _save(self) -> None:
+        state = {**self.job_state, "attempt": self.attempt,
+                 "policies": {name: run.state() for name, run in self.runs.items()}}
+        step = sum(run.version for run in self.runs.values())
+        self.latest = write_checkpoint(self.job.run_dir, step, state, self._save_learners,
+                                       self.job.checkpoint.keep_last)
+        for name, run in self.runs.items():
+            self.saved[name] = run.version
+            run.hold = False
+        next(iter(self.runs.values())).metrics.console.note(f"checkpoint {self.latest}")
+
+    def _save_learners(self, directory: str) -> None:
+        for name, run in self.runs.items():
+            run.workers.learner.save(os.path.abspath(learner_dir(directory, name)))
 
 
 def _advantages(rl, rewards: List[List[float]]) -> List[List[float]]:
@@ -168,19 +328,25 @@ def _count_scored(scored, counters: RLCounters) -> None:
     counters.samples_filtered += scored.filtered
 
 
-def _count_dropped(batch: Batch, counters: RLCounters, gate: RolloutGate) -> None:
+def _count_dropped(batch: Batch, counters: RLCounters, gate: RolloutGate, ledger: PromptLedger) -> None:
     counters.samples_dropped_stale += sum(len(g) for g in batch.dropped_stale)
     counters.samples_dropped_error += sum(len(g) for g in batch.dropped_errors)
     counters.samples_dropped_zero_advantage += sum(len(g) for g in batch.dropped_zero_advantage)
+    for outcome, groups in (("dropped_stale", batch.dropped_stale), ("dropped_error", batch.dropped_errors),
+                            ("dropped_zero_advantage", batch.dropped_zero_advantage)):
+        for group in groups:
+            ledger.close(group[0].sample.group_id, outcome)
     gate.release(len(batch.dropped_stale) + len(batch.dropped_errors) + len(batch.dropped_zero_advantage))
 
 
-def _raise_if_worker_died(runs: List) -> None:
-    """Worker loops only return once the job stops; one that ended early has failed."""
-    finished, _ = ray.wait(runs, num_returns=len(runs), timeout=0)
-    if finished:
-        ray.get(finished)  # raises the worker's error
-        raise RuntimeError("a rollout or reward worker stopped before the job asked it to")
+def _keep_lines(path: str, last_step: int) -> None:
+    """Drop trained.jsonl lines past `last_step`: steps trained after the checkpoint resumed from."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if json.loads(line)["step"] <= last_step]
+    with open(path, "w") as f:
+        f.writelines(kept)
 
 
 def _stage_summary(counters: RLCounters, rollout_stats: List, version: int, start: float) -> Dict:
@@ -194,8 +360,10 @@ def _stage_summary(counters: RLCounters, rollout_stats: List, version: int, star
         "samples_dropped_stale": counters.samples_dropped_stale,
         "samples_dropped_error": counters.samples_dropped_error,
         "samples_dropped_zero_advantage": counters.samples_dropped_zero_advantage,
+        "samples_dropped_expired": counters.samples_dropped_expired,
+        "groups_expired": counters.groups_expired,
         "samples_unused_at_end": generated - counters.samples_trained - counters.samples_dropped_stale
-        - counters.samples_dropped_error - counters.samples_dropped_zero_advantage,
+        - counters.samples_dropped_error - counters.samples_dropped_zero_advantage - counters.samples_dropped_expired,
         "reward_errors": counters.reward_errors,
         "policy_versions": version + 1,
         "max_staleness_trained": max(counters.staleness_trained, default=0),

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import ray
+from ray.exceptions import RayActorError
 
 from rlplatform.config import EvalConfig, PolicyConfig, RewardSpec
+from rlplatform.job.supervision import EVAL_TIMEOUT_S, MAX_RESTARTS, WEIGHTS_TIMEOUT_S, JobFailed, deadline_get
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.tokenization import Prompt
 from rlplatform.transport.reward_queue import PolicyKeys
@@ -21,7 +23,9 @@ from rlplatform.transport.staleness import RolloutGate
 
 class Evaluator:
     """A spare rollout worker that evaluates held-out prompts, scored by the job's rewards, without
-    stopping training. Results are the figures of `rlplatform.monitoring.evaluation`."""
+    stopping training. Results are the figures of `rlplatform.monitoring.evaluation`.
+
+    Ray restarts its actor when its process dies; the evaluation it was running starts again."""
 
     def __init__(self, actor, prompts: List[Prompt], config: EvalConfig, rewards: List[RewardSpec],
                  imports: List[str]) -> None:
@@ -29,14 +33,19 @@ class Evaluator:
         self.rewards, self.imports = rewards, imports
         self._pending = None
         self.last_accuracy: Optional[float] = None  # pass@1 of the newest finished evaluation
+        self.restarts = 0
 
     def _call(self):
         return self.actor.evaluate_latest.remote(self.prompts, self.config, self.rewards, self.imports)
 
     def run_now(self) -> Tuple[int, Dict]:
-        version, figures = ray.get(self._call())
-        self.last_accuracy = figures["accuracy"]
-        return version, figures
+        while True:
+            try:
+                version, figures = deadline_get(self._call(), "the evaluator", EVAL_TIMEOUT_S)
+                self.last_accuracy = figures["accuracy"]
+                return version, figures
+            except RayActorError:
+                self._restarted()
 
     def start(self) -> None:
         """Begin evaluating the newest weights in the background, unless one is under way."""
@@ -47,10 +56,20 @@ class Evaluator:
         """(version, figures) of a finished background evaluation, else None."""
         if self._pending is None or not ray.wait([self._pending], timeout=0)[0]:
             return None
-        version, figures = ray.get(self._pending)
+        try:
+            version, figures = ray.get(self._pending)
+        except RayActorError:
+            self._restarted()
+            self._pending = self._call()
+            return None
         self.last_accuracy = figures["accuracy"]
         self._pending = None
         return version, figures
+
+    def _restarted(self) -> None:
+        self.restarts += 1
+        if self.restarts > MAX_RESTARTS:
+            raise JobFailed(f"the evaluator died {self.restarts} times; see the Ray logs") from None
 
 
 @dataclass
@@ -76,6 +95,7 @@ def publish(workers: PolicyWorkers, client, version: int, snapshot: Optional[ray
     learner's current weights. Returns the seconds it took."""
     start = time.perf_counter()
     ref = snapshot if snapshot is not None else workers.learner.publish_weights()
-    ray.get(workers.weight_store.publish.remote(version, [ref]))
+    deadline_get(workers.weight_store.publish.remote(version, [ref]), f"the weight store of policy '{workers.name}'",
+                 WEIGHTS_TIMEOUT_S)
     client.set(workers.keys.version, version)
     return time.perf_counter() - start

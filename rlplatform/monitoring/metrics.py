@@ -31,7 +31,8 @@ def wandb_mode(mode: str) -> str:
 
 
 class Metrics:
-    def __init__(self, config: JobConfig, run_dir: str) -> None:
+    def __init__(self, config: JobConfig, run_dir: str, run_id: Optional[str] = None) -> None:
+        """`run_id`: a resumed job's W&B run, continued rather than started anew."""
         self.run: Optional[wandb.Run] = None
         self.online = False
         self.events_path = os.path.join(run_dir, "events.jsonl")
@@ -43,6 +44,7 @@ class Metrics:
         if mode != "disabled":
             self.run = wandb.init(project=config.wandb.project, entity=config.wandb.entity,
                                   name=config.name, dir=run_dir, mode=mode, config=to_dict(config),
+                                  id=run_id, resume="allow" if run_id else None,
                                   settings=wandb.Settings(console="off", silent=True))
         self.console = ProgressLine()
 

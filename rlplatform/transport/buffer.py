@@ -4,7 +4,7 @@ Scored samples arrive one by one, in any order; the buffer assembles them into g
 completions of one prompt) and hands the learner batches of complete groups, oldest policy
 version first. Groups over the staleness bound, and groups left with fewer than two
 samples once reward errors and filter drops are removed, are dropped and counted, never
-trained on.
+trained on; so are groups expired before they completed (a sample lost to dead letters).
 """
 
 from __future__ import annotations
@@ -39,9 +39,14 @@ class GroupBuffer:
         self._partial: Dict[str, Group] = {}
         self._complete: List[Group] = []
         self._completed_ids: Set[str] = set()  # groups already complete: later redeliveries are ignored
+        self._expired_ids: Set[str] = set()  # groups given up on: their late results are dropped
+        self.samples_expired = 0  # samples of expired groups, dropped
 
     def add(self, scored: ScoredSample) -> None:
         group_id = scored.sample.group_id
+        if group_id in self._expired_ids:
+            self.samples_expired += 1
+            return
         if group_id in self._completed_ids:
             return  # a redelivered result of a group already complete
         group = self._partial.setdefault(group_id, [])
@@ -51,6 +56,14 @@ class GroupBuffer:
         if len(group) == self.group_size:
             self._completed_ids.add(group_id)
             self._complete.append(self._partial.pop(group_id))
+
+    def is_complete(self, group_id: str) -> bool:
+        return group_id in self._completed_ids
+
+    def expire(self, group_id: str) -> None:
+        """Give up on an incomplete group: drop what arrived of it and whatever arrives later."""
+        self._expired_ids.add(group_id)
+        self.samples_expired += len(self._partial.pop(group_id, []))
 
     def ready(self) -> int:
         return len(self._complete)

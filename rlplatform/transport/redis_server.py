@@ -92,7 +92,8 @@ class EmbeddedRedis:
 
     def _launch(self, timeout_s: float) -> bool:
         self._process = subprocess.Popen([redis_binary(), "-"], stdin=subprocess.PIPE,  # `-`: config on stdin
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                         start_new_session=True)  # a Ctrl-C to the job's group must not stop it first
         try:
             self._process.stdin.write(self._config().encode())
             self._process.stdin.close()

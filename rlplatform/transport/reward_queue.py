@@ -78,6 +78,7 @@ class PolicyKeys:
         self.groups_started = f"{prefix}:groups-started"
         self.groups_dropped = f"{prefix}:groups-dropped"
         self.rollout_stats = f"{prefix}:rollout-stats"  # counters summed over the policy's rollout workers
+        self.heartbeats = f"{prefix}:heartbeats"  # rollout worker index -> time its loop last went round
 
 
 class RewardQueue:
@@ -149,11 +150,13 @@ class RewardQueue:
         pipe.xdel(self.keys.requests, msg_id)
         pipe.execute()
 
-    def reclaim(self, consumer: str, min_idle_ms: int, count: int) -> List[Tuple[str, bytes, int]]:
-        """Take over requests another consumer has held unacknowledged for `min_idle_ms`
-        (it died or hangs): (message id, payload, times delivered before) for each."""
+    def reclaim(self, consumer: str, min_idle_ms: int, count: int,
+                owner: Optional[str] = None) -> List[Tuple[str, bytes, int]]:
+        """Take over requests another consumer (or `owner` alone: a worker restarted under the same
+        name) has held unacknowledged for `min_idle_ms` (it died or hangs): (message id, payload,
+        times delivered before) for each."""
         pending = self.client.xpending_range(self.keys.requests, GROUP, min="-", max="+", count=count,
-                                             idle=min_idle_ms)
+                                             consumername=owner, idle=min_idle_ms)
         if not pending:
             return []
         deliveries = {_text(p["message_id"]): int(p["times_delivered"]) for p in pending}

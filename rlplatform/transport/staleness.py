@@ -5,6 +5,7 @@ Rollout workers claim groups before generating them; a worker holding weights of
 may have at most (w + max_staleness + 1) * batch_prompts groups in play (started and not
 dropped), so what it makes is fresh enough when the learner gets to it. Claims are atomic
 counters on Redis shared by all rollout workers of a policy; `max_staleness: 0` makes RL synchronous.
+Groups that will never be trained on (dropped, expired, abandoned by a dead worker) are released.
 """
 
 from __future__ import annotations
@@ -49,3 +50,10 @@ class RolloutGate:
         """Give back capacity for groups that will never be trained on (dropped)."""
         if groups:
             self.client.incrby(self.keys.groups_dropped, groups)
+
+    def restore(self, groups_in_play: int) -> None:
+        """Continue from a checkpoint whose learner has used `groups_in_play` groups' allowance."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.set(self.keys.groups_started, groups_in_play)
+        pipe.set(self.keys.groups_dropped, 0)
+        pipe.execute()

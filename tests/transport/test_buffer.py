@@ -141,3 +141,15 @@ def test_zero_advantage_groups_are_filtered_and_counted_when_asked():
     batch = buffer.take(batch_prompts=1, learner_version=0, max_staleness=0, filter_zero_advantage=True)
     assert [g[0].sample.group_id for g in batch.groups] == ["mixed"]
     assert [g[0].sample.group_id for g in batch.dropped_zero_advantage] == ["same"]
+
+
+def test_an_expired_group_drops_what_arrived_and_what_arrives_later():
+    buffer = GroupBuffer(group_size=3)
+    buffer.add(scored("lost", 0))
+    buffer.add(scored("lost", 1))
+    buffer.expire("lost")
+    assert buffer.samples_expired == 2
+    buffer.add(scored("lost", 2))  # late: the group would complete now, but it expired
+    assert buffer.samples_expired == 3 and buffer.ready() == 0 and not buffer.is_complete("lost")
+    fill(buffer, "kept")
+    assert buffer.ready() == 1 and buffer.is_complete("kept")

@@ -1,0 +1,107 @@
+"""Supervision of the job's long-running worker loops (rollout and reward workers) and deadlines
+on every remote wait.
+
+Workers run as Ray actors that Ray restarts when their process dies; `Supervisor` notices a
+loop that ended with the actor's death, calls the loop again on the restarted actor and counts
+the restart by kind. `deadline_get` is `ray.get` with a deadline and a message naming what hung.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Dict, List
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+WORKER_SILENT_S = 120.0  # a rollout worker whose loop has not gone round this long is named in an alert
+MAX_RESTARTS = 10  # per actor: Ray gives up on an actor that died this often, and the job fails
+LEARNER_TIMEOUT_S = 3600.0  # one learner call (a step, a checkpoint) on the largest models
+WEIGHTS_TIMEOUT_S = 600.0  # publishing one weight snapshot
+EVAL_TIMEOUT_S = 3600.0  # one held-out evaluation
+
+
+class JobFailed(RuntimeError):
+    """The job cannot go on; the one-line message says why and how to resume."""
+
+
+class LearnerDied(JobFailed):
+    """A learner rank's process died: its state is gone and the job must resume from a checkpoint."""
+
+
+class WorkerHung(JobFailed):
+    """A remote call passed its deadline; the message names the worker."""
+
+
+def deadline_get(refs, what: str, timeout_s: float):
+    """`ray.get(refs)`, failing after `timeout_s` with a message naming `what` did not answer."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except RayActorError as err:
+        if getattr(err, "actor_id", None) and "LearnerRank" in str(err):
+            raise LearnerDied(f"a learner rank died ({what}: {type(err).__name__})") from None
+        raise
+    except GetTimeoutError:
+        raise WorkerHung(f"{what} did not answer within {timeout_s:.0f}s; it hangs or its node is lost "
+                         f"(see the Ray logs under /tmp/ray/session_latest/logs)") from None
+
+
+@dataclass
+class _Loop:
+    kind: str  # rollout, reward
+    name: str
+    actor: object
+    ref: ray.ObjectRef
+
+
+class Supervisor:
+    """The worker loops of a stage: restarts dead ones, collects their results at the end."""
+
+    def __init__(self, note: Callable[[str], None]) -> None:
+        self.note = note
+        self.restarts: Counter = Counter()
+        self._loops: List[_Loop] = []
+
+    def start(self, kind: str, name: str, actor) -> None:
+        self._loops.append(_Loop(kind, name, actor, actor.run.remote()))
+
+    def check(self) -> None:
+        """Restart the loop of every worker whose actor died; a loop that returned early is an error."""
+        refs = [loop.ref for loop in self._loops]
+        finished, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for loop in self._loops:
+            if loop.ref in finished:
+                self._handle_finished(loop)
+
+    def _handle_finished(self, loop: _Loop) -> None:
+        try:
+            ray.get(loop.ref)
+        except RayActorError as err:
+            self.restarts[loop.kind] += 1
+            if self.restarts[loop.kind] > MAX_RESTARTS * max(1, self._count(loop.kind)):
+                raise RuntimeError(f"{loop.kind} worker {loop.name} keeps dying: {err}") from None
+            self.note(f"{loop.kind} worker {loop.name} died; restarted it (restart {self.restarts[loop.kind]} "
+                      f"of {loop.kind} workers)")
+            loop.ref = loop.actor.run.remote()
+            return
+        raise RuntimeError(f"{loop.kind} worker {loop.name} stopped before the job asked it to")
+
+    def _count(self, kind: str) -> int:
+        return sum(loop.kind == kind for loop in self._loops)
+
+    def results(self, kind: str, timeout_s: float) -> Dict[str, object]:
+        """Each `kind` worker's loop result by name, once the stop flag has ended the loops."""
+        loops = [loop for loop in self._loops if loop.kind == kind]
+        deadline = time.monotonic() + timeout_s
+        results = {}
+        for loop in loops:
+            while loop.name not in results:
+                try:
+                    results[loop.name] = deadline_get(loop.ref, f"{kind} worker {loop.name}",
+                                                      max(1.0, deadline - time.monotonic()))
+                except RayActorError:  # died while stopping: its restart sees the stop flag at once
+                    self.restarts[kind] += 1
+                    loop.ref = loop.actor.run.remote()
+        return results

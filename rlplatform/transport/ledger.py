@@ -1,0 +1,158 @@
+"""The prompt ledger: every group a rollout worker starts, from issue to its end, kept on Redis.
+
+Rollout workers take prompts from it (`issue`: prompts a dead worker abandoned first, then the
+next positions of a seeded shuffle of the training rows); the RL loop closes each group once
+as trained, dropped, expired or abandoned. Its counts balance: issued = closed + still open.
+Its `state` goes into every checkpoint, so a resumed job re-issues what was in flight.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from functools import lru_cache
+from typing import Dict, List, Tuple
+
+import redis
+
+OUTCOMES = ("trained", "dropped_stale", "dropped_error", "dropped_zero_advantage", "expired", "abandoned")
+
+# KEYS: reissue, cursor, seq, open, claimed, attempt, counts. ARGV: groups, worker, now, policy.
+_ISSUE = """
+local out = {}
+local attempt = redis.call('GET', KEYS[6]) or '0'
+for i = 1, tonumber(ARGV[1]) do
+  local prompt = redis.call('LPOP', KEYS[1])
+  if prompt then
+    redis.call('HINCRBY', KEYS[7], 'reissued', 1)
+  else
+    prompt = tostring(redis.call('INCR', KEYS[2]) - 1)
+  end
+  local group = ARGV[4] .. '-a' .. attempt .. '-g' .. redis.call('INCR', KEYS[3])
+  redis.call('HSET', KEYS[4], group, prompt .. ' ' .. ARGV[3])
+  redis.call('HSET', KEYS[5], group, ARGV[2])
+  redis.call('HINCRBY', KEYS[7], 'issued', 1)
+  table.insert(out, group)
+  table.insert(out, prompt)
+end
+return out
+"""
+
+# KEYS: open, claimed, counts. ARGV: group, outcome. Returns 1 the first time a group is closed.
+_CLOSE = """
+if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('HINCRBY', KEYS[3], ARGV[2], 1)
+return 1
+"""
+
+# KEYS: open, claimed, counts, reissue. ARGV: worker. Returns how many groups it abandoned.
+_ABANDON = """
+local claimed = redis.call('HGETALL', KEYS[2])
+local abandoned = 0
+for i = 1, #claimed, 2 do
+  if claimed[i + 1] == ARGV[1] then
+    local entry = redis.call('HGET', KEYS[1], claimed[i])
+    redis.call('HDEL', KEYS[2], claimed[i])
+    if entry then
+      redis.call('HDEL', KEYS[1], claimed[i])
+      redis.call('RPUSH', KEYS[4], string.match(entry, '^(%S+)'))
+      redis.call('HINCRBY', KEYS[3], 'abandoned', 1)
+      abandoned = abandoned + 1
+    end
+  end
+end
+return abandoned
+"""
+
+
+@lru_cache(maxsize=4)
+def _shuffle(seed: int, rows: int, epoch: int) -> Tuple[int, ...]:
+    order = list(range(rows))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return tuple(order)
+
+
+def prompt_row(position: int, rows: int, seed: int) -> int:
+    """The training row at prompt `position`: each pass over the data is a fresh seeded shuffle."""
+    return _shuffle(seed, rows, position // rows)[position % rows]
+
+
+class PromptLedger:
+    """One policy's ledger on Redis, shared by its rollout workers and the RL loop."""
+
+    def __init__(self, client: redis.Redis, job: str, policy: str) -> None:
+        self.client, self.policy = client, policy
+        prefix = f"rlp:{job}:policy:{policy}:ledger"
+        self.open, self.claimed, self.counts_key = f"{prefix}:open", f"{prefix}:claimed", f"{prefix}:counts"
+        self.reissue, self.cursor, self.seq = f"{prefix}:reissue", f"{prefix}:cursor", f"{prefix}:seq"
+        self.attempt = f"{prefix}:attempt"
+        self._issue = client.register_script(_ISSUE)
+        self._close = client.register_script(_CLOSE)
+        self._abandon = client.register_script(_ABANDON)
+
+    def issue(self, worker: int, groups: int) -> List[Tuple[str, int]]:
+        """(group id, prompt position) for `groups` new groups claimed by rollout worker `worker`."""
+        if groups <= 0:
+            return []
+        keys = [self.reissue, self.cursor, self.seq, self.open, self.claimed, self.attempt, self.counts_key]
+        flat = self._issue(keys=keys, args=[groups, worker, f"{time.time():.3f}", self.policy])
+        return [(_text(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
+
+    def submitted(self, group_ids: List[str]) -> None:
+        """These groups are in the reward queue now: a restart of their worker no longer abandons them."""
+        if group_ids:
+            self.client.hdel(self.claimed, *group_ids)
+
+    def close(self, group_id: str, outcome: str) -> bool:
+        """End a group as `outcome`; False when it had already ended (it counts once)."""
+        return bool(self._close(keys=[self.open, self.claimed, self.counts_key], args=[group_id, outcome]))
+
+    def abandon_worker(self, worker: int) -> int:
+        """A restarted worker's predecessor's unsubmitted groups: closed, their prompts queued for re-issue."""
+        return int(self._abandon(keys=[self.open, self.claimed, self.counts_key, self.reissue], args=[worker]))
+
+    def overdue(self, timeout_s: float) -> List[str]:
+        """Open groups claimed more than `timeout_s` ago."""
+        cutoff = time.time() - timeout_s
+        return [_text(group) for group, entry in self.client.hgetall(self.open).items()
+                if float(entry.split()[1]) < cutoff]
+
+    def counts(self) -> Dict[str, int]:
+        """issued, reissued, each outcome, and `open` (issued and not ended yet)."""
+        stored = {_text(k): int(v) for k, v in self.client.hgetall(self.counts_key).items()}
+        counts = {name: stored.get(name, 0) for name in ("issued", "reissued", *OUTCOMES)}
+        counts["open"] = int(self.client.hlen(self.open))
+        return counts
+
+    def state(self) -> Dict:
+        """What a checkpoint keeps: the data position, the counts and the prompts still in flight."""
+        in_flight = [int(entry.split()[0]) for entry in self.client.hvals(self.open)]
+        in_flight += [int(p) for p in self.client.lrange(self.reissue, 0, -1)]
+        counts = self.counts()
+        return {"cursor": int(self.client.get(self.cursor) or 0), "seq": int(self.client.get(self.seq) or 0),
+                "counts": {k: v for k, v in counts.items() if k != "open"}, "open": counts["open"],
+                "in_flight_prompts": in_flight}
+
+    def restore(self, state: Dict, attempt: int) -> None:
+        """Continue from a checkpoint's `state`: prompts in flight then are re-issued first."""
+        counts = dict(state["counts"])
+        counts["abandoned"] = counts.get("abandoned", 0) + state["open"]
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(self.open, self.claimed, self.reissue, self.counts_key)
+        pipe.set(self.cursor, state["cursor"])
+        pipe.set(self.seq, state["seq"])
+        pipe.set(self.attempt, attempt)
+        pipe.hset(self.counts_key, mapping=counts)
+        if state["in_flight_prompts"]:
+            pipe.rpush(self.reissue, *state["in_flight_prompts"])
+        pipe.execute()
+
+
+def balanced(counts: Dict[str, int]) -> bool:
+    """Every issued group ended in exactly one outcome or is still open."""
+    return counts["issued"] == sum(counts[name] for name in OUTCOMES) + counts["open"]
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

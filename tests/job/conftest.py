@@ -1,0 +1,56 @@
+"""A tiny job for reliability tests, and waiting on its progress from a second thread."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from rlplatform.config import JobConfig, load_config
+
+TINY = ["model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=128", "sft.enabled=false",
+        "data.train_size=300", "data.test_size=8", "eval.batch_size=8", "rl.batch_prompts=2", "rl.group_size=4",
+        "rl.max_new_tokens=4", "rollout.prompts_per_batch=4", "rollout.num_cpus=0.5", "learner.num_cpus=0.5",
+        "reward_workers.num_cpus=0.25", "wandb.mode=disabled"]
+
+
+@pytest.fixture
+def tiny_job(tmp_path):
+    """`tiny_job(name, *overrides)`: a JobConfig of a tiny RL-only job writing under tmp_path."""
+    def make(name: str, *overrides: str) -> JobConfig:
+        return load_config(None, [f"output_dir={tmp_path}", f"name={name}", *TINY, *overrides])
+    return make
+
+
+class RunFiles:
+    """What a running job's directory says about its progress (read from another thread)."""
+
+    @staticmethod
+    def trained_steps(run_dir: str) -> int:
+        path = Path(run_dir) / "trained.jsonl"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    @staticmethod
+    def wait_for(condition, timeout_s: float = 240.0, poll_s: float = 0.2) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if time.monotonic() > deadline:
+                raise TimeoutError("condition not met in time")
+            time.sleep(poll_s)
+
+    @staticmethod
+    def trained_ids(run_dir: str) -> list:
+        path = Path(run_dir) / "trained.jsonl"
+        return [i for line in path.read_text().splitlines() for i in json.loads(line)["sample_ids"]]
+
+    def redis_url(self, run_dir: str) -> str:
+        self.wait_for(lambda: os.path.exists(os.path.join(run_dir, "redis.url")))
+        return Path(run_dir, "redis.url").read_text().strip()
+
+
+@pytest.fixture
+def run_files() -> RunFiles:
+    return RunFiles()

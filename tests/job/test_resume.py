@@ -1,0 +1,48 @@
+"""Checkpoints and resume: a job stopped by SIGTERM after a few steps writes a checkpoint and an
+`interrupted` summary; resumed, it reaches the same final step, re-issues the prompts that were
+in flight, trains no sample twice, and its prompt ledger balances."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+from rlplatform.job.checkpoint import latest_checkpoint, read_state
+from rlplatform.job.controller import run_job
+from rlplatform.transport.ledger import balanced
+
+
+def test_stopped_job_resumes_to_the_same_final_step_training_nothing_twice(ray_session, tiny_job, run_files):
+    config = tiny_job("resumed", "rl.max_steps=6", "checkpoint.every_steps=2", "checkpoint.keep_last=2",
+                      "resume=auto")
+
+    def stop_after_three_steps():
+        run_files.wait_for(lambda: run_files.trained_steps(config.run_dir) >= 3)
+        os.kill(os.getpid(), signal.SIGTERM)
+    thread = threading.Thread(target=stop_after_three_steps, daemon=True)
+    thread.start()
+    first = run_job(config)
+    thread.join()
+    assert first["status"] == "interrupted" and first["exit_code"] == 143
+    stopped_at = first["rl"]["steps"]
+    assert 3 <= stopped_at < 6
+    checkpoint = latest_checkpoint(config.run_dir)
+    assert checkpoint.endswith(f"step-{stopped_at:06d}") and first["rl"]["checkpoint"] == checkpoint
+    kept = sorted(os.listdir(os.path.dirname(checkpoint)))
+    assert len(kept) == 2 and not any(name.startswith(".tmp") for name in kept)  # keep_last, nothing half-written
+    state = read_state(checkpoint)["policies"]["policy"]
+    assert state["version"] == stopped_at and state["counters"]["samples_trained"] == stopped_at * 2 * 4
+    in_flight = len(state["ledger"]["in_flight_prompts"])
+
+    second = run_job(config)
+    assert second["status"] == "completed" and second["rl"]["steps"] == 6
+    ids = run_files.trained_ids(config.run_dir)
+    assert len(ids) == len(set(ids)) == 6 * 2 * 4
+    ledger = second["rl"]["ledger"]
+    assert ledger["trained"] == 6 * 2 and balanced(ledger)
+    assert ledger["reissued"] >= in_flight  # what was in flight at the checkpoint was issued again
+    assert second["rl"]["samples_trained"] == 6 * 2 * 4
+    with open(os.path.join(config.run_dir, "summary.json")) as f:
+        assert json.load(f)["status"] == "completed"

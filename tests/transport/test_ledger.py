@@ -1,0 +1,63 @@
+"""The prompt ledger on a real Redis: prompts issued in shuffled passes, each group ending once,
+a dead worker's unsubmitted groups re-issued, overdue groups found, and a checkpoint's state
+restored with what was in flight issued again first."""
+
+from __future__ import annotations
+
+import time
+
+from rlplatform.transport.ledger import PromptLedger, balanced, prompt_row
+
+
+def test_each_pass_over_the_rows_is_a_fresh_shuffle_of_all_of_them():
+    first = [prompt_row(p, 10, seed=3) for p in range(10)]
+    second = [prompt_row(p, 10, seed=3) for p in range(10, 20)]
+    assert sorted(first) == sorted(second) == list(range(10)) and first != second
+    assert first == [prompt_row(p, 10, seed=3) for p in range(10)]
+
+
+def test_groups_end_once_and_the_counts_balance(redis_client):
+    ledger = PromptLedger(redis_client, "job", "p")
+    issued = ledger.issue(worker=0, groups=3)
+    assert [position for _, position in issued] == [0, 1, 2]
+    assert len({group for group, _ in issued}) == 3
+    assert ledger.close(issued[0][0], "trained") and not ledger.close(issued[0][0], "expired")
+    assert ledger.close(issued[1][0], "dropped_stale")
+    counts = ledger.counts()
+    assert counts["issued"] == 3 and counts["trained"] == 1 and counts["dropped_stale"] == 1
+    assert counts["expired"] == 0 and counts["open"] == 1 and balanced(counts)
+
+
+def test_a_restarted_worker_abandons_only_its_unsubmitted_groups_and_they_are_issued_again(redis_client):
+    ledger = PromptLedger(redis_client, "job", "p")
+    mine = ledger.issue(worker=1, groups=3)
+    other = ledger.issue(worker=2, groups=1)
+    ledger.submitted([mine[0][0]])  # in the reward queue: not abandoned
+    assert ledger.abandon_worker(1) == 2
+    again = ledger.issue(worker=1, groups=3)
+    assert [p for _, p in again] == [mine[1][1], mine[2][1], other[0][1] + 1]
+    counts = ledger.counts()
+    assert counts["abandoned"] == 2 and counts["reissued"] == 2 and counts["open"] == 5 and balanced(counts)
+
+
+def test_overdue_groups_are_those_claimed_before_the_timeout(redis_client):
+    ledger = PromptLedger(redis_client, "job", "p")
+    (old, _), = ledger.issue(worker=0, groups=1)
+    time.sleep(0.3)
+    ledger.issue(worker=0, groups=1)
+    assert ledger.overdue(0.2) == [old]
+
+
+def test_restored_state_issues_what_was_in_flight_first_under_new_group_ids(redis_client):
+    ledger = PromptLedger(redis_client, "job", "p")
+    before = ledger.issue(worker=0, groups=4)
+    ledger.close(before[0][0], "trained")
+    state = ledger.state()
+    redis_client.flushdb()  # a fresh Redis for the resumed job
+    resumed = PromptLedger(redis_client, "job", "p")
+    resumed.restore(state, attempt=1)
+    after = resumed.issue(worker=0, groups=4)
+    assert [p for _, p in after] == [1, 2, 3, 4]  # the three in flight, then the next position
+    assert not {g for g, _ in after} & {g for g, _ in before}
+    counts = resumed.counts()
+    assert counts["trained"] == 1 and counts["abandoned"] == 3 and counts["issued"] == 8 and balanced(counts)
