@@ -88,7 +88,8 @@ def completion_logprobs(model, prompts: List[List[int]], completions: List[List[
     exist for the whole batch in either pass.
     """
     device = next(model.parameters()).device
-    if _shared_prompt_tokens(prompts, completions) < sum(len(p) + len(c) for p, c in zip(prompts, completions)):
+    packed_tokens = sum(len(p) + len(c) for p, c in zip(prompts, completions))
+    if _can_share_prompts(model) and _shared_prompt_tokens(prompts, completions) < packed_tokens:
         hidden, targets, index = _shared_prompt_forward(model, prompts, completions, pad_id, device)
     else:
         batch = pack(prompts, completions, pad_id)
@@ -138,6 +139,27 @@ def _token_scores(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Te
 def _scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-completion-token values (in mask order) placed at their mask positions, 0 elsewhere."""
     return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask.bool(), values)
+
+
+def _can_share_prompts(model) -> bool:
+    """Whether the KV cache survives the forward: Hugging Face layers under activation checkpointing
+    drop it in training mode, and then only packed rows are correct."""
+    module = _unwrap(model)
+    return not (module.is_gradient_checkpointing and module.training)
+
+
+def micro_batches(lengths: List[int], max_tokens: int) -> List[List[int]]:
+    """Consecutive indices grouped so that each group's lengths sum to at most `max_tokens` (a longer
+    single item gets a group of its own); `max_tokens` 0 keeps everything in one group."""
+    groups: List[List[int]] = []
+    load = 0
+    for i, length in enumerate(lengths):
+        if not groups or (max_tokens and load + length > max_tokens):
+            groups.append([])
+            load = 0
+        groups[-1].append(i)
+        load += length
+    return groups
 
 
 def _unwrap(model) -> torch.nn.Module:

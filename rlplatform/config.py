@@ -143,6 +143,8 @@ class LearnerConfig:
     grad_clip: float = above(1.0, 0)  # gradient norm clip
     num_threads: int = at_least(1, 1)  # torch threads per rank
     num_cpus: float = at_least(1.0, 0)  # Ray CPUs reserved per rank
+    micro_batch_tokens: int = at_least(0, 0)  # prompt+completion tokens per forward/backward; a larger minibatch accumulates over several (0: all at once)
+    activation_checkpointing: bool = False  # recompute each layer's activations in backward: less memory, about a third more compute
 
 
 @dataclass
