@@ -145,7 +145,7 @@ def _can_share_prompts(model) -> bool:
     """Whether the KV cache survives the forward: Hugging Face layers under activation checkpointing
     drop it in training mode, and then only packed rows are correct."""
     module = _unwrap(model)
-    return not (module.is_gradient_checkpointing and module.training)
+    return not (module.training and any(getattr(m, "gradient_checkpointing", False) for m in module.modules()))
 
 
 def micro_batches(lengths: List[int], max_tokens: int) -> List[List[int]]:
