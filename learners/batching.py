@@ -6,7 +6,8 @@ Both the SFT and the RL step score completions given prompts, with the cheaper o
   when lengths vary;
 - shared prompts: when many completions answer the same prompt (a GRPO group), each distinct
   prompt runs once and its KV cache, repeated per completion, serves all of them.
-Either way the log-prob of every completion token comes back in one row per sequence.
+Either way only the completion positions go through the output head, a bounded number of tokens
+at a time, and the log-prob of every completion token comes back in one row per sequence.
 """
 
 from __future__ import annotations

@@ -99,7 +99,8 @@ class LearnerRank:
         if keep_reference:
             self.reference, _ = load_policy(self.model_path)
             self.reference.load_state_dict(self._full_state_dict(every_rank=True))
-            self.reference.to(self.engine.device).eval().requires_grad_(False)
+            dtype = next(self.engine.module.parameters()).dtype
+            self.reference.to(self.engine.device, dtype).eval().requires_grad_(False)  # as the policy
 
     def sft_step(self, rows: List[Dict]) -> Dict[str, float]:
         """One optimizer step on prompt -> answer+EOS, loss on the answer tokens only."""
