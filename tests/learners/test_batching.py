@@ -66,3 +66,21 @@ def test_entropy_carries_no_gradient_unless_asked(tiny_policy):
     prompts, completions = GROUPS["packed"]
     scores = completion_logprobs(model, prompts, completions, pad_id=0, chunk_tokens=3)
     assert scores.logprobs.requires_grad and not scores.entropy.requires_grad
+
+
+def test_activation_checkpointing_scores_shared_prompt_groups_correctly(tiny_policy):
+    """Hugging Face layers drop the KV cache under activation checkpointing in training mode, so such a
+    model must get packed rows even where sharing prompts is cheaper: same scores and gradients."""
+    prompts, completions = GROUPS["shared_prompt"]
+
+    def scored(checkpointing):
+        model, _ = load_policy(tiny_policy)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
+        scores = completion_logprobs(model, prompts, completions, pad_id=0)
+        return scores.logprobs.detach(), gradient(model, (scores.logprobs * scores.mask).sum())
+
+    (plain, plain_grad), (checkpointed, checkpointed_grad) = scored(False), scored(True)
+    torch.testing.assert_close(checkpointed, plain, atol=1e-5, rtol=0)
+    torch.testing.assert_close(checkpointed_grad, plain_grad, atol=1e-5, rtol=1e-4)
