@@ -1,6 +1,6 @@
 """Peak learner memory of one RL step against completion length: a Qwen2-architecture policy with the
 151,936-token vocabulary and a small body, 128 completions (16 prompts x 8) of 128, 256 and 512 tokens,
-scored with chunked output-head log-probs and `learner.micro_batch_tokens`. Each setting runs in a fresh
+scored with chunked output-head log-probs and `learner.micro_batch_tokens` (`--prompts` sets the groups). Each setting runs in a fresh
 process (one DeepSpeed ZeRO-1 rank, no Ray) whose peak RSS (on CUDA: max allocated) is its figure.
 Writes results/memory.md.
 
@@ -24,7 +24,7 @@ import time
 from typing import Dict, List
 
 VOCAB = 151_936
-PROMPTS, GROUP, PROMPT_TOKENS = 16, 8, 32
+GROUP, PROMPT_TOKENS = 8, 32
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -48,7 +48,7 @@ def rss_mb() -> float:
         return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
 
 
-def one_step(policy: str, completion_tokens: int, micro_batch_tokens: int, threads: int) -> Dict:
+def one_step(policy: str, prompts: int, completion_tokens: int, micro_batch_tokens: int, threads: int) -> Dict:
     """Child process: set up one learner rank, run one RL step, report its memory."""
     import torch
 
@@ -64,7 +64,7 @@ def one_step(policy: str, completion_tokens: int, micro_batch_tokens: int, threa
     rank.start_stage(lr=1e-5)
     rng = random.Random(0)
     samples, advantages = [], []
-    for p in range(PROMPTS):
+    for p in range(prompts):
         prompt = [rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)]
         for g in range(GROUP):
             completion = [rng.randrange(VOCAB) for _ in range(completion_tokens)]
@@ -93,7 +93,7 @@ def write_table(rows: List[Dict], args: argparse.Namespace, command: str) -> str
         f"Date: {datetime.date.today().isoformat()}. Command: `{command}`.",
         "",
         f"Policy: Qwen2 architecture, vocabulary {VOCAB:,}, hidden {args.hidden}, 2 layers, tied embeddings, float32. "
-        f"Batch: {PROMPTS} prompts x {GROUP} completions = {PROMPTS * GROUP} completions, prompts of {PROMPT_TOKENS} "
+        f"Batch: {args.prompts} prompts x {GROUP} completions = {args.prompts * GROUP} completions, prompts of {PROMPT_TOKENS} "
         f"tokens; one optimizer step (1 minibatch, 1 epoch), `learner.micro_batch_tokens: {args.micro_batch_tokens}`, "
         "log-probs through the output head in chunks (`learners/batching.py`, LOGIT_CHUNK_ELEMENTS). "
         "Each setting runs in a fresh process; peak RSS is that process's `ru_maxrss` (everything: Python, torch, "
@@ -112,10 +112,10 @@ def write_table(rows: List[Dict], args: argparse.Namespace, command: str) -> str
         lines += ["", "CUDA max allocated (MB): " + ", ".join(
             f"{r['completion_tokens']} tokens: {r['cuda_peak_allocated_mb']}" for r in rows)]
     longest = rows[-1]["completion_tokens"]
-    logits_gb = PROMPTS * GROUP * (PROMPT_TOKENS + longest) * VOCAB * 4 / 1e9
+    logits_gb = args.prompts * GROUP * (PROMPT_TOKENS + longest) * VOCAB * 4 / 1e9
     lines += ["", "The unchunked computation (full-vocabulary float32 logits, log-softmax and entropy for the whole batch "
               f"at once) was not run: at {longest} completion tokens its float32 logits alone are "
-              f"{PROMPTS * GROUP} x {PROMPT_TOKENS + longest} x {VOCAB:,} x 4 bytes = {logits_gb:.0f} GB, "
+              f"{args.prompts * GROUP} x {PROMPT_TOKENS + longest} x {VOCAB:,} x 4 bytes = {logits_gb:.0f} GB, "
               "and the log-softmax and the backward hold several tensors of that size; this machine has far less memory."]
     return "\n".join(lines) + "\n"
 
@@ -123,6 +123,7 @@ def write_table(rows: List[Dict], args: argparse.Namespace, command: str) -> str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 256, 512])
+    parser.add_argument("--prompts", type=int, default=16, help="groups of 8 completions")
     parser.add_argument("--micro-batch-tokens", type=int, default=8192)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
@@ -130,14 +131,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         policy, tokens = json.loads(args.child)
-        print(json.dumps(one_step(policy, tokens, args.micro_batch_tokens, args.threads)))
+        print(json.dumps(one_step(policy, args.prompts, tokens, args.micro_batch_tokens, args.threads)))
         return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         policy = build_policy(tmp, args.hidden)
         for tokens in args.tokens:
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps([policy, tokens]),
-                                  "--micro-batch-tokens", str(args.micro_batch_tokens), "--hidden", str(args.hidden),
+                                  "--prompts", str(args.prompts), "--micro-batch-tokens", str(args.micro_batch_tokens),
+                                  "--hidden", str(args.hidden),
                                   "--threads", str(args.threads)], capture_output=True, text=True, check=True)
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(rows[-1], flush=True)
