@@ -113,10 +113,12 @@ def write_table(rows: List[Dict], args: argparse.Namespace, command: str) -> str
             f"{r['completion_tokens']} tokens: {r['cuda_peak_allocated_mb']}" for r in rows)]
     longest = rows[-1]["completion_tokens"]
     logits_gb = args.prompts * GROUP * (PROMPT_TOKENS + longest) * VOCAB * 4 / 1e9
-    lines += ["", "The unchunked computation (full-vocabulary float32 logits, log-softmax and entropy for the whole batch "
-              f"at once) was not run: at {longest} completion tokens its float32 logits alone are "
-              f"{args.prompts * GROUP} x {PROMPT_TOKENS + longest} x {VOCAB:,} x 4 bytes = {logits_gb:.0f} GB, "
-              "and the log-softmax and the backward hold several tensors of that size; this machine has far less memory."]
+    full_gb = 16 * GROUP * (PROMPT_TOKENS + 512) * VOCAB * 4 / 1e9
+    lines += ["", "Not measured: the unchunked computation (full-vocabulary float32 logits, log-softmax and entropy "
+              "for the whole batch at once), which this script does not run. Its float32 logits alone are "
+              f"{args.prompts * GROUP} x {PROMPT_TOKENS + longest} x {VOCAB:,} x 4 bytes = {logits_gb:.1f} GB for this "
+              f"batch at {longest} tokens ({full_gb:.0f} GB for 128 completions of 512), and the log-softmax, the "
+              "entropy and the backward each hold tensors of that size."]
     return "\n".join(lines) + "\n"
 
 
