@@ -7,14 +7,29 @@ corrections turn proximal and behaviour log-probs into per-token importance weig
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
 import torch
 
+
+@dataclass
+class Totals:
+    """The counts a loss over tokens is divided by. A minibatch scored in parts (micro-batches, ranks)
+    passes every part the whole minibatch's totals, so the parts' losses and gradients sum to the whole's."""
+    tokens: float  # masked tokens
+    completions: float  # sequences
+
+    @staticmethod
+    def of(mask: torch.Tensor) -> "Totals":
+        """The totals of the (batch, tokens) mask itself."""
+        return Totals(mask.sum().item(), mask.shape[0])
+
+
 Metrics = Dict[str, float]
 Groups = List[List[float]]  # rewards or advantages, one inner list per prompt
 Correction = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-Aggregation = Callable[[torch.Tensor, torch.Tensor, Optional[int]], torch.Tensor]
+Aggregation = Callable[[torch.Tensor, torch.Tensor, Optional[int], Optional[Totals]], torch.Tensor]
 Entry = TypeVar("Entry")
 
 
@@ -91,22 +106,28 @@ CORRECTIONS: Dict[str, Correction] = {
 }
 
 
-def token_mean(values: torch.Tensor, mask: torch.Tensor, max_tokens: Optional[int] = None) -> torch.Tensor:
-    """Sum over every masked token of the batch / number of masked tokens."""
-    return (values * mask).sum() / mask.sum().clamp(min=1)
+def token_mean(values: torch.Tensor, mask: torch.Tensor, max_tokens: Optional[int] = None,
+               totals: Optional[Totals] = None) -> torch.Tensor:
+    """Sum over every masked token of the batch / number of masked tokens (of `totals`, when given)."""
+    totals = totals or Totals.of(mask)
+    return (values * mask).sum() / max(totals.tokens, 1)
 
 
-def sequence_mean(values: torch.Tensor, mask: torch.Tensor, max_tokens: Optional[int] = None) -> torch.Tensor:
+def sequence_mean(values: torch.Tensor, mask: torch.Tensor, max_tokens: Optional[int] = None,
+                  totals: Optional[Totals] = None) -> torch.Tensor:
     """Mean over the tokens of each completion, then mean over completions (GRPO's length normalisation)."""
-    return ((values * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    totals = totals or Totals.of(mask)
+    return ((values * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / max(totals.completions, 1)
 
 
-def fixed_length(values: torch.Tensor, mask: torch.Tensor, max_tokens: Optional[int] = None) -> torch.Tensor:
+def fixed_length(values: torch.Tensor, mask: torch.Tensor, max_tokens: Optional[int] = None,
+                 totals: Optional[Totals] = None) -> torch.Tensor:
     """Sum over masked tokens / (completions x `max_tokens`), a constant denominator (Dr. GRPO)."""
     if max_tokens is None or max_tokens <= 0:
         raise ValueError(f"aggregation 'fixed_length' needs max_tokens > 0 (the generation length limit), "
                          f"got {max_tokens!r}")
-    return (values * mask).sum() / (mask.shape[0] * max_tokens)
+    totals = totals or Totals.of(mask)
+    return (values * mask).sum() / (max(totals.completions, 1) * max_tokens)
 
 
 AGGREGATIONS: Dict[str, Aggregation] = {
@@ -126,12 +147,14 @@ def _lookup(registry: Dict[str, Entry], name: str, kind: str) -> Entry:
 def policy_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
                 advantages: torch.Tensor, mask: torch.Tensor, correction: str = "truncated_is",
                 clip_eps: float = 0.2, is_cap: float = 2.0, aggregation: str = "token_mean",
-                max_tokens: Optional[int] = None) -> Tuple[torch.Tensor, Metrics]:
+                max_tokens: Optional[int] = None, totals: Optional[Totals] = None) -> Tuple[torch.Tensor, Metrics]:
     """PPO-clip surrogate on r = pi_theta / pi_prox, weighted per token by `correction`, then aggregated.
 
     Per token: loss_t = -w_t * min(r_t * A, clip(r_t, 1 - clip_eps, 1 + clip_eps) * A), with
     w_t = CORRECTIONS[correction](proximal, behaviour, is_cap) and A the completion's advantage.
     Shapes: log-probs and mask (batch, tokens); advantages (batch,). `max_tokens` is for "fixed_length".
+    With `totals` (a part of a larger minibatch) the loss and the token-averaged metrics are this part's
+    share of the minibatch's: summing them over the parts gives the minibatch's values.
     """
     weigh = _lookup(CORRECTIONS, correction, "correction")
     aggregate = _lookup(AGGREGATIONS, aggregation, "aggregation")
@@ -143,8 +166,8 @@ def policy_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behavio
     advantage = advantages.unsqueeze(-1)
     unclipped = ratio * advantage
     clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantage
-    loss = aggregate(-weight * torch.minimum(unclipped, clipped), mask, max_tokens)
-    tokens = mask.sum().clamp(min=1)
+    loss = aggregate(-weight * torch.minimum(unclipped, clipped), mask, max_tokens, totals)
+    tokens = max((totals or Totals.of(mask)).tokens, 1)
     clipped_selected = (clipped < unclipped).detach() & masked
     mismatch = torch.where(masked, (proximal - behaviour).abs(), torch.zeros_like(proximal))
     return loss, {
@@ -156,11 +179,13 @@ def policy_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behavio
     }
 
 
-def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, coef: float) -> torch.Tensor:
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, coef: float,
+                  totals: Optional[Totals] = None) -> torch.Tensor:
     """Term to add to the loss: -coef x token-mean entropy (entropy per token, with grad)."""
-    return -coef * token_mean(entropy, mask)
+    return -coef * token_mean(entropy, mask, totals=totals)
 
 
-def sft_auxiliary_loss(logprobs: torch.Tensor, mask: torch.Tensor, coef: float) -> torch.Tensor:
+def sft_auxiliary_loss(logprobs: torch.Tensor, mask: torch.Tensor, coef: float,
+                       totals: Optional[Totals] = None) -> torch.Tensor:
     """Term to add to the loss: coef x token-mean negative log-likelihood of the masked tokens."""
-    return coef * -token_mean(logprobs, mask)
+    return coef * -token_mean(logprobs, mask, totals=totals)

@@ -6,7 +6,8 @@ Both the SFT and the RL step score completions given prompts, with the cheaper o
   when lengths vary;
 - shared prompts: when many completions answer the same prompt (a GRPO group), each distinct
   prompt runs once and its KV cache, repeated per completion, serves all of them.
-Either way the log-prob of every completion token comes back in one row per sequence.
+Either way only the completion positions go through the output head, a bounded number of tokens
+at a time, and the log-prob of every completion token comes back in one row per sequence.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
+from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
 ROW_TOKENS = 64  # packed row length, unless one sequence is longer
@@ -67,36 +69,120 @@ def pack(prompts: List[List[int]], completions: List[List[int]], pad_id: int,
 
 @dataclass
 class TokenScores:
-    logprobs: torch.Tensor  # (batch, T-1) log-prob of each next token
+    logprobs: torch.Tensor  # (batch, T-1) log-prob of each next completion token, 0 elsewhere
     mask: torch.Tensor  # (batch, T-1) 1 on completion tokens
-    entropy: torch.Tensor  # (batch, T-1) entropy of each next-token distribution
+    entropy: torch.Tensor  # (batch, T-1) entropy of each next-token distribution, 0 off completion tokens
+
+
+LOGIT_CHUNK_ELEMENTS = 2 ** 25  # vocabulary logits alive at once (128 MiB in float32): tokens per chunk
 
 
 def completion_logprobs(model, prompts: List[List[int]], completions: List[List[int]], pad_id: int,
                         temperature: float = 1.0, entropy_grad: bool = False,
-                        token_mask: Optional[List[List[int]]] = None) -> TokenScores:
+                        chunk_tokens: int = 0, token_mask: Optional[List[List[int]]] = None) -> TokenScores:
     """Score completions given prompts in whichever layout feeds the model fewer tokens; the entropy
     carries a gradient only with `entropy_grad` (an entropy bonus needs it, metrics do not).
-    `token_mask` (0/1 per completion token) keeps only some completion tokens in the mask."""
+    `token_mask` (0/1 per completion token) keeps only some completion tokens in the mask.
+
+    `model` is a Hugging Face causal LM or a DeepSpeed engine around one. Its body runs once; the
+    output head then projects only the completion positions, `chunk_tokens` at a time (0: as many
+    as fit LOGIT_CHUNK_ELEMENTS), each chunk recomputed in backward, so no full-vocabulary logits
+    exist for the whole batch in either pass.
+    """
     device = next(model.parameters()).device
-    if _shared_prompt_tokens(prompts, completions) < sum(len(p) + len(c) for p, c in zip(prompts, completions)):
-        logits, targets, index = _shared_prompt_forward(model, prompts, completions, pad_id, device)
+    packed_tokens = sum(len(p) + len(c) for p, c in zip(prompts, completions))
+    if _can_share_prompts(model) and _shared_prompt_tokens(prompts, completions) < packed_tokens:
+        hidden, targets, index = _shared_prompt_forward(model, prompts, completions, pad_id, device)
     else:
         batch = pack(prompts, completions, pad_id)
         input_ids, index = batch.input_ids.to(device), batch.index.to(device)
-        logits = model(input_ids=input_ids, position_ids=batch.position_ids.to(device), use_cache=False).logits[:, :-1]
+        hidden = _final_hidden(model, input_ids=input_ids, position_ids=batch.position_ids.to(device),
+                               use_cache=False)[:, :-1]
         targets = input_ids[:, 1:]
-    logits = logits.float()
+    mask = _completion_mask(prompts, completions)
+    if token_mask is not None:
+        mask = mask * align_per_token(token_mask, prompts, mask.shape[1])
+    mask = mask.to(device)
+    wanted = index[mask.bool()]  # flat positions of the completion tokens, in (batch, T-1) mask order
+    head = _unwrap(model).get_output_embeddings()
+    chunk = chunk_tokens or max(1, LOGIT_CHUNK_ELEMENTS // head.out_features)
+    row, column = wanted // targets.shape[1], wanted % targets.shape[1]
+    logprobs, entropy = chunked_token_scores(head, hidden[row, column], targets[row, column], temperature,
+                                             entropy_grad, chunk)
+    return TokenScores(_scatter(logprobs, mask), mask, _scatter(entropy, mask))
+
+
+def chunked_token_scores(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                         entropy_grad: bool, chunk_tokens: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(log-prob of each target, entropy of each distribution) for hidden states (N, H) under the output
+    head, `chunk_tokens` rows at a time; with grad, each chunk's logits are recomputed in backward."""
+    logprobs, entropies = [], []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        args = (head, hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens], temperature,
+                entropy_grad)
+        if torch.is_grad_enabled():
+            logprob, entropy = checkpoint(_token_scores, *args, use_reentrant=False)
+        else:
+            logprob, entropy = _token_scores(*args)
+        logprobs.append(logprob)
+        entropies.append(entropy)
+    return torch.cat(logprobs), torch.cat(entropies)
+
+
+def _token_scores(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                  entropy_grad: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    logits = head(hidden).float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     all_logprobs = torch.log_softmax(logits, dim=-1)
     logprobs = all_logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(all_logprobs.exp() * all_logprobs).sum(-1)
-    mask = _completion_mask(prompts, completions)
-    if token_mask is not None:
-        mask = mask * align_per_token(token_mask, prompts, mask.shape[1])
-    return TokenScores(logprobs.reshape(-1)[index], mask.to(device), entropy.reshape(-1)[index])
+    return logprobs, entropy
+
+
+def _scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-completion-token values (in mask order) placed at their mask positions, 0 elsewhere."""
+    return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask.bool(), values)
+
+
+def _can_share_prompts(model) -> bool:
+    """Whether the KV cache survives the forward: Hugging Face layers under activation checkpointing
+    drop it in training mode, and then only packed rows are correct."""
+    module = _unwrap(model)
+    return not (module.training and any(getattr(m, "gradient_checkpointing", False) for m in module.modules()))
+
+
+def micro_batches(lengths: List[int], max_tokens: int) -> List[List[int]]:
+    """Consecutive indices grouped so that each group's lengths sum to at most `max_tokens` (a longer
+    single item gets a group of its own); `max_tokens` 0 keeps everything in one group."""
+    groups: List[List[int]] = []
+    load = 0
+    for i, length in enumerate(lengths):
+        if not groups or (max_tokens and load + length > max_tokens):
+            groups.append([])
+            load = 0
+        groups[-1].append(i)
+        load += length
+    return groups
+
+
+def _unwrap(model) -> torch.nn.Module:
+    """The Hugging Face model inside a DeepSpeed engine, or the model itself."""
+    return getattr(model, "module", model)
+
+
+def _final_hidden(model, **inputs) -> torch.Tensor:
+    """The body's final hidden states (batch, L, H), from a forward through `model` itself (so a
+    DeepSpeed engine does its per-forward bookkeeping) that projects no position onto the vocabulary."""
+    captured = []
+    body = _unwrap(model).get_decoder()
+    hook = body.register_forward_hook(lambda module, args, output: captured.append(output.last_hidden_state))
+    try:
+        model(**inputs, logits_to_keep=torch.zeros(0, dtype=torch.long, device=inputs["input_ids"].device))
+    finally:
+        hook.remove()
+    return captured[0]
 
 
 def _completion_mask(prompts: List[List[int]], completions: List[List[int]]) -> torch.Tensor:
@@ -115,12 +201,12 @@ def _shared_prompt_tokens(prompts: List[List[int]], completions: List[List[int]]
 
 def _shared_prompt_forward(model, prompts: List[List[int]], completions: List[List[int]], pad_id: int,
                            device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logits, target tokens, index) with each distinct prompt run once, left-padded, and every
-    completion run right-padded on a copy of its prompt's KV cache (gradients flow back through it).
+    """(final hidden states, target tokens, index) with each distinct prompt run once, left-padded, and
+    every completion run right-padded on a copy of its prompt's KV cache (gradients flow back through it).
 
-    logits[i, j] predicts completion token j of sequence i: the prompt pass's last position gives
+    hidden[i, j] predicts completion token j of sequence i: the prompt pass's last position gives
     j = 0, the completion pass the rest. `index` places them as `pack` does: (batch, W) flat
-    positions into logits[:, :, 0], position t holding the prediction of the sequence's token t + 1.
+    positions into hidden[:, :, 0], position t holding the prediction of the sequence's token t + 1.
     """
     distinct: dict = {}
     owner = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts])
@@ -133,8 +219,8 @@ def _shared_prompt_forward(model, prompts: List[List[int]], completions: List[Li
     owner, prompt_ids, prompt_mask = owner.to(device), prompt_ids.to(device), prompt_mask.to(device)
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
-    prompt_logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
-                          past_key_values=cache, use_cache=True).logits[:, -1]
+    prompt_hidden = _final_hidden(model, input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
+                                  past_key_values=cache, use_cache=True)[:, -1]
     cache = DynamicCache(ddp_cache_data=[(layer.keys[owner], layer.values[owner]) for layer in cache.layers])
     targets = torch.full((len(prompts), completion_len), pad_id, dtype=torch.long)
     index = torch.zeros((len(prompts), max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1),
@@ -144,10 +230,10 @@ def _shared_prompt_forward(model, prompts: List[List[int]], completions: List[Li
         index[i, len(p) - 1:len(p) - 1 + len(c)] = i * completion_len + torch.arange(len(c))
     targets, index = targets.to(device), index.to(device)
     attention = torch.cat([prompt_mask[owner], torch.ones_like(targets)], dim=1)
-    completion_logits = model(input_ids=targets, attention_mask=attention,
-                              position_ids=positions[owner, -1:] + 1 + torch.arange(completion_len, device=device),
-                              past_key_values=cache, use_cache=True).logits[:, :-1]
-    return torch.cat([prompt_logits[owner].unsqueeze(1), completion_logits], dim=1), targets, index
+    completion_hidden = _final_hidden(model, input_ids=targets, attention_mask=attention,
+                                      position_ids=positions[owner, -1:] + 1 + torch.arange(completion_len, device=device),
+                                      past_key_values=cache, use_cache=True)[:, :-1]
+    return torch.cat([prompt_hidden[owner].unsqueeze(1), completion_hidden], dim=1), targets, index
 
 
 def align_per_token(values: List[List[float]], prompts: List[List[int]], width: int) -> torch.Tensor:

@@ -23,6 +23,15 @@ def shard(items: Sequence[T], parts: int) -> List[List[T]]:
     return [list(items[i::parts]) for i in range(parts)]
 
 
+def shard_minibatches(items: Sequence[T], ranks: int, minibatches: int) -> List[List[T]]:
+    """Each rank's share such that its items j::m (m = min(minibatches, len(items))) are its part of
+    the batch's minibatch j, items[j::m]: blocks of m consecutive items dealt to the ranks in turn.
+    Minibatches are then the same whatever the number of ranks."""
+    m = max(1, min(minibatches, len(items)))
+    blocks = [list(items[start:start + m]) for start in range(0, len(items), m)]
+    return [[item for block in blocks[r::ranks] for item in block] for r in range(ranks)]
+
+
 class LearnerGroup:
     def __init__(self, config: LearnerConfig, model_path: str, seed: int, dtype: str = "float32",
                  chat_template: str = "auto", name: Optional[str] = None) -> None:
@@ -58,7 +67,8 @@ class LearnerGroup:
         n = len(self.ranks)
         sft_parts = shard(sft_rows, n) if sft_rows else [None] * n
         return [rank.rl_step_and_publish.remote(s, a, rl, r, step) for rank, s, a, r in
-                zip(self.ranks, shard(samples, n), shard(advantages, n), sft_parts)]
+                zip(self.ranks, shard_minibatches(samples, n, rl.minibatches),
+                    shard_minibatches(advantages, n, rl.minibatches), sft_parts)]
 
     @staticmethod
     def gather(refs: List[ray.ObjectRef]) -> Tuple[Dict[str, float], ray.ObjectRef]:

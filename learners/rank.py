@@ -19,8 +19,8 @@ import torch
 
 from rlplatform.config import LearnerConfig, RLConfig
 from rlplatform.devices import resolve_device
-from rlplatform.learners.algorithms import entropy_bonus, policy_loss, sft_auxiliary_loss, token_mean
-from rlplatform.learners.batching import TokenScores, align_per_token, completion_logprobs
+from rlplatform.learners.algorithms import Totals, entropy_bonus, policy_loss, sft_auxiliary_loss, token_mean
+from rlplatform.learners.batching import TokenScores, align_per_token, completion_logprobs, micro_batches
 from rlplatform.learners.losses import reference_kl, sft_loss
 from rlplatform.policy import load_policy
 from rlplatform.tokenization import encode_sft
@@ -29,14 +29,24 @@ from rlplatform.transport.weights import to_snapshot
 
 
 @dataclass
-class Minibatch:
-    """One minibatch of an RL step, with what stays fixed across its updates."""
+class MicroBatch:
+    """The samples of one forward/backward, with what stays fixed across their updates."""
     prompts: List[List[int]]
     completions: List[List[int]]
     advantages: torch.Tensor  # (batch,)
     behaviour: torch.Tensor  # (batch, T-1) log-probs recorded by the rollout workers
-    proximal: Optional[torch.Tensor]  # (batch, T-1) under the weights at entry; None: a single update
+    proximal: Optional[torch.Tensor]  # (batch, T-1) under the weights at entry, unless those are the trained ones
     reference: Optional[torch.Tensor]  # (batch, T-1) under the frozen reference, when kept
+    live: bool  # False: a stand-in so every rank runs the same passes; its loss counts 0
+
+
+@dataclass
+class Minibatch:
+    """One optimizer step's samples on this rank, in micro-batches, and the totals of the whole
+    minibatch over every rank that its loss is normalised by."""
+    parts: List[MicroBatch]
+    totals: Totals
+    proximal_is_current: bool  # the batch's only update: the weights trained are the proximal ones
 
 
 class LearnerRank:
@@ -77,6 +87,9 @@ class LearnerRank:
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo",
                                    auto_mpi_discovery=False)
         model, self.tokenizer = load_policy(self.model_path, self.dtype)
+        if self.config.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()  # Hugging Face layers checkpoint only in training mode
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=self._deepspeed_config())
 
@@ -118,7 +131,8 @@ class LearnerRank:
         if keep_reference:
             self.reference, _ = load_policy(self.model_path, self.dtype)
             self.reference.load_state_dict(self._full_state_dict(every_rank=True))
-            self.reference.to(self.engine.device).eval().requires_grad_(False)
+            dtype = next(self.engine.module.parameters()).dtype
+            self.reference.to(self.engine.device, dtype).eval().requires_grad_(False)  # as the policy
 
     def sft_step(self, rows: List[Dict]) -> Dict[str, float]:
         """One optimizer step on prompt -> answer+EOS, loss on the answer tokens only."""
@@ -137,63 +151,152 @@ class LearnerRank:
         """`rl.ppo_epochs` passes over `rl.minibatches` minibatches of the clipped, importance-weighted
         policy gradient (plus the KL, entropy and SFT terms rl asks for), at the learning rate of RL
         step `step` (the stage's rate under `rl.lr_schedule`). The proximal policy is the weights at
-        entry, so several updates per batch stay PPO-clipped against it."""
+        entry, so several updates per batch stay PPO-clipped against it: when every token was generated
+        at version `step` (the learner's current weights) the behaviour log-probs serve as proximal ones.
+
+        Every rank runs the same optimizer steps and passes whatever its share of the batch (an empty
+        share runs stand-in passes), and losses are normalised by the minibatch's totals over all ranks,
+        so the update does not depend on the number of ranks. Metrics are averaged over all updates."""
         for group in self.engine.optimizer.param_groups:
             group["lr"] = self.stage_lr * lr_scale(rl, step)
-        parts = max(1, min(rl.minibatches, len(samples)))
+        stale = sum(v != step for s in samples for v in s.token_versions)
+        total_samples, stale = self._all_reduce([len(samples), stale])
+        parts = max(1, min(rl.minibatches, int(total_samples)))
         single_update = parts == 1 and rl.ppo_epochs == 1
-        minibatches = [self._prepare(samples[i::parts], advantages[i::parts], rl, single_update)
-                       for i in range(parts)]
-        metrics: Dict[str, float] = {}
+        recompute_proximal = not single_update and stale > 0
+        minibatches = self._plan(samples, advantages, parts, single_update)
+        minibatches = [self._prepare(m, rl, recompute_proximal) for m in minibatches]
+        sums: Dict[str, float] = {}
+        grad_norms = []
         for _ in range(rl.ppo_epochs):
             for minibatch in minibatches:
-                metrics = self._policy_update(minibatch, rl, sft_rows)
+                _accumulate(sums, self._policy_update(minibatch, rl, sft_rows))
+                grad_norms.append(self._grad_norm())
+        metrics = self._global_mean(sums, rl.ppo_epochs * len(minibatches))
+        metrics.update(grad_norm=sum(grad_norms) / len(grad_norms), lr=self.engine.optimizer.param_groups[0]["lr"],
+                       tokens=self._local_tokens(minibatches))
         return metrics
 
-    @torch.no_grad()
-    def _prepare(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
-                 single_update: bool) -> "Minibatch":
-        prompts, completions = [s.prompt_ids for s in samples], [s.completion_ids for s in samples]
-        pad_id = self.tokenizer.pad_token_id
-        proximal = None if single_update else \
-            completion_logprobs(self.engine, prompts, completions, pad_id, rl.temperature).logprobs
-        reference = None if self.reference is None else \
-            completion_logprobs(self.reference, prompts, completions, pad_id, rl.temperature).logprobs
+    def _plan(self, samples: List[Sample], advantages: List[float], parts: int,
+              single_update: bool) -> List[Minibatch]:
+        """This rank's minibatch j (its samples j::parts), each split into micro-batches of at most
+        `micro_batch_tokens`, padded with stand-ins to the most micro-batches any rank has."""
+        shares = [list(range(j, len(samples), parts)) for j in range(parts)]
+        splits = [[[share[k] for k in group] for group in micro_batches(
+            [len(samples[i].prompt_ids) + len(samples[i].completion_ids) for i in share],
+            self.config.micro_batch_tokens)] if share else [] for share in shares]
+        counts = self._all_reduce([len(split) for split in splits], op="max")
+        sizes = self._all_reduce([x for share in shares for x in (
+            sum(len(samples[i].completion_ids) for i in share), len(share))])
+        minibatches = []
+        for j, split in enumerate(splits):
+            groups = split + [[]] * (int(counts[j]) - len(split))
+            micro = [self._micro_batch([samples[i] for i in g], [advantages[i] for i in g]) for g in groups]
+            minibatches.append(Minibatch(micro, Totals(sizes[2 * j], sizes[2 * j + 1]), single_update))
+        return minibatches
+
+    def _micro_batch(self, samples: List[Sample], advantages: List[float]) -> MicroBatch:
+        """The samples' micro-batch; none: a one-token stand-in whose loss counts 0."""
+        live = bool(samples)
+        if not live:
+            pad = self.tokenizer.pad_token_id
+            prompts, completions, behaviour, advantages = [[pad]], [[pad]], [[0.0]], [0.0]
+        else:
+            prompts, completions = [s.prompt_ids for s in samples], [s.completion_ids for s in samples]
+            behaviour = [s.behaviour_logprobs for s in samples]
         width = max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1
         device = self.engine.device
-        behaviour = align_per_token([s.behaviour_logprobs for s in samples], prompts, width).to(device)
-        return Minibatch(prompts, completions, torch.tensor(advantages, dtype=torch.float32, device=device), behaviour,
-                         proximal, reference)
+        return MicroBatch(prompts, completions, torch.tensor(advantages, dtype=torch.float32, device=device),
+                          align_per_token(behaviour, prompts, width).to(device), None, None, live)
 
-    def _policy_update(self, batch: "Minibatch", rl: RLConfig, sft_rows: Optional[List[Dict]]) -> Dict[str, float]:
-        scores = completion_logprobs(self.engine, batch.prompts, batch.completions, self.tokenizer.pad_token_id,
+    @torch.no_grad()
+    def _prepare(self, minibatch: Minibatch, rl: RLConfig, recompute_proximal: bool) -> Minibatch:
+        """Proximal (recomputed at entry, or the behaviour log-probs) and reference log-probs per micro-batch."""
+        pad_id = self.tokenizer.pad_token_id
+        for part in minibatch.parts:
+            if not minibatch.proximal_is_current:
+                part.proximal = completion_logprobs(self.engine, part.prompts, part.completions, pad_id,
+                                                    rl.temperature).logprobs if recompute_proximal else part.behaviour
+            if self.reference is not None:
+                part.reference = completion_logprobs(self.reference, part.prompts, part.completions, pad_id,
+                                                     rl.temperature).logprobs
+        return minibatch
+
+    def _policy_update(self, minibatch: Minibatch, rl: RLConfig, sft_rows: Optional[List[Dict]]) -> Dict[str, float]:
+        """One optimizer step: gradients accumulated over the micro-batches (and the SFT rows), each
+        loss already its share of the minibatch's, times the ranks DeepSpeed averages over."""
+        sums: Dict[str, float] = {}
+        passes = [(self._rl_loss, part) for part in minibatch.parts]
+        if sft_rows is not None and rl.sft_coef:
+            passes.append((self._sft_term, sft_rows))
+        for k, (loss_of, part) in enumerate(passes):
+            self.engine.set_gradient_accumulation_boundary(k == len(passes) - 1)
+            loss, metrics = loss_of(part, minibatch, rl)
+            self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+            metrics["loss"] = loss.item()
+            _accumulate(sums, metrics)
+        self.engine.step()
+        return sums
+
+    def _rl_loss(self, part: MicroBatch, minibatch: Minibatch, rl: RLConfig) -> Tuple[torch.Tensor, Dict[str, float]]:
+        scores = completion_logprobs(self.engine, part.prompts, part.completions, self.tokenizer.pad_token_id,
                                      rl.temperature, entropy_grad=rl.entropy_coef > 0)
-        mask = scores.mask
-        proximal = batch.proximal if batch.proximal is not None else scores.logprobs.detach()
-        loss, metrics = policy_loss(scores.logprobs, proximal, batch.behaviour, batch.advantages, mask,
-                                    rl.correction, rl.clip_eps, rl.is_cap, rl.loss_aggregation, rl.max_new_tokens)
-        if batch.reference is not None:
-            kl = token_mean(reference_kl(scores.logprobs, batch.reference), mask)
+        mask, totals = scores.mask * part.live, minibatch.totals
+        proximal = scores.logprobs.detach() if minibatch.proximal_is_current else part.proximal
+        loss, metrics = policy_loss(scores.logprobs, proximal, part.behaviour, part.advantages, mask, rl.correction,
+                                    rl.clip_eps, rl.is_cap, rl.loss_aggregation, rl.max_new_tokens, totals)
+        if part.reference is not None:
+            kl = token_mean(reference_kl(scores.logprobs, part.reference), mask, totals=totals)
             loss = loss + rl.kl_coef * kl
             metrics["kl_to_reference"] = kl.item()
         if rl.entropy_coef:
-            loss = loss + entropy_bonus(scores.entropy, mask, rl.entropy_coef)
-        metrics["entropy"] = token_mean(scores.entropy.detach(), mask).item()
-        if sft_rows and rl.sft_coef:
-            sft_scores = self._sft_scores(sft_rows)
-            sft_term = sft_auxiliary_loss(sft_scores.logprobs, sft_scores.mask, rl.sft_coef)
-            loss = loss + sft_term
-            metrics["sft_loss"] = sft_term.item() / rl.sft_coef
-        metrics.update(loss=loss.item(), tokens=mask.sum().item())
-        return self._step(loss, metrics)
+            loss = loss + entropy_bonus(scores.entropy, mask, rl.entropy_coef, totals)
+        metrics["entropy"] = token_mean(scores.entropy.detach(), mask, totals=totals).item()
+        # a stand-in's loss keeps its graph (every parameter gets a gradient, as on other ranks) but counts 0
+        return loss * part.live, metrics
+
+    def _sft_term(self, rows: List[Dict], minibatch: Minibatch, rl: RLConfig) -> Tuple[torch.Tensor, Dict[str, float]]:
+        """The SFT auxiliary loss on this rank's rows, normalised by every rank's SFT tokens."""
+        live = bool(rows)
+        scores = self._sft_scores(rows) if live else completion_logprobs(
+            self.engine, [[self.tokenizer.pad_token_id]], [[self.tokenizer.pad_token_id]], self.tokenizer.pad_token_id)
+        mask = scores.mask * live
+        (tokens,) = self._all_reduce([mask.sum().item()])
+        term = sft_auxiliary_loss(scores.logprobs, mask, rl.sft_coef, Totals(tokens, len(rows)))
+        return term * live, {"sft_loss": term.item() / rl.sft_coef}
 
     def _step(self, loss: torch.Tensor, metrics: Dict[str, float]) -> Dict[str, float]:
         self.engine.backward(loss)
         self.engine.step()
-        grad_norm = self.engine.get_global_grad_norm()
-        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        metrics["grad_norm"] = self._grad_norm()
         metrics["lr"] = self.engine.optimizer.param_groups[0]["lr"]
         return metrics
+
+    def _grad_norm(self) -> float:
+        grad_norm = self.engine.get_global_grad_norm()
+        return float(grad_norm) if grad_norm is not None else 0.0
+
+    def _all_reduce(self, values: List[float], op: str = "sum") -> List[float]:
+        """`values` summed (or maximised) elementwise over every rank of the group."""
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.engine.device)
+        if self.world_size > 1 and values:
+            torch.distributed.all_reduce(tensor, torch.distributed.ReduceOp.MAX if op == "max"
+                                         else torch.distributed.ReduceOp.SUM)
+        return tensor.tolist()
+
+    def _global_mean(self, sums: Dict[str, float], updates: int) -> Dict[str, float]:
+        """Per-update averages of metric sums over every rank (maxima stay maxima)."""
+        keys = sorted(sums)
+        maxima = [k for k in keys if k.endswith("_max")]
+        added = [k for k in keys if not k.endswith("_max")]
+        totals = dict(zip(added, self._all_reduce([sums[k] for k in added])))
+        totals.update(zip(maxima, self._all_reduce([sums[k] for k in maxima], op="max")))
+        return {k: v if k in maxima else v / updates for k, v in totals.items()}
+
+    @staticmethod
+    def _local_tokens(minibatches: List[Minibatch]) -> float:
+        """Completion tokens of this rank's share of the batch (one pass over it)."""
+        return float(sum(len(c) for m in minibatches for part in m.parts if part.live for c in part.completions))
 
     def _full_state_dict(self, every_rank: bool = False) -> Optional[Dict[str, torch.Tensor]]:
         """The whole model's weights (gathered under ZeRO-3) on rank 0, or on every rank."""
@@ -247,6 +350,12 @@ class LearnerRank:
         if self.reference is not None:
             self.reference.load_state_dict(torch.load(os.path.join(checkpoint_dir, "reference.pt")))
         return client_state
+
+
+def _accumulate(sums: Dict[str, float], metrics: Dict[str, float]) -> None:
+    """Add `metrics` into `sums` in place; `_max` metrics keep their maximum."""
+    for key, value in metrics.items():
+        sums[key] = max(sums.get(key, value), value) if key.endswith("_max") else sums.get(key, 0.0) + value
 
 
 def lr_scale(rl: RLConfig, step: int) -> float:

@@ -160,6 +160,8 @@ class LearnerConfig:
     num_cpus: float = at_least(1.0, 0)  # Ray CPUs reserved per rank
     device: str = one_of("auto", "cpu", "cuda")  # auto: the GPU Ray assigns the rank when the cluster has GPUs, else CPU
     num_gpus: Optional[float] = at_least(None, 0)  # Ray GPUs per rank (a fraction shares one); unset: 1 on a GPU device, else 0
+    micro_batch_tokens: int = at_least(0, 0)  # prompt+completion tokens per forward/backward; a larger minibatch accumulates over several (0: all at once)
+    activation_checkpointing: bool = False  # recompute each layer's activations in backward: less memory, about a third more compute
 
 
 @dataclass
