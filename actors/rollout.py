@@ -153,6 +153,12 @@ class RolloutWorker:
         self._unreported_busy_s = 0.0
         return samples
 
+    def evaluate_snapshot(self, snapshot: Dict, rows: List[Dict], max_new_tokens: int, batch_size: int) -> float:
+        """Greedy accuracy of weights not published as a version (SFT in progress). They are held
+        as version -1, so the first published version replaces them."""
+        self.engine.load_weights(from_snapshot(snapshot), -1)
+        return self.evaluate(rows, max_new_tokens, batch_size)
+
     def evaluate_latest(self, rows: List[Dict], max_new_tokens: int, batch_size: int) -> tuple:
         """(version, greedy accuracy) of the newest published weights on `rows`."""
         version = self.sync_weights()

@@ -31,8 +31,10 @@ from rlplatform.transport.staleness import RolloutGate
 from rlplatform.transport.weights import WeightStore
 
 
-def run_job(config: JobConfig) -> Dict:
-    """Run the whole job; returns the summary that is also written to summary.json."""
+def run_job(config: JobConfig, started_at: Optional[float] = None) -> Dict:
+    """Run the whole job; returns the summary that is also written to summary.json. `started_at`
+    (wall clock, default now) is when start-up began: `rlp run` passes its process's start."""
+    started_at = started_at or time.time()
     run_dir = config.run_dir
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
@@ -50,7 +52,7 @@ def run_job(config: JobConfig) -> Dict:
             metrics.status = JobStatus(connect(redis_url), config.name)
             summary["wandb_dir"] = metrics.wandb_dir
             try:
-                _run_stages(config, redis_url, metrics, summary)
+                _run_stages(config, redis_url, metrics, summary, started_at)
                 summary["status"] = "completed"
             finally:
                 final = summary["status"] if summary["status"] == "completed" else "failed"
@@ -105,7 +107,7 @@ def _cpus_needed(config: JobConfig) -> float:
         for p in config.policy_list())
 
 
-def _run_stages(config: JobConfig, redis_url: str, metrics: Metrics, summary: Dict) -> None:
+def _run_stages(config: JobConfig, redis_url: str, metrics: Metrics, summary: Dict, started_at: float) -> None:
     train_rows, test_rows = load_rows(config.data, config.seed)
     client = connect(redis_url)
     queue = _open_queue(config, client)
@@ -124,6 +126,7 @@ def _run_stages(config: JobConfig, redis_url: str, metrics: Metrics, summary: Di
         for workers in policies:
             policy_dir = os.path.abspath(config.policy_dir(workers.name))
             workers.learner.save(os.path.join(policy_dir, "checkpoint"), os.path.join(policy_dir, "model"))
+        summary["startup_s"] = _startup(results, started_at)
         summary.update(results[policies[0].name])  # a one-policy job's figures sit at the top level
         if config.policies:
             summary["policies"] = results
@@ -174,7 +177,7 @@ def _supervised_stage(config: JobConfig, workers: PolicyWorkers, train_rows, met
     if workers.config.sft.enabled:
         stage = "sft" if not config.policies else f"{workers.name}/sft"
         result["stages"]["sft"] = run_sft(workers.config.sft, workers.learner, train_rows, metrics, config.seed,
-                                          stage)
+                                          stage, lambda: workers.evaluator.score(workers.learner.publish_weights()))
     publish(workers, client, 0)
     result["eval"]["after_sft"] = _evaluate(workers, metrics, "after_sft")
 
@@ -204,6 +207,19 @@ def _evaluate(workers: PolicyWorkers, metrics: Metrics, label: str) -> Dict:
     metrics.console.note(f"eval {workers.name} {label}: greedy accuracy {accuracy:.3f} on "
                          f"{len(workers.evaluator.rows)} held-out rows (policy version {version})")
     return {"accuracy": accuracy, "policy_version": version}
+
+
+def _startup(results: Dict, started_at: float) -> Dict[str, Optional[float]]:
+    """Seconds from start-up to the first SFT and the first RL learner step (of any policy);
+    moves each stage's `first_step_at` clock reading out of the per-policy figures."""
+    firsts: Dict[str, List[float]] = {"sft": [], "rl": []}
+    for result in results.values():
+        for stage, figures in (("sft", result["stages"].get("sft", {})), ("rl", result.get("rl", {}))):
+            at = figures.pop("first_step_at", None)
+            if at is not None:
+                firsts[stage].append(at)
+    return {f"to_first_{stage}_step_s": round(min(times) - started_at, 2) if times else None
+            for stage, times in firsts.items()}
 
 
 def _flat(summary: Dict, prefix: str = "") -> Dict:

@@ -33,6 +33,11 @@ class Evaluator:
         version, self.last_accuracy = ray.get(self._call())
         return version, self.last_accuracy
 
+    def score(self, snapshot: ray.ObjectRef) -> float:
+        """Greedy accuracy of weights not published as a version (an SFT stage in progress)."""
+        return ray.get(self.actor.evaluate_snapshot.remote(snapshot, self.rows, self.config.max_new_tokens,
+                                                           self.config.batch_size))
+
     def start(self) -> None:
         """Begin evaluating the newest weights in the background, unless one is under way."""
         if self._pending is None:
