@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from rlplatform.cli import _result_line
 from rlplatform.config import load_config
 from rlplatform.job.controller import run_job
 
@@ -33,6 +34,10 @@ def test_two_policies_train_side_by_side(ray_session, tmp_path, greedy_accuracy)
         assert json.loads((model_dir / "config.json").read_text())["hidden_size"] == (64 if name == "small" else 128)
         assert (tmp_path / "pair" / name / "checkpoint" / "latest").exists()
     assert summary["rl"] == summary["policies"]["small"]["rl"]  # the first policy's figures at the top level
+    line = _result_line(summary)  # the console's last line names every policy's figures
+    for name, policy in summary["policies"].items():
+        assert (f"{name}: accuracy after sft {policy['eval']['after_sft']['accuracy']:.3f}, "
+                f"accuracy after rl {policy['eval']['after_rl']['accuracy']:.3f}") in line
 
 
 def test_a_job_larger_than_the_ray_cluster_fails_with_a_clear_message(ray_session, tmp_path):
