@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from typing import Dict, List, Optional, Tuple
 
 import matplotlib
@@ -21,7 +22,7 @@ def accuracy_panels(panels: Dict[str, Tuple[Dict[str, Curve], Optional[float]]],
             ax.plot([x for x, _ in curve], [y for _, y in curve], marker=".", label=label)
         if target is not None:
             ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:.2f}")
-        ax.set_title(title, fontsize=9)
+        ax.set_title("\n".join(textwrap.wrap(title, 45)), fontsize=9)
         ax.set_xlabel(x_label)
         ax.set_ylabel("held-out greedy accuracy")
         ax.legend(fontsize=7)

@@ -45,6 +45,7 @@ def run_job(config: JobConfig, started_at: Optional[float] = None) -> Dict:
     try:
         with ExitStack() as resources:
             redis_url = _start_services(config, resources)
+            summary["startup_s"] = {"services_ready_s": round(time.time() - started_at, 2)}  # Redis and Ray up
             _record_redis_url(redis_url, run_dir)
             metrics = Metrics(config, run_dir)
             metrics.console.note(f"job status from anywhere: rlp status --redis \"$(cat {run_dir}/redis.url)\" "
@@ -117,6 +118,7 @@ def _run_stages(config: JobConfig, redis_url: str, metrics: Metrics, summary: Di
         reward_actors = _start_reward_workers(config, redis_url)
         for policy in config.policy_list():
             policies.append(_start_policy(config, policy, train_rows, test_rows, redis_url, client))
+        summary["startup_s"]["workers_ready_s"] = round(time.time() - started_at, 2)  # every actor constructed
         results = {p.name: {"stages": {}, "eval": {}} for p in policies}
         for workers in policies:
             _supervised_stage(config, workers, train_rows, metrics, client, results[workers.name])
@@ -126,7 +128,7 @@ def _run_stages(config: JobConfig, redis_url: str, metrics: Metrics, summary: Di
         for workers in policies:
             policy_dir = os.path.abspath(config.policy_dir(workers.name))
             workers.learner.save(os.path.join(policy_dir, "checkpoint"), os.path.join(policy_dir, "model"))
-        summary["startup_s"] = _startup(results, started_at)
+        summary["startup_s"].update(_startup(results, started_at))
         summary.update(results[policies[0].name])  # a one-policy job's figures sit at the top level
         if config.policies:
             summary["policies"] = results
