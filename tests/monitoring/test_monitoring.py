@@ -29,13 +29,10 @@ REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
 
 
-def wandb_cli() -> str:
-    return str(Path(sys.executable).parent / "wandb")
-
-
 def read_back(wandb_dir: str) -> dict:
-    """The run's summary as W&B's own reader prints it."""
-    out = subprocess.run([wandb_cli(), "leet", "inspect", "--summary", "--json", wandb_dir],
+    """The run's summary as W&B's own reader prints it (run as a module: a wandb installed outside
+    the virtual environment has no script beside its python)."""
+    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json", wandb_dir],
                          capture_output=True, text=True, timeout=120, check=True)
     return json.loads(out.stdout)
 
