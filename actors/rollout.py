@@ -175,6 +175,13 @@ class RolloutWorker:
                       completion=c.text, prompt_ids=c.prompt_ids, completion_ids=c.completion_ids,
                       behaviour_logprobs=c.logprobs, token_versions=c.versions, row=dict(prompt.row), created_at=now)
 
+    def evaluate_snapshot(self, snapshot: Dict, prompts: List[Prompt], config: EvalConfig, rewards: List[RewardSpec],
+                          imports: List[str]) -> Dict:
+        """Evaluation figures of weights not published as a version (SFT in progress). They are held
+        as version -1, so the first published version replaces them."""
+        self.engine.load_weights(from_snapshot(snapshot), -1)
+        return self.evaluate(prompts, config, rewards, imports)
+
     def evaluate_latest(self, prompts: List[Prompt], config: EvalConfig, rewards: List[RewardSpec],
                         imports: List[str]) -> tuple:
         """(version, evaluation figures) of the newest published weights on `prompts`."""

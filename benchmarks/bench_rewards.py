@@ -1,12 +1,35 @@
-"""Rewards used by the benchmarks: exact match behind a fixed per-sample latency, standing for a
-remote judge or a code sandbox (the slow-rewards scenario of `vs_trl.py`)."""
+"""Rewards used by the benchmarks (`vs_trl.py`), each an exact match behind a fixed cost per
+completion: `slow_exact_match` waits (I/O-bound, a remote judge: only the waiting overlaps) and
+`cpu_exact_match` computes (CPU-bound, a local verifier: gains come only from running it beside
+generation and learning and from spreading it over processes)."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import time
+
+_BLOCK = bytes(1 << 16)  # hashed over and over; hashlib releases the GIL on blocks this large
+
+
+def _exact(completion: str, answer) -> float:
+    return 1.0 if completion.strip() == str(answer).strip() else 0.0
 
 
 async def slow_exact_match(sample, delay_ms: float = 30.0) -> float:
     """1.0 when the completion is the answer, after waiting `delay_ms` as a remote judge would."""
     await asyncio.sleep(delay_ms / 1000)
-    return 1.0 if sample.completion.strip() == str(sample.answer).strip() else 0.0
+    return _exact(sample.completion, sample.answer)
+
+
+def burn_cpu(work_ms: float) -> None:
+    """Hash until this thread has used `work_ms` of CPU time (real work, slower when cores are shared)."""
+    until = time.thread_time() + work_ms / 1000
+    while time.thread_time() < until:
+        hashlib.sha256(_BLOCK).digest()
+
+
+def cpu_exact_match(sample, work_ms: float = 30.0) -> float:
+    """1.0 when the completion is the answer, after `work_ms` of CPU time spent hashing."""
+    burn_cpu(work_ms)
+    return _exact(sample.completion, sample.answer)

@@ -1,22 +1,23 @@
 """rlplatform against TRL's GRPOTrainer on the same machine, from the same starting weights.
 
-The shared base (../shared/bench/make_base.py: a tiny Qwen2 trained on addition) is built once;
-the peer is ../shared/bench/trl_peer.py, run as it is. rlplatform trains the same base on the
-same rows with the same group size, prompts per step, learning rate and completion length, in
-synchronous (`max_staleness: 0`) and asynchronous (`max_staleness: 1`) mode. Scenarios:
+The base is built in the run: ../shared/bench/make_base.py writes the model shape, tokenizer and
+addition rows, then rlplatform's SFT stage trains it until held-out greedy accuracy first reaches
+`--base-accuracy` (checked every 25 steps); each scenario's target is its measured starting
+accuracy + `--gain`. TRL runs through benchmarks/trl_runner.py (the settings of
+../shared/bench/trl_peer.py, evaluating as it trains); rlplatform runs `rlp run` in its own
+process, synchronous (`max_staleness: 0`) and asynchronous (`max_staleness: 1`). Scenarios:
 
 - overhead: the instant exact-match reward; measures framework cost against one process;
-- slow_rewards: the same reward behind a fixed per-sample latency (a remote judge);
-- long_tail: completions of 3 to 40 tokens (benchmarks/long_tail.py); TRL runs with that limit
-  through benchmarks/trl_runner.py, the peer's settings otherwise.
+- io_reward: exact match behind 30 ms of waiting per completion (async I/O, a remote judge);
+- cpu_reward: exact match behind 30 ms of computation per completion (a local verifier);
+- long_tail: completions of 3 to 40 tokens (benchmarks/long_tail.py).
 
-Per system: completions/s, wall time to a target held-out greedy accuracy, accuracy after the
-same number of completions, and the ratios rlplatform/TRL; written to results/vs_trl.md.
+Per system: trained completions/s, time to target, final accuracy, end-to-end wall time and
+start-up (process start to first learner step); a table per scenario in results/vs_trl.md and
+held-out accuracy against training time in results/vs_trl.png.
 
-Usage: python benchmarks/vs_trl.py [--base DIR | --base-steps 800] [--steps 320] [--target 0.34]
-           [--scenarios overhead slow_rewards long_tail] [--reward-delay-ms 30] [--slow-steps 20]
-           [--long-tail-steps 40] [--long-tail-target 0.55]
-Needs the `bench` extra (`pip install -e ".[dev,bench]"`: trl, datasets).
+Usage: python benchmarks/vs_trl.py [--quick] [--steps 320] [--scenarios overhead io_reward cpu_reward long_tail]
+Needs the `bench` extra (`pip install -e ".[dev,bench]"`: trl, datasets, matplotlib).
 """
 
 from __future__ import annotations
@@ -25,24 +26,23 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import date
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import long_tail  # benchmarks/long_tail.py, beside this script
-import ray
+import plots  # benchmarks/plots.py, beside this script
 
-from rlplatform.config import RewardSpec, load_config
-from rlplatform.job.controller import run_job
+from rlplatform.config import RewardSpec, load_config, to_yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_BENCH = os.path.join(os.path.dirname(REPO), "shared", "bench")
 PROMPTS, GROUP, LR, COMPLETION_TOKENS = 16, 8, 2e-4, 6
-EVAL_EVERY = 10
 
 
 @dataclass
@@ -50,165 +50,226 @@ class Result:
     """One system's figures in one scenario."""
     system: str
     steps: int
-    wall_s: float  # training wall time (no start-up, no final evaluation)
-    completions_per_s: float
+    trained: int  # completions the learner trained on
+    train_s: float  # training wall time (no start-up, no final evaluation)
+    end_to_end_s: float  # the whole process, start-up and evaluations included
+    startup_s: Optional[float]  # process start to the first learner step
+    start_accuracy: float  # held-out greedy accuracy of the starting weights
     accuracy: float  # held-out greedy accuracy after `steps` steps
-    time_to_target_s: Optional[float]  # None: target not reached within the steps run
-    breakdown: Optional[Dict[str, float]] = None  # rlplatform: seconds per component (summary time_breakdown)
+    history: List[Tuple[float, float]] = field(default_factory=list)  # (training seconds, accuracy)
+    breakdown: Optional[Dict[str, float]] = None  # rlplatform: seconds per component
 
     @property
-    def completions(self) -> int:
-        return self.steps * PROMPTS * GROUP
+    def trained_per_s(self) -> float:
+        return self.trained / self.train_s
+
+    def time_to(self, target: float) -> Optional[float]:
+        return next((seconds for seconds, accuracy in self.history if accuracy >= target), None)
 
 
-def make_base(out: str, steps: int) -> Dict:
-    subprocess.run([sys.executable, os.path.join(SHARED_BENCH, "make_base.py"), out, "--steps", str(steps)],
-                   check=True)
-    with open(os.path.join(out, "base_info.json")) as f:
-        return json.load(f)
+@dataclass
+class Scenario:
+    key: str
+    title: str
+    note: str
+    base: str
+    steps: int
+    completion_tokens: int = COMPLETION_TOKENS
+    eval_tokens: int = 5
+    reward_delay_ms: float = 0.0
+    reward_cpu_ms: float = 0.0
 
 
-def trl_peer(base: str, steps: int, delay_ms: float) -> Dict:
-    """One run of the shared TRL peer script; its JSON line."""
-    out = subprocess.run([sys.executable, os.path.join(SHARED_BENCH, "trl_peer.py"), base, "--steps", str(steps),
-                          "--prompts", str(PROMPTS), "--group", str(GROUP), "--lr", str(LR),
-                          "--reward-delay-ms", str(delay_ms), "--out", tempfile.mkdtemp()],
-                         check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+def build_base(work: str, max_steps: int, stop_at: float) -> Tuple[str, Dict]:
+    """make_base.py's model shape, tokenizer and rows, trained by rlplatform's SFT stage until held-out
+    accuracy first reaches `stop_at`; returns (base directory, SFT figures)."""
+    seed_dir = os.path.join(work, "untrained")
+    subprocess.run([sys.executable, os.path.join(SHARED_BENCH, "make_base.py"), seed_dir, "--steps", "1"],
+                   check=True, capture_output=True)
+    config = load_config(None, _data_overrides(seed_dir) + [
+        f"output_dir={work}", "name=base", "wandb.mode=disabled", "rl.enabled=false", f"sft.steps={max_steps}",
+        "sft.lr=3e-3", "sft.batch_size=128", f"sft.stop_at_accuracy={stop_at}", "sft.eval_every=25",
+        "eval.max_new_tokens=5"])
+    summary, _ = run_ours(config, work)
+    base = os.path.join(work, "base-model")
+    shutil.copytree(os.path.join(work, "base", "model"), base)
+    for name in ("train.jsonl", "test.jsonl"):
+        shutil.copy(os.path.join(seed_dir, name), base)
+    return base, {"steps": summary["stages"]["sft"]["steps"], "accuracy": summary["eval"]["after_sft"]["accuracy"]}
 
 
-def trl_evaluated(base: str, steps: int, completion_tokens: int, eval_tokens: int) -> Dict:
-    """One run of the peer's settings with held-out evaluation every EVAL_EVERY steps and a completion
-    limit of choice (benchmarks/trl_runner.py); its JSON line."""
-    runner = os.path.join(REPO, "benchmarks", "trl_runner.py")
-    out = subprocess.run([sys.executable, runner, base, "--steps", str(steps),
-                          "--max-completion-length", str(completion_tokens), "--eval-tokens", str(eval_tokens),
-                          "--eval-every", str(EVAL_EVERY), "--prompts", str(PROMPTS), "--group", str(GROUP),
-                          "--lr", str(LR), "--out", tempfile.mkdtemp()],
-                         check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+def _data_overrides(base: str) -> List[str]:
+    return ["model.kind=pretrained", f"model.path={base}", "data.kind=jsonl",
+            f"data.train_path={os.path.join(base, 'train.jsonl')}", f"data.test_path={os.path.join(base, 'test.jsonl')}"]
 
 
-def trl_result(run: Dict, target: float, evaluated: Optional[Dict] = None) -> Result:
-    """The peer's figures from `run`; time to target from the evaluation history of `evaluated` (a run
-    with the same settings that evaluates as it trains), or of `run` itself when it has one."""
-    history = (evaluated or run).get("eval_history", [])
-    reached = next((seconds for _, seconds, acc in history if acc >= target), None)
-    return Result("TRL GRPOTrainer", run["steps"], run["wall_s"], run["completions_per_s"], run["acc_after"], reached)
+def run_ours(config, work: str) -> Tuple[Dict, float]:
+    """`rlp run` on `config` in a fresh process (its own Ray and Redis); (summary, process seconds)."""
+    path = os.path.join(work, f"{config.name}.yaml")
+    with open(path, "w") as f:
+        f.write(to_yaml(config))
+    started = time.perf_counter()
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    subprocess.run([os.path.join(os.path.dirname(sys.executable), "rlp"), "run", path], check=True, cwd=REPO, env=env,
+                   stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - started
+    with open(os.path.join(config.run_dir, "summary.json")) as f:
+        return json.load(f), wall
 
 
-def ours(base: str, steps: int, staleness: int, target: float, out: str, delay_ms: float = 0.0,
-         completion_tokens: int = COMPLETION_TOKENS, eval_tokens: int = 5) -> Result:
-    config = load_config(None, [
-        f"output_dir={out}", f"name=ours-{staleness}-{int(delay_ms)}-{time.time_ns()}", "wandb.mode=disabled",
-        "model.kind=pretrained", f"model.path={base}", "data.kind=jsonl",
-        f"data.train_path={os.path.join(base, 'train.jsonl')}", f"data.test_path={os.path.join(base, 'test.jsonl')}",
-        "sft.enabled=false", f"rl.max_steps={steps}", f"rl.batch_prompts={PROMPTS}", f"rl.group_size={GROUP}",
-        f"rl.lr={LR}", f"rl.max_new_tokens={completion_tokens}", f"rl.max_staleness={staleness}",
-        "rl.temperature=1.0", "rl.track_reference_kl=false", f"eval.every_steps={EVAL_EVERY}",
-        f"eval.max_new_tokens={eval_tokens}"])
-    if delay_ms:
+def ours(scenario: Scenario, staleness: int, work: str, eval_every: int) -> Result:
+    config = load_config(None, _data_overrides(scenario.base) + [
+        f"output_dir={work}", f"name={scenario.key}-staleness-{staleness}", "wandb.mode=disabled",
+        "sft.enabled=false", f"rl.max_steps={scenario.steps}", f"rl.batch_prompts={PROMPTS}",
+        f"rl.group_size={GROUP}", f"rl.lr={LR}", f"rl.max_new_tokens={scenario.completion_tokens}",
+        f"rl.max_staleness={staleness}", "rl.temperature=1.0", "rl.track_reference_kl=false",
+        f"eval.every_steps={eval_every}", f"eval.max_new_tokens={scenario.eval_tokens}"])
+    if scenario.reward_delay_ms or scenario.reward_cpu_ms:
         config.imports = ["benchmarks.bench_rewards"]
-        config.rewards = [RewardSpec(fn="benchmarks.bench_rewards:slow_exact_match", params={"delay_ms": delay_ms})]
-    summary = run_job(config)
-    if summary["status"] != "completed":
-        raise SystemExit(f"rlplatform run failed: {summary.get('error')}")
+        fn, params = (("slow_exact_match", {"delay_ms": scenario.reward_delay_ms}) if scenario.reward_delay_ms
+                      else ("cpu_exact_match", {"work_ms": scenario.reward_cpu_ms}))
+        config.rewards = [RewardSpec(fn=f"benchmarks.bench_rewards:{fn}", params=params)]
+    summary, wall = run_ours(config, work)
     rl = summary["rl"]
-    reached = next((h["wall_s"] for h in rl["eval_history"] if h["accuracy"] >= target), None)
+    start = summary["eval"]["after_sft"]["accuracy"]  # no SFT here: the starting weights' accuracy
     mode = "sync" if staleness == 0 else f"async (staleness {staleness})"
-    return Result(f"rlplatform {mode}", steps, rl["wall_s"], rl["samples_per_s"],
-                  summary["eval"]["after_rl"]["accuracy"], reached, rl["time_breakdown"])
+    return Result(f"rlplatform {mode}", rl["steps"], rl["samples_trained"], rl["wall_s"], wall,
+                  summary["startup_s"]["to_first_rl_step_s"], start, summary["eval"]["after_rl"]["accuracy"],
+                  [(0.0, start)] + [(h["wall_s"], h["accuracy"]) for h in rl["eval_history"]], rl["time_breakdown"])
 
 
-def table(title: str, results: List[Result], note: str) -> List[str]:
+def trl(scenario: Scenario, eval_every: int) -> Result:
+    """benchmarks/trl_runner.py in its own process; GRPOTrainer trains every completion it generates."""
+    runner = os.path.join(REPO, "benchmarks", "trl_runner.py")
+    started = time.perf_counter()
+    out = subprocess.run([sys.executable, runner, scenario.base, "--steps", str(scenario.steps),
+                          "--max-completion-length", str(scenario.completion_tokens),
+                          "--eval-tokens", str(scenario.eval_tokens), "--eval-every", str(eval_every),
+                          "--prompts", str(PROMPTS), "--group", str(GROUP), "--lr", str(LR),
+                          "--reward-delay-ms", str(scenario.reward_delay_ms),
+                          "--reward-cpu-ms", str(scenario.reward_cpu_ms), "--out", tempfile.mkdtemp()],
+                         check=True, capture_output=True, text=True).stdout
+    wall = time.perf_counter() - started
+    run = json.loads(out.strip().splitlines()[-1])
+    history = [(0.0, run["acc_before"])] + [(seconds, acc) for _, seconds, acc in run["eval_history"]]
+    return Result("TRL GRPOTrainer", run["steps"], run["completions"], run["wall_s"], wall, run["startup_s"],
+                  run["acc_before"], run["acc_after"], history)
+
+
+def table(scenario: Scenario, results: List[Result], target: float) -> List[str]:
     peer = results[0]
-    lines = [f"### {title}", "", note, "",
-             "| system | steps | completions | train wall (s) | completions/s | vs TRL | time to target (s) | vs TRL "
-             "| accuracy after | ", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"### {scenario.title}", "", scenario.note, "",
+             f"Starting accuracy (rlplatform's evaluator, sync run) {results[1].start_accuracy:.3f}; "
+             f"target {target:.3f}.", "",
+             "| system | steps | trained completions | train wall (s) | trained completions/s | vs TRL "
+             "| time to target (s) | vs TRL | accuracy after | end-to-end (s) | start-up to first step (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        speed = r.completions_per_s / peer.completions_per_s
-        ttt = f"{r.time_to_target_s:.1f}" if r.time_to_target_s is not None else "not reached"
-        ttt_ratio = (f"{peer.time_to_target_s / r.time_to_target_s:.2f}x faster"
-                     if r.time_to_target_s and peer.time_to_target_s and r is not peer else "-")
-        lines.append(f"| {r.system} | {r.steps} | {r.completions} | {r.wall_s:.1f} | {r.completions_per_s:.0f} | "
-                     f"{speed:.2f}x | {ttt} | {ttt_ratio} | {r.accuracy:.3f} |")
+        reached = r.time_to(target)
+        ttt = f"{reached:.1f}" if reached is not None else "not reached"
+        ttt_ratio = (f"{peer.time_to(target) / reached:.2f}x faster"
+                     if reached and peer.time_to(target) and r is not peer else "-")
+        startup = f"{r.startup_s:.1f}" if r.startup_s is not None else "-"
+        lines.append(f"| {r.system} | {r.steps} | {r.trained} | {r.train_s:.1f} | {r.trained_per_s:.0f} | "
+                     f"{r.trained_per_s / peer.trained_per_s:.2f}x | {ttt} | {ttt_ratio} | {r.accuracy:.3f} | "
+                     f"{r.end_to_end_s:.0f} | {startup} |")
     lines += ["", "Where rlplatform's time went (seconds of the train wall time; components run at once, so they "
               "overlap; reward latency is the mean from a group's completion to its score):", "",
               "| system | wall | generation | queue submit | reward work | reward latency | learner steps | "
               "weight publish | weight sync |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results[1:]:
         b = r.breakdown
-        lines.append(f"| {r.system} | {r.wall_s:.1f} | {b['generation_s']:.1f} | {b['queue_submit_s']:.2f} | "
+        lines.append(f"| {r.system} | {r.train_s:.1f} | {b['generation_s']:.1f} | {b['queue_submit_s']:.2f} | "
                      f"{b['reward_busy_s']:.1f} | {b['reward_latency_s_mean'] * 1000:.0f} ms | "
-                     f"{b['learner_step_s']:.1f} | "
-                     f"{b['weight_publish_s']:.2f} | {b['weight_sync_s']:.2f} |")
+                     f"{b['learner_step_s']:.1f} | {b['weight_publish_s']:.2f} | {b['weight_sync_s']:.2f} |")
     return lines + [""]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--base", help="an existing make_base.py output; default: build one")
-    parser.add_argument("--base-steps", type=int, default=800, help="make_base.py SFT steps (~0.3 accuracy here)")
-    parser.add_argument("--steps", type=int, default=320)
-    parser.add_argument("--target", type=float, default=0.34, help="scenarios 1 and 2 (the base is at ~0.2)")
-    parser.add_argument("--scenarios", nargs="+", default=["overhead", "slow_rewards", "long_tail"])
-    parser.add_argument("--reward-delay-ms", type=float, default=30.0)
-    parser.add_argument("--slow-steps", type=int, default=20)
-    parser.add_argument("--long-tail-steps", type=int, default=40)
-    parser.add_argument("--long-tail-base-steps", type=int, default=300)
-    parser.add_argument("--long-tail-target", type=float, default=0.55)
-    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "vs_trl.md"))
-    args = parser.parse_args()
-    work = tempfile.mkdtemp()
-    base = args.base or os.path.join(work, "base")
-    info = make_base(base, args.base_steps) if not args.base else json.load(open(os.path.join(base, "base_info.json")))
-    sys.path.insert(0, REPO)  # benchmarks.bench_rewards, for the reward workers too
-    os.chdir(REPO)
-    ray.init(num_cpus=max(os.cpu_count() or 1, 8), include_dashboard=False, log_to_driver=False)
-    sections = []
+def scenarios(args, base: str, work: str) -> List[Scenario]:
+    reward_workers = load_config(None, []).reward_workers
+    found = []
     if "overhead" in args.scenarios:
-        steps = args.steps
-        results = [trl_result(trl_peer(base, steps, 0.0), args.target,
-                              trl_evaluated(base, steps, COMPLETION_TOKENS, eval_tokens=5)),
-                   ours(base, steps, 0, args.target, work), ours(base, steps, 1, args.target, work)]
-        sections += table("1. Overhead-bound: instant exact-match reward", results,
-                          f"TRL's completions/s and accuracy are the shared peer's; its time to target (first "
-                          f"held-out accuracy at or above {args.target}) comes from a second run with the same "
-                          f"settings that evaluates every {EVAL_EVERY} steps, the clock stopped while it evaluates "
-                          f"(`benchmarks/trl_runner.py`). rlplatform evaluates every {EVAL_EVERY} steps on a spare "
-                          f"worker while it trains (dated when the evaluated version was published).")
-    if "slow_rewards" in args.scenarios:
-        delay = args.reward_delay_ms
-        results = [trl_result(trl_peer(base, args.slow_steps, delay), args.target),
-                   ours(base, args.slow_steps, 0, args.target, work, delay_ms=delay),
-                   ours(base, args.slow_steps, 1, args.target, work, delay_ms=delay)]
-        sections += table(f"2. Slow rewards: {delay:g} ms per completion", results,
-                          f"The same exact match behind {delay:g} ms per completion: TRL calls it in its training "
-                          f"loop; rlplatform's reward workers await it concurrently (`benchmarks/bench_rewards.py`). "
-                          f"The rewards, hence the learning per sample, are those of scenario 1: compare accuracy "
-                          f"per sample there (over {args.slow_steps} steps the accuracies are within run-to-run "
-                          f"noise of the base's).")
+        found.append(Scenario("overhead", "1. Overhead-bound: instant exact-match reward",
+                              "Framework cost against one process: the reward takes no time.", base, args.steps))
+    if "io_reward" in args.scenarios:
+        delay = args.reward_ms
+        found.append(Scenario("io_reward", f"2. I/O-bound reward: {delay:g} ms of waiting per completion",
+                              f"An async reward that waits {delay:g} ms per completion, as a remote judge does "
+                              f"(`bench_rewards.slow_exact_match`): rlplatform's reward worker awaits "
+                              f"{reward_workers.concurrency} at a time while generation and learning go on; "
+                              f"TRL calls it in its training loop, one `time.sleep` per batch of completions in "
+                              f"sequence (`trl_runner.py --reward-delay-ms`, as `trl_peer.py`).",
+                              base, args.reward_steps, reward_delay_ms=delay))
+    if "cpu_reward" in args.scenarios:
+        work_ms = args.reward_ms
+        found.append(Scenario("cpu_reward", f"2b. CPU-bound reward: {work_ms:g} ms of computation per completion",
+                              f"A reward that hashes for {work_ms:g} ms of CPU time per completion "
+                              f"(`bench_rewards.cpu_exact_match`), as a local verifier does: no waiting to overlap, "
+                              f"so rlplatform gains only by scoring beside generation and learning "
+                              f"({reward_workers.num_workers} reward worker process, {reward_workers.concurrency} "
+                              f"threads; hashlib releases the GIL) and TRL scores in its loop.",
+                              base, args.reward_steps, reward_cpu_ms=work_ms))
     if "long_tail" in args.scenarios:
         tail_base = os.path.join(work, "long_tail")
         tail = long_tail.build(base, tail_base, args.long_tail_base_steps)
-        tokens, steps = tail["max_completion_tokens"], args.long_tail_steps
-        results = [trl_result(trl_evaluated(tail_base, steps, tokens, tokens), args.long_tail_target),
-                   ours(tail_base, steps, 0, args.long_tail_target, work, completion_tokens=tokens, eval_tokens=tokens),
-                   ours(tail_base, steps, 1, args.long_tail_target, work, completion_tokens=tokens, eval_tokens=tokens)]
-        sections += table(f"3. Long tail: one prompt in {tail['long_every']} asks for a worked answer", results,
-                          f"`benchmarks/long_tail.py` fine-tunes the shared base for {tail['fine_tune_steps']} steps "
-                          f"on addition mixed with worked products (`37*4=` -> `37+37+37+37=148`): completions run "
-                          f"3 to {tokens} tokens. TRL runs the peer's settings with that completion limit, "
-                          f"evaluating every {EVAL_EVERY} steps with its clock stopped (`benchmarks/trl_runner.py`); "
-                          f"target {args.long_tail_target}.")
-    report = "\n".join(["# rlplatform vs TRL", "",
-                        f"{date.today()}, {platform.node()}: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
-                        f"`{' '.join(['python benchmarks/vs_trl.py', *sys.argv[1:]])}`", "",
-                        f"Shared base: greedy test accuracy {info['greedy_test_accuracy']:.3f} after "
-                        f"{info['sft_steps']} SFT steps (make_base.py, seed {info['seed']}). Both systems: "
-                        f"{PROMPTS} prompts x {GROUP} completions per step, lr {LR} decaying linearly to 0, at most "
-                        f"{COMPLETION_TOKENS} completion tokens (scenario 3: more), temperature 1, no KL term.", "",
-                        *sections])
+        tokens = tail["max_completion_tokens"]
+        found.append(Scenario("long_tail", f"3. Long tail: one prompt in {tail['long_every']} asks for a worked answer",
+                              f"`benchmarks/long_tail.py` fine-tunes the base for {tail['fine_tune_steps']} steps "
+                              f"on addition mixed with worked products (`37*4=` -> `37+37+37+37=148`): completions "
+                              f"run 3 to {tokens} tokens, and both systems use that limit.",
+                              tail_base, args.long_tail_steps, completion_tokens=tokens, eval_tokens=tokens))
+    return found
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="a smoke run: a few steps of every scenario")
+    parser.add_argument("--base-accuracy", type=float, default=0.3, help="the base's SFT stops once it reaches this")
+    parser.add_argument("--base-max-steps", type=int, default=1500)
+    parser.add_argument("--gain", type=float, default=0.15, help="target = starting accuracy + gain")
+    parser.add_argument("--steps", type=int, default=320)
+    parser.add_argument("--scenarios", nargs="+", default=["overhead", "io_reward", "cpu_reward", "long_tail"])
+    parser.add_argument("--reward-ms", type=float, default=30.0)
+    parser.add_argument("--reward-steps", type=int, default=40)
+    parser.add_argument("--long-tail-steps", type=int, default=40)
+    parser.add_argument("--long-tail-base-steps", type=int, default=300)
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "vs_trl.md"))
+    args = parser.parse_args()
+    if args.quick:
+        args.base_max_steps, args.steps, args.reward_steps, args.long_tail_steps = 50, 4, 2, 2
+        args.long_tail_base_steps, args.eval_every = 5, 2
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    work = tempfile.mkdtemp()
+    sys.path.insert(0, REPO)
+    base, sft = build_base(work, args.base_max_steps, args.base_accuracy)
+    sections, panels = [], {}
+    for scenario in scenarios(args, base, work):
+        results = [trl(scenario, args.eval_every), ours(scenario, 0, work, args.eval_every),
+                   ours(scenario, 1, work, args.eval_every)]
+        target = results[1].start_accuracy + args.gain
+        sections += table(scenario, results, target)
+        panels[scenario.title] = ({r.system: r.history for r in results}, target)
+        print("\n".join(sections[-len(results) - 12:]), flush=True)
+    image = os.path.splitext(args.out)[0] + ".png"
+    plots.accuracy_panels(panels, image, "training seconds")
+    report = "\n".join([
+        "# rlplatform vs TRL", "",
+        f"{date.today()}, {platform.node()}: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
+        f"`{' '.join(['python benchmarks/vs_trl.py', *sys.argv[1:]])}`", "",
+        f"Base: make_base.py's model and rows, SFT by rlplatform until held-out greedy accuracy first reached "
+        f"{args.base_accuracy} (checked every 25 steps): {sft['accuracy']:.3f} after {sft['steps']} steps. Target: "
+        f"starting accuracy + {args.gain}. Both systems: {PROMPTS} prompts x {GROUP} completions per step, lr {LR} "
+        f"decaying linearly to 0, temperature 1, no KL term, held-out evaluation every {args.eval_every} steps "
+        f"(TRL's clock stops while it evaluates; rlplatform evaluates on a spare worker and dates each result when "
+        f"the evaluated version was published). Trained completions/s: TRL trains every completion it generates; "
+        f"rlplatform's figure counts only samples the learner trained on. End-to-end is the whole process, "
+        f"start-up and evaluations included.", "",
+        f"![held-out accuracy against training time]({os.path.basename(image)})", "", *sections])
     print(report)
     with open(args.out, "w") as f:
         f.write(report)

@@ -12,8 +12,6 @@ import re
 import threading
 from typing import Optional
 
-from math_verify import parse, verify
-
 from rlplatform.transport.samples import Sample
 
 _ANSWER_IS = re.compile(r"answer is\s*:?\s*(.+?)\s*\.?\s*$", re.IGNORECASE | re.MULTILINE)
@@ -27,6 +25,8 @@ def math_verify(sample: Sample, *, timeout_s: float = 5.0) -> float:
         Its timeout uses SIGALRM, which only works on the main thread, so elsewhere it runs
         without one (the reward worker bounds the whole call).
     """
+    from math_verify import parse, verify  # here, not at the top: its import costs every job ~1 s of start-up
+
     predicted = extract_answer(sample.completion)
     if predicted is None:
         return 0.0

@@ -47,7 +47,9 @@ def _run(args) -> int:
     preflight.check(config, args.config)
     from rlplatform.job.controller import run_job
 
-    summary = run_job(config)
+    import psutil
+
+    summary = run_job(config, started_at=psutil.Process().create_time())
     print(_result_line(summary))
     return summary.get("exit_code", 0)
 
@@ -69,15 +71,23 @@ def _validate(args) -> int:
 
 
 def _result_line(summary: dict) -> str:
-    evals = summary.get("eval", {})
+    """The job's last console line: outcome, wall time, and every policy's accuracy and throughput."""
     parts = [f"{summary['name']}: {summary['status']} in {summary['wall_s']:.0f}s"]
-    for label in ("after_sft", "after_rl"):
-        if label in evals:
-            parts.append(f"accuracy {label.replace('_', ' ')} {evals[label]['accuracy']:.3f}")
-    if "rl" in summary:
-        parts.append(f"{summary['rl']['samples_per_s']:.0f} samples/s")
+    if "policies" in summary:
+        parts.append("; ".join(f"{name}: {_policy_figures(result)}" for name, result in summary["policies"].items()))
+    elif _policy_figures(summary):
+        parts.append(_policy_figures(summary))
     parts.append(f"results in {summary['run_dir']}")
     return ", ".join(parts)
+
+
+def _policy_figures(result: dict) -> str:
+    evals = result.get("eval", {})
+    figures = [f"accuracy {label.replace('_', ' ')} {evals[label]['accuracy']:.3f}"
+               for label in ("after_sft", "after_rl") if label in evals]
+    if "rl" in result:
+        figures.append(f"{result['rl']['samples_per_s']:.0f} samples/s")
+    return ", ".join(figures)
 
 
 def _rewards_list(args) -> int:

@@ -83,6 +83,8 @@ class SFTConfig:
     batch_size: int = at_least(128, 1)  # rows per step
     lr: float = above(3e-3, 0)  # AdamW learning rate
     log_every: int = at_least(25, 1)  # console/W&B interval in steps
+    stop_at_accuracy: float = at_least(0.0, 0.0)  # end SFT once held-out greedy accuracy reaches this (0: never)
+    eval_every: int = at_least(50, 1)  # SFT steps between held-out checks, when stop_at_accuracy is set
 
 
 @dataclass

@@ -59,3 +59,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def greedy_accuracy():
+    """`fn(model_dir, job_config)`: held-out greedy accuracy of a saved policy, recomputed outside the
+    job with plain Hugging Face `generate`, to compare with what the job's evaluator reported."""
+    import torch
+
+    from rlplatform.data import load_rows
+    from rlplatform.policy import load_policy
+
+    def accuracy(model_dir: str, config) -> float:
+        model, tokenizer = load_policy(model_dir)
+        _, test_rows = load_rows(config.data, config.seed)
+        correct = 0
+        with torch.no_grad():
+            for row in test_rows:
+                prompt = tokenizer(row["prompt"], return_tensors="pt")
+                out = model.generate(**prompt, max_new_tokens=config.eval.max_new_tokens, do_sample=False,
+                                     pad_token_id=tokenizer.pad_token_id)
+                text = tokenizer.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+                correct += text.strip() == str(row["answer"]).strip()
+        return correct / len(test_rows)
+    return accuracy

@@ -1,6 +1,7 @@
-"""Learning on the demo addition task (1-digit operands, so a test runs in seconds): from one
-SFT checkpoint, asynchronous GRPO and asynchronous RLOO each raise held-out greedy accuracy by
-at least 10 points, and a staleness-2 run keeps its bound and accounts for every sample."""
+"""Learning on the demo addition task (1-digit operands, so a test runs in seconds): the SFT stage
+stops at the first held-out check that reaches `sft.stop_at_accuracy`; from that checkpoint,
+asynchronous GRPO and asynchronous RLOO each raise held-out greedy accuracy by at least 10
+points, and a staleness-2 run keeps its bound and accounts for every sample."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstar
 TASK = ["data.digits=1", "data.test_size=200", "wandb.mode=disabled", "rl.track_reference_kl=false",
         "rl.lr=2e-4"]
 SFT_STEPS = 60
+SFT_STOP = ["sft.stop_at_accuracy=0.3", "sft.eval_every=20"]
 RL_STEPS = 40
 
 
@@ -22,15 +24,27 @@ RL_STEPS = 40
 def sft_checkpoint(ray_session, tmp_path_factory):
     """The SFT stage alone, stopped at partial accuracy; yields (model directory, its accuracy)."""
     out = tmp_path_factory.mktemp("learning")
-    summary = run_job(load_config(QUICKSTART, TASK + [f"output_dir={out}", "name=sft", f"sft.steps={SFT_STEPS}",
-                                                      "rl.enabled=false"]))
+    summary = run_job(load_config(QUICKSTART, TASK + SFT_STOP + [f"output_dir={out}", "name=sft",
+                                                                 f"sft.steps={SFT_STEPS}", "rl.enabled=false"]))
     accuracy = summary["eval"]["after_sft"]["accuracy"]
     assert 0.2 <= accuracy <= 0.8, f"the SFT checkpoint should be partly right, got {accuracy}"
-    return str(out / "sft" / "model"), accuracy
+    return str(out / "sft" / "model"), accuracy, summary["stages"]["sft"]
+
+
+def test_sft_stops_at_the_first_check_that_reaches_the_threshold(sft_checkpoint):
+    _, accuracy, sft = sft_checkpoint
+    checks = sft["accuracy_checks"]
+    assert [c["step"] for c in checks] == list(range(20, sft["steps"] + 1, 20))  # every eval_every steps
+    assert all(c["accuracy"] < 0.3 for c in checks[:-1])  # no earlier check reached it
+    if checks[-1]["accuracy"] >= 0.3:  # stopped there, not at the step cap
+        assert sft["steps"] == checks[-1]["step"]
+    else:
+        assert sft["steps"] == SFT_STEPS
+    assert accuracy == checks[-1]["accuracy"]  # the published version 0 is the weights last checked
 
 
 def rl_from(checkpoint, tmp_path, *overrides: str):
-    model_path, _ = checkpoint
+    model_path = checkpoint[0]
     return run_job(load_config(QUICKSTART, TASK + [
         f"output_dir={tmp_path}", "name=rl", "sft.enabled=false", "model.kind=pretrained", f"model.path={model_path}",
         f"rl.max_steps={RL_STEPS}", "eval.every_steps=10", *overrides]))
@@ -55,6 +69,8 @@ def test_staleness_two_keeps_its_bound_and_loses_no_sample(sft_checkpoint, tmp_p
     assert rl["max_staleness_trained"] <= 2
     assert sum(rl["staleness_histogram"].values()) == rl["samples_trained"] == 16 * 16 * 8
     assert max(int(gap) for gap in rl["staleness_histogram"]) == rl["max_staleness_trained"] >= 1
+    # each bucket is counted where its samples were left, so the balance can fail
+    assert rl["samples_unused_at_end"] == sum(rl["samples_unused_where"].values())
     assert rl["samples_generated"] == (rl["samples_trained"] + rl["samples_dropped_stale"]
                                        + rl["samples_dropped_error"] + rl["samples_dropped_zero_advantage"]
-                                       + rl["samples_unused_at_end"])
+                                       + rl["samples_dropped_invalid"] + rl["samples_unused_at_end"])

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from rlplatform.cli import _result_line
 from rlplatform.config import load_config
 from rlplatform.job.controller import run_job
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "two_policies.yaml")
 
 
-def test_two_policies_train_side_by_side(ray_session, tmp_path):
+def test_two_policies_train_side_by_side(ray_session, tmp_path, greedy_accuracy):
     config = load_config(CONFIG, [f"output_dir={tmp_path}", "name=pair", "sft.steps=10", "rl.max_steps=4",
                                   "eval.every_steps=2", "wandb.mode=disabled", "learner.num_cpus=0.5",
                                   "rollout.num_cpus=0.5"])  # 6.5 Ray CPUs would not fit the 4-CPU test cluster
@@ -27,11 +28,16 @@ def test_two_policies_train_side_by_side(ray_session, tmp_path):
         assert policy["stages"]["sft"]["steps"] == 10 and policy["rl"]["steps"] == 4
         assert policy["rl"]["samples_trained"] == 4 * 16 * 8  # each learner got only its own samples
         assert policy["rl"]["max_staleness_trained"] <= 1
-        assert 0.0 <= policy["eval"]["after_rl"]["accuracy"] <= 1.0
         model_dir = tmp_path / "pair" / name / "model"
+        # each policy's evaluation scored its own saved weights, not the other policy's
+        assert policy["eval"]["after_rl"]["accuracy"] == greedy_accuracy(str(model_dir), config)
         assert json.loads((model_dir / "config.json").read_text())["hidden_size"] == (64 if name == "small" else 128)
         assert (tmp_path / "pair" / name / "checkpoint" / "latest").exists()
     assert summary["rl"] == summary["policies"]["small"]["rl"]  # the first policy's figures at the top level
+    line = _result_line(summary)  # the console's last line names every policy's figures
+    for name, policy in summary["policies"].items():
+        assert (f"{name}: accuracy after sft {policy['eval']['after_sft']['accuracy']:.3f}, "
+                f"accuracy after rl {policy['eval']['after_rl']['accuracy']:.3f}") in line
 
 
 def test_a_job_larger_than_the_ray_cluster_fails_with_a_clear_message(ray_session, tmp_path):

@@ -38,8 +38,10 @@ from rlplatform.transport.staleness import RolloutGate
 from rlplatform.transport.weights import WeightStore
 
 
-def run_job(config: JobConfig) -> Dict:
-    """Run the whole job; returns the summary that is also written to summary.json."""
+def run_job(config: JobConfig, started_at: Optional[float] = None) -> Dict:
+    """Run the whole job; returns the summary that is also written to summary.json. `started_at`
+    (wall clock, default now) is when start-up began: `rlp run` passes its process's start."""
+    started_at = started_at or time.time()
     run_dir = config.run_dir
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
@@ -54,6 +56,7 @@ def run_job(config: JobConfig) -> Dict:
             redis_url = _start_services(config, resources)
             stop.install()  # after ray.init, which sets its own SIGTERM handler
             resources.callback(stop.restore)
+            summary["startup_s"] = {"services_ready_s": round(time.time() - started_at, 2)}  # Redis and Ray up
             _record_redis_url(redis_url, run_dir)
             metrics = Metrics(config, run_dir, run_id=resume.state["wandb_run_id"] if resume else None)
             metrics.console.note(f"job status from anywhere: rlp status --redis \"$(cat {run_dir}/redis.url)\" "
@@ -61,7 +64,7 @@ def run_job(config: JobConfig) -> Dict:
             metrics.status = JobStatus(connect(redis_url), config.name)
             summary["wandb_dir"] = metrics.wandb_dir
             try:
-                _run_stages(config, redis_url, metrics, summary, stop, resume)
+                _run_stages(config, redis_url, metrics, summary, stop, resume, started_at)
                 summary["status"] = "interrupted" if stop.requested else "completed"
             finally:
                 final = summary["status"] if summary["status"] != "running" else "failed"
@@ -154,7 +157,7 @@ def _gpus_needed(config: JobConfig, cluster_gpus: float) -> float:
 
 
 def _run_stages(config: JobConfig, redis_url: str, metrics: Metrics, summary: Dict, stop: StopSignals,
-                resume: Optional[Resume]) -> None:
+                resume: Optional[Resume], started_at: float) -> None:
     train_rows, test_rows = load_rows(config.data, config.seed)
     client = connect(redis_url)
     queue = _open_queue(config, client)
@@ -164,6 +167,7 @@ def _run_stages(config: JobConfig, redis_url: str, metrics: Metrics, summary: Di
         reward_actors = _start_reward_workers(config, redis_url)
         for policy in config.policy_list():
             policies.append(_start_policy(config, policy, train_rows, test_rows, redis_url, client))
+        summary["startup_s"]["workers_ready_s"] = round(time.time() - started_at, 2)  # every actor constructed
         results = resume.state["results"] if resume else \
             {p.name: {"data": p.data, "stages": {}, "eval": {}} for p in policies}
         resumed = resume.state["policies"] if resume else {}
@@ -176,6 +180,7 @@ def _run_stages(config: JobConfig, redis_url: str, metrics: Metrics, summary: Di
                       train_rows, results, stop, job_state, resume)
         if not stop.requested:
             _save_final(config, policies)
+        summary["startup_s"].update(_startup(results, started_at))
         summary.update(results[policies[0].name])  # a one-policy job's figures sit at the top level
         if config.policies:
             summary["policies"] = results
@@ -261,7 +266,8 @@ def _supervised_stage(config: JobConfig, workers: PolicyWorkers, train_rows, met
     if workers.config.sft.enabled:
         stage = "sft" if not config.policies else f"{workers.name}/sft"
         result["stages"]["sft"] = run_sft(workers.config.sft, workers.learner, workers.sft_rows, metrics,
-                                          config.seed, stage)
+                                          config.seed, stage,
+                                          lambda: workers.evaluator.score(workers.learner.publish_weights()))
     publish(workers, client, 0)
     result["eval"]["after_sft"] = _evaluate(workers, metrics, "after_sft")
 
@@ -296,6 +302,19 @@ def _evaluate(workers: PolicyWorkers, metrics: Metrics, label: str) -> Dict:
                          f"{figures['reward_mean']:.3f} on {figures['rows']} held-out rows ({how}, "
                          f"policy version {version})")
     return {**figures, "policy_version": version}
+
+
+def _startup(results: Dict, started_at: float) -> Dict[str, Optional[float]]:
+    """Seconds from start-up to the first SFT and the first RL learner step (of any policy);
+    moves each stage's `first_step_at` clock reading out of the per-policy figures."""
+    firsts: Dict[str, List[float]] = {"sft": [], "rl": []}
+    for result in results.values():
+        for stage, figures in (("sft", result["stages"].get("sft", {})), ("rl", result.get("rl", {}))):
+            at = figures.pop("first_step_at", None)
+            if at is not None:
+                firsts[stage].append(at)
+    return {f"to_first_{stage}_step_s": round(min(times) - started_at, 2) if times else None
+            for stage, times in firsts.items()}
 
 
 def _flat(summary: Dict, prefix: str = "") -> Dict:

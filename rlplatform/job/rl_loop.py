@@ -29,7 +29,6 @@ from rlplatform.monitoring.rl_monitor import RLMonitor
 from rlplatform.transport.buffer import Batch, GroupBuffer
 from rlplatform.transport.ledger import PromptLedger
 from rlplatform.transport.reward_queue import RewardQueue
-from rlplatform.transport.staleness import RolloutGate
 
 
 @dataclass
@@ -41,6 +40,7 @@ class RLCounters:
     samples_dropped_zero_advantage: int = 0
     samples_dropped_expired: int = 0  # samples of groups that did not complete within rl.group_timeout_s
     groups_expired: int = 0
+    samples_dropped_invalid: int = 0  # reward error or drop flag, in a group trained without them
     reward_errors: int = 0
     reward_timeouts: int = 0
     samples_filtered: int = 0
@@ -70,6 +70,7 @@ class PolicyRun:
         self.monitor.last_accuracy = workers.evaluator.last_accuracy
         self.version, self.start = 0, time.perf_counter()
         self.hold = False  # no new learner step starts while set (a checkpoint or a stop is under way)
+        self.first_step_at: Optional[float] = None  # wall-clock time the first learner step ended
         self._reward_counters_at_start = queue.counters(queue.keys.reward_stats)
         self._step: Optional[Tuple[list, Batch, float]] = None  # (result refs, batch, start time)
         self._last_watch, self._silent_named = time.monotonic(), set()
@@ -142,7 +143,8 @@ class PolicyRun:
             return False
         batch = self.buffer.take(self.rl.batch_prompts, self.version, self.rl.max_staleness,
                                  self.rl.filter_zero_advantage)
-        _count_dropped(batch, self.counters, self.workers.gate, self.ledger)
+        _count_dropped(batch, self.counters, self.ledger)
+        self.workers.gate.release(batch.dropped_groups)  # dropped groups will never be trained: free their claims
         if not batch.groups:
             self.monitor.idle(self.version)
             return False
@@ -162,15 +164,17 @@ class PolicyRun:
         step_metrics, snapshot = self.workers.learner.gather(refs)
         self._step = None
         self.counters.learner_busy_s += time.perf_counter() - started
+        self.first_step_at = self.first_step_at or time.time()
         self.counters.samples_trained += len(batch.samples)
-        self.counters.staleness_trained.update(self.version - s.sample.version for s in batch.samples)
+        gaps = [self.version - s.sample.version for s in batch.samples]  # versions behind the weights trained
+        self.counters.staleness_trained.update(gaps)
         self.version += 1
         self._record_trained(batch)
         self._start_step()  # the next step runs while this one's weights are published
         publish_s = publish(self.workers, self.queue.client, self.version, snapshot)
         self.counters.weight_publish_s += publish_s
         self._evaluate_in_background()
-        self.monitor.step(self.version, step_metrics, batch, self.counters, publish_s)
+        self.monitor.step(self.version, step_metrics, batch, gaps, self.counters, publish_s)
         return True
 
     def _record_trained(self, batch: Batch) -> None:
@@ -189,8 +193,8 @@ class PolicyRun:
         if every and self.version % every == 0 and self.version < self.rl.max_steps:
             self.workers.evaluator.start()
 
-    def summary(self, rollout_stats: List) -> Dict:
-        summary = _stage_summary(self.counters, rollout_stats, self.version, self.start)
+    def summary(self, rollout_stats: List, unused: Dict[str, int]) -> Dict:
+        summary = _stage_summary(self.counters, rollout_stats, unused, self.version, self.start)
         reward = {k: v - self._reward_counters_at_start.get(k, 0.0)
                   for k, v in self.queue.counters(self.queue.keys.reward_stats).items()}
         summary["time_breakdown"] = {
@@ -202,6 +206,7 @@ class PolicyRun:
             "weight_publish_s": summary["weight_publish_s"], "weight_sync_s": summary["weight_sync_s"]}
         summary["eval_history"] = self.monitor.eval_history
         summary["ledger"] = self.ledger.counts()
+        summary["first_step_at"] = self.first_step_at
         return summary
 
 
@@ -240,9 +245,11 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
     queue.request_stop()
     supervisor.results("reward", 600.0)
     rollout_stats = supervisor.results("rollout", 600.0)
+    unused = _unused_at_end(runs, queue)
     figures = {}
     for name, run in runs.items():
-        figures[name] = run.summary([rollout_stats[f"{name}-{i}"] for i in range(len(run.workers.rollout))])
+        figures[name] = run.summary([rollout_stats[f"{name}-{i}"] for i in range(len(run.workers.rollout))],
+                                    unused[name])
         figures[name]["restarts"] = {"rollout": 0, "reward": 0, **supervisor.restarts,
                                      "evaluator": run.workers.evaluator.restarts}
         figures[name]["checkpoint"] = checkpoints.latest
@@ -328,15 +335,29 @@ def _count_scored(scored, counters: RLCounters) -> None:
     counters.samples_filtered += scored.filtered
 
 
-def _count_dropped(batch: Batch, counters: RLCounters, gate: RolloutGate, ledger: PromptLedger) -> None:
+def _count_dropped(batch: Batch, counters: RLCounters, ledger: PromptLedger) -> None:
     counters.samples_dropped_stale += sum(len(g) for g in batch.dropped_stale)
     counters.samples_dropped_error += sum(len(g) for g in batch.dropped_errors)
     counters.samples_dropped_zero_advantage += sum(len(g) for g in batch.dropped_zero_advantage)
+    counters.samples_dropped_invalid += len(batch.dropped_invalid)
     for outcome, groups in (("dropped_stale", batch.dropped_stale), ("dropped_error", batch.dropped_errors),
                             ("dropped_zero_advantage", batch.dropped_zero_advantage)):
         for group in groups:
             ledger.close(group[0].sample.group_id, outcome)
-    gate.release(len(batch.dropped_stale) + len(batch.dropped_errors) + len(batch.dropped_zero_advantage))
+
+
+def _unused_at_end(runs: Dict[str, "PolicyRun"], queue: RewardQueue) -> Dict[str, Dict[str, int]]:
+    """Where each policy's untrained samples sit once every worker has stopped: in its buffer,
+    scored but not yet read from the results stream, or never scored (still queued, dead-lettered)."""
+    unread: Counter = Counter()
+    while True:
+        results = queue.read_results(block_ms=None)
+        if not results:
+            break
+        unread.update(scored.sample.policy for scored in results)
+    unscored = queue.unscored_by_policy()
+    return {name: {"in_buffer": run.buffer.held_samples(), "scored_unread": unread[name],
+                   "unscored": unscored[name]} for name, run in runs.items()}
 
 
 def _keep_lines(path: str, last_step: int) -> None:
@@ -349,7 +370,8 @@ def _keep_lines(path: str, last_step: int) -> None:
         f.writelines(kept)
 
 
-def _stage_summary(counters: RLCounters, rollout_stats: List, version: int, start: float) -> Dict:
+def _stage_summary(counters: RLCounters, rollout_stats: List, unused: Dict[str, int], version: int,
+                   start: float) -> Dict:
     wall = time.perf_counter() - start
     generated = sum(s.samples_generated for s in rollout_stats)
     return {
@@ -362,8 +384,9 @@ def _stage_summary(counters: RLCounters, rollout_stats: List, version: int, star
         "samples_dropped_zero_advantage": counters.samples_dropped_zero_advantage,
         "samples_dropped_expired": counters.samples_dropped_expired,
         "groups_expired": counters.groups_expired,
-        "samples_unused_at_end": generated - counters.samples_trained - counters.samples_dropped_stale
-        - counters.samples_dropped_error - counters.samples_dropped_zero_advantage - counters.samples_dropped_expired,
+        "samples_dropped_invalid": counters.samples_dropped_invalid,
+        "samples_unused_at_end": sum(unused.values()),
+        "samples_unused_where": unused,
         "reward_errors": counters.reward_errors,
         "policy_versions": version + 1,
         "max_staleness_trained": max(counters.staleness_trained, default=0),

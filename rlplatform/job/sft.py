@@ -1,32 +1,49 @@
-"""The SFT stage: supervised steps of the learner group on prompt -> answer rows."""
+"""The SFT stage: supervised steps of the learner group on prompt -> answer rows.
+
+With `sft.stop_at_accuracy` set, the stage measures held-out greedy accuracy every
+`sft.eval_every` steps and ends at the first check that reaches it, so RL starts from the same
+partial accuracy whatever the machine's speed or floating-point path.
+"""
 
 from __future__ import annotations
 
 import random
 import time
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 from rlplatform.config import SFTConfig
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.monitoring.metrics import Metrics
 
 
-def run_sft(config: SFTConfig, learner: LearnerGroup, rows: List[Dict], metrics: Metrics,
-            seed: int, stage: str = "sft") -> Dict[str, float]:
-    """Train for `config.steps` steps on random batches; returns the stage's figures."""
+def run_sft(config: SFTConfig, learner: LearnerGroup, rows: List[Dict], metrics: Metrics, seed: int,
+            stage: str = "sft", accuracy: Optional[Callable[[], float]] = None) -> Dict:
+    """Train up to `config.steps` steps on random batches; `accuracy()` measures the learner's current
+    weights on held-out rows for the stop rule. Returns the stage's figures."""
     rng = random.Random(seed)
     learner.start_stage(config.lr)
     start = time.perf_counter()
     step_metrics: Dict[str, float] = {}
-    tokens = 0.0
-    for step in range(1, config.steps + 1):
+    checks: List[Dict] = []
+    tokens, step, first_step_at = 0.0, 0, None
+    while step < config.steps and not _reached(checks, config.stop_at_accuracy):
+        step += 1
         step_metrics = learner.sft_step(rng.sample(rows, min(config.batch_size, len(rows))))
         tokens += step_metrics["tokens_total"]
+        first_step_at = first_step_at or time.time()
+        if config.stop_at_accuracy and accuracy is not None and step % config.eval_every == 0:
+            checks.append({"step": step, "accuracy": accuracy()})
+            metrics.log(stage, step, {"eval_accuracy": checks[-1]["accuracy"]})
         if step % config.log_every == 0 or step == config.steps:
             elapsed = time.perf_counter() - start
             metrics.log(stage, step, {**step_metrics, "rows_per_s": step * config.batch_size / elapsed,
                                       "tokens_per_s": tokens / elapsed})
-            metrics.progress({"stage": stage, "step": f"{step}/{config.steps}",
-                                  "loss": step_metrics["loss"], "eta_s": elapsed / step * (config.steps - step)})
-    return {"steps": config.steps, "wall_s": round(time.perf_counter() - start, 2),
-            "final_loss": step_metrics.get("loss")}
+            metrics.progress({"stage": stage, "step": f"{step}/{config.steps}", "loss": step_metrics["loss"],
+                              "accuracy": f"{checks[-1]['accuracy']:.3f}" if checks else "-",
+                              "eta_s": elapsed / step * (config.steps - step)})
+    return {"steps": step, "wall_s": round(time.perf_counter() - start, 2), "final_loss": step_metrics.get("loss"),
+            "accuracy_checks": checks, "first_step_at": first_step_at}
+
+
+def _reached(checks: List[Dict], threshold: float) -> bool:
+    return bool(threshold and checks and checks[-1]["accuracy"] >= threshold)

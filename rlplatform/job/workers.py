@@ -47,6 +47,12 @@ class Evaluator:
             except RayActorError:
                 self._restarted()
 
+    def score(self, snapshot: ray.ObjectRef) -> float:
+        """Held-out pass@1 of weights not published as a version (an SFT stage in progress)."""
+        figures = deadline_get(self.actor.evaluate_snapshot.remote(snapshot, self.prompts, self.config, self.rewards,
+                                                                   self.imports), "the evaluator", EVAL_TIMEOUT_S)
+        return figures["accuracy"]
+
     def start(self) -> None:
         """Begin evaluating the newest weights in the background, unless one is under way."""
         if self._pending is None:

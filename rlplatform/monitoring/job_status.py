@@ -32,9 +32,6 @@ class JobStatus:
     def read(self) -> Dict[str, str]:
         return {k.decode(): v.decode() for k, v in self.client.hgetall(self.key).items()}
 
-    def clear(self) -> None:
-        self.client.delete(self.key)
-
 
 def format_status(fields: Dict[str, str], now: float) -> str:
     """The one-line view `rlp status` prints."""

@@ -12,7 +12,8 @@ as accuracy, reward mean and components) and `samples` (a table of completions e
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Tuple
+from collections import deque
+from typing import Deque, Dict, List, Tuple
 
 import wandb
 
@@ -25,6 +26,25 @@ from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 LEARNING_KEYS = ("loss", "pg_loss", "kl_to_reference", "entropy", "clip_fraction", "importance_weight_mean",
                  "importance_weight_max", "logprob_mismatch_abs", "grad_norm", "lr")
 STALL_CHECK_S = 5.0
+RATE_WINDOW_S = 10.0  # throughput is averaged over at least this much of the recent past
+
+
+class TrailingRate:
+    """A counter's rate over the trailing `window_s` seconds. Rollout workers report samples
+    when whole groups finish, so between two close learner steps often none did: a rate over
+    that interval alone would read 0 in a healthy run."""
+
+    def __init__(self, window_s: float, now: float, total: float) -> None:
+        self.window_s = window_s
+        self._points: Deque[Tuple[float, float]] = deque([(now, total)])
+
+    def update(self, now: float, total: float) -> float:
+        """Record the counter's `total` at `now`; its rate since the oldest reading in the window."""
+        self._points.append((now, total))
+        while len(self._points) > 2 and now - self._points[1][0] >= self.window_s:
+            self._points.popleft()
+        since, before = self._points[0]
+        return (total - before) / (now - since) if now > since else 0.0
 
 
 class RLMonitor:
@@ -40,6 +60,10 @@ class RLMonitor:
         self.eval_history: List[Dict[str, float]] = []  # held-out accuracy by version, for the summary
         self._published: Dict[int, Tuple[float, int]] = {0: (0.0, 0)}  # version -> (stage seconds, samples seen)
         self._previous = self._worker_counters()
+        self._sample_rate = TrailingRate(RATE_WINDOW_S, self._previous["time"],
+                                         self._previous.get("rollout_samples", 0.0))
+        self._token_rate = TrailingRate(RATE_WINDOW_S, self._previous["time"],
+                                        self._previous.get("rollout_tokens", 0.0))
         self._scored = (0, 0, 0, 0)  # scored, errors, timeouts, filtered at the previous step
         self._learner_busy_s = 0.0
 
@@ -49,13 +73,15 @@ class RLMonitor:
         return {"time": time.perf_counter(), **{f"rollout_{k}": v for k, v in rollout.items()},
                 **{f"reward_{k}": v for k, v in reward.items()}}
 
-    def step(self, version: int, learner_metrics: Dict[str, float], batch: Batch, counters, publish_s: float) -> None:
-        """Report learner step `version` (just published) trained on `batch`."""
+    def step(self, version: int, learner_metrics: Dict[str, float], batch: Batch, gaps: List[int], counters,
+             publish_s: float) -> None:
+        """Report learner step `version` (just published) trained on `batch`, whose samples were
+        `gaps` versions behind the weights that trained them."""
         self.samples_seen += len(batch.samples)
         self._published[version] = (time.perf_counter() - self.start, self.samples_seen)
         families = {"learning": self._learning(learner_metrics, batch),
                     "rewards": self._rewards(batch, counters),
-                    "async": self._async(version, batch, counters, publish_s)}
+                    "async": self._async(version, gaps, counters, publish_s)}
         step_s = counters.learner_busy_s - self._learner_busy_s
         self._learner_busy_s = counters.learner_busy_s
         families["async"]["learner_tokens_per_s"] = learner_metrics.get("tokens_total", 0.0) / max(step_s, 1e-9)
@@ -112,8 +138,7 @@ class RLMonitor:
             values[f"component/{name}"] = sum(s.components.get(name, 0.0) for s in samples) / len(samples)
         return values
 
-    def _async(self, version: int, batch: Batch, counters, publish_s: float) -> Dict[str, object]:
-        gaps = [version - 1 - s.sample.version for s in batch.samples]
+    def _async(self, version: int, gaps: List[int], counters, publish_s: float) -> Dict[str, object]:
         current = self._worker_counters()
         delta = {k: current.get(k, 0.0) - self._previous.get(k, 0.0) for k in current}
         self._previous = current
@@ -128,8 +153,8 @@ class RLMonitor:
             "reward_busy_fraction": delta.get("reward_busy_s", 0.0) / elapsed,
             "queue_depth": self.queue.pending(),
             "reward_latency_s": delta.get("reward_latency_s", 0.0) / max(delta.get("reward_scored", 0.0), 1.0),
-            "samples_per_s": delta.get("rollout_samples", 0.0) / elapsed,
-            "tokens_per_s": delta.get("rollout_tokens", 0.0) / elapsed,
+            "samples_per_s": self._sample_rate.update(current["time"], current.get("rollout_samples", 0.0)),
+            "tokens_per_s": self._token_rate.update(current["time"], current.get("rollout_tokens", 0.0)),
             "trained_samples_per_s": counters.samples_trained / wall,
         }
 

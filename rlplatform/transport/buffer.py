@@ -23,10 +23,20 @@ class Batch:
     dropped_stale: List[Group] = field(default_factory=list)
     dropped_errors: List[Group] = field(default_factory=list)
     dropped_zero_advantage: List[Group] = field(default_factory=list)  # all rewards equal: nothing to learn
+    dropped_invalid: List[ScoredSample] = field(default_factory=list)  # error or drop-flagged samples of trained groups
 
     @property
     def samples(self) -> List[ScoredSample]:
         return [s for group in self.groups for s in group]
+
+    @property
+    def dropped_groups(self) -> int:
+        """Whole groups this take dropped: their gate claims can be given back."""
+        return len(self.dropped_stale) + len(self.dropped_errors) + len(self.dropped_zero_advantage)
+
+
+def _trainable(scored: ScoredSample) -> bool:
+    return scored.error is None and not scored.drop
 
 
 def group_version(group: Group) -> int:
@@ -68,6 +78,10 @@ class GroupBuffer:
     def ready(self) -> int:
         return len(self._complete)
 
+    def held_samples(self) -> int:
+        """Samples waiting here: in complete groups not yet taken and in groups still filling."""
+        return sum(len(g) for g in self._complete) + sum(len(g) for g in self._partial.values())
+
     def take(self, batch_prompts: int, learner_version: int, max_staleness: int,
              filter_zero_advantage: bool = False) -> Batch:
         """Drop what is stale or unusable (and, if asked, groups whose rewards are all equal);
@@ -76,7 +90,7 @@ class GroupBuffer:
         batch = Batch(groups=[])
         usable = []
         for group in self._complete:
-            valid = [s for s in group if s.error is None and not s.drop]
+            valid = [s for s in group if _trainable(s)]
             if group_version(group) < oldest_allowed:
                 batch.dropped_stale.append(group)
             elif len(valid) < 2:
@@ -84,9 +98,11 @@ class GroupBuffer:
             elif filter_zero_advantage and len({s.reward for s in valid}) == 1:
                 batch.dropped_zero_advantage.append(group)
             else:
-                usable.append(valid)
+                usable.append(group)
         usable.sort(key=group_version)
         if len(usable) >= batch_prompts:
             batch.groups, usable = usable[:batch_prompts], usable[batch_prompts:]
+            batch.dropped_invalid = [s for group in batch.groups for s in group if not _trainable(s)]
+            batch.groups = [[s for s in group if _trainable(s)] for group in batch.groups]
         self._complete = usable
         return batch

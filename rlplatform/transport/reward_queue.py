@@ -12,6 +12,7 @@ Redis by the controller), and otherwise wait: backpressure, never dropping.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import List, Optional, Tuple
 
 import redis
@@ -192,6 +193,18 @@ class RewardQueue:
 
     def dead_letters(self) -> int:
         return int(self.client.xlen(self.keys.dead))
+
+    def unscored_by_policy(self) -> Counter:
+        """Samples never scored, by policy: requests still in the stream (held by a worker or
+        not yet read) and dead letters. Read once workers have stopped, to account for them."""
+        left: Counter = Counter()
+        for stream in (self.keys.requests, self.keys.dead):
+            for _, fields in self.client.xrange(stream):
+                try:
+                    left[decode_sample(fields.get(b"data", b"")).policy] += 1
+                except WireFormatError:
+                    left["<undecodable>"] += 1
+        return left
 
     # job lifecycle
     def publish_rewards(self, specs_json: str) -> None:

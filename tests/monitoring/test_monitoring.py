@@ -9,7 +9,10 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 from rlplatform.config import load_config
 from rlplatform.job.controller import run_job
@@ -17,7 +20,7 @@ from rlplatform.job.rl_loop import RLCounters
 from rlplatform.monitoring.dashboard import build_workspace, dashboard_layout, render_layout
 from rlplatform.monitoring.job_status import JobStatus
 from rlplatform.monitoring.metrics import Metrics
-from rlplatform.monitoring.rl_monitor import RLMonitor
+from rlplatform.monitoring.rl_monitor import RLMonitor, TrailingRate
 from rlplatform.transport.buffer import Batch
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.samples import Sample, ScoredSample
@@ -26,13 +29,10 @@ REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
 
 
-def wandb_cli() -> str:
-    return str(Path(sys.executable).parent / "wandb")
-
-
 def read_back(wandb_dir: str) -> dict:
-    """The run's summary as W&B's own reader prints it."""
-    out = subprocess.run([wandb_cli(), "leet", "inspect", "--summary", "--json", wandb_dir],
+    """The run's summary as W&B's own reader prints it (run as a module: a wandb installed outside
+    the virtual environment has no script beside its python)."""
+    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json", wandb_dir],
                          capture_output=True, text=True, timeout=120, check=True)
     return json.loads(out.stdout)
 
@@ -41,6 +41,9 @@ def test_offline_run_holds_every_dashboard_key_and_the_samples_table(ray_session
     config = load_config(QUICKSTART, [f"output_dir={tmp_path}", "name=monitored", "sft.steps=10", "rl.max_steps=6",
                                       "monitoring.samples_every=3", "eval.every_steps=2", "wandb.mode=offline"])
     summary = run_job(config)
+    startup = summary["startup_s"]  # each start-up milestone after the one before it
+    assert 0 < startup["services_ready_s"] <= startup["workers_ready_s"] <= startup["to_first_sft_step_s"] \
+        <= startup["to_first_rl_step_s"] < summary["wall_s"]
     logged = read_back(summary["wandb_dir"])
     assert logged["state"] == "finished" and logged["config"]["rl"]["max_steps"] == 6
     keys = set(logged["summary"])
@@ -54,7 +57,10 @@ def test_offline_run_holds_every_dashboard_key_and_the_samples_table(ray_session
     assert table["_type"] == "table-file" and table["nrows"] == 16
     assert logged["summary"]["policy/learner_step"] == 6
     assert logged["summary"]["policy/rewards/component/exact_match"] >= 0.0
-    assert 0.0 <= logged["summary"]["policy/eval/accuracy"] <= 1.0
+    # the last in-run evaluation reached W&B with its own value and version
+    last = summary["rl"]["eval_history"][-1]
+    assert logged["summary"]["policy/eval/accuracy"] == last["accuracy"]
+    assert logged["summary"]["policy/eval/policy_version"] == last["version"]
 
 
 def scored_group(group: str, reward: float, version: int) -> list:
@@ -74,12 +80,34 @@ def test_alert_fires_once_on_a_forced_reward_collapse(redis_client, tmp_path, ca
         reward = 1.0 if version <= 30 else 0.0
         batch = Batch(groups=[scored_group(f"g{version}", reward, version - 1)])
         counters.samples_scored += 4
-        monitor.step(version, learner, batch, counters, publish_s=0.01)
+        monitor.step(version, learner, batch, [1] * 4, counters, publish_s=0.01)
     events = [json.loads(line) for line in open(tmp_path / "events.jsonl")]
     assert [e["kind"] for e in events] == ["reward_collapse"]
     # window 20, threshold 0.5 x best 1.0: the 20-step mean first drops below 0.5 at step 41
     assert events[0]["step"] == 41
     assert "WARNING [reward_collapse] step 41" in capsys.readouterr().out
+
+
+def test_trailing_rate_spans_intervals_in_which_nothing_finished():
+    rate = TrailingRate(window_s=10.0, now=0.0, total=0.0)
+    assert rate.update(20.0, 2000.0) == 100.0
+    assert rate.update(25.0, 2000.0) == 80.0  # no group finished in (20, 25]: 2000 samples over 25 s, not 0
+    assert rate.update(31.0, 2600.0) == pytest.approx(600 / 11)  # readings older than 10 s are forgotten
+
+
+def test_progress_line_shows_throughput_between_steps_that_saw_no_new_samples(redis_client, tmp_path, capsys):
+    config = load_config(QUICKSTART, [f"output_dir={tmp_path}", "name=rate", "wandb.mode=disabled",
+                                      "rl.log_every=1"])
+    queue, keys = RewardQueue(redis_client, "rate"), PolicyKeys("rate", "policy")
+    monitor = RLMonitor(config, config.rl, Metrics(config, str(tmp_path)), queue, "policy", keys, rollout_workers=1)
+    counters, learner = RLCounters(), {"loss": 0.1, "grad_norm": 1.0, "lr": 3e-4}
+    queue.add_counters(keys.rollout_stats, samples=64, tokens=128, busy_s=0.1)
+    time.sleep(0.1)
+    for version in (1, 2):  # both steps land before another group finishes
+        monitor.step(version, learner, Batch(groups=[scored_group(f"g{version}", 1.0, 0)]), [0] * 4, counters, 0.01)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("stage rl")]
+    rates = [float(line.split("samples/s ")[1].split()[0]) for line in lines]
+    assert len(rates) == 2 and all(rate > 0 for rate in rates), lines
 
 
 def test_rlp_status_prints_a_jobs_progress_from_redis(redis_server, redis_client):

@@ -3,8 +3,6 @@ completion is flagged with a known probability and another is not."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -41,12 +39,13 @@ def test_safety_classifier_thresholds_the_flagged_probability(tiny_classifier, m
     samples = [make_sample(FLAGGED), make_sample(CLEAN)]
     flagged_logits = PreferenceModel(path).logits([FLAGGED, CLEAN])[:, -1]
     torch.testing.assert_close(flagged_logits, torch.tensor([MARGIN, -MARGIN]), atol=1e-4, rtol=0)
-    # P(flagged) = sigmoid(3) = 0.953 for FLAGGED (softmax of (0, 3) for two labels), 0.047 for CLEAN
-    assert 1 / (1 + math.exp(-MARGIN)) == pytest.approx(0.9526, abs=1e-4)
+    # P(flagged) = sigmoid(3) = 0.952574 for FLAGGED (softmax of (0, 3) for two labels), 0.047426 for
+    # CLEAN; thresholds just either side of each probability pin them to 1e-4
     assert safety_classifier(samples, model_path=path) == [1.0, 0.0]
-    assert safety_classifier(samples, model_path=path, threshold=0.95) == [1.0, 0.0]
-    assert safety_classifier(samples, model_path=path, threshold=0.96) == [0.0, 0.0]
-    assert safety_classifier(samples, model_path=path, threshold=0.04) == [1.0, 1.0]
+    assert safety_classifier(samples, model_path=path, threshold=0.9525) == [1.0, 0.0]
+    assert safety_classifier(samples, model_path=path, threshold=0.9527) == [0.0, 0.0]
+    assert safety_classifier(samples, model_path=path, threshold=0.0475) == [1.0, 0.0]
+    assert safety_classifier(samples, model_path=path, threshold=0.0473) == [1.0, 1.0]
     assert safety_classifier.batch is True
 
 

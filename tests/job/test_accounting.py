@@ -1,0 +1,49 @@
+"""Sample accounting at the end of an RL stage, on a real Redis: every untrained sample is counted
+where it sits (the group buffer, the results stream, the request stream, the dead letters) and
+attributed to its own policy, and samples cut from a trained group are counted as dropped."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from rlplatform.job.rl_loop import RLCounters, _count_dropped, _unused_at_end
+from rlplatform.transport.buffer import GroupBuffer
+from rlplatform.transport.reward_queue import RewardQueue
+from rlplatform.transport.samples import Sample, ScoredSample
+
+
+def sample(policy: str, group: str, i: int) -> Sample:
+    return Sample(f"{group}/{i}", group, policy, "1+1=", "2", [4], [5, 2], [-0.1, -0.2], [0, 0], {"answer": "2"})
+
+
+def scored(policy: str, group: str, i: int, reward: float = 1.0, error=None) -> ScoredSample:
+    return ScoredSample(sample(policy, group, i), reward, {"exact_match": reward}, error=error)
+
+
+def test_unused_samples_are_counted_where_they_sit_per_policy(redis_client):
+    queue = RewardQueue(redis_client, "accounting")
+    queue.reset()
+    queue.create_group()
+    queue.submit([sample("a", "qa", i) for i in range(5)] + [sample("b", "qb", i) for i in range(2)])
+    held = queue.fetch("reward-0", count=3, block_ms=10)  # a reward worker holds 3 requests of policy a
+    queue.store_results([(held[0][0], scored("a", "qa", 0))])  # one scored, its result not read yet
+    queue.dead_letter(held[1][0], held[1][1], "undecodable")  # one dead-lettered; held[2] stays pending
+    buffer = GroupBuffer(group_size=4)
+    for i in range(4):
+        buffer.add(scored("a", "ga", i))  # a complete group, not taken
+    buffer.add(scored("a", "gb", 0))  # a group still filling
+    runs = {"a": SimpleNamespace(buffer=buffer), "b": SimpleNamespace(buffer=GroupBuffer(group_size=4))}
+    assert _unused_at_end(runs, queue) == {
+        "a": {"in_buffer": 5, "scored_unread": 1, "unscored": 4},  # 2 unread + 1 held + 1 dead letter
+        "b": {"in_buffer": 0, "scored_unread": 0, "unscored": 2}}
+
+
+def test_samples_cut_from_a_trained_group_are_counted_as_dropped():
+    buffer = GroupBuffer(group_size=4)
+    for i in range(4):
+        buffer.add(scored("a", "g", i, reward=float(i % 2), error="timeout" if i == 3 else None))
+    batch = buffer.take(batch_prompts=1, learner_version=0, max_staleness=1)
+    counters = RLCounters()
+    _count_dropped(batch, counters)
+    assert len(batch.samples) == 3 and counters.samples_dropped_invalid == 1
+    assert batch.dropped_groups == 0  # the group is trained: its claim is not given back
