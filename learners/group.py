@@ -12,8 +12,8 @@ import ray
 
 from rlplatform.config import LearnerConfig, RLConfig
 from rlplatform.devices import gpus_per_actor
-from rlplatform.job.supervision import LEARNER_TIMEOUT_S, deadline_get
 from rlplatform.learners.rank import LearnerActor
+from rlplatform.transport.deadlines import LEARNER_TIMEOUT_S, deadline_get
 from rlplatform.transport.samples import Sample
 
 T = TypeVar("T")

@@ -104,17 +104,16 @@ class RewardWorker:
 
     def _reclaim(self) -> List[Tuple[str, bytes, int]]:
         """Every half idle period: take over requests that a dead worker left unacknowledged; at the
-        first step, at once those this worker's name held before a restart."""
+        first step, also at once those this worker's name held before a restart."""
+        taken = []
         if not self._recovered:
             self._recovered = True
             taken = self.queue.reclaim(self.name, 0, self.config.batch_size, owner=self.name)
-            self.stats.reclaimed += len(taken)
-            return taken
         now = time.monotonic()
-        if now - self._last_reclaim < self.config.claim_idle_s / 2:
-            return []
-        self._last_reclaim = now
-        taken = self.queue.reclaim(self.name, int(self.config.claim_idle_s * 1000), self.config.batch_size)
+        if now - self._last_reclaim >= self.config.claim_idle_s / 2:
+            self._last_reclaim = now
+            taken += self.queue.reclaim(self.name, int(self.config.claim_idle_s * 1000),
+                                        self.config.batch_size - len(taken))
         self.stats.reclaimed += len(taken)
         return taken
 

@@ -45,9 +45,9 @@ def _run(args) -> int:
         raise ConfigError("rlp run: give a job YAML, or --resume runs/<name>")
     config = _load(args)
     preflight.check(config, args.config)
-    from rlplatform.job.controller import run_job
-
     import psutil
+
+    from rlplatform.job.controller import run_job
 
     summary = run_job(config, started_at=psutil.Process().create_time())
     print(_result_line(summary))
@@ -234,7 +234,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("rlp: interrupted", file=sys.stderr)
         return 130
     except RuntimeError as err:
-        from rlplatform.job.supervision import JobFailed
+        from rlplatform.transport.deadlines import JobFailed
 
         if not isinstance(err, JobFailed):
             raise

@@ -12,6 +12,7 @@ from rlplatform.config import ConfigError, JobConfig, LearnerConfig, load_config
 from rlplatform.devices import assigned_gpu, gpus_per_actor, resolve_device
 from rlplatform.job.controller import _check_cluster, _gpus_needed
 from rlplatform.learners.group import LearnerGroup
+from rlplatform.tokenization import encode_prompts
 from rlplatform.transport.weights import from_snapshot, to_snapshot
 
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in [(1, 2), (13, 7), (40, 45), (9, 9)]]
@@ -109,5 +110,6 @@ def test_engine_generates_on_cuda_in_bfloat16_and_loads_streamed_weights(tiny_po
     engine = TransformersEngine(tiny_policy, "cuda", "bfloat16")
     assert {(p.device.type, p.dtype) for p in engine.model.parameters()} == {("cuda", torch.bfloat16)}
     engine.load_weights(from_snapshot(to_snapshot(engine.model.state_dict())), 3)
-    (group,) = engine.generate(["12+34="], 4, 5, 1.0)
+    (prompt,) = encode_prompts(engine.tokenizer, [{"prompt": "12+34="}], "auto")
+    (group,) = engine.generate([prompt.ids], 4, 5, 1.0)
     assert all(c.versions == [3] * len(c.completion_ids) and all(lp <= 0 for lp in c.logprobs) for c in group)

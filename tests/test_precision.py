@@ -17,6 +17,7 @@ from rlplatform.actors.engine import TransformersEngine
 from rlplatform.config import LearnerConfig, ModelConfig, RLConfig
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.policy import load_policy, save_initial_policy
+from rlplatform.tokenization import encode_prompts
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.weights import BFLOAT16, from_snapshot
 
@@ -48,7 +49,8 @@ def test_saved_initial_policy_keeps_the_dtype_at_half_the_size(bf16_policy, tiny
 
 
 def engine_samples(engine: TransformersEngine):
-    groups = engine.generate(["1+2=", "40+45="], 4, 4, 1.0)
+    prompts = encode_prompts(engine.tokenizer, [{"prompt": "1+2="}, {"prompt": "40+45="}], "auto")
+    groups = engine.generate([p.ids for p in prompts], 4, 4, 1.0)
     samples = [Sample(f"{g}/{i}", str(g), "policy", "", c.text, c.prompt_ids, c.completion_ids, c.logprobs,
                       c.versions) for g, group in enumerate(groups) for i, c in enumerate(group)]
     return samples, [1.0 if s.group_id == "0" else -1.0 for s in samples]

@@ -25,13 +25,14 @@ from rlplatform.job.checkpoint import checkpoints_dir, latest_checkpoint, read_s
 from rlplatform.job.rl_loop import Resume, run_rl
 from rlplatform.job.sft import run_sft
 from rlplatform.job.signals import Interrupted, StopSignals
-from rlplatform.job.supervision import MAX_RESTARTS, JobFailed, LearnerDied
+from rlplatform.job.supervision import MAX_RESTARTS
 from rlplatform.job.workers import Evaluator, PolicyWorkers, publish
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.monitoring.job_status import JobStatus
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.policy import load_tokenizer, save_initial_policy
 from rlplatform.tokenization import encode_prompts, within_limit
+from rlplatform.transport.deadlines import JobFailed, LearnerDied
 from rlplatform.transport.redis_server import EmbeddedRedis, connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.staleness import RolloutGate

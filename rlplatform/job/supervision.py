@@ -1,9 +1,8 @@
-"""Supervision of the job's long-running worker loops (rollout and reward workers) and deadlines
-on every remote wait.
+"""Supervision of the job's long-running worker loops (rollout and reward workers).
 
 Workers run as Ray actors that Ray restarts when their process dies; `Supervisor` notices a
 loop that ended with the actor's death, calls the loop again on the restarted actor and counts
-the restart by kind. `deadline_get` is `ray.get` with a deadline and a message naming what hung.
+the restart by kind. Remote waits go through `rlplatform.transport.deadlines`.
 """
 
 from __future__ import annotations
@@ -14,38 +13,12 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import RayActorError
+
+from rlplatform.transport.deadlines import deadline_get
 
 WORKER_SILENT_S = 120.0  # a rollout worker whose loop has not gone round this long is named in an alert
 MAX_RESTARTS = 10  # per actor: Ray gives up on an actor that died this often, and the job fails
-LEARNER_TIMEOUT_S = 3600.0  # one learner call (a step, a checkpoint) on the largest models
-WEIGHTS_TIMEOUT_S = 600.0  # publishing one weight snapshot
-EVAL_TIMEOUT_S = 3600.0  # one held-out evaluation
-
-
-class JobFailed(RuntimeError):
-    """The job cannot go on; the one-line message says why and how to resume."""
-
-
-class LearnerDied(JobFailed):
-    """A learner rank's process died: its state is gone and the job must resume from a checkpoint."""
-
-
-class WorkerHung(JobFailed):
-    """A remote call passed its deadline; the message names the worker."""
-
-
-def deadline_get(refs, what: str, timeout_s: float):
-    """`ray.get(refs)`, failing after `timeout_s` with a message naming `what` did not answer."""
-    try:
-        return ray.get(refs, timeout=timeout_s)
-    except RayActorError as err:
-        if getattr(err, "actor_id", None) and "LearnerRank" in str(err):
-            raise LearnerDied(f"a learner rank died ({what}: {type(err).__name__})") from None
-        raise
-    except GetTimeoutError:
-        raise WorkerHung(f"{what} did not answer within {timeout_s:.0f}s; it hangs or its node is lost "
-                         f"(see the Ray logs under /tmp/ray/session_latest/logs)") from None
 
 
 @dataclass

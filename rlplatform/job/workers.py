@@ -14,9 +14,10 @@ import ray
 from ray.exceptions import RayActorError
 
 from rlplatform.config import EvalConfig, PolicyConfig, RewardSpec
-from rlplatform.job.supervision import EVAL_TIMEOUT_S, MAX_RESTARTS, WEIGHTS_TIMEOUT_S, JobFailed, deadline_get
+from rlplatform.job.supervision import MAX_RESTARTS
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.tokenization import Prompt
+from rlplatform.transport.deadlines import EVAL_TIMEOUT_S, WEIGHTS_TIMEOUT_S, JobFailed, deadline_get
 from rlplatform.transport.reward_queue import PolicyKeys
 from rlplatform.transport.staleness import RolloutGate
 

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 from rlplatform.job.rl_loop import RLCounters, _count_dropped, _unused_at_end
 from rlplatform.transport.buffer import GroupBuffer
+from rlplatform.transport.ledger import PromptLedger
 from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.samples import Sample, ScoredSample
 
@@ -38,12 +39,12 @@ def test_unused_samples_are_counted_where_they_sit_per_policy(redis_client):
         "b": {"in_buffer": 0, "scored_unread": 0, "unscored": 2}}
 
 
-def test_samples_cut_from_a_trained_group_are_counted_as_dropped():
+def test_samples_cut_from_a_trained_group_are_counted_as_dropped(redis_client):
     buffer = GroupBuffer(group_size=4)
     for i in range(4):
         buffer.add(scored("a", "g", i, reward=float(i % 2), error="timeout" if i == 3 else None))
     batch = buffer.take(batch_prompts=1, learner_version=0, max_staleness=1)
     counters = RLCounters()
-    _count_dropped(batch, counters)
+    _count_dropped(batch, counters, PromptLedger(redis_client, "accounting", "a"))
     assert len(batch.samples) == 3 and counters.samples_dropped_invalid == 1
     assert batch.dropped_groups == 0  # the group is trained: its claim is not given back

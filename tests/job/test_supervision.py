@@ -10,9 +10,10 @@ import threading
 import pytest
 import ray
 
+from rlplatform.job.checkpoint import latest_checkpoint
 from rlplatform.job.controller import run_job
-from rlplatform.job.supervision import JobFailed
 from rlplatform.rewards.worker import RewardWorker
+from rlplatform.transport.deadlines import JobFailed
 from rlplatform.transport.ledger import balanced
 from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import RewardQueue
@@ -92,7 +93,7 @@ def test_learner_rank_death_ends_the_job_naming_the_checkpoint(ray_session, tiny
     config = tiny_job("learner", "rl.max_steps=50", "checkpoint.every_steps=1")
 
     def kill_learner():
-        run_files.wait_for(lambda: run_files.trained_steps(config.run_dir) >= 2)
+        run_files.wait_for(lambda: latest_checkpoint(config.run_dir) is not None)  # one to resume from
         ray.kill(ray.get_actor("learner-policy-learner-0"))
     thread, errors = _in_background(kill_learner)
     with pytest.raises(JobFailed) as failure:
