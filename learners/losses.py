@@ -4,17 +4,19 @@ estimators and off-policy corrections are in `algorithms.py`)."""
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 Metrics = Dict[str, float]
 
 
-def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> Tuple[torch.Tensor, Metrics]:
-    """Mean negative log-likelihood over the tokens where `mask` is 1."""
-    tokens = mask.sum().clamp(min=1)
-    loss = -(logprobs * mask).sum() / tokens
+def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor, denominator: Optional[float] = None
+             ) -> Tuple[torch.Tensor, Metrics]:
+    """Negative log-likelihood summed over the tokens where `mask` is 1, divided by `denominator`
+    (default: those tokens, a mean)."""
+    tokens = mask.sum()
+    loss = -(logprobs * mask).sum() / (denominator or tokens.clamp(min=1))
     return loss, {"loss": loss.item(), "tokens": tokens.item()}
 
 

@@ -135,9 +135,11 @@ class LearnerRank:
             self.reference.to(self.engine.device, dtype).eval().requires_grad_(False)  # as the policy
 
     def sft_step(self, rows: List[Dict]) -> Dict[str, float]:
-        """One optimizer step on prompt -> answer+EOS, loss on the answer tokens only."""
+        """One optimizer step on prompt -> answer+EOS, loss on the answer tokens only: the mean over
+        every rank's tokens (DeepSpeed averages the ranks' gradients, hence the rank count)."""
         scores = self._sft_scores(rows)
-        loss, metrics = sft_loss(scores.logprobs, scores.mask)
+        (tokens,) = self._all_reduce([scores.mask.sum().item()])
+        loss, metrics = sft_loss(scores.logprobs, scores.mask, max(tokens, 1.0) / self.world_size)
         return self._step(loss, metrics)
 
     def _sft_scores(self, rows: List[Dict]) -> TokenScores:

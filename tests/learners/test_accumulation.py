@@ -1,6 +1,7 @@
 """How an RL step is cut up must not change the update: the same batch trained by one rank at once,
 by one rank in micro-batches, and by two ranks with uneven shares (5 samples) in micro-batches under
-ZeRO-2 and ZeRO-3, gives the same weights, gradient norm and metrics (real DeepSpeed, gloo)."""
+ZeRO-2 and ZeRO-3, gives the same weights, gradient norm and metrics (real DeepSpeed, gloo); so does
+an SFT step before it on 5 rows split 3 and 2 (the loss is a mean over every rank's tokens)."""
 
 from __future__ import annotations
 
@@ -50,8 +51,10 @@ def trained(tiny_policy, batch, ranks, zero_stage, micro_batch_tokens):
     learner = LearnerGroup(config, tiny_policy, seed=0)
     try:
         learner.start_stage(lr=1e-3, keep_reference=True)
+        sft = learner.sft_step(ROWS[:5])  # 2 ranks: 3 and 2 rows of different lengths
         metrics = learner.rl_step(*batch, RL, sft_rows=ROWS[:3])
-        return metrics, ray.get(learner.publish_weights())
+        return {**metrics, "sft_step_loss": sft["loss"], "sft_step_grad_norm": sft["grad_norm"]}, \
+            ray.get(learner.publish_weights())
     finally:
         learner.shutdown()
 
@@ -65,5 +68,6 @@ def test_micro_batches_and_uneven_ranks_give_the_single_pass_update(ray_session,
         worst = max(float(np.abs(weights[k] - expected_weights[k]).max()) for k in expected_weights)
         assert worst < 1e-5, name
         for key in ("grad_norm", "pg_loss", "entropy", "kl_to_reference", "sft_loss", "loss", "clip_fraction",
-                    "importance_weight_mean", "importance_weight_max", "tokens_total"):
+                    "importance_weight_mean", "importance_weight_max", "tokens_total", "sft_step_loss",
+                    "sft_step_grad_norm"):
             assert metrics[key] == pytest.approx(expected_metrics[key], rel=1e-4, abs=1e-6), (name, key)
