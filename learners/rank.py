@@ -99,7 +99,14 @@ class LearnerRank:
         mode = "bf16" if self.engine.bfloat16_enabled() else "fp16" if self.engine.fp16_enabled() else "fp32"
         return {"device": str(self.engine.device), "local_rank": int(os.environ["LOCAL_RANK"]),
                 "backend": torch.distributed.get_backend(), "ray_gpu_ids": [str(i) for i in ray.get_gpu_ids()],
-                "dtype": str(next(self.engine.module.parameters()).dtype).removeprefix("torch."), "mode": mode}
+                "dtype": str(next(self.engine.module.parameters()).dtype).removeprefix("torch."), "mode": mode,
+                "reference_elements": self._reference_elements()}
+
+    def _reference_elements(self) -> Optional[int]:
+        """Reference weights this rank holds (its ZeRO-3 shard, or the whole model); None without one."""
+        if self.reference is None:
+            return None
+        return sum(getattr(p, "ds_tensor", p).numel() for p in self._reference_module().parameters())
 
     def _deepspeed_config(self) -> Dict:
         """ZeRO stage and clipping from config; bf16/fp16 mode for those dtypes (float32 master weights)."""
@@ -127,12 +134,45 @@ class LearnerRank:
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
         self.stage_lr = lr
-        self.reference = None
-        if keep_reference:
-            self.reference, _ = load_policy(self.model_path, self.dtype)
-            self.reference.load_state_dict(self._full_state_dict(every_rank=True))
-            dtype = next(self.engine.module.parameters()).dtype
-            self.reference.to(self.engine.device, dtype).eval().requires_grad_(False)  # as the policy
+        self.reference = self._frozen_reference() if keep_reference else None
+
+    def _frozen_reference(self):
+        """The current weights, frozen, laid out as the policy is: under ZeRO-3 a DeepSpeed inference
+        engine whose parameters are sharded across the ranks, else a full copy on the rank's device."""
+        reference, _ = load_policy(self.model_path, self.dtype)
+        reference.load_state_dict(self._full_state_dict(every_rank=True))
+        dtype = next(self.engine.module.parameters()).dtype
+        reference.to(self.engine.device, dtype).eval().requires_grad_(False)  # as the policy
+        if self.config.zero_stage != 3:
+            return reference
+        import deepspeed
+
+        config = {key: value for key, value in self._deepspeed_config().items() if key != "gradient_clipping"}
+        engine, *_ = deepspeed.initialize(model=reference, config=config)
+        return engine
+
+    def _reference_module(self) -> torch.nn.Module:
+        return getattr(self.reference, "module", self.reference)
+
+    def _reference_state(self) -> Dict[str, torch.Tensor]:
+        """The reference's full weights (gathered on every rank under ZeRO-3: all ranks must call)."""
+        module = self._reference_module()
+        if self.config.zero_stage != 3:
+            return module.state_dict()
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(module.parameters())):
+            return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    def _load_reference(self, state: Dict[str, torch.Tensor]) -> None:
+        module = self._reference_module()
+        if self.config.zero_stage != 3:
+            module.load_state_dict(state)
+            return
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+            module.load_state_dict(state)
 
     def sft_step(self, rows: List[Dict]) -> Dict[str, float]:
         """One optimizer step on prompt -> answer+EOS, loss on the answer tokens only: the mean over
@@ -332,8 +372,10 @@ class LearnerRank:
         self.engine.save_checkpoint(checkpoint_dir, client_state={**(client_state or {}), "stage_lr": self.stage_lr})
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate()},
                    os.path.join(checkpoint_dir, f"rng-rank{self.rank}.pt"))
-        if self.reference is not None and self.rank == 0:
-            torch.save(self.reference.state_dict(), os.path.join(checkpoint_dir, "reference.pt"))
+        if self.reference is not None:
+            reference = self._reference_state()
+            if self.rank == 0:
+                torch.save(reference, os.path.join(checkpoint_dir, "reference.pt"))
         state = self._full_state_dict()
         if state is not None and model_dir is not None:
             self.engine.module.save_pretrained(model_dir, state_dict=state)
@@ -350,7 +392,7 @@ class LearnerRank:
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
         if self.reference is not None:
-            self.reference.load_state_dict(torch.load(os.path.join(checkpoint_dir, "reference.pt")))
+            self._load_reference(torch.load(os.path.join(checkpoint_dir, "reference.pt")))
         return client_state
 
 

@@ -61,7 +61,7 @@ def test_bfloat16_train_publish_generate_and_save(ray_session, bf16_policy, tmp_
                            dtype="bfloat16")
     try:
         assert learner.placements() == [{"device": "cpu", "local_rank": 0, "backend": "gloo", "ray_gpu_ids": [],
-                                         "dtype": "bfloat16", "mode": "bf16"}] * 2
+                                         "dtype": "bfloat16", "mode": "bf16", "reference_elements": None}] * 2
         learner.start_stage(lr=1e-2)
         first = learner.sft_step(ROWS)
         assert learner.sft_step(ROWS)["loss"] < first["loss"]

@@ -1,7 +1,8 @@
 """How an RL step is cut up must not change the update: the same batch trained by one rank at once,
 by one rank in micro-batches, and by two ranks with uneven shares (5 samples) in micro-batches under
 ZeRO-2 and ZeRO-3, gives the same weights, gradient norm and metrics (real DeepSpeed, gloo); so does
-an SFT step before it on 5 rows split 3 and 2 (the loss is a mean over every rank's tokens)."""
+an SFT step before it on 5 rows split 3 and 2 (the loss is a mean over every rank's tokens). Under
+ZeRO-3 the KL reference is sharded like the policy and gives the same KL."""
 
 from __future__ import annotations
 
@@ -45,25 +46,34 @@ def batch(tiny_policy):
     return samples[:5], advantages[:5]  # 5 samples: 2 ranks hold 3 and 2, some micro-batches are stand-ins
 
 
-def trained(tiny_policy, batch, ranks, zero_stage, micro_batch_tokens):
+def trained(tiny_policy, batch, ranks, zero_stage, micro_batch_tokens, checkpoint_dir):
     config = LearnerConfig(num_ranks=ranks, zero_stage=zero_stage, micro_batch_tokens=micro_batch_tokens,
                            num_cpus=0.5)
     learner = LearnerGroup(config, tiny_policy, seed=0)
     try:
         learner.start_stage(lr=1e-3, keep_reference=True)
+        reference_held = [p["reference_elements"] for p in learner.placements()]
         sft = learner.sft_step(ROWS[:5])  # 2 ranks: 3 and 2 rows of different lengths
         metrics = learner.rl_step(*batch, RL, sft_rows=ROWS[:3])
-        return {**metrics, "sft_step_loss": sft["loss"], "sft_step_grad_norm": sft["grad_norm"]}, \
-            ray.get(learner.publish_weights())
+        weights = ray.get(learner.publish_weights())
+        learner.save(checkpoint_dir)  # the reference is saved gathered and loaded back into its shards
+        learner.load_checkpoint(checkpoint_dir)
+        assert all(np.array_equal(v, weights[k]) for k, v in ray.get(learner.publish_weights()).items())
+        metrics = {**metrics, "sft_step_loss": sft["loss"], "sft_step_grad_norm": sft["grad_norm"]}
+        return metrics, weights, reference_held
     finally:
         learner.shutdown()
 
 
-def test_micro_batches_and_uneven_ranks_give_the_single_pass_update(ray_session, tiny_policy, batch):
-    results = {name: trained(tiny_policy, batch, *setting) for name, setting in SETTINGS.items()}
-    expected_metrics, expected_weights = results.pop("one_rank_whole")
+def test_micro_batches_and_uneven_ranks_give_the_single_pass_update(ray_session, tiny_policy, batch, tmp_path):
+    results = {name: trained(tiny_policy, batch, *setting, str(tmp_path / name)) for name, setting in SETTINGS.items()}
+    expected_metrics, expected_weights, (whole_reference,) = results.pop("one_rank_whole")
     assert expected_metrics["tokens_total"] == sum(len(s.completion_ids) for s in batch[0])
-    for name, (metrics, weights) in results.items():
+    for name, (metrics, weights, reference_held) in results.items():
+        if "zero3" in name:  # the frozen reference is sharded across the ranks, as the policy is
+            assert all(held < whole_reference for held in reference_held) and sum(reference_held) >= whole_reference
+        else:
+            assert reference_held == [whole_reference] * len(reference_held), name
         # float32 sums in another order: AdamW's steps of 1e-3 differ by ~2e-6 where a gradient is ~0
         worst = max(float(np.abs(weights[k] - expected_weights[k]).max()) for k in expected_weights)
         assert worst < 1e-5, name
