@@ -38,7 +38,8 @@ class LearnerGroup:
         """`name`: the ranks become Ray actors named `<name>-<rank>`."""
         n = config.num_ranks
         gpus = gpus_per_actor(config.device, config.num_gpus, ray.cluster_resources().get("GPU", 0.0))
-        self.ranks = [LearnerActor.options(num_cpus=config.num_cpus, num_gpus=gpus, name=name and f"{name}-{r}")
+        self.ranks = [LearnerActor.options(num_cpus=config.num_cpus, num_gpus=gpus, resources=config.resources,
+                                          name=name and f"{name}-{r}")
                       .remote(r, n, model_path, config, seed, dtype, chat_template) for r in range(n)]
         host, port = deadline_get(self.ranks[0].address.remote(), "learner rank 0", LEARNER_TIMEOUT_S)
         deadline_get([rank.setup.remote(host, port) for rank in self.ranks], "a learner rank's setup",

@@ -124,6 +124,7 @@ class RolloutConfig:
     num_cpus: float = at_least(1.0, 0)  # Ray CPUs reserved per worker
     device: str = one_of("auto", "cpu", "cuda")  # auto: the GPU Ray assigns the worker when the cluster has GPUs, else CPU
     num_gpus: Optional[float] = at_least(None, 0)  # Ray GPUs per worker (fractions share one); unset: 1 on a GPU device, else 0
+    resources: Dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker (and the evaluator), e.g. {rollout_node: 1} places them on nodes started with that resource
 
 
 @dataclass
@@ -151,6 +152,7 @@ class RewardWorkersConfig:
     claim_idle_s: float = above(30.0, 0)  # a request unacknowledged this long is reclaimed from its (dead) worker
     max_deliveries: int = at_least(3, 1)  # a request delivered this often without a result goes to dead letters
     num_cpus: float = at_least(0.5, 0)  # Ray CPUs reserved per worker
+    resources: Dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker, e.g. {reward_node: 1} places them on nodes started with that resource
 
 
 @dataclass
@@ -162,6 +164,7 @@ class LearnerConfig:
     num_cpus: float = at_least(1.0, 0)  # Ray CPUs reserved per rank
     device: str = one_of("auto", "cpu", "cuda")  # auto: the GPU Ray assigns the rank when the cluster has GPUs, else CPU
     num_gpus: Optional[float] = at_least(None, 0)  # Ray GPUs per rank (a fraction shares one); unset: 1 on a GPU device, else 0
+    resources: Dict[str, float] = field(default_factory=dict)  # custom Ray resources per rank, e.g. {learner_node: 1} places ranks on nodes started with that resource
     micro_batch_tokens: int = at_least(0, 0)  # prompt+completion tokens per forward/backward; a larger minibatch accumulates over several (0: all at once)
     activation_checkpointing: bool = False  # recompute each layer's activations in backward: less memory, about a third more compute
 
@@ -399,6 +402,7 @@ def _check_values(config: JobConfig, source: str) -> None:
         _check_name(policy.name, f"policies[{i}].name", source)
         _check_policy(policy, f"policies[{i}].", source)
     _check_policy(config, "", source)
+    _check_resources(config.reward_workers.resources, "reward_workers.resources", source)
     for i, spec in enumerate(config.rewards):
         _check_reward_spec(spec, f"rewards[{i}]", source)
     if not config.rewards:
@@ -491,10 +495,20 @@ def _check_policy(config, prefix: str, source: str) -> None:
     if config.model.dtype == "float16" and config.learner.device == "cpu":
         raise ConfigError(f"{source}: '{prefix}model.dtype' is float16 but '{prefix}learner.device' is cpu: DeepSpeed "
                           f"trains float16 on GPUs only; use bfloat16 (or float32) on CPU")
+    _check_resources(config.rollout.resources, f"{prefix}rollout.resources", source)
+    _check_resources(config.learner.resources, f"{prefix}learner.resources", source)
     learner = config.learner
     if learner.num_ranks > 1 and learner.num_gpus is not None and 0 < learner.num_gpus < 1:
         raise ConfigError(f"{source}: '{prefix}learner.num_gpus' is {learner.num_gpus} with {learner.num_ranks} ranks: "
                           f"NCCL needs a whole GPU per rank; set it to 1 or use one rank")
+
+
+def _check_resources(resources: Dict[str, float], key: str, source: str) -> None:
+    """Custom Ray resources: positive amounts of names Ray does not reserve itself."""
+    for name, amount in resources.items():
+        if name in ("CPU", "GPU", "memory", "object_store_memory") or amount <= 0:
+            raise ConfigError(f"{source}: '{key}.{name}' is {amount!r}; give custom resources (a name the nodes "
+                              f"declare with `ray start --resources`) a positive amount; CPUs and GPUs have their own keys")
 
 
 def _check_reward_spec(spec: RewardSpec, key: str, source: str) -> None:

@@ -52,6 +52,19 @@ def test_cluster_check_names_the_gpu_shortfall_and_the_keys(ray_session):
         _check_cluster(config, cpus=1)
 
 
+def test_cluster_check_names_a_missing_custom_resource_and_the_keys(ray_session):
+    config = load_config(None, ["learner.device=cpu", "rollout.device=cpu", "rollout.num_workers=2",
+                                "learner.num_ranks=2", "learner.resources={node: 0.25}",
+                                "rollout.resources={node: 1}", "reward_workers.resources={node: 0.5}"])
+    with pytest.raises(RuntimeError, match=r"0 of resource 'node' but the job's actors reserve 4 "
+                                           r"\(learner.resources, rollout.resources, reward_workers.resources\)"):
+        _check_cluster(config, cpus=1)  # 2 ranks at 0.25, 2 rollout workers and the evaluator at 1, a reward worker at 0.5
+    with pytest.raises(ConfigError, match=r"'rollout.resources.rollout_node' is 0.0; give custom resources"):
+        load_config(None, ["rollout.resources={rollout_node: 0}"])
+    with pytest.raises(ConfigError, match=r"'reward_workers.resources.CPU' is 1.0; .*CPUs and GPUs have their own"):
+        load_config(None, ["reward_workers.resources={CPU: 1}"])
+
+
 def test_config_rejects_unknown_devices_cpu_float16_and_shared_gpus_across_ranks():
     assert load_config(None, ["model.dtype=bfloat16", "learner.device=cpu"]).model.dtype == "bfloat16"
     with pytest.raises(ConfigError, match="'rollout.device' is 'gpu'; expected one of"):

@@ -135,6 +135,11 @@ def _check_cluster(config: JobConfig, cpus: float) -> None:
         raise RuntimeError(f"the Ray cluster has {have_cpus:g} CPUs but the job's actors reserve {cpus:g} "
                            f"(learner.num_cpus, rollout.num_cpus, reward_workers.num_cpus); "
                            f"lower them or give the cluster more CPUs")
+    for name, amount in _custom_resources_needed(config).items():
+        if cluster.get(name, 0.0) < amount:
+            raise RuntimeError(f"the Ray cluster has {cluster.get(name, 0.0):g} of resource '{name}' but the job's "
+                               f"actors reserve {amount:g} (learner.resources, rollout.resources, reward_workers.resources); start nodes "
+                               f"with `ray start --resources '{{\"{name}\": {amount:g}}}'` or change those keys")
     gpus = _gpus_needed(config, have_gpus)
     if have_gpus < gpus:
         raise RuntimeError(f"the Ray cluster has {have_gpus:g} GPUs but the job's actors reserve {gpus:g} "
@@ -148,6 +153,19 @@ def _cpus_needed(config: JobConfig) -> float:
     return config.reward_workers.num_workers * config.reward_workers.num_cpus + sum(
         p.learner.num_ranks * p.learner.num_cpus + (p.rollout.num_workers + 1) * p.rollout.num_cpus
         for p in config.policy_list())
+
+
+def _custom_resources_needed(config: JobConfig) -> Dict[str, float]:
+    """Custom Ray resources the job's actors reserve: per reward worker, and per policy per rank, rollout
+    worker and evaluator."""
+    needed: Dict[str, float] = {}
+    holders = [(config.reward_workers.num_workers, config.reward_workers.resources)]
+    for p in config.policy_list():
+        holders += [(p.learner.num_ranks, p.learner.resources), (p.rollout.num_workers + 1, p.rollout.resources)]
+    for count, resources in holders:
+        for name, amount in resources.items():
+            needed[name] = needed.get(name, 0.0) + count * amount
+    return needed
 
 
 def _gpus_needed(config: JobConfig, cluster_gpus: float) -> float:
@@ -219,8 +237,8 @@ def _open_queue(config: JobConfig, client) -> RewardQueue:
 def _start_reward_workers(config: JobConfig, redis_url: str) -> List:
     from rlplatform.rewards.worker import RewardActor
 
-    return [RewardActor.options(num_cpus=config.reward_workers.num_cpus, max_restarts=MAX_RESTARTS,
-                                name=f"{config.name}-reward-{i}").remote(
+    return [RewardActor.options(num_cpus=config.reward_workers.num_cpus, resources=config.reward_workers.resources,
+                                max_restarts=MAX_RESTARTS, name=f"{config.name}-reward-{i}").remote(
         f"{config.name}-reward-{i}", config.rewards, redis_url, config.name, config.reward_workers, config.imports)
         for i in range(config.reward_workers.num_workers)]
 
@@ -236,8 +254,8 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, train_rows, test_rows
     train, test, data = _encode_prompts(config, model_path, train_rows, test_rows)
     store = WeightStore.remote()
     gpus = gpus_per_actor(policy.rollout.device, policy.rollout.num_gpus, ray.cluster_resources().get("GPU", 0.0))
-    rollout = [RolloutActor.options(num_cpus=policy.rollout.num_cpus, num_gpus=gpus, max_restarts=MAX_RESTARTS,
-                                    name=f"{config.name}-{policy.name}-rollout-{i}").remote(
+    rollout = [RolloutActor.options(num_cpus=policy.rollout.num_cpus, num_gpus=gpus, resources=policy.rollout.resources,
+                                    max_restarts=MAX_RESTARTS, name=f"{config.name}-{policy.name}-rollout-{i}").remote(
         i, policy.name, model_path, train, policy.rl, policy.rollout, redis_url, config.name, store, config.seed,
         policy.model.dtype) for i in range(policy.rollout.num_workers + 1)]
     learner = LearnerGroup(policy.learner, model_path, config.seed, policy.model.dtype, config.data.chat_template,
