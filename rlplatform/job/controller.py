@@ -36,7 +36,7 @@ from rlplatform.transport.deadlines import JobFailed, LearnerDied
 from rlplatform.transport.redis_server import EmbeddedRedis, connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.staleness import RolloutGate
-from rlplatform.transport.weights import WeightStore
+from rlplatform.transport.weight_store import WeightStore
 
 
 def run_job(config: JobConfig, started_at: Optional[float] = None) -> Dict:
@@ -183,9 +183,9 @@ def _run_stages(config: JobConfig, redis_url: str, metrics: Metrics, summary: Di
     policies: List[PolicyWorkers] = []
     reward_actors: List = []
     try:
-        reward_actors = _start_reward_workers(config, redis_url)
         for policy in config.policy_list():
             policies.append(_start_policy(config, policy, train_rows, test_rows, redis_url, client))
+        reward_actors = _start_reward_workers(config, redis_url)  # needed from RL on
         summary["startup_s"]["workers_ready_s"] = round(time.time() - started_at, 2)  # every actor constructed
         results = resume.state["results"] if resume else \
             {p.name: {"data": p.data, "stages": {}, "eval": {}} for p in policies}
@@ -246,24 +246,43 @@ def _start_reward_workers(config: JobConfig, redis_url: str) -> List:
 def _start_policy(config: JobConfig, policy: PolicyConfig, train_rows, test_rows, redis_url: str,
                   client) -> PolicyWorkers:
     """A policy's initial weights on disk, its learner ranks, rollout workers and evaluator (the last
-    rollout actor). Actors are named `<job>-<policy>-rollout-<i>`, `<job>-<policy>-learner-<rank>`."""
-    from rlplatform.actors.rollout import RolloutActor
+    rollout actor). Actors are named `<job>-<policy>-rollout-<i>`, `<job>-<policy>-learner-<rank>`.
 
+    With SFT first, the learner is set up before the rollout actors start: SFT needs only the learner,
+    and the rollout actors' start-up (their imports and model load) would otherwise share the CPUs
+    with it; they start during the first SFT steps instead. Without SFT all start at once."""
     model_path = save_initial_policy(policy.model, config.seed,
                                      os.path.join(config.policy_dir(policy.name), "initial_policy"))
     train, test, data = _encode_prompts(config, model_path, train_rows, test_rows)
     store = WeightStore.remote()
-    gpus = gpus_per_actor(policy.rollout.device, policy.rollout.num_gpus, ray.cluster_resources().get("GPU", 0.0))
-    rollout = [RolloutActor.options(num_cpus=policy.rollout.num_cpus, num_gpus=gpus, resources=policy.rollout.resources,
-                                    max_restarts=MAX_RESTARTS, name=f"{config.name}-{policy.name}-rollout-{i}").remote(
-        i, policy.name, model_path, train, policy.rl, policy.rollout, redis_url, config.name, store, config.seed,
-        policy.model.dtype) for i in range(policy.rollout.num_workers + 1)]
-    learner = LearnerGroup(policy.learner, model_path, config.seed, policy.model.dtype, config.data.chat_template,
-                           name=f"{config.name}-{policy.name}-learner")
+    if policy.sft.enabled:
+        learner = _start_learner(config, policy, model_path)
+        rollout = _start_rollout_actors(config, policy, model_path, train, redis_url, store)
+    else:
+        rollout = _start_rollout_actors(config, policy, model_path, train, redis_url, store)
+        learner = _start_learner(config, policy, model_path)
     gate = RolloutGate(client, config.name, policy.rl.max_staleness, policy.rl.batch_prompts, policy.name)
     evaluator = Evaluator(rollout.pop(), test, config.eval, config.rewards, config.imports)
     return PolicyWorkers(policy, learner, rollout, store, gate, evaluator, PolicyKeys(config.name, policy.name),
                          [p.row for p in train], data)
+
+
+def _start_learner(config: JobConfig, policy: PolicyConfig, model_path: str) -> LearnerGroup:
+    """The policy's learner ranks, each set up in DeepSpeed (this waits for them)."""
+    return LearnerGroup(policy.learner, model_path, config.seed, policy.model.dtype, config.data.chat_template,
+                        name=f"{config.name}-{policy.name}-learner")
+
+
+def _start_rollout_actors(config: JobConfig, policy: PolicyConfig, model_path: str, train, redis_url: str,
+                          store) -> List:
+    """The policy's rollout workers and, last, its evaluator: `rollout.num_workers` + 1 actors."""
+    from rlplatform.actors.rollout import RolloutActor
+
+    gpus = gpus_per_actor(policy.rollout.device, policy.rollout.num_gpus, ray.cluster_resources().get("GPU", 0.0))
+    return [RolloutActor.options(num_cpus=policy.rollout.num_cpus, num_gpus=gpus, resources=policy.rollout.resources,
+                                 max_restarts=MAX_RESTARTS, name=f"{config.name}-{policy.name}-rollout-{i}").remote(
+        i, policy.name, model_path, train, policy.rl, policy.rollout, redis_url, config.name, store, config.seed,
+        policy.model.dtype) for i in range(policy.rollout.num_workers + 1)]
 
 
 def _encode_prompts(config: JobConfig, model_path: str, train_rows, test_rows):

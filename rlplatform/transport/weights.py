@@ -4,16 +4,15 @@ A snapshot is a dict of numpy arrays, in the weights' own dtype, put once in the
 (readers map it without a copy); numpy has no bfloat16, so bfloat16 weights travel as their raw
 16 bits under the `BFLOAT16` dtype and come back bit for bit. The `WeightStore` actor holds the
 newest reference and its version, and the version number is mirrored on Redis so workers can
-check for news without a Ray call.
+check for news without a Ray call (the store itself is `weight_store.WeightStore`).
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Dict
 
 import numpy as np
-import ray
 import torch
 
 BFLOAT16 = np.dtype([("bfloat16", np.int16)])  # the bits of a bfloat16 tensor, marked as such
@@ -59,22 +58,3 @@ def _to_tensor(array: np.ndarray) -> torch.Tensor:
     if array.dtype == BFLOAT16:
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)
-
-
-@ray.remote(num_cpus=0)
-class WeightStore:
-    """Holds the newest published weights of one policy."""
-
-    def __init__(self) -> None:
-        self._version = -1
-        self._refs: List[ray.ObjectRef] = []
-
-    def publish(self, version: int, refs: List[ray.ObjectRef]) -> None:
-        if version > self._version:
-            self._version, self._refs = version, refs
-
-    def newer_than(self, version: int) -> Optional[Tuple[int, List[ray.ObjectRef]]]:
-        """(version, [snapshot ref]) when a newer snapshot than `version` exists."""
-        if self._version > version:
-            return self._version, self._refs
-        return None

@@ -15,7 +15,8 @@ from rlplatform.learners.batching import completion_logprobs
 from rlplatform.policy import load_policy, load_tokenizer
 from rlplatform.tokenization import encode_prompts
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
-from rlplatform.transport.weights import WeightStore, to_snapshot
+from rlplatform.transport.weight_store import WeightStore
+from rlplatform.transport.weights import to_snapshot
 
 ROWS = [{"prompt": "12+34=", "answer": "46"}, {"prompt": "5+5=", "answer": "10"}]
 
