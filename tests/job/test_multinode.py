@@ -42,11 +42,13 @@ class TwoNodeCluster:
 
     def __init__(self) -> None:
         self.temp_dir = tempfile.mkdtemp(prefix="rlp-ray-", dir="/tmp")  # short: Ray's socket paths live under it
-        port = free_port()
-        self.address = f"127.0.0.1:{port}"
+        self.address = f"127.0.0.1:{free_port()}"
         self.nodes: list = []
+
+    def start(self) -> None:
+        port = self.address.rsplit(":", 1)[1]
         self._start("--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
-                    f"--ray-client-server-port={free_port()}")
+                    f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}")
         self._start(f"--address={self.address}", "--num-cpus=2", "--resources", json.dumps({"rollout_node": 4}))
 
     def _start(self, *args: str, attempts: int = 2) -> None:
@@ -65,13 +67,22 @@ class TwoNodeCluster:
                 return
         pytest.fail(f"`ray start {' '.join(args)}` failed:\n{log.read_text()}")
 
-    def query(self, code: str) -> object:
-        """What `code` (a Python expression, with `ray` connected to the cluster) evaluates to, as JSON."""
-        script = (f"import json, ray\nfrom ray.util.state import list_actors\n"
-                  f"ray.init(address={self.address!r}, log_to_driver=False)\nprint(json.dumps({code}))")
-        done = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout.strip().splitlines()[-1])
+    def watch_actors(self, until: Path) -> subprocess.Popen:
+        """A driver on the cluster that records, until `until` exists, the node of every named actor it sees
+        alive (Ray's actor table), then prints {"actors": {name: node id}, "labelled": [node ids]} as JSON."""
+        script = f"""
+import json, os, time, ray
+from ray._private.state import actors
+ray.init(address={self.address!r}, log_to_driver=False)
+seen = {{}}
+while not os.path.exists({str(until)!r}):
+    seen.update({{a["Name"]: a["Address"]["NodeID"] for a in actors().values() if a["Name"] and a["State"] == "ALIVE"}})
+    time.sleep(0.2)
+labelled = [n["NodeID"] for n in ray.nodes() if "rollout_node" in n["Resources"]]
+print(json.dumps({{"actors": seen, "labelled": labelled}}))
+"""
+        return subprocess.Popen([sys.executable, "-c", script], env=ENV, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
 
     def stop(self) -> None:
         for node in reversed(self.nodes):
@@ -89,9 +100,12 @@ class TwoNodeCluster:
 
 @pytest.fixture
 def cluster():
-    started = TwoNodeCluster()
-    yield started
-    started.stop()
+    two_nodes = TwoNodeCluster()
+    try:
+        two_nodes.start()
+        yield two_nodes
+    finally:
+        two_nodes.stop()
 
 
 def job_yaml(tmp_path: Path, name: str, address: str) -> Path:
@@ -120,22 +134,29 @@ def wait_for_file(path: Path, job: subprocess.Popen, timeout_s: float = 120.0) -
 @pytest.mark.slow
 def test_workers_run_on_the_labelled_node_and_the_job_accounts_for_every_sample(cluster, tmp_path):
     name = "multinode"
+    watcher = cluster.watch_actors(until=tmp_path / name / "summary.json")
     job = subprocess.Popen([RLP, "run", str(job_yaml(tmp_path, name, cluster.address))], env=ENV,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    redis_url = wait_for_file(tmp_path / name / "redis.url", job)
-    standalone = subprocess.Popen([RLP, "reward-worker", "--redis", redis_url, "--job", name], env=ENV,
-                                  stderr=subprocess.PIPE, text=True)
-    output, _ = job.communicate(timeout=300)
-    assert job.returncode == 0, output
-    _, worker_log = standalone.communicate(timeout=60)
-    assert standalone.returncode == 0, worker_log
+    started = [watcher, job]
+    try:
+        redis_url = wait_for_file(tmp_path / name / "redis.url", job)
+        standalone = subprocess.Popen([RLP, "reward-worker", "--redis", redis_url, "--job", name], env=ENV,
+                                      stderr=subprocess.PIPE, text=True)
+        started.append(standalone)
+        output, _ = job.communicate(timeout=300)
+        assert job.returncode == 0, output
+        _, worker_log = standalone.communicate(timeout=60)
+        assert standalone.returncode == 0, worker_log
+        seen, errors = watcher.communicate(timeout=120)
+        assert watcher.returncode == 0, errors
+    finally:
+        for process in started:
+            process.kill()  # only those still running: a finished one ignores it
     assert int(worker_log.split("scored ")[1].split(" samples")[0]) > 0  # it served beside the Ray reward worker
-
-    labelled = cluster.query("[n['NodeID'] for n in ray.nodes() if 'rollout_node' in n['Resources']]")
-    actors = cluster.query("{a.name: a.node_id for a in list_actors(limit=1000) if a.name}")
-    placed = {actor: node for actor, node in actors.items() if actor.startswith(f"{name}-")}
+    placement = json.loads(seen.strip().splitlines()[-1])
+    placed, labelled = placement["actors"], placement["labelled"]
     workers = [f"{name}-policy-rollout-0", f"{name}-policy-rollout-1", f"{name}-reward-0"]  # rollout-1: the evaluator
-    assert len(labelled) == 1 and {placed[actor] for actor in workers} == set(labelled)
+    assert len(labelled) == 1 and {placed[actor] for actor in workers} == set(labelled), placed
 
     summary = json.loads((tmp_path / name / "summary.json").read_text())
     rl = summary["rl"]
