@@ -193,13 +193,16 @@ class PolicyRun:
         if every and self.version % every == 0 and self.version < self.rl.max_steps:
             self.workers.evaluator.start()
 
-    def summary(self, rollout_stats: List, unused: Dict[str, int]) -> Dict:
-        summary = _stage_summary(self.counters, rollout_stats, unused, self.version, self.start)
+    def summary(self, unused: Dict[str, int]) -> Dict:
+        """The stage's figures once every worker has stopped; worker counters come from Redis alone."""
+        rollout = self.queue.counters(self.workers.keys.rollout_stats)
+        summary = _stage_summary(self.counters, rollout, len(self.workers.rollout), unused, self.version,
+                                 self.start)
         reward = {k: v - self._reward_counters_at_start.get(k, 0.0)
                   for k, v in self.queue.counters(self.queue.keys.reward_stats).items()}
         summary["time_breakdown"] = {
-            "generation_s": round(sum(s.busy_s for s in rollout_stats), 2),
-            "queue_submit_s": round(sum(s.submit_s for s in rollout_stats), 2),
+            "generation_s": round(rollout.get("busy_s", 0.0), 2),
+            "queue_submit_s": round(rollout.get("submit_s", 0.0), 2),
             "reward_busy_s": round(reward.get("busy_s", 0.0), 2),  # all policies' reward work
             "reward_latency_s_mean": round(reward.get("latency_s", 0.0) / max(reward.get("scored", 0.0), 1.0), 4),
             "learner_step_s": round(self.counters.learner_busy_s, 2),
@@ -243,13 +246,12 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
             checkpoints.maybe_save()
         checkpoints.save_now()
     queue.request_stop()
-    supervisor.results("reward", 600.0)
-    rollout_stats = supervisor.results("rollout", 600.0)
+    supervisor.wait_ended("reward", 600.0)
+    supervisor.wait_ended("rollout", 600.0)
     unused = _unused_at_end(runs, queue)
     figures = {}
     for name, run in runs.items():
-        figures[name] = run.summary([rollout_stats[f"{name}-{i}"] for i in range(len(run.workers.rollout))],
-                                    unused[name])
+        figures[name] = run.summary(unused[name])
         figures[name]["restarts"] = {"rollout": 0, "reward": 0, **supervisor.restarts,
                                      "evaluator": run.workers.evaluator.restarts}
         figures[name]["checkpoint"] = checkpoints.latest
@@ -370,13 +372,15 @@ def _keep_lines(path: str, last_step: int) -> None:
         f.writelines(kept)
 
 
-def _stage_summary(counters: RLCounters, rollout_stats: List, unused: Dict[str, int], version: int,
-                   start: float) -> Dict:
+def _stage_summary(counters: RLCounters, rollout: Dict[str, float], rollout_workers: int, unused: Dict[str, int],
+                   version: int, start: float) -> Dict:
+    """The stage's figures from the loop's counters and the rollout workers' (summed on Redis)."""
     wall = time.perf_counter() - start
-    generated = sum(s.samples_generated for s in rollout_stats)
+    generated = int(rollout.get("samples", 0))
     return {
         "steps": version, "wall_s": round(wall, 2),
         "samples_generated": generated,
+        "tokens_generated": int(rollout.get("tokens", 0)),
         "samples_scored": counters.samples_scored,
         "samples_trained": counters.samples_trained,
         "samples_dropped_stale": counters.samples_dropped_stale,
@@ -394,7 +398,8 @@ def _stage_summary(counters: RLCounters, rollout_stats: List, unused: Dict[str, 
         "samples_per_s": round(generated / wall, 2),
         "trained_per_s": round(counters.samples_trained / wall, 2),
         "learner_busy_fraction": round(counters.learner_busy_s / wall, 3),
-        "rollout_busy_fraction": round(sum(s.busy_s for s in rollout_stats) / wall / max(len(rollout_stats), 1), 3),
+        "rollout_busy_fraction": round(rollout.get("busy_s", 0.0) / wall / max(rollout_workers, 1), 3),
         "weight_publish_s": round(counters.weight_publish_s, 3),
-        "weight_sync_s": round(sum(s.weight_sync_s for s in rollout_stats), 3),
+        "weight_syncs": int(rollout.get("weight_syncs", 0)),
+        "weight_sync_s": round(rollout.get("weight_sync_s", 0.0), 3),
     }
