@@ -26,6 +26,7 @@ from rlplatform.rewards.registry import resolve
 from rlplatform.rewards.scoring import Scorer
 from rlplatform.rewards.worker import import_modules
 from rlplatform.tokenization import Prompt
+from rlplatform.transport.deadlines import Heartbeats
 from rlplatform.transport.ledger import PromptLedger, prompt_row
 from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
@@ -59,7 +60,8 @@ class RolloutWorker:
         self.seed = seed
         self._scorer = None  # the job's rewards, built on the first evaluation
         self._unreported_busy_s = 0.0
-        self._last_beat = 0.0
+        self.heartbeats = Heartbeats(client, job)
+        self.label = f"rollout worker {index} of policy '{policy}'"  # as silent workers are named
 
     def sync_weights(self) -> int:
         """Load the newest published weights if they are newer; returns the version held."""
@@ -93,7 +95,7 @@ class RolloutWorker:
         open_groups: Dict[str, _OpenGroup] = {}
         in_flight = self.rollout.weight_swap == "in_flight"
         while not self.queue.stop_requested():
-            self._heartbeat()
+            self.heartbeats.beat(self.label)
             if in_flight or not batch:
                 self._sync_counted()
             if self.version < 0:
@@ -123,13 +125,6 @@ class RolloutWorker:
     def _count(self, **values: float) -> None:
         """Add to the policy's rollout counters on Redis (read by the monitor and the summary)."""
         self.queue.add_counters(self.keys.rollout_stats, **values)
-
-    def _heartbeat(self) -> None:
-        """At most once a second: this worker's loop is alive (the RL loop names workers gone quiet)."""
-        now = time.time()
-        if now - self._last_beat >= 1.0:
-            self._last_beat = now
-            self.queue.client.hset(self.keys.heartbeats, str(self.index), now)
 
     def _newer_published(self) -> bool:
         """Whether the version mirrored on Redis is newer than the weights held."""

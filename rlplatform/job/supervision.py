@@ -17,7 +17,6 @@ from ray.exceptions import RayActorError
 
 from rlplatform.transport.deadlines import deadline_get
 
-WORKER_SILENT_S = 120.0  # a rollout worker whose loop has not gone round this long is named in an alert
 MAX_RESTARTS = 10  # per actor: Ray gives up on an actor that died this often, and the job fails
 
 

@@ -73,6 +73,7 @@ class JobKeys:
         self.status = f"{self.prefix}:status"  # the job's live progress, read by `rlp status`
         self.rewards = f"{self.prefix}:rewards"  # the job's reward list, read by standalone reward workers
         self.max_pending = f"{self.prefix}:max-pending"  # the job's producer bound (redis.max_stream_len)
+        self.heartbeats = f"{self.prefix}:heartbeats"  # worker label -> time its loop last went round
 
 
 class PolicyKeys:
@@ -84,7 +85,6 @@ class PolicyKeys:
         self.groups_started = f"{prefix}:groups-started"
         self.groups_dropped = f"{prefix}:groups-dropped"
         self.rollout_stats = f"{prefix}:rollout-stats"  # the policy's rollout counters (the one record of them)
-        self.heartbeats = f"{prefix}:heartbeats"  # rollout worker index -> time its loop last went round
 
 
 class RewardQueue:
