@@ -6,6 +6,8 @@ continuous batch, and submit every group to the reward queue as soon as it is co
 waits for the learner except when the staleness bound says any more samples would arrive too old.
 Prompts arrive as token ids and are drawn in seeded epochs, each worker its own share of an epoch.
 The spare worker the job keeps for evaluation scores held-out completions with the job's rewards.
+Its counters (samples, tokens, weight syncs, generation, submit and weight-sync seconds) live on Redis, in the policy's
+`rollout_stats` hash, so a worker Ray restarts loses none of them.
 """
 
 from __future__ import annotations
@@ -24,24 +26,13 @@ from rlplatform.rewards.registry import resolve
 from rlplatform.rewards.scoring import Scorer
 from rlplatform.rewards.worker import import_modules
 from rlplatform.tokenization import Prompt
+from rlplatform.transport.deadlines import Heartbeats
 from rlplatform.transport.ledger import PromptLedger, prompt_row
 from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.staleness import RolloutGate
 from rlplatform.transport.weights import from_snapshot
-
-
-@dataclass
-class RolloutStats:
-    samples_generated: int = 0
-    groups_generated: int = 0
-    groups_started: int = 0
-    tokens_generated: int = 0
-    busy_s: float = 0.0  # time spent generating
-    submit_s: float = 0.0  # time spent encoding samples and writing them to the reward queue
-    weight_syncs: int = 0
-    weight_sync_s: float = 0.0
 
 
 @dataclass
@@ -67,29 +58,31 @@ class RolloutWorker:
         self.ledger = PromptLedger(client, job, policy)
         self.gate.release(self.ledger.abandon_worker(index))  # a restart: the groups its predecessor left
         self.seed = seed
-        self.stats = RolloutStats()
         self._scorer = None  # the job's rewards, built on the first evaluation
         self._unreported_busy_s = 0.0
-        self._last_beat = 0.0
+        self.heartbeats = Heartbeats(client, job)
+        self.label = f"rollout worker {index} of policy '{policy}'"  # as silent workers are named
 
     def sync_weights(self) -> int:
         """Load the newest published weights if they are newer; returns the version held."""
-        if not self._newer_published():
-            return self.engine.version
-        start = time.perf_counter()
-        newer = ray.get(self.weight_store.newer_than.remote(self.engine.version))
-        if newer is not None:
-            version, (ref,) = newer
-            self.engine.load_weights(from_snapshot(ray.get(ref)), version)
-            self.stats.weight_syncs += 1
-            self.stats.weight_sync_s += time.perf_counter() - start
+        if self._newer_published():
+            newer = ray.get(self.weight_store.newer_than.remote(self.engine.version))
+            if newer is not None:
+                version, (ref,) = newer
+                self.engine.load_weights(from_snapshot(ray.get(ref)), version)
         return self.engine.version
+
+    def _sync_counted(self) -> None:
+        """`sync_weights` in the generation loop, counted when it loaded a newer version."""
+        start, held = time.perf_counter(), self.version
+        if self.sync_weights() != held:
+            self._count(weight_syncs=1, weight_sync_s=time.perf_counter() - start)
 
     @property
     def version(self) -> int:
         return self.engine.version
 
-    def run(self) -> RolloutStats:
+    def run(self) -> None:
         """Generate and submit until the job's stop flag is set.
 
         Claimed groups join the decode batch whenever a quarter of its slots are free, and each
@@ -102,9 +95,9 @@ class RolloutWorker:
         open_groups: Dict[str, _OpenGroup] = {}
         in_flight = self.rollout.weight_swap == "in_flight"
         while not self.queue.stop_requested():
-            self._heartbeat()
+            self.heartbeats.beat(self.label)
             if in_flight or not batch:
-                self.sync_weights()
+                self._sync_counted()
             if self.version < 0:
                 time.sleep(0.05)
                 continue
@@ -119,18 +112,19 @@ class RolloutWorker:
             self._unreported_busy_s += time.perf_counter() - start
             samples = self._close_groups(open_groups, finished)
             if samples:
-                start = time.perf_counter()
-                self.queue.submit(samples)
-                self.ledger.submitted(sorted({s.group_id for s in samples}))
-                self.stats.submit_s += time.perf_counter() - start
-        return self.stats
+                self._submit(samples)
 
-    def _heartbeat(self) -> None:
-        """At most once a second: this worker's loop is alive (the RL loop names workers gone quiet)."""
-        now = time.time()
-        if now - self._last_beat >= 1.0:
-            self._last_beat = now
-            self.queue.client.hset(self.keys.heartbeats, str(self.index), now)
+    def _submit(self, samples: List[Sample]) -> None:
+        """Queue complete groups for scoring; the queue counts their samples and tokens as it takes them."""
+        start = time.perf_counter()
+        self.queue.submit(samples, counters=self.keys.rollout_stats)
+        self.ledger.submitted(sorted({s.group_id for s in samples}))
+        self._count(busy_s=self._unreported_busy_s, submit_s=time.perf_counter() - start)
+        self._unreported_busy_s = 0.0
+
+    def _count(self, **values: float) -> None:
+        """Add to the policy's rollout counters on Redis (read by the monitor and the summary)."""
+        self.queue.add_counters(self.keys.rollout_stats, **values)
 
     def _newer_published(self) -> bool:
         """Whether the version mirrored on Redis is newer than the weights held."""
@@ -141,7 +135,6 @@ class RolloutWorker:
         """Start `groups` claimed groups on the ledger's next prompts."""
         for group_id, position in self.ledger.issue(self.index, groups):
             prompt = self.prompts[prompt_row(position, len(self.prompts), self.seed)]
-            self.stats.groups_started += 1
             open_groups[group_id] = _OpenGroup(prompt, [None] * self.rl.group_size)
             batch.add([prompt.ids] * self.rl.group_size, keys=[(group_id, i) for i in range(self.rl.group_size)])
 
@@ -160,14 +153,6 @@ class RolloutWorker:
         for group_id, group in closed:
             samples += [self._sample(f"{group_id}/{i}", group_id, group.prompt, c, now)
                         for i, c in enumerate(group.completions)]
-        tokens = sum(len(s.completion_ids) for s in samples)
-        self.stats.groups_generated += len(closed)
-        self.stats.samples_generated += len(samples)
-        self.stats.tokens_generated += tokens
-        self.stats.busy_s += self._unreported_busy_s
-        self.queue.add_counters(self.keys.rollout_stats, busy_s=self._unreported_busy_s, samples=len(samples),
-                                tokens=tokens)
-        self._unreported_busy_s = 0.0
         return samples
 
     def _sample(self, sample_id: str, group_id: str, prompt: Prompt, c: Completion, now: float) -> Sample:

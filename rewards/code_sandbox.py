@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Dict, List, Set, Tuple
 
+from rlplatform.rewards.registry import Verdict
 from rlplatform.rewards.sandbox_jail import SANDBOX_UID_BASE
 
 if TYPE_CHECKING:
@@ -52,8 +53,9 @@ class SandboxUnavailable(RuntimeError):
 
 
 def code_tests(sample: Sample, *, timeout_s: float = 5.0, memory_mb: int = 512,
-               allow_weak_isolation: bool = False) -> float:
-    """1.0 when the completion's code passes every test in the row's `tests`, else 0.0.
+               allow_weak_isolation: bool = False) -> Verdict:
+    """1.0 when the completion's code passes every test in the row's `tests`, else 0.0, as a
+    `Verdict` whose reason is the run's kind (passed, failed, error, timeout, network, ...).
 
     The code is the last ```python fenced block of the completion, or the whole completion.
     timeout_s: wall-clock seconds for the code and the tests together.
@@ -61,13 +63,13 @@ def code_tests(sample: Sample, *, timeout_s: float = 5.0, memory_mb: int = 512,
     allow_weak_isolation: score even where namespaces are unavailable (a non-root caller
     without user namespaces), with rlimits and the audit hook only; otherwise such a call
     raises SandboxUnavailable, which the scorer reports as an error result.
-    Why a sample scored 0 is logged at INFO under this module's logger.
+    Why a sample scored 0, in full, is logged at INFO under this module's logger.
     """
     result = run_in_sandbox(extract_code(sample.completion), sample.tests, timeout_s=timeout_s,
                             memory_mb=memory_mb, allow_weak_isolation=allow_weak_isolation)
     if not result.passed:
         log.info("code_tests: sample %s scored 0: %s", sample.sample_id, result.reason)
-    return float(result.passed)
+    return Verdict(float(result.passed), result.reason.split(":", 1)[0])
 
 
 def extract_code(completion: str) -> str:

@@ -1,7 +1,8 @@
 """The reward registry: every name a job's YAML can use, and how it finds user rewards.
 
 A reward is `fn(sample, **params) -> float | dict[str, float]`, or, marked `batch`,
-`fn(samples, **params) -> list[...]`; either may be `async def`. Rewards are found three ways:
+`fn(samples, **params) -> list[...]`; either may be `async def`. A float may be a `Verdict`,
+which also says why (`Verdict(0.0, "timeout")`): the job counts scores per reason. Rewards are found three ways:
 registered in this process (`@rlplatform.reward("name")`, and the built-ins), by import path
 (`fn: package.module:function` in YAML), and by name from installed packages that declare the
 entry-point group `rlplatform.rewards`. `resolve` binds a job's reward list, checking params.
@@ -47,6 +48,17 @@ class RewardFunction:
         kind = ("async " if self.is_async else "") + ("batch" if self.batch else "per-sample")
         params = ", ".join(k if v is REQUIRED else f"{k}={v!r}" for k, v in self.parameters().items())
         return f"{self.name:<20} {self.source:<12} {kind:<18} ({params})"
+
+
+class Verdict(float):
+    """A score that says why it is what it is: a float with a short `reason` ("passed", "timeout", ...)."""
+
+    reason: str
+
+    def __new__(cls, score: float, reason: str) -> "Verdict":
+        verdict = super().__new__(cls, score)
+        verdict.reason = reason
+        return verdict
 
 
 REWARDS: Dict[str, RewardFunction] = {}

@@ -3,7 +3,8 @@
 Runs each reward the way it is written (per sample on a thread pool, as one batch call, or as
 coroutines), bounds every call by its `timeout_s`, turns anything a reward raises into an
 error result, and combines the scores: rewards add `weight * score`, filters gate the sample
-(veto: reward 0, penalty: minus `penalty`, drop: not trained on). Never raises for a reward.
+(veto: reward 0, penalty: minus `penalty`, drop: not trained on); a `Verdict`'s reason is kept
+by reward label. Never raises for a reward.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Dict, List, Union
 
-from rlplatform.rewards.registry import BoundReward
+from rlplatform.rewards.registry import BoundReward, Verdict
 from rlplatform.transport.samples import Sample, ScoredSample
 
 Score = Union[float, Dict[str, float]]
@@ -103,9 +104,12 @@ class Scorer:
 
     def _combine(self, sample: Sample, scores: Dict[str, Union[Score, Failure]]) -> ScoredSample:
         components: Dict[str, float] = {}
+        reasons: Dict[str, str] = {}
         total, vetoed, filtered, drop, errors = 0.0, False, False, False, []
         for bound in self.rewards:
             score = scores[bound.label]
+            if isinstance(score, Verdict):
+                reasons[bound.label] = score.reason
             try:
                 values = _as_components(bound.label, score)
             except (TypeError, ValueError) as err:
@@ -124,7 +128,7 @@ class Scorer:
             if spec.on_flag == "penalty":
                 total -= spec.penalty * value
         return ScoredSample(sample, 0.0 if vetoed else total, components, "; ".join(errors) or None,
-                            filtered=filtered, drop=drop)
+                            filtered=filtered, drop=drop, reasons=reasons)
 
 
 def _result(future) -> Union[Score, Failure]:

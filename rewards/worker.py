@@ -5,6 +5,8 @@ that reaches Redis (`rlp reward-worker`), looping until the job's stop flag is s
 is at least once: results are stored idempotently by sample id and acknowledged in the same
 step; requests a dead worker held are reclaimed after `claim_idle_s`, and a request delivered
 `max_deliveries` times without a result, or one that cannot be decoded, goes to dead letters.
+Each round of its loop beats on the job's heartbeat hash, so a worker that stops making progress
+is named like a silent rollout worker.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import ray
 from rlplatform.config import RewardSpec, RewardWorkersConfig
 from rlplatform.rewards.registry import importable_from_cwd, resolve
 from rlplatform.rewards.scoring import Scorer
+from rlplatform.transport.deadlines import Heartbeats
 from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.samples import Sample, WireFormatError
@@ -61,6 +64,8 @@ class RewardWorker:
         self.scorer = Scorer(resolve(rewards), self.config.concurrency)
         self.queue = RewardQueue(connect(redis_url), job)
         self.queue.create_group()
+        self.heartbeats = Heartbeats(self.queue.client, job)
+        self.label = f"reward worker {name}"  # as silent workers are named
         self.stats = RewardStats()
         self._last_reclaim = 0.0
         self._recovered = False  # requests an earlier process of this name held are taken back first
@@ -118,8 +123,13 @@ class RewardWorker:
         return taken
 
     def run(self) -> RewardStats:
-        while not self.queue.stop_requested():
-            self.step()
+        """Score until the job's stop flag is set, beating on the heartbeat hash each round."""
+        try:
+            while not self.queue.stop_requested():
+                self.heartbeats.beat(self.label)
+                self.step()
+        finally:
+            self.heartbeats.leave(self.label)
         return self.stats
 
 

@@ -116,7 +116,8 @@ def _rewards_test(args) -> int:
     results = scorer.score(samples)
     for scored in results:
         print(json.dumps({"row": scored.sample.sample_id, "reward": scored.reward, "components": scored.components,
-                          "filtered": scored.filtered, "drop": scored.drop, "error": scored.error}))
+                          "filtered": scored.filtered, "drop": scored.drop, "error": scored.error,
+                          "reasons": scored.reasons}))
     errors = sum(s.error is not None for s in results)
     mean = sum(s.reward for s in results) / max(len(results), 1)
     print(f"{len(results)} rows scored, mean reward {mean:.4f}, {errors} errors", file=sys.stderr)

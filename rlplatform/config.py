@@ -223,6 +223,7 @@ class MonitoringConfig:
     samples_every: int = at_least(50, 0)  # learner steps between W&B tables of sample completions (0: never)
     samples_rows: int = at_least(16, 1)  # completions per table
     alerts: List[AlertRule] = field(default_factory=_default_alerts)
+    worker_silent_s: float = above(120.0, 0)  # a rollout or reward worker whose loop has not gone round this long is named (console, alert, rlp status)
 
 
 POLICY_SECTIONS = ("model", "sft", "rl", "rollout", "learner")

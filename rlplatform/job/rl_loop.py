@@ -21,12 +21,13 @@ import ray
 from rlplatform.config import JobConfig
 from rlplatform.job.checkpoint import latest_checkpoint, learner_dir, write_checkpoint
 from rlplatform.job.signals import StopSignals
-from rlplatform.job.supervision import WORKER_SILENT_S, Supervisor
+from rlplatform.job.supervision import Supervisor
 from rlplatform.job.workers import PolicyWorkers, publish
 from rlplatform.learners.algorithms import ADVANTAGE_ESTIMATORS, grpo_advantages
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.rl_monitor import RLMonitor
 from rlplatform.transport.buffer import Batch, GroupBuffer
+from rlplatform.transport.deadlines import Heartbeats, SilentWorkers
 from rlplatform.transport.ledger import PromptLedger
 from rlplatform.transport.reward_queue import RewardQueue
 
@@ -44,6 +45,7 @@ class RLCounters:
     reward_errors: int = 0
     reward_timeouts: int = 0
     samples_filtered: int = 0
+    reward_reasons: Counter = field(default_factory=Counter)  # "<reward>/<reason>" -> samples (rewards that say why)
     staleness_trained: Counter = field(default_factory=Counter)  # version gap -> samples
     learner_busy_s: float = 0.0
     weight_publish_s: float = 0.0
@@ -54,7 +56,7 @@ class RLCounters:
     @classmethod
     def from_state(cls, state: Dict) -> "RLCounters":
         gaps = Counter({int(k): v for k, v in state["staleness_trained"].items()})
-        return cls(**{**state, "staleness_trained": gaps})
+        return cls(**{**state, "staleness_trained": gaps, "reward_reasons": Counter(state.get("reward_reasons", {}))})
 
 
 class PolicyRun:
@@ -73,7 +75,7 @@ class PolicyRun:
         self.first_step_at: Optional[float] = None  # wall-clock time the first learner step ended
         self._reward_counters_at_start = queue.counters(queue.keys.reward_stats)
         self._step: Optional[Tuple[list, Batch, float]] = None  # (result refs, batch, start time)
-        self._last_watch, self._silent_named = time.monotonic(), set()
+        self._last_watch = time.monotonic()
         self.trained_log = os.path.join(job.policy_dir(workers.name), "trained.jsonl")
         workers.learner.start_stage(self.rl.lr, keep_reference=self.rl.kl_coef > 0 or self.rl.track_reference_kl)
 
@@ -109,7 +111,7 @@ class PolicyRun:
         _count_scored(scored, self.counters)
 
     def watch(self) -> None:
-        """Every few seconds: expire groups past rl.group_timeout_s, name rollout workers gone quiet."""
+        """Every few seconds: expire groups past rl.group_timeout_s."""
         if time.monotonic() - self._last_watch < 2.0:
             return
         self._last_watch = time.monotonic()
@@ -119,18 +121,6 @@ class PolicyRun:
                 self.workers.gate.release(1)
                 self.counters.groups_expired += 1
         self.counters.samples_dropped_expired = self.buffer.samples_expired
-        self._name_silent_workers()
-
-    def _name_silent_workers(self) -> None:
-        now = time.time()
-        for index, beat in self.queue.client.hgetall(self.workers.keys.heartbeats).items():
-            silent = now - float(beat)
-            if silent > WORKER_SILENT_S and index not in self._silent_named:
-                self._silent_named.add(index)
-                self.metrics.event("worker_silent", f"rollout worker {index.decode()} of policy "
-                                   f"'{self.workers.name}' made no progress for {silent:.0f}s", self.version)
-            elif silent <= WORKER_SILENT_S:
-                self._silent_named.discard(index)
 
     def advance(self) -> bool:
         """Finish the learner step in flight, or start one if a batch is ready; True if either happened."""
@@ -193,13 +183,16 @@ class PolicyRun:
         if every and self.version % every == 0 and self.version < self.rl.max_steps:
             self.workers.evaluator.start()
 
-    def summary(self, rollout_stats: List, unused: Dict[str, int]) -> Dict:
-        summary = _stage_summary(self.counters, rollout_stats, unused, self.version, self.start)
+    def summary(self, unused: Dict[str, int]) -> Dict:
+        """The stage's figures once every worker has stopped; worker counters come from Redis alone."""
+        rollout = self.queue.counters(self.workers.keys.rollout_stats)
+        summary = _stage_summary(self.counters, rollout, len(self.workers.rollout), unused, self.version,
+                                 self.start)
         reward = {k: v - self._reward_counters_at_start.get(k, 0.0)
                   for k, v in self.queue.counters(self.queue.keys.reward_stats).items()}
         summary["time_breakdown"] = {
-            "generation_s": round(sum(s.busy_s for s in rollout_stats), 2),
-            "queue_submit_s": round(sum(s.submit_s for s in rollout_stats), 2),
+            "generation_s": round(rollout.get("busy_s", 0.0), 2),
+            "queue_submit_s": round(rollout.get("submit_s", 0.0), 2),
             "reward_busy_s": round(reward.get("busy_s", 0.0), 2),  # all policies' reward work
             "reward_latency_s_mean": round(reward.get("latency_s", 0.0) / max(reward.get("scored", 0.0), 1.0), 4),
             "learner_step_s": round(self.counters.learner_busy_s, 2),
@@ -236,24 +229,50 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
             _keep_lines(run.trained_log, 0)  # a fresh start: nothing trained yet
     supervisor = _start_loops(job, policies, reward_actors, metrics)
     checkpoints = Checkpoints(job, runs, job_state, attempt)
+    watch = WorkerWatch(SilentWorkers(Heartbeats(queue.client, job.name), job.monitoring.worker_silent_s), metrics)
     with stop.polled():
         while not all(run.done for run in runs.values()) and not stop.requested:
             _turn(runs, queue)
             supervisor.check()
+            watch.check(max(run.version for run in runs.values()))
             checkpoints.maybe_save()
         checkpoints.save_now()
+    watch.clear()
     queue.request_stop()
-    supervisor.results("reward", 600.0)
-    rollout_stats = supervisor.results("rollout", 600.0)
+    supervisor.wait_ended("reward", 600.0)
+    supervisor.wait_ended("rollout", 600.0)
     unused = _unused_at_end(runs, queue)
     figures = {}
     for name, run in runs.items():
-        figures[name] = run.summary([rollout_stats[f"{name}-{i}"] for i in range(len(run.workers.rollout))],
-                                    unused[name])
+        figures[name] = run.summary(unused[name])
         figures[name]["restarts"] = {"rollout": 0, "reward": 0, **supervisor.restarts,
                                      "evaluator": run.workers.evaluator.restarts}
         figures[name]["checkpoint"] = checkpoints.latest
     return figures
+
+
+class WorkerWatch:
+    """Every few seconds: names rollout and reward workers gone silent in an alert and the job status."""
+
+    def __init__(self, silent: SilentWorkers, metrics: Metrics) -> None:
+        self.silent, self.metrics = silent, metrics
+        self._last = time.monotonic()
+
+    def check(self, step: int) -> None:
+        if time.monotonic() - self._last < 2.0:
+            return
+        self._last = time.monotonic()
+        for message in self.silent.newly_silent():
+            self.metrics.event("worker_silent", message, step)
+        self._show(self.silent.listing())
+
+    def clear(self) -> None:
+        """The stage is over: the status no longer lists silent workers."""
+        self._show("")
+
+    def _show(self, listing: str) -> None:
+        if self.metrics.status is not None:
+            self.metrics.status.set("silent_workers", listing)
 
 
 def _start_loops(job: JobConfig, policies: List[PolicyWorkers], reward_actors: List, metrics: Metrics) -> Supervisor:
@@ -333,6 +352,7 @@ def _count_scored(scored, counters: RLCounters) -> None:
     counters.reward_errors += scored.error is not None
     counters.reward_timeouts += "timeout" in (scored.error or "").lower()
     counters.samples_filtered += scored.filtered
+    counters.reward_reasons.update(f"{label}/{reason}" for label, reason in scored.reasons.items())
 
 
 def _count_dropped(batch: Batch, counters: RLCounters, ledger: PromptLedger) -> None:
@@ -370,13 +390,15 @@ def _keep_lines(path: str, last_step: int) -> None:
         f.writelines(kept)
 
 
-def _stage_summary(counters: RLCounters, rollout_stats: List, unused: Dict[str, int], version: int,
-                   start: float) -> Dict:
+def _stage_summary(counters: RLCounters, rollout: Dict[str, float], rollout_workers: int, unused: Dict[str, int],
+                   version: int, start: float) -> Dict:
+    """The stage's figures from the loop's counters and the rollout workers' (summed on Redis)."""
     wall = time.perf_counter() - start
-    generated = sum(s.samples_generated for s in rollout_stats)
+    generated = int(rollout.get("samples", 0))
     return {
         "steps": version, "wall_s": round(wall, 2),
         "samples_generated": generated,
+        "tokens_generated": int(rollout.get("tokens", 0)),
         "samples_scored": counters.samples_scored,
         "samples_trained": counters.samples_trained,
         "samples_dropped_stale": counters.samples_dropped_stale,
@@ -388,13 +410,15 @@ def _stage_summary(counters: RLCounters, rollout_stats: List, unused: Dict[str, 
         "samples_unused_at_end": sum(unused.values()),
         "samples_unused_where": unused,
         "reward_errors": counters.reward_errors,
+        "reward_reasons": dict(sorted(counters.reward_reasons.items())),
         "policy_versions": version + 1,
         "max_staleness_trained": max(counters.staleness_trained, default=0),
         "staleness_histogram": {str(k): v for k, v in sorted(counters.staleness_trained.items())},
         "samples_per_s": round(generated / wall, 2),
         "trained_per_s": round(counters.samples_trained / wall, 2),
         "learner_busy_fraction": round(counters.learner_busy_s / wall, 3),
-        "rollout_busy_fraction": round(sum(s.busy_s for s in rollout_stats) / wall / max(len(rollout_stats), 1), 3),
+        "rollout_busy_fraction": round(rollout.get("busy_s", 0.0) / wall / max(rollout_workers, 1), 3),
         "weight_publish_s": round(counters.weight_publish_s, 3),
-        "weight_sync_s": round(sum(s.weight_sync_s for s in rollout_stats), 3),
+        "weight_syncs": int(rollout.get("weight_syncs", 0)),
+        "weight_sync_s": round(rollout.get("weight_sync_s", 0.0), 3),
     }

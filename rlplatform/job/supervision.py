@@ -2,7 +2,7 @@
 
 Workers run as Ray actors that Ray restarts when their process dies; `Supervisor` notices a
 loop that ended with the actor's death, calls the loop again on the restarted actor and counts
-the restart by kind. Remote waits go through `rlplatform.transport.deadlines`.
+the restart by kind. The loops report through Redis, not their return values. Remote waits go through `rlplatform.transport.deadlines`.
 """
 
 from __future__ import annotations
@@ -10,14 +10,13 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Dict, List
+from typing import Callable, List
 
 import ray
 from ray.exceptions import RayActorError
 
 from rlplatform.transport.deadlines import deadline_get
 
-WORKER_SILENT_S = 120.0  # a rollout worker whose loop has not gone round this long is named in an alert
 MAX_RESTARTS = 10  # per actor: Ray gives up on an actor that died this often, and the job fails
 
 
@@ -64,17 +63,15 @@ class Supervisor:
     def _count(self, kind: str) -> int:
         return sum(loop.kind == kind for loop in self._loops)
 
-    def results(self, kind: str, timeout_s: float) -> Dict[str, object]:
-        """Each `kind` worker's loop result by name, once the stop flag has ended the loops."""
-        loops = [loop for loop in self._loops if loop.kind == kind]
+    def wait_ended(self, kind: str, timeout_s: float) -> None:
+        """Wait for every `kind` worker's loop to end, once the stop flag is set. The loops' figures
+        are on Redis, so a loop that dies while stopping is simply run again to see the flag."""
         deadline = time.monotonic() + timeout_s
-        results = {}
-        for loop in loops:
-            while loop.name not in results:
+        for loop in (loop for loop in self._loops if loop.kind == kind):
+            while True:
                 try:
-                    results[loop.name] = deadline_get(loop.ref, f"{kind} worker {loop.name}",
-                                                      max(1.0, deadline - time.monotonic()))
-                except RayActorError:  # died while stopping: its restart sees the stop flag at once
+                    deadline_get(loop.ref, f"{kind} worker {loop.name}", max(1.0, deadline - time.monotonic()))
+                    break
+                except RayActorError:
                     self.restarts[kind] += 1
                     loop.ref = loop.actor.run.remote()
-        return results

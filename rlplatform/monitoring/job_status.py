@@ -1,7 +1,8 @@
 """A job's live progress on Redis: written by the controller, read by `rlp status` anywhere.
 
 The status hash `rlp:<job>:status` holds the fields of the console's progress line (stage,
-step, reward, accuracy, samples/s, queue depth, staleness, ETA) and when they were written.
+step, reward, accuracy, samples/s, queue depth, staleness, ETA), the workers gone silent (while
+any are) and when they were written.
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ class JobStatus:
         pipe.hset(self.key, mapping=values)
         pipe.expire(self.key, STATUS_TTL_S)
         pipe.execute()
+
+    def set(self, field: str, value: str) -> None:
+        """One field, removed when `value` is empty."""
+        if value:
+            self.client.hset(self.key, field, value)
+        else:
+            self.client.hdel(self.key, field)
 
     def read(self) -> Dict[str, str]:
         return {k.decode(): v.decode() for k, v in self.client.hgetall(self.key).items()}

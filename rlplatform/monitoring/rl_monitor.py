@@ -3,7 +3,7 @@ line and job status, the samples table, and alerts.
 
 Families (logged as `<policy>/<family>/<name>`): `learning` (losses, KL, entropy, clipping,
 importance weights, grad norm, lr, response length), `rewards` (total, each component, error,
-timeout and filter fractions, zero-advantage groups), `async` (version, staleness, drops,
+timeout and filter fractions, zero-advantage groups, samples scored so far per reward reason), `async` (version, staleness, drops,
 weight sync, busy fractions, queue depth, reward latency, throughput), `eval` (held-out pass@1
 as accuracy, reward mean and components) and `samples` (a table of completions every
 `monitoring.samples_every` steps).
@@ -136,6 +136,7 @@ class RLMonitor:
                   / len(batch.groups)}
         for name in samples[0].components:
             values[f"component/{name}"] = sum(s.components.get(name, 0.0) for s in samples) / len(samples)
+        values.update({f"reason/{name}": float(count) for name, count in counters.reward_reasons.items()})
         return values
 
     def _async(self, version: int, gaps: List[int], counters, publish_s: float) -> Dict[str, object]:

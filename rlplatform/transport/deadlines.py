@@ -1,18 +1,26 @@
-"""Deadlines on remote waits, and the failures a job cannot go on from.
+"""Deadlines on other processes: remote waits, worker heartbeats, and the failures a job cannot go on from.
 
 `deadline_get` is `ray.get` with a deadline and a message naming what did not answer; a learner
-rank's death becomes `LearnerDied`. The controller, the learner group and the evaluator use it so
-that no wait on another process is unbounded.
+rank's death becomes `LearnerDied`. Rollout and reward workers (in the job or standalone) beat on
+the job's heartbeat hash each time their loop goes round (`Heartbeats`), and `SilentWorkers` names
+those silent past `monitoring.worker_silent_s`. Both say what stopped answering in one wording.
 """
 
 from __future__ import annotations
 
+import time
+from typing import Dict, List
+
 import ray
+import redis
 from ray.exceptions import GetTimeoutError, RayActorError
+
+from rlplatform.transport.reward_queue import JobKeys
 
 LEARNER_TIMEOUT_S = 3600.0  # one learner call (a step, a checkpoint) on the largest models
 WEIGHTS_TIMEOUT_S = 600.0  # publishing one weight snapshot
 EVAL_TIMEOUT_S = 3600.0  # one held-out evaluation
+BEAT_EVERY_S = 1.0  # a worker's loop writes its heartbeat at most this often
 
 
 class JobFailed(RuntimeError):
@@ -27,6 +35,11 @@ class WorkerHung(JobFailed):
     """A remote call passed its deadline; the message names the worker."""
 
 
+def unresponsive(what: str, seconds: float, how: str = "made no progress") -> str:
+    """The one wording for a worker that stopped answering."""
+    return f"{what} {how} for {seconds:.0f}s; it hangs or its node is lost"
+
+
 def deadline_get(refs, what: str, timeout_s: float):
     """`ray.get(refs)`, failing after `timeout_s` with a message naming `what` did not answer."""
     try:
@@ -36,5 +49,48 @@ def deadline_get(refs, what: str, timeout_s: float):
             raise LearnerDied(f"a learner rank died ({what}: {type(err).__name__})") from None
         raise
     except GetTimeoutError:
-        raise WorkerHung(f"{what} did not answer within {timeout_s:.0f}s; it hangs or its node is lost "
-                         f"(see the Ray logs under /tmp/ray/session_latest/logs)") from None
+        raise WorkerHung(unresponsive(what, timeout_s, "did not answer") +
+                         " (see the Ray logs under /tmp/ray/session_latest/logs)") from None
+
+
+class Heartbeats:
+    """The job's heartbeat hash on Redis: worker label (`rollout worker 0 of policy 'p'`,
+    `reward worker <name>`) -> when its loop last went round."""
+
+    def __init__(self, client: redis.Redis, job: str) -> None:
+        self.client, self.key = client, JobKeys(job).heartbeats
+        self._last: Dict[str, float] = {}
+
+    def beat(self, worker: str) -> None:
+        """`worker`'s loop is alive; written at most every `BEAT_EVERY_S`."""
+        now = time.time()
+        if now - self._last.get(worker, 0.0) >= BEAT_EVERY_S:
+            self._last[worker] = now
+            self.client.hset(self.key, worker, now)
+
+    def leave(self, worker: str) -> None:
+        """`worker` stopped on purpose: it is no longer watched."""
+        self.client.hdel(self.key, worker)
+
+    def silent(self, after_s: float) -> Dict[str, float]:
+        """Seconds since each worker silent for more than `after_s` last beat."""
+        now = time.time()
+        ages = {k.decode(): now - float(v) for k, v in self.client.hgetall(self.key).items()}
+        return {worker: age for worker, age in ages.items() if age > after_s}
+
+
+class SilentWorkers:
+    """Names each worker once when it goes silent, and again if it recovers and goes silent anew."""
+
+    def __init__(self, heartbeats: Heartbeats, after_s: float) -> None:
+        self.heartbeats, self.after_s = heartbeats, after_s
+        self.now_silent: Dict[str, float] = {}
+
+    def newly_silent(self) -> List[str]:
+        """One message per worker that went silent since the last call."""
+        before, self.now_silent = self.now_silent, self.heartbeats.silent(self.after_s)
+        return [unresponsive(worker, age) for worker, age in sorted(self.now_silent.items()) if worker not in before]
+
+    def listing(self) -> str:
+        """The silent workers as `rlp status` shows them ('' when none)."""
+        return ", ".join(f"{worker} ({age:.0f}s)" for worker, age in sorted(self.now_silent.items()))

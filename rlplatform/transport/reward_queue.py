@@ -38,15 +38,20 @@ return added
 """
 
 
-# KEYS: requests stream. ARGV: the bound, then payloads. Appends them all only when the stream
-# stays within the bound (one atomic step, so producers together never exceed it); returns 1
-# when appended, 0 when the caller must wait.
+# KEYS: requests stream, then optionally the producer's counter hash. ARGV: the bound, the
+# payloads' completion tokens, then payloads. Appends them all only when the stream stays within
+# the bound (one atomic step, so producers together never exceed it) and, in the same step, adds
+# them to the counter hash's `samples` and `tokens`; returns 1 when appended, 0 when the caller must wait.
 _SUBMIT_WITHIN_BOUND = """
-if redis.call('XLEN', KEYS[1]) + #ARGV - 1 > tonumber(ARGV[1]) then
+if redis.call('XLEN', KEYS[1]) + #ARGV - 2 > tonumber(ARGV[1]) then
   return 0
 end
-for i = 2, #ARGV do
+for i = 3, #ARGV do
   redis.call('XADD', KEYS[1], '*', 'data', ARGV[i])
+end
+if KEYS[2] then
+  redis.call('HINCRBYFLOAT', KEYS[2], 'samples', #ARGV - 2)
+  redis.call('HINCRBYFLOAT', KEYS[2], 'tokens', ARGV[2])
 end
 return 1
 """
@@ -68,6 +73,7 @@ class JobKeys:
         self.status = f"{self.prefix}:status"  # the job's live progress, read by `rlp status`
         self.rewards = f"{self.prefix}:rewards"  # the job's reward list, read by standalone reward workers
         self.max_pending = f"{self.prefix}:max-pending"  # the job's producer bound (redis.max_stream_len)
+        self.heartbeats = f"{self.prefix}:heartbeats"  # worker label -> time its loop last went round
 
 
 class PolicyKeys:
@@ -78,8 +84,7 @@ class PolicyKeys:
         self.version = f"{prefix}:version"  # newest published weight version
         self.groups_started = f"{prefix}:groups-started"
         self.groups_dropped = f"{prefix}:groups-dropped"
-        self.rollout_stats = f"{prefix}:rollout-stats"  # counters summed over the policy's rollout workers
-        self.heartbeats = f"{prefix}:heartbeats"  # rollout worker index -> time its loop last went round
+        self.rollout_stats = f"{prefix}:rollout-stats"  # the policy's rollout counters (the one record of them)
 
 
 class RewardQueue:
@@ -103,15 +108,19 @@ class RewardQueue:
                 raise
 
     # producer side (rollout workers)
-    def submit(self, samples: List[Sample], poll_s: float = 0.01) -> None:
+    def submit(self, samples: List[Sample], counters: Optional[str] = None, poll_s: float = 0.01) -> None:
         """Append samples, waiting while they would take the stream past the job's bound of
         unscored requests (backpressure: nothing is dropped); a batch larger than the bound
-        goes in parts."""
+        goes in parts. Each part appended adds its samples and completion tokens to the counter
+        hash `counters` (`PolicyKeys.rollout_stats`) in the same atomic step, so the counts equal
+        what the stream received even when the producer dies midway."""
         bound = self.bound()
-        payloads = [encode_sample(sample) for sample in samples]
-        for start in range(0, len(payloads), bound):
-            part = payloads[start:start + bound]
-            while not self._submit(keys=[self.keys.requests], args=[bound, *part]):
+        keys = [self.keys.requests] + ([counters] if counters else [])
+        for start in range(0, len(samples), bound):
+            part = samples[start:start + bound]
+            tokens = sum(len(sample.completion_ids) for sample in part)
+            payloads = [encode_sample(sample) for sample in part]
+            while not self._submit(keys=keys, args=[bound, tokens, *payloads]):
                 time.sleep(poll_s)
 
     def bound(self) -> int:

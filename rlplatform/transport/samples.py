@@ -56,6 +56,7 @@ class ScoredSample:
     filtered: bool = False  # a filter flagged this sample (vetoed, penalised or dropped)
     drop: bool = False  # a `drop` filter flagged it: never trained on
     scored_at: float = 0.0  # unix time the reward worker stored the result
+    reasons: Dict[str, str] = field(default_factory=dict)  # why, by reward label, for rewards that say (a Verdict)
 
 
 _SAMPLE_TYPES = {
@@ -83,6 +84,7 @@ def encode_scored(scored: ScoredSample) -> bytes:
         "v": SCHEMA_VERSION, "sample": asdict(scored.sample), "reward": float(scored.reward),
         "components": {k: float(v) for k, v in scored.components.items()}, "error": scored.error,
         "filtered": bool(scored.filtered), "drop": bool(scored.drop), "scored_at": float(scored.scored_at),
+        "reasons": dict(scored.reasons),
     })
 
 
@@ -98,7 +100,16 @@ def decode_scored(data: bytes) -> ScoredSample:
     if not isinstance(filtered, bool) or not isinstance(drop, bool) or not isinstance(scored_at, (int, float)):
         raise WireFormatError("'filtered' and 'drop' must be booleans and 'scored_at' a number")
     return ScoredSample(_sample_from(body.get("sample")), float(reward),
-                        {str(k): float(v) for k, v in components.items()}, error, filtered, drop, float(scored_at))
+                        {str(k): float(v) for k, v in components.items()}, error, filtered, drop, float(scored_at),
+                        _reasons_from(body.get("reasons", {})))
+
+
+def _reasons_from(reasons: Any) -> Dict[str, str]:
+    """A scored record's reasons: reward label -> a short reason (they become metric names)."""
+    if not isinstance(reasons, dict) or not all(isinstance(k, str) and isinstance(v, str) and 0 < len(v) <= 64
+                                                for k, v in reasons.items()):
+        raise WireFormatError("'reasons' must map reward labels to reasons of 1 to 64 characters")
+    return reasons
 
 
 def _unpack(data: bytes) -> dict:

@@ -74,10 +74,11 @@ def test_worker_generates_with_each_new_version(ray_session, redis_server, redis
         assert collect(queue, 1, timeout_s=1.0) == []  # and nothing past the gate
     finally:
         queue.request_stop()
-        stats = ray.get(running, timeout=30)
+        ray.get(running, timeout=30)
         ray.kill(worker)
         ray.kill(store)
-    assert stats.groups_generated == 6 and stats.weight_syncs == 2
+    counters = queue.counters(PolicyKeys(job, "policy").rollout_stats)
+    assert counters["samples"] == 12 and counters["weight_syncs"] == 2
 
 
 def test_in_flight_swap_changes_version_mid_sequence_without_dropping_any(tiny_policy):

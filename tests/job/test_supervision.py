@@ -1,5 +1,5 @@
 """Workers dying under a running job: rollout, reward and evaluation workers are restarted and
-nothing is lost; a sample lost to dead letters expires its group instead of deadlocking the job;
+nothing is lost, their counts included; a sample lost to dead letters expires its group instead of deadlocking the job;
 a learner rank's death ends the job with a message naming how to resume."""
 
 from __future__ import annotations
@@ -52,6 +52,9 @@ def test_killed_rollout_reward_and_eval_workers_restart_and_lose_nothing(ray_ses
     assert summary["status"] == "completed" and rl["steps"] == 6
     assert rl["restarts"]["rollout"] >= 1 and rl["restarts"]["reward"] >= 1
     assert rl["groups_expired"] == 0
+    # the killed rollout worker's samples still count: every sample generated was scored or is left unscored
+    unused = rl["samples_unused_where"]
+    assert rl["samples_generated"] == rl["samples_scored"] + unused["scored_unread"] + unused["unscored"]
     ids = run_files.trained_ids(config.run_dir)
     assert len(ids) == len(set(ids)) == 6 * 2 * 4
     ledger = rl["ledger"]

@@ -10,11 +10,16 @@ import subprocess
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 
+from rlplatform.config import RewardSpec
+from rlplatform.job.rl_loop import RLCounters, _count_scored, _stage_summary
 from rlplatform.rewards.code_sandbox import code_tests, extract_code, run_in_sandbox
+from rlplatform.rewards.worker import RewardWorker
 from rlplatform.rewards.sandbox_jail import MAX_PROCESSES
+from rlplatform.transport.reward_queue import RewardQueue
 
 ADD_TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"
 
@@ -207,3 +212,22 @@ def test_isolation_layers_reported_are_in_force():
     if "namespaces" in layers:
         assert interfaces == "lo"
         assert "etc" not in root and "proc" not in root and "home" not in root  # system directories only
+
+
+def test_why_a_sample_scored_zero_reaches_the_summary_counted_per_reason(redis_server, redis_client, make_sample):
+    """Scored by a real reward worker, read back from the results stream, counted as the RL loop does."""
+    job = f"reasons-{uuid.uuid4().hex[:8]}"
+    queue = RewardQueue(redis_client, job)
+    queue.create_group()
+    worker = RewardWorker("w", [RewardSpec(name="code_tests", params={"timeout_s": 1.0})], redis_server, job)
+    completions = ["def add(a, b):\n    return a + b", "def add(a, b):\n    return a * b",
+                   "def add(a, b):\n    while True: pass", "import socket\nsocket.socket().connect(('1.1.1.1', 80))"]
+    queue.submit([replace(make_sample(c, tests=ADD_TESTS), sample_id=f"g0/{i}") for i, c in enumerate(completions)])
+    while worker.step(block_ms=100):
+        pass
+    counters = RLCounters()
+    for scored in queue.read_results():
+        _count_scored(scored, counters)
+    summary = _stage_summary(counters, {}, 1, {}, 0, time.perf_counter())
+    assert summary["reward_reasons"] == {"code_tests/failed": 1, "code_tests/network": 1, "code_tests/passed": 1,
+                                         "code_tests/timeout": 1}

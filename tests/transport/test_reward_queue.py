@@ -248,3 +248,17 @@ def test_producers_built_without_a_bound_wait_at_the_jobs_bound_until_a_consumer
     assert not blocked.is_alive() and controller.pending() == 3
     scored = drain(worker) + 4
     assert scored == 7 and len(read_all(controller)) == 7
+
+
+def test_submit_counts_samples_and_tokens_as_the_stream_takes_each_part(redis_server, job):
+    queue = RewardQueue(connect(redis_server), job, max_pending=3)
+    queue.reset()
+    queue.create_group()
+    counters = f"rlp:{job}:policy:p:rollout-stats"
+    done = threading.Thread(target=queue.submit, args=([make_sample(i, "85") for i in range(5)], counters))
+    done.start()  # parts of 3 and 2: the second waits at the bound
+    time.sleep(0.2)
+    assert queue.counters(counters) == {"samples": 3.0, "tokens": 6.0}  # only what the stream holds
+    worker_for(redis_server, job, batch_size=3).step(block_ms=50)
+    done.join(timeout=5)
+    assert queue.counters(counters) == {"samples": 5.0, "tokens": 10.0} and queue.pending() == 2

@@ -48,6 +48,11 @@ def test_scored_round_trip_keeps_every_field():
     assert decoded.error is None
 
 
+def test_scored_round_trip_keeps_reasons():
+    scored = ScoredSample(make_sample(), reward=0.0, components={"code_tests": 0.0}, reasons={"code_tests": "timeout"})
+    assert decode_scored(encode_scored(scored)).reasons == {"code_tests": "timeout"}
+
+
 def test_scored_round_trip_with_error():
     scored = ScoredSample(make_sample(), reward=0.0, components={}, error="boom: ValueError: bad")
     decoded = decode_scored(encode_scored(scored))
@@ -129,6 +134,8 @@ def test_per_token_lists_of_different_lengths(changes):
 
 @pytest.mark.parametrize("changes", [
     {"reward": "1.0"}, {"reward": None}, {"components": [1.0]}, {"error": 5},
+    {"reasons": ["timeout"]}, {"reasons": {"code_tests": 3}}, {"reasons": {"code_tests": ""}},
+    {"reasons": {"code_tests": "x" * 65}},
 ])
 def test_bad_scored_fields(changes):
     body = msgpack.unpackb(encode_scored(ScoredSample(make_sample(), 1.0, {"exact_match": 1.0})))
