@@ -32,10 +32,11 @@ from rlplatform.monitoring.job_status import JobStatus
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.policy import load_tokenizer, save_initial_policy
 from rlplatform.tokenization import encode_prompts, within_limit
-from rlplatform.transport.deadlines import JobFailed, LearnerDied
+from rlplatform.transport.deadlines import LEARNER_TIMEOUT_S, JobFailed, LearnerDied
 from rlplatform.transport.redis_server import EmbeddedRedis, connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.staleness import RolloutGate
+from rlplatform.transport.weight_streams import open_broadcast
 from rlplatform.transport.weights import WeightStore
 
 
@@ -239,9 +240,12 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, train_rows, test_rows
     rollout = [RolloutActor.options(num_cpus=policy.rollout.num_cpus, num_gpus=gpus, max_restarts=MAX_RESTARTS,
                                     name=f"{config.name}-{policy.name}-rollout-{i}").remote(
         i, policy.name, model_path, train, policy.rl, policy.rollout, redis_url, config.name, store, config.seed,
-        policy.model.dtype) for i in range(policy.rollout.num_workers + 1)]
+        policy.model.dtype, policy.weights.transport) for i in range(policy.rollout.num_workers + 1)]
     learner = LearnerGroup(policy.learner, model_path, config.seed, policy.model.dtype, config.data.chat_template,
-                           name=f"{config.name}-{policy.name}-learner")
+                           name=f"{config.name}-{policy.name}-learner", transport=policy.weights.transport)
+    if policy.weights.transport == "broadcast":
+        open_broadcast(learner.ranks[0], rollout, redis_url, PolicyKeys(config.name, policy.name).version,
+                       policy.weights.bucket_mb, LEARNER_TIMEOUT_S)
     gate = RolloutGate(client, config.name, policy.rl.max_staleness, policy.rl.batch_prompts, policy.name)
     evaluator = Evaluator(rollout.pop(), test, config.eval, config.rewards, config.imports)
     return PolicyWorkers(policy, learner, rollout, store, gate, evaluator, PolicyKeys(config.name, policy.name),
