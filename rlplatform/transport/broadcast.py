@@ -76,6 +76,22 @@ def plan_buckets(state_dict: Dict[str, torch.Tensor], bucket_bytes: int) -> List
     return entries
 
 
+def pack(weights: Dict[str, torch.Tensor], entries: List[Entry], bucket: int) -> torch.Tensor:
+    """The bytes of bucket `bucket`: each of its weights at its offset."""
+    members = [e for e in entries if e.bucket == bucket]
+    buffer = torch.empty(members[-1].offset + members[-1].nbytes, dtype=torch.uint8,
+                         device=weights[members[0].name].device)
+    for e in members:
+        buffer[e.offset:e.offset + e.nbytes].copy_(weights[e.name].reshape(-1).view(torch.uint8))
+    return buffer
+
+
+def unpack(buffer: torch.Tensor, entries: List[Entry], bucket: int) -> Dict[str, torch.Tensor]:
+    """The weights of bucket `bucket`, viewing `buffer` (no copy)."""
+    return {e.name: buffer[e.offset:e.offset + e.nbytes].view(getattr(torch, e.dtype)).reshape(e.shape)
+            for e in entries if e.bucket == bucket}
+
+
 def _bucket_sizes(entries: List[Entry]) -> List[int]:
     sizes: Dict[int, int] = {}
     for e in entries:
@@ -99,11 +115,8 @@ class BroadcastSender:
             pipe.rpush(key, message)
         pipe.execute()
         device = next(iter(weights.values())).device
-        for bucket, size in enumerate(_bucket_sizes(entries)):
-            buffer = torch.empty(size, dtype=torch.uint8, device=device)
-            for e in (e for e in entries if e.bucket == bucket):
-                buffer[e.offset:e.offset + e.nbytes].copy_(weights[e.name].reshape(-1).view(torch.uint8))
-            self.group.broadcast([buffer], _root()).wait()
+        for bucket in range(len(_bucket_sizes(entries))):
+            self.group.broadcast([pack(weights, entries, bucket)], _root()).wait()
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the buffers stay alive until every bucket is sent
 
@@ -151,9 +164,7 @@ class BroadcastReceiver:
         for bucket, size in enumerate(_bucket_sizes(entries)):
             buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
             self.group.broadcast([buffer], _root()).wait()
-            for e in (e for e in entries if e.bucket == bucket):
-                raw = buffer[e.offset:e.offset + e.nbytes]
-                weights[e.name] = raw.view(getattr(torch, e.dtype)).reshape(e.shape)
+            weights.update(unpack(buffer, entries, bucket))
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         return message["version"], weights

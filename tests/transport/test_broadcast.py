@@ -56,10 +56,10 @@ def test_learner_broadcasts_each_version_to_every_worker_exactly(ray_session, re
 
     job = f"broadcast-test-{time.time_ns()}"
     keys = PolicyKeys(job, "policy")
-    learner = LearnerGroup(LearnerConfig(num_cpus=0), tiny_policy, seed=0, transport="broadcast")
-    worker = RolloutActor.options(num_cpus=0).remote(
+    worker = RolloutActor.options(num_cpus=0).remote(  # starts while the learner does
         0, "policy", tiny_policy, [], RLConfig(), RolloutConfig(num_cpus=0), redis_server, job, WeightStore.remote(),
         0, "float32", "broadcast")
+    learner = LearnerGroup(LearnerConfig(num_cpus=0), tiny_policy, seed=0, transport="broadcast")
     probe = Probe.remote(redis_server, keys.version)
     try:
         open_broadcast(learner.ranks[0], [worker, probe], redis_server, keys.version, BUCKET_MB, 120)
