@@ -11,6 +11,7 @@ Every token therefore records the version that produced it.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 from typing import Dict, Hashable, List, Tuple
@@ -28,11 +29,9 @@ def require_vllm() -> None:
     if not torch.cuda.is_available():
         raise RuntimeError(f"rollout.engine: vllm needs a CUDA GPU, but this process sees none (torch "
                            f"{torch.__version__}); use rollout.engine: transformers on CPU machines")
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("rollout.engine: vllm needs the vllm package: pip install -e '.[vllm]', or use "
-                           "rollout.engine: transformers") from None
+                           "rollout.engine: transformers")
 
 
 class VLLMEngine(BatchGenerate):
