@@ -4,7 +4,7 @@ torch.distributed group set up once for the policy (gloo on CPU, nccl on GPU; th
 A round is announced on Redis first: the version and its plan (each weight's name, dtype, shape and
 place in a bucket) go to every receiver's inbox list. The weights then follow as raw bytes packed in
 buckets of at most `bucket_mb`, one broadcast each. Receivers wait on their inbox on a background
-thread, take part in the round, and keep the newest weights for the decode loop to load between steps.
+thread, take part in the round, and hold the newest weights until the decode loop takes them.
 """
 
 from __future__ import annotations
@@ -127,19 +127,21 @@ class BroadcastReceiver:
     def __init__(self, group: dist.ProcessGroup, client, version_key: str, device: torch.device) -> None:
         self.group, self.client, self.device = group, client, device
         self.inbox = inbox(version_key, group.rank())
-        self.error: Optional[BaseException] = None  # what stopped the thread, raised by `latest`
+        self.error: Optional[BaseException] = None  # what stopped the thread, raised by `take`
         self._latest: Optional[Tuple[int, Dict[str, torch.Tensor]]] = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weight-broadcast-receiver", daemon=True)
         self._thread.start()
 
-    def latest(self) -> Optional[Tuple[int, Dict[str, torch.Tensor]]]:
-        """(version, weights) of the newest round received, else None."""
+    def take(self) -> Optional[Tuple[int, Dict[str, torch.Tensor]]]:
+        """(version, weights) of the newest round received since the last `take`, else None; the
+        receiver lets go of them, so only the engine holds a copy once they are loaded."""
         if self.error is not None:
             raise RuntimeError(f"the weight broadcast receiver stopped: {self.error}") from self.error
         with self._lock:
-            return self._latest
+            latest, self._latest = self._latest, None
+            return latest
 
     def close(self) -> None:
         self._stop.set()

@@ -50,7 +50,7 @@ class Subscriber:
 
     def newer(self, version: int) -> Optional[Tuple[int, Weights]]:
         if self.transport == "broadcast":
-            latest = self.receiver.latest() if self.receiver is not None else None
+            latest = self.receiver.take() if self.receiver is not None else None
             return latest if latest is not None and latest[0] > version else None
         newer = ray.get(self.weight_store.newer_than.remote(version))
         if newer is None:

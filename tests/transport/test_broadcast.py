@@ -45,9 +45,8 @@ class Probe:
         self.receiver = receiver(host, port, rank, world_size, backend, connect(self.redis_url), self.version_key,
                                  torch.device("cpu"))
 
-    def latest(self):
-        latest = self.receiver.latest()
-        return None if latest is None else (latest[0], {k: v.clone() for k, v in latest[1].items()})
+    def take(self):
+        return self.receiver.take()
 
 
 def test_learner_broadcasts_each_version_to_every_worker_exactly(ray_session, redis_server, redis_client,
@@ -86,7 +85,7 @@ def test_learner_broadcasts_each_version_to_every_worker_exactly(ray_session, re
 def _wait_for(probe, version: int, timeout_s: float = 30.0):
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        latest = ray.get(probe.latest.remote())
+        latest = ray.get(probe.take.remote())
         if latest is not None and latest[0] == version:
             return latest[1]
         time.sleep(0.05)

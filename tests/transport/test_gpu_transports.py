@@ -51,9 +51,9 @@ class Side:
         self.receiver = receiver(host, port, rank, world, "nccl", connect(redis_url), version_key,
                                  torch.device("cuda", 0))
 
-    def latest(self):
-        latest = self.receiver.latest()
-        return None if latest is None else (latest[0], {k: v.cpu() for k, v in latest[1].items()})
+    def take(self):
+        taken = self.receiver.take()
+        return None if taken is None else (taken[0], {k: v.cpu() for k, v in taken[1].items()})
 
 
 @pytest.mark.gpu
@@ -77,6 +77,6 @@ def test_nccl_broadcast_delivers_exact_weights_in_buckets(ray_session, redis_ser
              worker.open_receiver.remote(host, port, 1, 2, redis_server, key)])
     ray.get(learner.send.remote(7))
     deadline = time.time() + 30
-    while (latest := ray.get(worker.latest.remote())) is None and time.time() < deadline:
+    while (latest := ray.get(worker.take.remote())) is None and time.time() < deadline:
         time.sleep(0.05)
     assert latest[0] == 7 and all(torch.equal(latest[1][k], v) for k, v in _weights().items())
