@@ -17,7 +17,7 @@ from typing import Dict, Hashable, List, Optional, Tuple
 import ray
 import torch
 
-from rlplatform.actors.engine import Completion, DecodeBatch, build_engine
+from rlplatform.actors.engine import Completion, ContinuousBatch, build_engine
 from rlplatform.config import EvalConfig, RewardSpec, RLConfig, RolloutConfig
 from rlplatform.monitoring.evaluation import evaluation_figures
 from rlplatform.rewards.registry import resolve
@@ -144,7 +144,7 @@ class RolloutWorker:
         published = self.queue.client.get(self.keys.version)
         return published is not None and int(published) > self.engine.version
 
-    def _admit(self, batch: DecodeBatch, open_groups: Dict[str, _OpenGroup], groups: int) -> None:
+    def _admit(self, batch: ContinuousBatch, open_groups: Dict[str, _OpenGroup], groups: int) -> None:
         """Start `groups` claimed groups on the ledger's next prompts."""
         for group_id, position in self.ledger.issue(self.index, groups):
             prompt = self.prompts[prompt_row(position, len(self.prompts), self.seed)]

@@ -356,7 +356,7 @@ class LearnerRank:
 
     def rl_step_and_publish(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
                             sft_rows: Optional[List[Dict]] = None, step: int = 0
-                            ) -> Tuple[Dict[str, float], Optional[List[ray.ObjectRef]]]:
+                            ) -> Tuple[Dict[str, float], Optional[List]]:
         """`rl_step`, then the new weights streamed as version `step + 1`, in one call: no round trip between them."""
         return self.rl_step(samples, advantages, rl, sft_rows, step), self.stream_weights(step + 1)
 

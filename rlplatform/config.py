@@ -130,7 +130,7 @@ class RolloutConfig:
 
 @dataclass
 class WeightsConfig:
-    transport: str = one_of("object_store", "broadcast", "cuda_ipc")  # object_store: Ray object store; broadcast: learner rank 0 to rollout workers over torch.distributed (gloo on CPU, nccl on GPU); cuda_ipc: learner rank 0 and rollout workers share one GPU
+    transport: str = one_of("object_store", "broadcast", "cuda_ipc")  # how learner rank 0 hands versions to rollout workers (README: Weight transports)
     bucket_mb: float = above(256.0, 0)  # broadcast: weights go in buckets of at most this many MB
 
 

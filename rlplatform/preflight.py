@@ -2,8 +2,9 @@
 
 `check(config, source)` runs after `load_config` and before Redis, Ray or any worker starts:
 every JSONL row parses, every pretrained model folder loads its config and tokenizer, a vLLM
-rollout engine can run here, and the Ray cluster to join answers on its port. A failure is a `ConfigError` naming the file
-(and line) or the key, so `rlp run` and `rlp validate` stop with one line and exit code 2.
+rollout engine can run here, and the Ray cluster to join answers on its port. A failure is a
+`ConfigError` naming the file (and line) or the key, so `rlp run` and `rlp validate` stop with one
+line and exit code 2.
 """
 
 from __future__ import annotations
