@@ -6,7 +6,8 @@ model's stop ids. `TransformersEngine` is the transformers engine (CPU or one GP
 dtype, log-probs in float32): a KV-cached decode loop over a Hugging Face causal LM
 that records, for every token, its log-prob and the weight version that produced it. Between
 decode steps it calls `between_steps`, which may load newer weights: sequences in progress
-continue with them (in-flight weight update). A GPU engine (vLLM) is a second class.
+continue with them (in-flight weight update). The vLLM engine (`rlplatform.actors.vllm_engine`) is a
+second class; `build_engine` makes the one `rollout.engine` names.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Callable, Dict, Hashable, List, Optional, Protocol, Tuple
 import torch
 from transformers import DynamicCache
 
+from rlplatform.config import RolloutConfig
 from rlplatform.devices import resolve_device
 from rlplatform.policy import load_policy
 from rlplatform.tokenization import stop_token_ids
@@ -32,8 +34,21 @@ class Completion:
     versions: List[int]  # weight version that generated each completion token
 
 
+class ContinuousBatch(Protocol):
+    """Sequences decoded together: prompts join with `add`, each `step` returns the ones that finished."""
+
+    def __len__(self) -> int: ...
+
+    def add(self, prompts: List[List[int]], keys: List[Hashable]) -> None: ...
+
+    def step(self) -> List[Tuple[Hashable, Completion]]: ...
+
+
 class GenerationEngine(Protocol):
     version: int  # version of the weights loaded now
+    device: torch.device  # where the weights live (weight transports deliver them there)
+
+    def decode_batch(self, max_new_tokens: int, temperature: float) -> ContinuousBatch: ...
 
     def generate(self, prompts: List[List[int]], samples_per_prompt: int, max_new_tokens: int, temperature: float,
                  between_steps: Optional[Callable[[], None]] = None) -> List[List[Completion]]: ...
@@ -41,24 +56,17 @@ class GenerationEngine(Protocol):
     def load_weights(self, state_dict: Dict[str, torch.Tensor], version: int) -> None: ...
 
 
-class TransformersEngine:
-    """Batched sampling with `transformers` on `device` (auto, cpu or cuda: `resolve_device`) in
-    `dtype` (a `model.dtype` name); temperature 0 means greedy."""
+def build_engine(rollout: RolloutConfig, model_path: str, dtype: str, seed: int) -> GenerationEngine:
+    """The engine `rollout.engine` names; vLLM is imported only when it is the one."""
+    if rollout.engine == "vllm":
+        from rlplatform.actors.vllm_engine import VLLMEngine
 
-    def __init__(self, model_path: str, device: str = "auto", dtype: str = "float32") -> None:
-        self.device = resolve_device(device)
-        self.model, self.tokenizer = load_policy(model_path, dtype)
-        self.model.to(self.device).eval()
-        self.stop_ids = stop_token_ids(self.tokenizer, self.model.generation_config)
-        self.version = -1
+        return VLLMEngine(model_path, dtype, rollout.gpu_memory_utilization, seed)
+    return TransformersEngine(model_path, rollout.device, dtype)
 
-    def load_weights(self, state_dict: Dict[str, torch.Tensor], version: int) -> None:
-        load_weights(self.model, state_dict)
-        self.version = version
 
-    def decode_batch(self, max_new_tokens: int, temperature: float) -> "DecodeBatch":
-        """An empty continuous batch on this engine's model."""
-        return DecodeBatch(self, max_new_tokens, temperature)
+class BatchGenerate:
+    """`generate` for an engine with `decode_batch`: all completions of a list of prompts."""
 
     @torch.no_grad()
     def generate(self, prompts: List[List[int]], samples_per_prompt: int, max_new_tokens: int, temperature: float,
@@ -76,6 +84,26 @@ class TransformersEngine:
                 between_steps()
         ordered = [completions[i] for i in range(len(completions))]
         return [ordered[i:i + samples_per_prompt] for i in range(0, len(ordered), samples_per_prompt)]
+
+
+class TransformersEngine(BatchGenerate):
+    """Batched sampling with `transformers` on `device` (auto, cpu or cuda: `resolve_device`) in
+    `dtype` (a `model.dtype` name); temperature 0 means greedy."""
+
+    def __init__(self, model_path: str, device: str = "auto", dtype: str = "float32") -> None:
+        self.device = resolve_device(device)
+        self.model, self.tokenizer = load_policy(model_path, dtype)
+        self.model.to(self.device).eval()
+        self.stop_ids = stop_token_ids(self.tokenizer, self.model.generation_config)
+        self.version = -1
+
+    def load_weights(self, state_dict: Dict[str, torch.Tensor], version: int) -> None:
+        load_weights(self.model, state_dict)
+        self.version = version
+
+    def decode_batch(self, max_new_tokens: int, temperature: float) -> "DecodeBatch":
+        """An empty continuous batch on this engine's model."""
+        return DecodeBatch(self, max_new_tokens, temperature)
 
 
 @dataclass

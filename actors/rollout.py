@@ -19,7 +19,7 @@ from typing import Dict, Hashable, List, Optional, Tuple
 import ray
 import torch
 
-from rlplatform.actors.engine import Completion, DecodeBatch, TransformersEngine
+from rlplatform.actors.engine import Completion, ContinuousBatch, build_engine
 from rlplatform.config import EvalConfig, RewardSpec, RLConfig, RolloutConfig
 from rlplatform.monitoring.evaluation import evaluation_figures
 from rlplatform.rewards.registry import resolve
@@ -32,6 +32,7 @@ from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.staleness import RolloutGate
+from rlplatform.transport.weight_streams import Subscriber, receiver
 from rlplatform.transport.weights import from_snapshot
 
 
@@ -45,12 +46,13 @@ class _OpenGroup:
 class RolloutWorker:
     def __init__(self, index: int, policy: str, model_path: str, prompts: List[Prompt], rl: RLConfig,
                  rollout: RolloutConfig, redis_url: str, job: str, weight_store, seed: int,
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", transport: str = "object_store") -> None:
         torch.set_num_threads(rollout.num_threads)
         torch.manual_seed(seed + 1000 * (index + 1))
         self.index, self.policy, self.prompts, self.rl, self.rollout = index, policy, prompts, rl, rollout
-        self.engine = TransformersEngine(model_path, rollout.device, dtype)
-        self.weight_store = weight_store
+        self.engine = build_engine(rollout, model_path, dtype, seed + index)
+        self.weights_in = Subscriber(transport, weight_store, self.engine.device)  # weights.transport's worker end
+        self.redis_url = redis_url
         client = connect(redis_url)
         self.queue = RewardQueue(client, job)
         self.keys = PolicyKeys(job, policy)
@@ -65,11 +67,12 @@ class RolloutWorker:
 
     def sync_weights(self) -> int:
         """Load the newest published weights if they are newer; returns the version held."""
-        if self._newer_published():
-            newer = ray.get(self.weight_store.newer_than.remote(self.engine.version))
-            if newer is not None:
-                version, (ref,) = newer
-                self.engine.load_weights(from_snapshot(ray.get(ref)), version)
+        if not self._newer_published():
+            return self.engine.version
+        newer = self.weights_in.newer(self.engine.version)
+        if newer is not None:
+            version, state_dict = newer
+            self.engine.load_weights(state_dict, version)
         return self.engine.version
 
     def _sync_counted(self) -> None:
@@ -81,6 +84,11 @@ class RolloutWorker:
     @property
     def version(self) -> int:
         return self.engine.version
+
+    def open_broadcast(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
+        """Join the policy's weight broadcast group as `rank`; rounds arrive on a background thread."""
+        self.weights_in.receiver = receiver(host, port, rank, world_size, backend, connect(self.redis_url),
+                                            self.keys.version, self.engine.device)
 
     def run(self) -> None:
         """Generate and submit until the job's stop flag is set.
@@ -131,7 +139,7 @@ class RolloutWorker:
         published = self.queue.client.get(self.keys.version)
         return published is not None and int(published) > self.engine.version
 
-    def _admit(self, batch: DecodeBatch, open_groups: Dict[str, _OpenGroup], groups: int) -> None:
+    def _admit(self, batch: ContinuousBatch, open_groups: Dict[str, _OpenGroup], groups: int) -> None:
         """Start `groups` claimed groups on the ledger's next prompts."""
         for group_id, position in self.ledger.issue(self.index, groups):
             prompt = self.prompts[prompt_row(position, len(self.prompts), self.seed)]

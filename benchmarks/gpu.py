@@ -1,12 +1,14 @@
 """Accelerator figures for a small real-architecture policy: generation tokens/s (rlplatform's
-transformers engine, and vLLM when it is installed and CUDA is present), weight sync seconds per GB
-(learner snapshot -> Ray object store -> engine), and learner tokens/s (one DeepSpeed learner rank,
-in this process, running the RL step the jobs run).
+transformers engine, and its vLLM engine when vllm is installed and CUDA is present), seconds per weight
+sync for each `weights.transport` (learner rank 0's weights loaded into an engine in another process:
+object_store, broadcast, cuda_ipc), and learner tokens/s (one DeepSpeed learner rank, in this process,
+running the RL step the jobs run).
 
 The policy is a Qwen2-architecture model built from config with random weights (`--size 0.5b`:
 Qwen2-0.5B's shapes, 151,936-token vocabulary) and a word-level tokenizer over the same ids, so
-nothing is downloaded. Without CUDA every figure but vLLM's is measured on CPU, which is how the
-test suite checks this script at `--size tiny`.
+nothing is downloaded. Without CUDA every figure but vLLM's and CUDA IPC's is measured on CPU (the
+broadcast over gloo), which is how the test suite checks this script at `--size tiny`. On GPU the
+broadcast runs over NCCL, which needs a second GPU for the engine (NCCL takes one GPU per rank).
 
 Usage: python benchmarks/gpu.py [--size 0.5b|tiny] [--prompts 64] [--group 8] [--new-tokens 128]
            [--learner-steps 3] [--out benchmarks/results/gpu.md]
@@ -15,6 +17,7 @@ Usage: python benchmarks/gpu.py [--size 0.5b|tiny] [--prompts 64] [--group 8] [-
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import platform
 import random
@@ -34,8 +37,10 @@ from rlplatform.actors.engine import TransformersEngine
 from rlplatform.config import LearnerConfig, RLConfig
 from rlplatform.learners.algorithms import grpo_advantages
 from rlplatform.learners.rank import LearnerRank
+from rlplatform.transport.redis_server import EmbeddedRedis, connect
 from rlplatform.transport.samples import Sample
-from rlplatform.transport.weights import from_snapshot
+from rlplatform.transport.weight_store import WeightStore
+from rlplatform.transport.weight_streams import Publisher, Subscriber, receiver
 
 SIZES = {  # Qwen2Config fields
     "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
@@ -44,6 +49,8 @@ SIZES = {  # Qwen2Config fields
                  num_attention_heads=14, num_key_value_heads=2),
 }
 PROMPT_TOKENS = 32
+TRANSPORTS = ("object_store", "broadcast", "cuda_ipc")
+BUCKET_MB = 256.0  # the weights.bucket_mb default
 
 
 def build_policy(size: str, out: str) -> str:
@@ -79,31 +86,100 @@ def engine_generation(engine: TransformersEngine, prompts: List[str], group: int
     return {"tokens": tokens, "seconds": seconds, "groups": groups}
 
 
-def vllm_generation(model_dir: str, prompts: List[str], group: int, new_tokens: int) -> Dict:
-    """vLLM on the same weights and prompts, EOS ignored like a random model's rare EOS; needs CUDA."""
-    from vllm import LLM, SamplingParams
+@ray.remote(num_cpus=0)
+class VLLMGeneration:
+    """rlplatform's vLLM engine in its own process (its GPU memory is freed when the actor goes)."""
 
-    llm = LLM(model=model_dir, dtype="float32", gpu_memory_utilization=0.5, seed=0)
-    params = SamplingParams(n=group, temperature=1.0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm-up
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - start
-    return {"tokens": sum(len(o.token_ids) for out in outputs for o in out.outputs), "seconds": seconds}
+    def run(self, model_dir: str, prompts: List[List[int]], group: int, new_tokens: int) -> Dict:
+        from rlplatform.actors.vllm_engine import VLLMEngine
 
-
-def weight_sync(learner: LearnerRank, engine: TransformersEngine, repeats: int = 5) -> Dict:
-    """Snapshot the learner's weights into the object store and load them into the engine, as a job does."""
-    seconds = []
-    for version in range(repeats):
-        _synchronize()
+        engine = VLLMEngine(model_dir, "float32", gpu_memory_utilization=0.4, seed=0)
+        engine.version = 0
+        engine.generate(prompts[:2], 1, 4, 1.0)  # warm-up
         start = time.perf_counter()
-        snapshot = ray.get(learner.publish_weights()[0])
-        engine.load_weights(from_snapshot(snapshot), version)
+        groups = engine.generate(prompts, group, new_tokens, 1.0)
+        seconds = time.perf_counter() - start
+        return {"tokens": sum(len(c.completion_ids) for g in groups for c in g), "seconds": seconds}
+
+
+def vllm_generation(model_dir: str, prompts: List[List[int]], group: int, new_tokens: int) -> Dict:
+    """The vLLM engine on the same weights and prompts (a random model's EOS is rare); needs CUDA."""
+    actor = VLLMGeneration.options(num_gpus=0.5).remote()
+    try:
+        return ray.get(actor.run.remote(model_dir, prompts, group, new_tokens))
+    finally:
+        ray.kill(actor)
+
+
+@ray.remote(num_cpus=0)
+class SyncTarget:
+    """An engine in another process that takes each version through one transport, as a rollout worker does."""
+
+    def __init__(self, model_dir: str, device: str, transport: str, store) -> None:
+        self.engine = TransformersEngine(model_dir, device)
+        self.subscriber = Subscriber(transport, store, self.engine.device)
+
+    def open_broadcast(self, host: str, port: int, backend: str, redis_url: str, version_key: str) -> None:
+        self.subscriber.receiver = receiver(host, port, 1, 2, backend, connect(redis_url), version_key,
+                                            self.engine.device)
+
+    def load(self, version: int) -> int:
+        while (newer := self.subscriber.newer(version - 1)) is None:
+            time.sleep(0.0005)
+        self.engine.load_weights(newer[1], newer[0])
         _synchronize()
-        seconds.append(time.perf_counter() - start)
-    gigabytes = sum(array.nbytes for array in snapshot.values()) / 1e9
-    return {"gigabytes": gigabytes, "best_s": min(seconds), "median_s": sorted(seconds)[len(seconds) // 2]}
+        return newer[0]
+
+
+def weight_sync(learner: LearnerRank, model_dir: str, transport: str, redis_url: str, repeats: int = 5) -> Dict:
+    """Seconds from learner rank 0's weights to an engine in another process holding them, per transport."""
+    store = WeightStore.remote()
+    target = _sync_target(model_dir, transport, store)
+    learner.publisher = Publisher(transport)
+    if transport == "broadcast":
+        key = f"bench-{transport}:version"
+        host, port = learner.address()
+        joined = target.open_broadcast.remote(host, port, learner.broadcast_backend(), redis_url, key)
+        learner.open_broadcast(host, port, 2, learner.broadcast_backend(), redis_url, key, int(BUCKET_MB * 2 ** 20))
+        ray.get(joined)
+    seconds = []
+    try:
+        for version in range(repeats + 1):  # the first is a warm-up
+            _synchronize()
+            start = time.perf_counter()
+            sent = learner.stream_weights(version)[0]
+            if isinstance(sent, ray.ObjectRef):
+                ray.get(store.publish.remote(version, [sent]))
+            ray.get(target.load.remote(version))
+            seconds.append(time.perf_counter() - start)
+    finally:
+        ray.kill(target)
+        ray.kill(store)
+    seconds = sorted(seconds[1:])
+    return {"best_s": seconds[0], "median_s": seconds[len(seconds) // 2]}
+
+
+def _sync_target(model_dir: str, transport: str, store):
+    """The receiving engine: on the learner's GPU for cuda_ipc, on another GPU for broadcast (NCCL)."""
+    if not torch.cuda.is_available():
+        return SyncTarget.remote(model_dir, "cpu", transport, store)
+    gpu = "0" if transport != "broadcast" else str(torch.cuda.device_count() - 1)
+    env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "CUDA_VISIBLE_DEVICES": gpu}
+    return SyncTarget.options(runtime_env={"env_vars": env}).remote(model_dir, "cuda", transport, store)
+
+
+def sync_row(learner: LearnerRank, model_dir: str, transport: str, redis_url: str, megabytes: float):
+    """(figure, how) for one transport, or why it was not measured here."""
+    gpu = torch.cuda.is_available()
+    if transport == "cuda_ipc" and not gpu:
+        return "not measured: needs CUDA", "learner and engine on one GPU"
+    if transport == "broadcast" and gpu and torch.cuda.device_count() < 2:
+        return "not measured: NCCL needs a second GPU", "learner rank 0 -> engine, one GPU each"
+    sync = weight_sync(learner, model_dir, transport, redis_url)
+    how = {"object_store": "snapshot -> Ray object store -> engine",
+           "broadcast": f"{'nccl' if gpu else 'gloo'} broadcast in {BUCKET_MB:.0f} MB buckets -> engine",
+           "cuda_ipc": "one IPC handle of a packed GPU copy -> engine"}[transport]
+    return f"{sync['best_s']:.3f} s per sync", f"{megabytes:.1f} MB, {how}, best of 5 (median {sync['median_s']:.3f} s)"
 
 
 def learner_steps(learner: LearnerRank, groups, steps: int) -> Dict:
@@ -154,15 +230,15 @@ def main() -> None:
     engine = TransformersEngine(model_dir, device)
     engine.version = 0
     generated = engine_generation(engine, prompts, args.group, args.new_tokens)
-    try:
-        vllm = vllm_generation(model_dir, prompts, args.group, args.new_tokens) if device == "cuda" else None
-        vllm_note = "" if vllm else "not measured: needs CUDA"
-    except ImportError:
-        vllm, vllm_note = None, "not measured: vllm is not installed"
+    vllm, vllm_note = None, "not measured: needs CUDA" if device != "cuda" else "not measured: vllm is not installed"
+    if device == "cuda" and importlib.util.find_spec("vllm") is not None:
+        vllm = vllm_generation(model_dir, engine.tokenizer(prompts)["input_ids"], args.group, args.new_tokens)
     learner = LearnerRank(0, 1, model_dir, LearnerConfig(zero_stage=1, num_threads=torch.get_num_threads()), seed=0)
     learner.setup("127.0.0.1", _free_port())
     learner.start_stage(lr=1e-6)
-    sync = weight_sync(learner, engine)
+    megabytes = sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 1e6
+    with EmbeddedRedis() as redis:
+        syncs = {t: sync_row(learner, model_dir, t, redis.url, megabytes) for t in TRANSPORTS}
     trained = learner_steps(learner, generated["groups"], args.learner_steps)
     params = sum(p.numel() for p in engine.model.parameters())
     name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({os.cpu_count()} cores)"
@@ -170,10 +246,8 @@ def main() -> None:
              f"{generated['tokens'] / generated['seconds']:.0f} tokens/s",
              f"{args.prompts} prompts x {args.group}, up to {args.new_tokens} new tokens"),
             ("generation, vLLM (float32)", f"{vllm['tokens'] / vllm['seconds']:.0f} tokens/s" if vllm else vllm_note,
-             "same prompts, EOS ignored"),
-            ("weight sync", f"{sync['best_s'] / sync['gigabytes']:.2f} s/GB",
-             f"{sync['gigabytes'] * 1000:.1f} MB snapshot -> object store -> engine, best of 5 "
-             f"(median {sync['median_s'] / sync['gigabytes']:.2f} s/GB)"),
+             "rlplatform's vLLM engine, same prompts (continuous batching, log-probs and versions recorded)"),
+            *[(f"weight sync, {t}", *syncs[t]) for t in TRANSPORTS],
             ("learner (DeepSpeed ZeRO-1, one rank)", f"{trained['tokens'] / trained['seconds']:.0f} tokens/s",
              f"{args.learner_steps} RL steps on the generated groups")]
     report = "\n".join([

@@ -34,13 +34,13 @@ def shard_minibatches(items: Sequence[T], ranks: int, minibatches: int) -> List[
 
 class LearnerGroup:
     def __init__(self, config: LearnerConfig, model_path: str, seed: int, dtype: str = "float32",
-                 chat_template: str = "auto", name: Optional[str] = None) -> None:
-        """`name`: the ranks become Ray actors named `<name>-<rank>`."""
+                 chat_template: str = "auto", name: Optional[str] = None, transport: str = "object_store") -> None:
+        """`name`: the ranks become Ray actors named `<name>-<rank>`; `transport`: `weights.transport`."""
         n = config.num_ranks
         gpus = gpus_per_actor(config.device, config.num_gpus, ray.cluster_resources().get("GPU", 0.0))
         self.ranks = [LearnerActor.options(num_cpus=config.num_cpus, num_gpus=gpus, resources=config.resources,
                                           name=name and f"{name}-{r}")
-                      .remote(r, n, model_path, config, seed, dtype, chat_template) for r in range(n)]
+                      .remote(r, n, model_path, config, seed, dtype, chat_template, transport) for r in range(n)]
         host, port = deadline_get(self.ranks[0].address.remote(), "learner rank 0", LEARNER_TIMEOUT_S)
         deadline_get([rank.setup.remote(host, port) for rank in self.ranks], "a learner rank's setup",
                      LEARNER_TIMEOUT_S)
@@ -73,7 +73,7 @@ class LearnerGroup:
 
     @staticmethod
     def gather(refs: List[ray.ObjectRef]) -> Tuple[Dict[str, float], ray.ObjectRef]:
-        """(rank-averaged metrics, the new weights' snapshot ref) of a step started by `rl_step_async`."""
+        """(rank-averaged metrics, what rank 0 streamed the new weights as) of a step started by `rl_step_async`."""
         results = deadline_get(refs, "a learner rank's RL step", LEARNER_TIMEOUT_S)
         return _mean([metrics for metrics, _ in results]), results[0][1][0]
 
@@ -81,6 +81,11 @@ class LearnerGroup:
         refs = deadline_get([rank.publish_weights.remote() for rank in self.ranks], "a learner rank's weights",
                             LEARNER_TIMEOUT_S)
         return refs[0][0]
+
+    def stream_weights(self, version: int):
+        """Stream the current weights as `version` (`LearnerRank.stream_weights`); rank 0's result."""
+        return deadline_get([rank.stream_weights.remote(version) for rank in self.ranks], "a learner rank's weights",
+                            LEARNER_TIMEOUT_S)[0][0]
 
     def save(self, checkpoint_dir: str, model_dir: Optional[str] = None, client_state: Optional[Dict] = None) -> None:
         """Every rank's checkpoint under `checkpoint_dir` (and the Hugging Face model in `model_dir`)."""

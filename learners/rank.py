@@ -25,6 +25,7 @@ from rlplatform.learners.losses import reference_kl, sft_loss
 from rlplatform.policy import load_policy
 from rlplatform.tokenization import encode_sft
 from rlplatform.transport.samples import Sample
+from rlplatform.transport.weight_streams import Publisher
 from rlplatform.transport.weights import to_snapshot
 
 
@@ -51,7 +52,7 @@ class Minibatch:
 
 class LearnerRank:
     def __init__(self, rank: int, world_size: int, model_path: str, config: LearnerConfig, seed: int,
-                 dtype: str = "float32", chat_template: str = "auto") -> None:
+                 dtype: str = "float32", chat_template: str = "auto", transport: str = "object_store") -> None:
         torch.set_num_threads(config.num_threads)
         torch.manual_seed(seed)
         self.rank, self.world_size, self.config = rank, world_size, config
@@ -62,6 +63,7 @@ class LearnerRank:
         self.tokenizer = None
         self.reference = None  # frozen policy for KL, kept during RL when asked
         self.stage_lr = 0.0
+        self.publisher = Publisher(transport)  # how rank 0 streams each new version (weights.transport)
 
     def address(self) -> tuple:
         """(host, free port) where rank 0 listens for the rendezvous."""
@@ -354,9 +356,32 @@ class LearnerRank:
 
     def rl_step_and_publish(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
                             sft_rows: Optional[List[Dict]] = None, step: int = 0
-                            ) -> Tuple[Dict[str, float], Optional[List[ray.ObjectRef]]]:
-        """`rl_step`, then a snapshot of the new weights, in one call: no round trip between them."""
-        return self.rl_step(samples, advantages, rl, sft_rows, step), self.publish_weights()
+                            ) -> Tuple[Dict[str, float], Optional[List]]:
+        """`rl_step`, then the new weights streamed as version `step + 1`, in one call: no round trip between them."""
+        return self.rl_step(samples, advantages, rl, sft_rows, step), self.stream_weights(step + 1)
+
+    def stream_weights(self, version: int) -> Optional[List]:
+        """[what the weight store gets] for `version` through `weights.transport` (rank 0): a snapshot or
+        IPC-handle ref, or the version itself once broadcast."""
+        state = self._full_state_dict()
+        if state is None:
+            return None
+        return [self.publisher.publish(state, version)]
+
+    def broadcast_backend(self) -> str:
+        """The weight broadcast group's backend: nccl when this rank computes on a GPU, else gloo."""
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+    def open_broadcast(self, host: str, port: int, world_size: int, backend: str, redis_url: str,
+                       version_key: str, bucket_bytes: int) -> None:
+        """Join the weight broadcast group as its rank 0 (learner rank 0 only)."""
+        from rlplatform.transport.redis_server import connect
+        from rlplatform.transport.weight_streams import sender
+
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.publisher.sender = sender(host, port, world_size, backend, connect(redis_url), version_key,
+                                       bucket_bytes)
 
     def publish_weights(self) -> Optional[List[ray.ObjectRef]]:
         """[ref] to a snapshot of the current weights in the object store (rank 0)."""

@@ -125,6 +125,14 @@ class RolloutConfig:
     device: str = one_of("auto", "cpu", "cuda")  # auto: the GPU Ray assigns the worker when the cluster has GPUs, else CPU
     num_gpus: Optional[float] = at_least(None, 0)  # Ray GPUs per worker (fractions share one); unset: 1 on a GPU device, else 0
     resources: Dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker (and the evaluator), e.g. {rollout_node: 1} places them on nodes started with that resource
+    engine: str = one_of("transformers", "vllm")  # transformers: CPU or GPU; vllm: vLLM on the worker's GPU (the vllm extra)
+    gpu_memory_utilization: float = above(0.5, 0)  # vllm: fraction of the GPU's memory vLLM takes for weights and KV cache
+
+
+@dataclass
+class WeightsConfig:
+    transport: str = one_of("object_store", "broadcast", "cuda_ipc")  # how learner rank 0 hands versions to rollout workers (README: Weight transports)
+    bucket_mb: float = above(256.0, 0)  # broadcast: weights go in buckets of at most this many MB
 
 
 @dataclass
@@ -226,7 +234,7 @@ class MonitoringConfig:
     worker_silent_s: float = above(120.0, 0)  # a rollout or reward worker whose loop has not gone round this long is named (console, alert, rlp status)
 
 
-POLICY_SECTIONS = ("model", "sft", "rl", "rollout", "learner")
+POLICY_SECTIONS = ("model", "sft", "rl", "rollout", "learner", "weights")
 
 
 @dataclass
@@ -238,6 +246,7 @@ class PolicyConfig:
     rl: RLConfig = field(default_factory=RLConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
 
 
 @dataclass
@@ -254,6 +263,7 @@ class JobConfig:
     imports: List[str] = field(default_factory=list)  # modules imported before rewards resolve (@rlplatform.reward files)
     reward_workers: RewardWorkersConfig = field(default_factory=RewardWorkersConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -272,7 +282,7 @@ class JobConfig:
     def policy_list(self) -> List[PolicyConfig]:
         if self.policies:
             return self.policies
-        return [PolicyConfig("policy", self.model, self.sft, self.rl, self.rollout, self.learner)]
+        return [PolicyConfig("policy", self.model, self.sft, self.rl, self.rollout, self.learner, self.weights)]
 
     def policy_dir(self, policy: str) -> str:
         """Where a policy's checkpoint and models go: the run directory itself for a one-policy job."""

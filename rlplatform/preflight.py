@@ -1,13 +1,15 @@
 """Checks a job's files and cluster address before any service starts.
 
 `check(config, source)` runs after `load_config` and before Redis, Ray or any worker starts:
-every JSONL row parses, every pretrained model folder loads its config and tokenizer, and
-the Ray cluster to join answers on its port. A failure is a `ConfigError` naming the file
-(and line) or the key, so `rlp run` and `rlp validate` stop with one line and exit code 2.
+every JSONL row parses, every pretrained model folder loads its config and tokenizer, a vLLM
+rollout engine can run here, and the Ray cluster to join answers on its port. A failure is a
+`ConfigError` naming the file (and line) or the key, so `rlp run` and `rlp validate` stop with one
+line and exit code 2.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 from typing import Optional, Tuple
@@ -25,7 +27,24 @@ def check(config: JobConfig, source: str) -> None:
         if policy.model.kind == "pretrained":
             prefix = f"policies[{i}]." if config.policies else ""
             check_model(policy.model.path, f"{prefix}model.path", source)
+    check_engines(config, source)
     check_ray_address(config, source)
+
+
+def check_engines(config: JobConfig, source: str) -> None:
+    """`rollout.engine: vllm` has the vllm package, and on a local cluster a CUDA GPU."""
+    for i, policy in enumerate(config.policy_list()):
+        if policy.rollout.engine != "vllm":
+            continue
+        key = f"{'policies[%d].' % i if config.policies else ''}rollout.engine"
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError(f"{source}: '{key}' is vllm but the vllm package is not installed; "
+                              f"pip install -e '.[vllm]', or use rollout.engine: transformers")
+        import torch
+
+        if not (config.ray.address or os.environ.get("RAY_ADDRESS")) and not torch.cuda.is_available():
+            raise ConfigError(f"{source}: '{key}' is vllm, which needs a CUDA GPU, but this machine has none "
+                              f"(torch {torch.__version__}); use rollout.engine: transformers")
 
 
 def check_data(config: JobConfig, source: str) -> None:

@@ -1,5 +1,6 @@
 """benchmarks/gpu.py end to end at its smallest size: on a machine without CUDA every figure but
-vLLM's is measured on CPU, through the same engine, weight streaming and learner code a GPU runs."""
+vLLM's and CUDA IPC's is measured on CPU, through the same engine, weight transports (the broadcast over
+gloo) and learner code a GPU runs."""
 
 from __future__ import annotations
 
@@ -21,7 +22,15 @@ def test_gpu_benchmark_measures_generation_weight_sync_and_learner(tmp_path):
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1] for line in out.read_text().splitlines()
             if line.startswith("| ") and not line.startswith("| measure")}
     assert float(rows["generation, rlplatform transformers engine (float32)"].split()[0]) > 0
-    assert float(rows["weight sync"].split()[0]) > 0 and rows["weight sync"].endswith("s/GB")
+    gpus = torch.cuda.device_count()
+    measured = ["object_store"] + (["broadcast"] if gpus != 1 else []) + (["cuda_ipc"] if gpus else [])
+    for transport in measured:
+        figure = rows[f"weight sync, {transport}"]
+        assert figure.endswith(" s per sync") and float(figure.split()[0]) > 0
+    if not gpus:
+        assert rows["weight sync, cuda_ipc"] == "not measured: needs CUDA"
+    if gpus == 1:
+        assert rows["weight sync, broadcast"] == "not measured: NCCL needs a second GPU"
     assert float(rows["learner (DeepSpeed ZeRO-1, one rank)"].split()[0]) > 0
     vllm = rows["generation, vLLM (float32)"]
     if torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None:

@@ -32,11 +32,12 @@ from rlplatform.monitoring.job_status import JobStatus
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.policy import load_tokenizer, save_initial_policy
 from rlplatform.tokenization import encode_prompts, within_limit
-from rlplatform.transport.deadlines import JobFailed, LearnerDied
+from rlplatform.transport.deadlines import LEARNER_TIMEOUT_S, JobFailed, LearnerDied
 from rlplatform.transport.redis_server import EmbeddedRedis, connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.staleness import RolloutGate
 from rlplatform.transport.weight_store import WeightStore
+from rlplatform.transport.weight_streams import open_broadcast
 
 
 def run_job(config: JobConfig, started_at: Optional[float] = None) -> Dict:
@@ -261,6 +262,9 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, train_rows, test_rows
     else:
         rollout = _start_rollout_actors(config, policy, model_path, train, redis_url, store)
         learner = _start_learner(config, policy, model_path)
+    if policy.weights.transport == "broadcast":
+        open_broadcast(learner.ranks[0], rollout, redis_url, PolicyKeys(config.name, policy.name).version,
+                       policy.weights.bucket_mb, LEARNER_TIMEOUT_S)
     gate = RolloutGate(client, config.name, policy.rl.max_staleness, policy.rl.batch_prompts, policy.name)
     evaluator = Evaluator(rollout.pop(), test, config.eval, config.rewards, config.imports)
     return PolicyWorkers(policy, learner, rollout, store, gate, evaluator, PolicyKeys(config.name, policy.name),
@@ -270,7 +274,7 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, train_rows, test_rows
 def _start_learner(config: JobConfig, policy: PolicyConfig, model_path: str) -> LearnerGroup:
     """The policy's learner ranks, each set up in DeepSpeed (this waits for them)."""
     return LearnerGroup(policy.learner, model_path, config.seed, policy.model.dtype, config.data.chat_template,
-                        name=f"{config.name}-{policy.name}-learner")
+                        name=f"{config.name}-{policy.name}-learner", transport=policy.weights.transport)
 
 
 def _start_rollout_actors(config: JobConfig, policy: PolicyConfig, model_path: str, train, redis_url: str,
@@ -282,7 +286,7 @@ def _start_rollout_actors(config: JobConfig, policy: PolicyConfig, model_path: s
     return [RolloutActor.options(num_cpus=policy.rollout.num_cpus, num_gpus=gpus, resources=policy.rollout.resources,
                                  max_restarts=MAX_RESTARTS, name=f"{config.name}-{policy.name}-rollout-{i}").remote(
         i, policy.name, model_path, train, policy.rl, policy.rollout, redis_url, config.name, store, config.seed,
-        policy.model.dtype) for i in range(policy.rollout.num_workers + 1)]
+        policy.model.dtype, policy.weights.transport) for i in range(policy.rollout.num_workers + 1)]
 
 
 def _encode_prompts(config: JobConfig, model_path: str, train_rows, test_rows):

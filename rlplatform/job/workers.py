@@ -97,12 +97,14 @@ class PolicyWorkers:
         return self.config.name
 
 
-def publish(workers: PolicyWorkers, client, version: int, snapshot: Optional[ray.ObjectRef] = None) -> float:
-    """Stream the policy's weights as `version`: `snapshot` when the learner step made one, else the
-    learner's current weights. Returns the seconds it took."""
+def publish(workers: PolicyWorkers, client, version: int, snapshot=None) -> float:
+    """Stream the policy's weights as `version`: `snapshot` when the learner step streamed them (an
+    object ref for the weight store, or the version already broadcast), else the learner's current
+    weights. The version goes to Redis last. Returns the seconds it took."""
     start = time.perf_counter()
-    ref = snapshot if snapshot is not None else workers.learner.publish_weights()
-    deadline_get(workers.weight_store.publish.remote(version, [ref]), f"the weight store of policy '{workers.name}'",
-                 WEIGHTS_TIMEOUT_S)
+    sent = snapshot if snapshot is not None else workers.learner.stream_weights(version)
+    if isinstance(sent, ray.ObjectRef):
+        deadline_get(workers.weight_store.publish.remote(version, [sent]),
+                     f"the weight store of policy '{workers.name}'", WEIGHTS_TIMEOUT_S)
     client.set(workers.keys.version, version)
     return time.perf_counter() - start

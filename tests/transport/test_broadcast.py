@@ -1,0 +1,107 @@
+"""Weight broadcast on CPU (gloo): the same code that runs on NCCL between a GPU learner and vLLM
+engines. Real Ray actors: a DeepSpeed learner rank sends, a rollout worker and a probe receive."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import ray
+import torch
+
+from rlplatform.config import LearnerConfig, RLConfig, RolloutConfig
+from rlplatform.learners.group import LearnerGroup
+from rlplatform.transport.broadcast import ALIGN, inbox, plan_buckets
+from rlplatform.transport.redis_server import connect
+from rlplatform.transport.reward_queue import PolicyKeys
+from rlplatform.transport.weight_streams import open_broadcast, receiver
+from rlplatform.transport.weights import WeightStore
+
+BUCKET_MB = 0.02  # about 20 KB: the tiny policy's weights need several buckets
+
+
+def test_buckets_hold_every_weight_aligned_and_within_the_bound():
+    state = {"a": torch.zeros(3, dtype=torch.bfloat16), "b": torch.zeros(100), "c": torch.zeros(5000),
+             "d": torch.zeros(7, dtype=torch.int64), "e": torch.zeros(2, 2)}
+    entries = plan_buckets(state, bucket_bytes=1024)
+    assert [e.name for e in entries] == list(state)
+    assert all(e.offset % ALIGN == 0 and e.nbytes == state[e.name].numel() * state[e.name].element_size()
+               for e in entries)
+    for bucket in {e.bucket for e in entries}:
+        members = sorted((e for e in entries if e.bucket == bucket), key=lambda e: e.offset)
+        assert all(a.offset + a.nbytes <= b.offset for a, b in zip(members, members[1:]))  # no overlap
+        assert len(members) == 1 or members[-1].offset + members[-1].nbytes <= 1024  # only a lone weight exceeds
+    assert [e.bucket for e in entries] == [0, 0, 1, 2, 2]  # c (20 KB) alone, in order
+
+
+@ray.remote(num_cpus=0)
+class Probe:
+    """A bare receiving end of the group, reporting what it holds."""
+
+    def __init__(self, redis_url: str, version_key: str) -> None:
+        self.redis_url, self.version_key = redis_url, version_key
+
+    def open_broadcast(self, host, port, rank, world_size, backend):
+        self.receiver = receiver(host, port, rank, world_size, backend, connect(self.redis_url), self.version_key,
+                                 torch.device("cpu"))
+
+    def take(self):
+        return self.receiver.take()
+
+
+def test_learner_broadcasts_each_version_to_every_worker_exactly(ray_session, redis_server, redis_client,
+                                                                  tiny_policy):
+    from rlplatform.actors.rollout import RolloutActor
+
+    job = f"broadcast-test-{time.time_ns()}"
+    keys = PolicyKeys(job, "policy")
+    worker = RolloutActor.options(num_cpus=0).remote(  # starts while the learner does
+        0, "policy", tiny_policy, [], RLConfig(), RolloutConfig(num_cpus=0), redis_server, job, WeightStore.remote(),
+        0, "float32", "broadcast")
+    learner = LearnerGroup(LearnerConfig(num_cpus=0), tiny_policy, seed=0, transport="broadcast")
+    probe = Probe.remote(redis_server, keys.version)
+    try:
+        open_broadcast(learner.ranks[0], [worker, probe], redis_server, keys.version, BUCKET_MB, 120)
+        learner.start_stage(lr=1e-2)
+        expected = {}
+        for version in (0, 1):
+            assert learner.stream_weights(version) == version  # broadcast: the version comes back, no ref
+            expected[version] = ray.get(learner.publish_weights())  # the same weights through the object store
+            redis_client.set(keys.version, version)
+            received = _wait_for(probe, version)
+            assert sorted(received) == sorted(expected[version])  # every weight once (the tied head left out)
+            assert all(np.array_equal(received[k].numpy(), a) for k, a in expected[version].items())
+            assert _wait_for_worker(worker, version) == version
+            assert [redis_client.llen(inbox(keys.version, rank)) for rank in (1, 2)] == [0, 0]  # announcements taken
+            if version == 0:
+                _train_one_step(learner)
+        assert any(not np.array_equal(expected[0][k], expected[1][k]) for k in expected[0])
+    finally:
+        for actor in (worker, probe):
+            ray.kill(actor)
+        learner.shutdown()
+
+
+def _wait_for(probe, version: int, timeout_s: float = 30.0):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        latest = ray.get(probe.take.remote())
+        if latest is not None and latest[0] == version:
+            return latest[1]
+        time.sleep(0.05)
+    raise AssertionError(f"version {version} never reached the probe")
+
+
+def _wait_for_worker(worker, version: int, timeout_s: float = 30.0) -> int:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        held = ray.get(worker.sync_weights.remote())
+        if held == version:
+            return held
+        time.sleep(0.05)
+    return held
+
+
+def _train_one_step(learner: LearnerGroup) -> None:
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+3=", "answer": "5"}]
+    learner.sft_step(rows)

@@ -1,0 +1,82 @@
+"""GPU weight transports (`gpu` marker): CUDA IPC between two processes on one GPU, and the broadcast
+over NCCL, which needs one GPU per rank (NCCL refuses two ranks on one device)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import ray
+import torch
+
+from rlplatform.transport.weight_streams import Publisher, Subscriber, receiver
+
+
+def _weights():
+    generator = torch.Generator().manual_seed(0)
+    return {"embed.weight": torch.randn(300, 64, generator=generator).bfloat16(),
+            "norm.weight": torch.randn(64, generator=generator), "step": torch.arange(5)}
+
+
+@ray.remote(num_cpus=0, num_gpus=0.4)
+class Side:
+    """One process on the shared GPU: publishes or receives a version of `_weights()`."""
+
+    def publish_ipc(self):
+        self.publisher = Publisher("cuda_ipc")  # kept: its GPU buffers must outlive the reader's copy
+        return self.publisher.publish({k: v.cuda() for k, v in _weights().items()}, 3)
+
+    def read_ipc(self, store):
+        version, weights = Subscriber("cuda_ipc", store, torch.device("cuda", 0)).newer(-1)
+        return version, {k: v.clone().cpu() for k, v in weights.items()}
+
+    def address(self):
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return ray.util.get_node_ip_address(), sock.getsockname()[1]
+
+    def open_sender(self, host, port, world, redis_url, version_key):
+        from rlplatform.transport.redis_server import connect
+        from rlplatform.transport.weight_streams import sender
+
+        self.sender = sender(host, port, world, "nccl", connect(redis_url), version_key, bucket_bytes=4096)
+
+    def send(self, version):
+        self.sender.send({k: v.cuda() for k, v in _weights().items()}, version)
+
+    def open_receiver(self, host, port, rank, world, redis_url, version_key):
+        from rlplatform.transport.redis_server import connect
+
+        self.receiver = receiver(host, port, rank, world, "nccl", connect(redis_url), version_key,
+                                 torch.device("cuda", 0))
+
+    def take(self):
+        taken = self.receiver.take()
+        return None if taken is None else (taken[0], {k: v.cpu() for k, v in taken[1].items()})
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_hands_a_version_to_another_process_on_the_same_gpu(ray_session):
+    from rlplatform.transport.weights import WeightStore
+
+    learner, worker, store = Side.remote(), Side.remote(), WeightStore.remote()
+    ray.get(store.publish.remote(3, [ray.get(learner.publish_ipc.remote())]))
+    version, weights = ray.get(worker.read_ipc.remote(store))
+    assert version == 3 and all(torch.equal(weights[k], v) for k, v in _weights().items())
+
+
+@pytest.mark.gpu
+def test_nccl_broadcast_delivers_exact_weights_in_buckets(ray_session, redis_server):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("an NCCL broadcast needs a GPU per rank")
+    learner, worker = Side.options(num_gpus=1).remote(), Side.options(num_gpus=1).remote()
+    key = f"nccl-test-{time.time_ns()}:version"
+    host, port = ray.get(learner.address.remote())
+    ray.get([learner.open_sender.remote(host, port, 2, redis_server, key),
+             worker.open_receiver.remote(host, port, 1, 2, redis_server, key)])
+    ray.get(learner.send.remote(7))
+    deadline = time.time() + 30
+    while (latest := ray.get(worker.take.remote())) is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert latest[0] == 7 and all(torch.equal(latest[1][k], v) for k, v in _weights().items())
