@@ -18,7 +18,7 @@ import ray
 import torch
 
 from rlplatform.actors.engine import Completion, DecodeBatch, TransformersEngine
-from rlplatform.config import EvalConfig, RewardSpec, RLConfig, RolloutConfig
+from rlplatform.config import EvalConfig, LoraConfig, RewardSpec, RLConfig, RolloutConfig
 from rlplatform.monitoring.evaluation import evaluation_figures
 from rlplatform.rewards.registry import resolve
 from rlplatform.rewards.scoring import Scorer
@@ -29,7 +29,7 @@ from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.staleness import RolloutGate
-from rlplatform.transport.weights import from_snapshot
+from rlplatform.transport.weights import from_snapshot, snapshot_bytes
 
 
 @dataclass
@@ -42,6 +42,7 @@ class RolloutStats:
     submit_s: float = 0.0  # time spent encoding samples and writing them to the reward queue
     weight_syncs: int = 0
     weight_sync_s: float = 0.0
+    weight_sync_bytes: int = 0  # snapshot bytes received (with LoRA, the adapters')
 
 
 @dataclass
@@ -54,11 +55,11 @@ class _OpenGroup:
 class RolloutWorker:
     def __init__(self, index: int, policy: str, model_path: str, prompts: List[Prompt], rl: RLConfig,
                  rollout: RolloutConfig, redis_url: str, job: str, weight_store, seed: int,
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", lora: Optional[LoraConfig] = None) -> None:
         torch.set_num_threads(rollout.num_threads)
         torch.manual_seed(seed + 1000 * (index + 1))
         self.index, self.policy, self.prompts, self.rl, self.rollout = index, policy, prompts, rl, rollout
-        self.engine = TransformersEngine(model_path, rollout.device, dtype)
+        self.engine = TransformersEngine(model_path, rollout.device, dtype, lora)
         self.weight_store = weight_store
         client = connect(redis_url)
         self.queue = RewardQueue(client, job)
@@ -80,9 +81,12 @@ class RolloutWorker:
         newer = ray.get(self.weight_store.newer_than.remote(self.engine.version))
         if newer is not None:
             version, (ref,) = newer
-            self.engine.load_weights(from_snapshot(ray.get(ref)), version)
+            snapshot = ray.get(ref)
+            self.engine.load_weights(from_snapshot(snapshot), version)
             self.stats.weight_syncs += 1
             self.stats.weight_sync_s += time.perf_counter() - start
+            self.stats.weight_sync_bytes += snapshot_bytes(snapshot)
+            self.queue.add_counters(self.keys.rollout_stats, weight_syncs=1, weight_sync_bytes=snapshot_bytes(snapshot))
         return self.engine.version
 
     @property

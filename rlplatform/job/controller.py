@@ -200,10 +200,16 @@ def _resume_hint(config: JobConfig, what: str) -> str:
 
 
 def _save_final(config: JobConfig, policies: List[PolicyWorkers]) -> None:
-    """Each policy's final DeepSpeed checkpoint and Hugging Face model."""
+    """Each policy's final DeepSpeed checkpoint and Hugging Face model; with LoRA its adapters (a peft
+    directory on `initial_policy`) and, when `checkpoint.export_merged`, the merged model."""
     for workers in policies:
         policy_dir = os.path.abspath(config.policy_dir(workers.name))
-        workers.learner.save(os.path.join(policy_dir, "checkpoint"), os.path.join(policy_dir, "model"))
+        checkpoint, model = os.path.join(policy_dir, "checkpoint"), os.path.join(policy_dir, "model")
+        if workers.config.model.lora.enabled:
+            merged = model if config.checkpoint.export_merged else None
+            workers.learner.save(checkpoint, os.path.join(policy_dir, "adapter"), merged_dir=merged)
+        else:
+            workers.learner.save(checkpoint, model)
 
 
 def _open_queue(config: JobConfig, client) -> RewardQueue:
@@ -239,9 +245,9 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, train_rows, test_rows
     rollout = [RolloutActor.options(num_cpus=policy.rollout.num_cpus, num_gpus=gpus, max_restarts=MAX_RESTARTS,
                                     name=f"{config.name}-{policy.name}-rollout-{i}").remote(
         i, policy.name, model_path, train, policy.rl, policy.rollout, redis_url, config.name, store, config.seed,
-        policy.model.dtype) for i in range(policy.rollout.num_workers + 1)]
+        policy.model.dtype, policy.model.lora) for i in range(policy.rollout.num_workers + 1)]
     learner = LearnerGroup(policy.learner, model_path, config.seed, policy.model.dtype, config.data.chat_template,
-                           name=f"{config.name}-{policy.name}-learner")
+                           name=f"{config.name}-{policy.name}-learner", lora=policy.model.lora)
     gate = RolloutGate(client, config.name, policy.rl.max_staleness, policy.rl.batch_prompts, policy.name)
     evaluator = Evaluator(rollout.pop(), test, config.eval, config.rewards, config.imports)
     return PolicyWorkers(policy, learner, rollout, store, gate, evaluator, PolicyKeys(config.name, policy.name),

@@ -374,6 +374,7 @@ def _stage_summary(counters: RLCounters, rollout_stats: List, unused: Dict[str, 
                    start: float) -> Dict:
     wall = time.perf_counter() - start
     generated = sum(s.samples_generated for s in rollout_stats)
+    syncs = sum(s.weight_syncs for s in rollout_stats)
     return {
         "steps": version, "wall_s": round(wall, 2),
         "samples_generated": generated,
@@ -397,4 +398,6 @@ def _stage_summary(counters: RLCounters, rollout_stats: List, unused: Dict[str, 
         "rollout_busy_fraction": round(sum(s.busy_s for s in rollout_stats) / wall / max(len(rollout_stats), 1), 3),
         "weight_publish_s": round(counters.weight_publish_s, 3),
         "weight_sync_s": round(sum(s.weight_sync_s for s in rollout_stats), 3),
+        "weight_syncs": syncs,
+        "weight_bytes_per_sync": round(sum(s.weight_sync_bytes for s in rollout_stats) / max(syncs, 1)),
     }
