@@ -3,7 +3,8 @@
 With `model.lora` the rank's DeepSpeed engine wraps a peft model whose base weights are frozen. The
 reference policy is that same engine with its adapters switched off (`AdaptersOff`), and what rank
 0 publishes and saves is the adapters alone (`adapter_state`, gathered from their ZeRO-3 shards);
-`save_adapters` writes the final ones as a peft directory and, on request, the merged model.
+`save_adapters` writes the final ones as a peft directory and, on request, the merged model;
+`copy_head_weight_per_call` lets ZeRO-3 recompute the frozen output head.
 """
 
 from __future__ import annotations
@@ -57,3 +58,12 @@ def save_adapters(snapshot: AdapterSnapshot, adapter_dir: str, merged_dir: Optio
         model, _ = merged_policy(base_path, dtype, config, from_snapshot(snapshot))
         model.save_pretrained(merged_dir)
         tokenizer.save_pretrained(merged_dir)
+
+
+def copy_head_weight_per_call(model: torch.nn.Module) -> None:
+    """Let the frozen output head be recomputed under ZeRO-3. `completion_logprobs` recomputes the head chunk
+    by chunk in backward; torch keeps a live reference to a frozen weight it saved, and ZeRO-3 frees that
+    weight in place once the head's forward returns, so the recompute would find it empty. Each call of
+    the head here multiplies by a copy of its (just gathered) weight instead."""
+    head = model.get_output_embeddings()
+    head.forward = lambda hidden: torch.nn.functional.linear(hidden, head.weight.clone(), head.bias)

@@ -22,7 +22,7 @@ from rlplatform.config import LearnerConfig, LoraConfig, RLConfig
 from rlplatform.devices import resolve_device
 from rlplatform.learners.algorithms import Totals, entropy_bonus, policy_loss, sft_auxiliary_loss, token_mean
 from rlplatform.learners.batching import TokenScores, align_per_token, completion_logprobs, micro_batches
-from rlplatform.learners.lora import AdaptersOff, adapter_state, save_adapters
+from rlplatform.learners.lora import AdaptersOff, adapter_state, copy_head_weight_per_call, save_adapters
 from rlplatform.learners.losses import reference_kl, sft_loss
 from rlplatform.lora import with_adapters
 from rlplatform.policy import load_policy
@@ -97,6 +97,8 @@ class LearnerRank:
             model.train()  # Hugging Face layers checkpoint only in training mode
         if self.lora.enabled:
             model = with_adapters(model, self.lora)
+            if self.config.zero_stage == 3:
+                copy_head_weight_per_call(model)
         trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters alone
         optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=self._deepspeed_config())

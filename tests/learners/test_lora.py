@@ -96,4 +96,5 @@ def test_checkpoint_holds_adapters_and_their_optimizer_state_and_round_trips(ray
     if zero_stage == 1:
         (model_states,) = [f for f in files if f.endswith("model_states.pt")]
         module = torch.load(model_states, weights_only=False)["module"]
-        assert module and all(".lora_" in name for name in module)
+        # DeepSpeed drops frozen parameters by name: an output head tied to the embedding is kept under its own
+        assert module and all(".lora_" in name or name == "base_model.model.lm_head.weight" for name in module)
