@@ -6,8 +6,9 @@ model's stop ids. `TransformersEngine` is the transformers engine (CPU or one GP
 dtype, log-probs in float32): a KV-cached decode loop over a Hugging Face causal LM
 that records, for every token, its log-prob and the weight version that produced it. Between
 decode steps it calls `between_steps`, which may load newer weights: sequences in progress
-continue with them (in-flight weight update). The vLLM engine (`rlplatform.actors.vllm_engine`) is a
-second class; `build_engine` makes the one `rollout.engine` names.
+continue with them (in-flight weight update). With `model.lora` it holds the base model wrapped
+with peft adapters, as the learner does, and each update loads the adapters alone. The vLLM engine
+(`rlplatform.actors.vllm_engine`) is a second class; `build_engine` makes the one `rollout.engine` names.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from typing import Callable, Dict, Hashable, List, Optional, Protocol, Tuple
 import torch
 from transformers import DynamicCache
 
-from rlplatform.config import RolloutConfig
+from rlplatform.config import LoraConfig, RolloutConfig
 from rlplatform.devices import resolve_device
+from rlplatform.lora import load_adapters, with_adapters
 from rlplatform.policy import load_policy
 from rlplatform.tokenization import stop_token_ids
 from rlplatform.transport.weights import load_weights
@@ -56,13 +58,14 @@ class GenerationEngine(Protocol):
     def load_weights(self, state_dict: Dict[str, torch.Tensor], version: int) -> None: ...
 
 
-def build_engine(rollout: RolloutConfig, model_path: str, dtype: str, seed: int) -> GenerationEngine:
+def build_engine(rollout: RolloutConfig, model_path: str, dtype: str, seed: int,
+                 lora: Optional[LoraConfig] = None) -> GenerationEngine:
     """The engine `rollout.engine` names; vLLM is imported only when it is the one."""
     if rollout.engine == "vllm":
         from rlplatform.actors.vllm_engine import VLLMEngine
 
         return VLLMEngine(model_path, dtype, rollout.gpu_memory_utilization, seed)
-    return TransformersEngine(model_path, rollout.device, dtype)
+    return TransformersEngine(model_path, rollout.device, dtype, lora)
 
 
 class BatchGenerate:
@@ -88,17 +91,23 @@ class BatchGenerate:
 
 class TransformersEngine(BatchGenerate):
     """Batched sampling with `transformers` on `device` (auto, cpu or cuda: `resolve_device`) in
-    `dtype` (a `model.dtype` name); temperature 0 means greedy."""
+    `dtype` (a `model.dtype` name); temperature 0 means greedy. With `lora` enabled the model carries
+    adapters (unmerged, computed as in the learner, so log-probs match) and weight updates are adapter states."""
 
-    def __init__(self, model_path: str, device: str = "auto", dtype: str = "float32") -> None:
+    def __init__(self, model_path: str, device: str = "auto", dtype: str = "float32",
+                 lora: Optional[LoraConfig] = None) -> None:
         self.device = resolve_device(device)
         self.model, self.tokenizer = load_policy(model_path, dtype)
-        self.model.to(self.device).eval()
         self.stop_ids = stop_token_ids(self.tokenizer, self.model.generation_config)
+        self.adapters = lora is not None and lora.enabled
+        if self.adapters:
+            self.model = with_adapters(self.model, lora)
+        self.model.to(self.device).eval()
         self.version = -1
 
     def load_weights(self, state_dict: Dict[str, torch.Tensor], version: int) -> None:
-        load_weights(self.model, state_dict)
+        """Full weights, or with LoRA the adapters (peft names, as `AdapterSnapshot` holds them)."""
+        (load_adapters if self.adapters else load_weights)(self.model, state_dict)
         self.version = version
 
     def decode_batch(self, max_new_tokens: int, temperature: float) -> "DecodeBatch":

@@ -20,7 +20,7 @@ import ray
 import torch
 
 from rlplatform.actors.engine import Completion, ContinuousBatch, build_engine
-from rlplatform.config import EvalConfig, RewardSpec, RLConfig, RolloutConfig
+from rlplatform.config import EvalConfig, LoraConfig, RewardSpec, RLConfig, RolloutConfig
 from rlplatform.monitoring.evaluation import evaluation_figures
 from rlplatform.rewards.registry import resolve
 from rlplatform.rewards.scoring import Scorer
@@ -46,11 +46,11 @@ class _OpenGroup:
 class RolloutWorker:
     def __init__(self, index: int, policy: str, model_path: str, prompts: List[Prompt], rl: RLConfig,
                  rollout: RolloutConfig, redis_url: str, job: str, weight_store, seed: int,
-                 dtype: str = "float32", transport: str = "object_store") -> None:
+                 dtype: str = "float32", transport: str = "object_store", lora: Optional[LoraConfig] = None) -> None:
         torch.set_num_threads(rollout.num_threads)
         torch.manual_seed(seed + 1000 * (index + 1))
         self.index, self.policy, self.prompts, self.rl, self.rollout = index, policy, prompts, rl, rollout
-        self.engine = build_engine(rollout, model_path, dtype, seed + index)
+        self.engine = build_engine(rollout, model_path, dtype, seed + index, lora)
         self.weights_in = Subscriber(transport, weight_store, self.engine.device)  # weights.transport's worker end
         self.redis_url = redis_url
         client = connect(redis_url)
@@ -73,6 +73,7 @@ class RolloutWorker:
         if newer is not None:
             version, state_dict = newer
             self.engine.load_weights(state_dict, version)
+            self._count(weight_sync_bytes=sum(t.numel() * t.element_size() for t in state_dict.values()))
         return self.engine.version
 
     def _sync_counted(self) -> None:

@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import ray
 
-from rlplatform.config import LearnerConfig, RLConfig
+from rlplatform.config import LearnerConfig, LoraConfig, RLConfig
 from rlplatform.devices import gpus_per_actor
 from rlplatform.learners.rank import LearnerActor
 from rlplatform.transport.deadlines import LEARNER_TIMEOUT_S, deadline_get
@@ -34,13 +34,15 @@ def shard_minibatches(items: Sequence[T], ranks: int, minibatches: int) -> List[
 
 class LearnerGroup:
     def __init__(self, config: LearnerConfig, model_path: str, seed: int, dtype: str = "float32",
-                 chat_template: str = "auto", name: Optional[str] = None, transport: str = "object_store") -> None:
-        """`name`: the ranks become Ray actors named `<name>-<rank>`; `transport`: `weights.transport`."""
+                 chat_template: str = "auto", name: Optional[str] = None, transport: str = "object_store",
+                 lora: Optional[LoraConfig] = None) -> None:
+        """`name`: the ranks become Ray actors named `<name>-<rank>`; `transport`: `weights.transport`;
+        `lora`: train adapters only."""
         n = config.num_ranks
         gpus = gpus_per_actor(config.device, config.num_gpus, ray.cluster_resources().get("GPU", 0.0))
         self.ranks = [LearnerActor.options(num_cpus=config.num_cpus, num_gpus=gpus, resources=config.resources,
                                           name=name and f"{name}-{r}")
-                      .remote(r, n, model_path, config, seed, dtype, chat_template, transport) for r in range(n)]
+                      .remote(r, n, model_path, config, seed, dtype, chat_template, transport, lora) for r in range(n)]
         host, port = deadline_get(self.ranks[0].address.remote(), "learner rank 0", LEARNER_TIMEOUT_S)
         deadline_get([rank.setup.remote(host, port) for rank in self.ranks], "a learner rank's setup",
                      LEARNER_TIMEOUT_S)
@@ -87,9 +89,11 @@ class LearnerGroup:
         return deadline_get([rank.stream_weights.remote(version) for rank in self.ranks], "a learner rank's weights",
                             LEARNER_TIMEOUT_S)[0][0]
 
-    def save(self, checkpoint_dir: str, model_dir: Optional[str] = None, client_state: Optional[Dict] = None) -> None:
-        """Every rank's checkpoint under `checkpoint_dir` (and the Hugging Face model in `model_dir`)."""
-        deadline_get([rank.save.remote(checkpoint_dir, model_dir, client_state) for rank in self.ranks],
+    def save(self, checkpoint_dir: str, model_dir: Optional[str] = None, client_state: Optional[Dict] = None,
+             merged_dir: Optional[str] = None) -> None:
+        """Every rank's checkpoint under `checkpoint_dir` (and the Hugging Face model, or with LoRA the
+        adapters, in `model_dir`; with LoRA the merged model in `merged_dir`)."""
+        deadline_get([rank.save.remote(checkpoint_dir, model_dir, client_state, merged_dir) for rank in self.ranks],
                      f"a learner rank saving to {checkpoint_dir}", LEARNER_TIMEOUT_S)
 
     def load_checkpoint(self, checkpoint_dir: str) -> Dict:

@@ -3,7 +3,8 @@
 Ranks of a group rendezvous over torch.distributed (gloo on CPU, nccl on the GPU Ray assigned
 each rank) and DeepSpeed averages their gradients; ZeRO stage 0-3 and the weights' dtype (DeepSpeed's
 bf16/fp16 modes, with float32 master weights) come from config. Rank 0 publishes full weight
-snapshots to the Ray object store and writes checkpoints and the Hugging Face model.
+snapshots to the Ray object store and writes checkpoints and the Hugging Face model; with
+`model.lora` the ranks train adapters only and those alone are published and saved (`learners/lora.py`).
 """
 
 from __future__ import annotations
@@ -17,16 +18,19 @@ from typing import Dict, List, Optional, Tuple
 import ray
 import torch
 
-from rlplatform.config import LearnerConfig, RLConfig
+from rlplatform.config import LearnerConfig, LoraConfig, RLConfig
 from rlplatform.devices import resolve_device
 from rlplatform.learners.algorithms import Totals, entropy_bonus, policy_loss, sft_auxiliary_loss, token_mean
 from rlplatform.learners.batching import TokenScores, align_per_token, completion_logprobs, micro_batches
+from rlplatform.learners.lora import AdaptersOff, adapter_state, copy_head_weight_per_call, save_adapters
 from rlplatform.learners.losses import reference_kl, sft_loss
+from rlplatform.lora import with_adapters
 from rlplatform.policy import load_policy
 from rlplatform.tokenization import encode_sft
+from rlplatform.transport.adapters import AdapterSnapshot
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.weight_streams import Publisher
-from rlplatform.transport.weights import to_snapshot
+from rlplatform.transport.weights import from_snapshot, to_snapshot
 
 
 @dataclass
@@ -52,13 +56,15 @@ class Minibatch:
 
 class LearnerRank:
     def __init__(self, rank: int, world_size: int, model_path: str, config: LearnerConfig, seed: int,
-                 dtype: str = "float32", chat_template: str = "auto", transport: str = "object_store") -> None:
+                 dtype: str = "float32", chat_template: str = "auto", transport: str = "object_store",
+                 lora: Optional[LoraConfig] = None) -> None:
         torch.set_num_threads(config.num_threads)
         torch.manual_seed(seed)
         self.rank, self.world_size, self.config = rank, world_size, config
         self.model_path, self.dtype = model_path, dtype
         self.device = resolve_device(config.device)
         self.chat_template = chat_template  # data.chat_template: how SFT rows are encoded
+        self.lora = lora or LoraConfig()  # model.lora: train adapters on the frozen model
         self.engine = None
         self.tokenizer = None
         self.reference = None  # frozen policy for KL, kept during RL when asked
@@ -92,7 +98,12 @@ class LearnerRank:
         if self.config.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()  # Hugging Face layers checkpoint only in training mode
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+        if self.lora.enabled:
+            model = with_adapters(model, self.lora)
+            if self.config.zero_stage == 3:
+                copy_head_weight_per_call(model)
+        trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters alone
+        optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=self._deepspeed_config())
 
     def placement(self) -> Dict:
@@ -108,6 +119,8 @@ class LearnerRank:
         """Reference weights this rank holds (its ZeRO-3 shard, or the whole model); None without one."""
         if self.reference is None:
             return None
+        if isinstance(self.reference, AdaptersOff):
+            return 0
         return sum(getattr(p, "ds_tensor", p).numel() for p in self._reference_module().parameters())
 
     def _deepspeed_config(self) -> Dict:
@@ -140,7 +153,10 @@ class LearnerRank:
 
     def _frozen_reference(self):
         """The current weights, frozen, laid out as the policy is: under ZeRO-3 a DeepSpeed inference
-        engine whose parameters are sharded across the ranks, else a full copy on the rank's device."""
+        engine whose parameters are sharded across the ranks, else a full copy on the rank's device.
+        With LoRA, the policy itself with its adapters switched off: no copy."""
+        if self.lora.enabled:
+            return AdaptersOff(self.engine)
         reference, _ = load_policy(self.model_path, self.dtype)
         reference.load_state_dict(self._full_state_dict(every_rank=True))
         dtype = next(self.engine.module.parameters()).dtype
@@ -363,10 +379,18 @@ class LearnerRank:
     def stream_weights(self, version: int) -> Optional[List]:
         """[what the weight store gets] for `version` through `weights.transport` (rank 0): a snapshot or
         IPC-handle ref, or the version itself once broadcast."""
-        state = self._full_state_dict()
+        state = self._streamed_state()
         if state is None:
             return None
         return [self.publisher.publish(state, version)]
+
+    def _streamed_state(self) -> Optional[Dict[str, torch.Tensor]]:
+        """What each version sends (rank 0; None elsewhere): the full weights, or with LoRA the adapters
+        alone under peft's names."""
+        if self.lora.enabled:
+            snapshot = self._adapter_snapshot()
+            return None if snapshot is None else from_snapshot(snapshot)
+        return self._full_state_dict()
 
     def broadcast_backend(self) -> str:
         """The weight broadcast group's backend: nccl when this rank computes on a GPU, else gloo."""
@@ -384,19 +408,35 @@ class LearnerRank:
                                        bucket_bytes)
 
     def publish_weights(self) -> Optional[List[ray.ObjectRef]]:
-        """[ref] to a snapshot of the current weights in the object store (rank 0)."""
+        """[ref] to a snapshot of the current weights (with LoRA, of the adapters) in the object store (rank 0)."""
+        if self.lora.enabled:
+            snapshot = self._adapter_snapshot()
+            return None if snapshot is None else [ray.put(snapshot)]
         state = self._full_state_dict()
         if state is None:
             return None
         return [ray.put(to_snapshot(state))]
 
-    def save(self, checkpoint_dir: str, model_dir: Optional[str] = None, client_state: Optional[Dict] = None) -> None:
+    def _adapter_snapshot(self) -> Optional[AdapterSnapshot]:
+        """The adapters' snapshot on rank 0 (None elsewhere); every rank must call under ZeRO-3."""
+        state = adapter_state(self.engine, self.config.zero_stage, self.rank == 0)
+        return None if state is None else AdapterSnapshot.of(self.engine.module, state)
+
+    def save(self, checkpoint_dir: str, model_dir: Optional[str] = None, client_state: Optional[Dict] = None,
+             merged_dir: Optional[str] = None) -> None:
         """DeepSpeed checkpoint (all ranks: weights, optimizer moments, `client_state`), each rank's
         RNG states, the frozen reference when kept, and, on rank 0 when `model_dir` is given, the
-        model in Hugging Face format."""
-        self.engine.save_checkpoint(checkpoint_dir, client_state={**(client_state or {}), "stage_lr": self.stage_lr})
+        model in Hugging Face format. With LoRA the checkpoint holds the adapters and their optimizer
+        state, `model_dir` receives a peft adapter directory and `merged_dir`, when given, the merged model."""
+        self.engine.save_checkpoint(checkpoint_dir, client_state={**(client_state or {}), "stage_lr": self.stage_lr},
+                                    exclude_frozen_parameters=self.lora.enabled)
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate()},
                    os.path.join(checkpoint_dir, f"rng-rank{self.rank}.pt"))
+        if self.lora.enabled:
+            snapshot = self._adapter_snapshot() if model_dir is not None else None
+            if snapshot is not None:
+                save_adapters(snapshot, model_dir, merged_dir, self.tokenizer, self.model_path, self.dtype, self.lora)
+            return
         if self.reference is not None:
             reference = self._reference_state()
             if self.rank == 0:
@@ -409,14 +449,14 @@ class LearnerRank:
     def load_checkpoint(self, checkpoint_dir: str) -> Dict:
         """Continue from `save`: weights, optimizer moments, learning rate, RNG states and the
         reference (when this stage keeps one); returns the checkpoint's client state."""
-        path, client_state = self.engine.load_checkpoint(checkpoint_dir)
+        path, client_state = self.engine.load_checkpoint(checkpoint_dir, load_module_strict=not self.lora.enabled)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {checkpoint_dir}; resume from another checkpoint")
         self.stage_lr = client_state["stage_lr"]
         rng = torch.load(os.path.join(checkpoint_dir, f"rng-rank{self.rank}.pt"), weights_only=False)
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
-        if self.reference is not None:
+        if self.reference is not None and not self.lora.enabled:
             self._load_reference(torch.load(os.path.join(checkpoint_dir, "reference.pt")))
         return client_state
 

@@ -41,6 +41,18 @@ def above(default: Any, low: float) -> Any:
 
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False  # train low-rank adapters on the frozen model instead of all its weights
+    rank: int = at_least(8, 1)  # adapter rank r
+    alpha: float = above(16.0, 0)  # adapter updates are scaled by alpha / rank
+    dropout: float = at_least(0.0, 0)  # dropout on the adapters' inputs in learner passes (< 1)
+    target_modules: List[str] = field(default_factory=lambda: list(LORA_TARGETS))  # module names that get adapters
+
+
 @dataclass
 class ModelConfig:
     kind: str = one_of("demo", "pretrained")  # demo: a small Qwen2 built from the fields below; pretrained: load `path`
@@ -52,6 +64,7 @@ class ModelConfig:
     intermediate_size: int = at_least(384, 1)  # demo MLP width
     max_positions: int = at_least(64, 1)  # demo context length
     dtype: str = one_of("float32", "bfloat16", "float16")  # weights' precision in learners, rollout workers and the saved model
+    lora: LoraConfig = field(default_factory=LoraConfig)  # train adapters only; weight syncs and checkpoints carry them alone
 
 
 @dataclass
@@ -212,6 +225,7 @@ class EvalConfig:
 class CheckpointConfig:
     every_steps: int = at_least(0, 0)  # RL steps between checkpoints (0: only when the job ends or is interrupted)
     keep_last: int = at_least(2, 1)  # newest checkpoints kept; older ones are deleted
+    export_merged: bool = False  # with model.lora: also write the final model, adapters merged in, to <run>/model
 
 
 @dataclass
@@ -508,6 +522,10 @@ def _check_policy(config, prefix: str, source: str) -> None:
                           f"trains float16 on GPUs only; use bfloat16 (or float32) on CPU")
     _check_resources(config.rollout.resources, f"{prefix}rollout.resources", source)
     _check_resources(config.learner.resources, f"{prefix}learner.resources", source)
+    lora = config.model.lora
+    if lora.enabled and (lora.dropout >= 1 or not lora.target_modules):
+        raise ConfigError(f"{source}: '{prefix}model.lora' needs a dropout below 1 and at least one target module, "
+                          f"got dropout {lora.dropout} and target_modules {lora.target_modules}")
     learner = config.learner
     if learner.num_ranks > 1 and learner.num_gpus is not None and 0 < learner.num_gpus < 1:
         raise ConfigError(f"{source}: '{prefix}learner.num_gpus' is {learner.num_gpus} with {learner.num_ranks} ranks: "

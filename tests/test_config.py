@@ -255,3 +255,15 @@ def test_wandb_run_config_hides_the_redis_password(tmp_path, monkeypatch):
     assert b'"url":"redis://:***@10.0.0.1:6379/0"' in records.read_bytes()  # the run config's redis section
     for path in Path(tmp_path).rglob("*"):
         assert not path.is_file() or b"s3cret-PASS" not in path.read_bytes(), path
+
+
+def test_lora_settings_are_checked_where_they_are_set():
+    config = load_config(None, ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.target_modules=[q_proj]"])
+    assert config.model.lora.rank == 4 and config.model.lora.target_modules == ["q_proj"]
+    assert not load_config(None).model.lora.enabled  # off by default
+    with pytest.raises(ConfigError, match="'model.lora.rank' is 0; it must be >= 1"):
+        load_config(None, ["model.lora.rank=0"])
+    with pytest.raises(ConfigError, match="'model.lora' needs a dropout below 1"):
+        load_config(None, ["model.lora.enabled=true", "model.lora.dropout=1.0"])
+    with pytest.raises(ConfigError, match="at least one target module"):
+        load_config(None, ["model.lora.enabled=true", "model.lora.target_modules=[]"])

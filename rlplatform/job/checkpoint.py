@@ -2,7 +2,7 @@
 
 Each holds `state.json` (per policy: version, RL counters, prompt ledger and data position, the
 stage results so far; the W&B run id; the resume attempt) and, per policy, `<policy>/learner`
-(DeepSpeed weights, optimizer moments, RNG states). It is written into a hidden temp directory,
+(DeepSpeed weights, optimizer moments, RNG states; with `model.lora` the adapters and their moments only). It is written into a hidden temp directory,
 fsynced and renamed into place; only the newest `keep_last` are kept.
 """
 

@@ -219,10 +219,16 @@ def _resume_hint(config: JobConfig, what: str) -> str:
 
 
 def _save_final(config: JobConfig, policies: List[PolicyWorkers]) -> None:
-    """Each policy's final DeepSpeed checkpoint and Hugging Face model."""
+    """Each policy's final DeepSpeed checkpoint and Hugging Face model; with LoRA its adapters (a peft
+    directory on `initial_policy`) and, when `checkpoint.export_merged`, the merged model."""
     for workers in policies:
         policy_dir = os.path.abspath(config.policy_dir(workers.name))
-        workers.learner.save(os.path.join(policy_dir, "checkpoint"), os.path.join(policy_dir, "model"))
+        checkpoint, model = os.path.join(policy_dir, "checkpoint"), os.path.join(policy_dir, "model")
+        if workers.config.model.lora.enabled:
+            merged = model if config.checkpoint.export_merged else None
+            workers.learner.save(checkpoint, os.path.join(policy_dir, "adapter"), merged_dir=merged)
+        else:
+            workers.learner.save(checkpoint, model)
 
 
 def _open_queue(config: JobConfig, client) -> RewardQueue:
@@ -274,7 +280,8 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, train_rows, test_rows
 def _start_learner(config: JobConfig, policy: PolicyConfig, model_path: str) -> LearnerGroup:
     """The policy's learner ranks, each set up in DeepSpeed (this waits for them)."""
     return LearnerGroup(policy.learner, model_path, config.seed, policy.model.dtype, config.data.chat_template,
-                        name=f"{config.name}-{policy.name}-learner", transport=policy.weights.transport)
+                        name=f"{config.name}-{policy.name}-learner", transport=policy.weights.transport,
+                        lora=policy.model.lora)
 
 
 def _start_rollout_actors(config: JobConfig, policy: PolicyConfig, model_path: str, train, redis_url: str,
@@ -286,7 +293,8 @@ def _start_rollout_actors(config: JobConfig, policy: PolicyConfig, model_path: s
     return [RolloutActor.options(num_cpus=policy.rollout.num_cpus, num_gpus=gpus, resources=policy.rollout.resources,
                                  max_restarts=MAX_RESTARTS, name=f"{config.name}-{policy.name}-rollout-{i}").remote(
         i, policy.name, model_path, train, policy.rl, policy.rollout, redis_url, config.name, store, config.seed,
-        policy.model.dtype, policy.weights.transport) for i in range(policy.rollout.num_workers + 1)]
+        policy.model.dtype, policy.weights.transport, policy.model.lora)
+        for i in range(policy.rollout.num_workers + 1)]
 
 
 def _encode_prompts(config: JobConfig, model_path: str, train_rows, test_rows):

@@ -395,6 +395,7 @@ def _stage_summary(counters: RLCounters, rollout: Dict[str, float], rollout_work
     """The stage's figures from the loop's counters and the rollout workers' (summed on Redis)."""
     wall = time.perf_counter() - start
     generated = int(rollout.get("samples", 0))
+    syncs = int(rollout.get("weight_syncs", 0))
     return {
         "steps": version, "wall_s": round(wall, 2),
         "samples_generated": generated,
@@ -419,6 +420,7 @@ def _stage_summary(counters: RLCounters, rollout: Dict[str, float], rollout_work
         "learner_busy_fraction": round(counters.learner_busy_s / wall, 3),
         "rollout_busy_fraction": round(rollout.get("busy_s", 0.0) / wall / max(rollout_workers, 1), 3),
         "weight_publish_s": round(counters.weight_publish_s, 3),
-        "weight_syncs": int(rollout.get("weight_syncs", 0)),
+        "weight_syncs": syncs,
         "weight_sync_s": round(rollout.get("weight_sync_s", 0.0), 3),
+        "weight_bytes_per_sync": round(rollout.get("weight_sync_bytes", 0) / max(syncs, 1)),
     }

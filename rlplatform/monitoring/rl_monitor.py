@@ -157,6 +157,8 @@ class RLMonitor:
             "samples_per_s": self._sample_rate.update(current["time"], current.get("rollout_samples", 0.0)),
             "tokens_per_s": self._token_rate.update(current["time"], current.get("rollout_tokens", 0.0)),
             "trained_samples_per_s": counters.samples_trained / wall,
+            "weight_bytes_per_sync": delta.get("rollout_weight_sync_bytes", 0.0)
+            / max(delta.get("rollout_weight_syncs", 0.0), 1.0),  # 0 when no worker synced since the last step
         }
 
     def _samples_table(self, version: int, batch: Batch) -> wandb.Table:

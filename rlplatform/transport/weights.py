@@ -31,6 +31,11 @@ def to_snapshot(state_dict: Dict[str, torch.Tensor]) -> Dict[str, np.ndarray]:
     return snapshot
 
 
+def snapshot_bytes(snapshot: Dict[str, np.ndarray]) -> int:
+    """The bytes a snapshot moves to each subscriber."""
+    return sum(array.nbytes for array in snapshot.values())
+
+
 def _to_array(tensor: torch.Tensor) -> np.ndarray:
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy().view(BFLOAT16)
