@@ -14,8 +14,8 @@ from rlplatform.learners.group import LearnerGroup
 from rlplatform.transport.broadcast import ALIGN, inbox, plan_buckets
 from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import PolicyKeys
+from rlplatform.transport.weight_store import WeightStore
 from rlplatform.transport.weight_streams import open_broadcast, receiver
-from rlplatform.transport.weights import WeightStore
 
 BUCKET_MB = 0.02  # about 20 KB: the tiny policy's weights need several buckets
 

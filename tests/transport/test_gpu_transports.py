@@ -58,7 +58,7 @@ class Side:
 
 @pytest.mark.gpu
 def test_cuda_ipc_hands_a_version_to_another_process_on_the_same_gpu(ray_session):
-    from rlplatform.transport.weights import WeightStore
+    from rlplatform.transport.weight_store import WeightStore
 
     learner, worker, store = Side.remote(), Side.remote(), WeightStore.remote()
     ray.get(store.publish.remote(3, [ray.get(learner.publish_ipc.remote())]))
