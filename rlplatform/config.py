@@ -116,6 +116,13 @@ class RLConfig:
 
 
 @dataclass
+class OpenAIBridgeConfig:
+    enabled: bool = False  # each rollout worker serves an OpenAI-compatible /v1/chat/completions from its engine
+    host: str = "127.0.0.1"  # interface it listens on (0.0.0.0: reachable from other machines)
+    port: int = at_least(8000, 0)  # rollout worker i listens on port + i (0: any free port); give each policy its own range
+
+
+@dataclass
 class RolloutConfig:
     num_workers: int = at_least(1, 1)  # rollout worker actors
     prompts_per_batch: int = at_least(16, 1)  # groups a worker decodes at once (group_size sequences each, continuously refilled)
@@ -124,6 +131,7 @@ class RolloutConfig:
     num_cpus: float = at_least(1.0, 0)  # Ray CPUs reserved per worker
     device: str = one_of("auto", "cpu", "cuda")  # auto: the GPU Ray assigns the worker when the cluster has GPUs, else CPU
     num_gpus: Optional[float] = at_least(None, 0)  # Ray GPUs per worker (fractions share one); unset: 1 on a GPU device, else 0
+    openai_bridge: OpenAIBridgeConfig = field(default_factory=OpenAIBridgeConfig)  # agents sample trainable episodes over HTTP
 
 
 @dataclass

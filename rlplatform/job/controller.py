@@ -239,7 +239,7 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, train_rows, test_rows
     rollout = [RolloutActor.options(num_cpus=policy.rollout.num_cpus, num_gpus=gpus, max_restarts=MAX_RESTARTS,
                                     name=f"{config.name}-{policy.name}-rollout-{i}").remote(
         i, policy.name, model_path, train, policy.rl, policy.rollout, redis_url, config.name, store, config.seed,
-        policy.model.dtype) for i in range(policy.rollout.num_workers + 1)]
+        policy.model.dtype, config.data.chat_template) for i in range(policy.rollout.num_workers + 1)]
     learner = LearnerGroup(policy.learner, model_path, config.seed, policy.model.dtype, config.data.chat_template,
                            name=f"{config.name}-{policy.name}-learner")
     gate = RolloutGate(client, config.name, policy.rl.max_staleness, policy.rl.batch_prompts, policy.name)
