@@ -138,6 +138,7 @@ class OpenAIBridge:
         asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
+        self._loop.close()
 
     async def _shutdown(self) -> None:
         for generation in list(self._decoding.values()) + _drain(self._pending):
@@ -258,13 +259,18 @@ def parse_chat(body: Dict, policy: str, temperature: float, max_new_tokens: int)
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages):
         raise RequestError(400, "'messages' must be a non-empty list of {\"role\", \"content\"} with string content")
-    n = body.get("n") or 1
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or max_new_tokens
-    temperature = temperature if body.get("temperature") is None else body["temperature"]
+    n = _given(body, "n", 1)
+    max_tokens = _given(body, "max_completion_tokens", _given(body, "max_tokens", max_new_tokens))
+    temperature = _given(body, "temperature", temperature)
     if not _whole(n) or not _whole(max_tokens) or not isinstance(temperature, (int, float)) or temperature < 0:
         raise RequestError(400, "'n' and 'max_tokens' must be positive integers and 'temperature' a number >= 0")
     return ChatParams([{"role": m["role"], "content": m["content"]} for m in messages], n, max_tokens,
                       float(temperature), bool(body.get("logprobs")))
+
+
+def _given(body: Dict, name: str, default):
+    """The request's `name`, or `default` where it is absent or null."""
+    return default if body.get(name) is None else body[name]
 
 
 def _whole(value) -> bool:

@@ -99,6 +99,10 @@ def test_a_reply_records_the_tokens_logprobs_and_versions_it_sampled(served):
     assert not torch.allclose(recorded, scores(worker, reply.prompt_token_ids, choice.token_ids, 1.0), atol=1e-3)
     with pytest.raises(openai.NotFoundError, match="serves 'policy'"):
         api.chat.completions.create(model="other", messages=messages)
+    with pytest.raises(openai.BadRequestError, match="'top_p' is not supported"):
+        api.chat.completions.create(model="policy", messages=messages, top_p=0.5)
+    with pytest.raises(openai.BadRequestError, match="positive integers"):
+        api.chat.completions.create(model="policy", messages=messages, n=0)
 
 
 def test_a_two_turn_episode_is_one_trajectory_with_exact_tokens_and_mask(served):
@@ -112,6 +116,8 @@ def test_a_two_turn_episode_is_one_trajectory_with_exact_tokens_and_mask(served)
     second = api.chat.completions.create(model="policy", messages=turn2)
     with pytest.raises(openai.BadRequestError, match="do not continue this episode"):
         api.chat.completions.create(model="policy", messages=turn1 + [{"role": "assistant", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="rl.temperature"):  # the learner scores at the job's
+        api.chat.completions.create(model="policy", messages=turn2, temperature=0.5)
     request = urllib.request.Request(f"{url}/episodes/ep-1/finish", method="POST",
                                      data=json.dumps({"group": "task-7", "row": {"answer": "10"}}).encode())
     finished = json.loads(urllib.request.urlopen(request, timeout=30).read())
