@@ -31,9 +31,9 @@ class Sample:
     completion_ids: List[int]
     behaviour_logprobs: List[float]  # log-prob of each completion token under the generating weights
     token_versions: List[int]  # policy version that generated each completion token
-    completion_mask: List[int] = field(default_factory=list)  # per completion token: 1 the model's own (trained), 0 an observation inserted by the environment; empty: all the model's
     row: Dict[str, Any] = field(default_factory=dict)  # the data row: answer and other fields
     created_at: float = 0.0  # unix time the completion was generated
+    completion_mask: List[int] = field(default_factory=list)  # per completion token: 1 the model's own (trained), 0 an observation inserted by the environment; empty: all the model's
 
     def __getattr__(self, name: str) -> Any:
         """The data row's fields read as attributes: `sample.answer`, `sample.tests`."""
