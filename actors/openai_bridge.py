@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Hashable, List, Optional, Tuple
+from typing import Callable, Dict, Hashable, List, Optional, Set, Tuple
 
 import ray
 from aiohttp import web
@@ -78,7 +78,7 @@ class OpenAIBridge:
         self.renderer = ChatRenderer(engine.tokenizer, chat_template)
         self.stop_ids = set(engine.stop_ids)
         self.episodes: Dict[str, Episode] = {}  # touched on the server's thread only
-        self.busy_episodes: set = set()
+        self.busy_episodes: Set[str] = set()  # episodes with a turn in progress
         self._pending: "queue.SimpleQueue[_Generation]" = queue.SimpleQueue()  # server thread -> worker loop
         self._decoding: Dict[int, _Generation] = {}  # worker loop only
         self._keys = itertools.count()
@@ -129,6 +129,12 @@ class OpenAIBridge:
         self._thread = threading.Thread(target=self._loop.run_forever, name="openai-bridge", daemon=True)
         self._thread.start()
         return self._runner.addresses[0][1]
+
+    def announce(self, reward_queue: RewardQueue, name: str, url: str) -> None:
+        """Print `url` and show it as field `name` of the job status (`rlp status`) until `stop`."""
+        reward_queue.client.hset(reward_queue.keys.status, name, url)
+        self._announced = (reward_queue, name)
+        print(f"{name}: OpenAI-compatible endpoint at {url}", flush=True)
 
     def stop(self) -> None:
         """Stop serving; requests still waiting are answered 503."""
@@ -239,10 +245,7 @@ def serve_worker(engine: TransformersEngine, config: OpenAIBridgeConfig, rl: RLC
     bridge = OpenAIBridge(engine, policy, chat_template, rl.temperature, rl.max_new_tokens, reward_queue.submit)
     port = bridge.start(config.host, config.port + index if config.port else 0)
     host = ray.util.get_node_ip_address() if config.host in ("0.0.0.0", "::") else config.host
-    url, name = f"http://{host}:{port}/v1", f"openai_bridge/{policy}/{index}"
-    reward_queue.client.hset(reward_queue.keys.status, name, url)
-    bridge._announced = (reward_queue, name)
-    print(f"policy '{policy}' rollout worker {index}: OpenAI-compatible endpoint at {url}", flush=True)
+    bridge.announce(reward_queue, f"openai_bridge/{policy}/{index}", f"http://{host}:{port}/v1")
     return bridge
 
 
