@@ -119,6 +119,8 @@ class TransformersEngine(BatchGenerate):
 class _Row:
     key: Hashable  # the caller's tag for this sequence
     prompt_ids: List[int]
+    max_new_tokens: int
+    temperature: float
     tokens: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
     versions: List[int] = field(default_factory=list)
@@ -141,7 +143,7 @@ class DecodeBatch:
         self.pad_id = engine.tokenizer.pad_token_id
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.rows: List[_Row] = []
-        self.waiting: List[Tuple[List[int], Hashable]] = []  # (prompt ids, key) not yet prefilled
+        self.waiting: List[Tuple[List[int], Hashable, int, float]] = []  # (prompt ids, key, limit, temperature)
         self.cache: Optional[DynamicCache] = None
         self.device = engine.device
         # (rows, cache length + 1 when rows have a token to feed)
@@ -152,9 +154,13 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.rows) + len(self.waiting)
 
-    def add(self, prompts: List[List[int]], keys: List[Hashable]) -> None:
-        """Queue prompts (token ids) to join at the next step; each finished completion comes back with its key."""
-        self.waiting.extend(zip(prompts, keys))
+    def add(self, prompts: List[List[int]], keys: List[Hashable], max_new_tokens: Optional[int] = None,
+            temperature: Optional[float] = None) -> None:
+        """Queue prompts (token ids) to join at the next step; each finished completion comes back with its key.
+        `max_new_tokens` and `temperature` apply to these rows only (unset: the batch's)."""
+        limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        temperature = self.temperature if temperature is None else temperature
+        self.waiting.extend((prompt, key, limit, temperature) for prompt, key in zip(prompts, keys))
 
     @torch.no_grad()
     def step(self) -> List[Tuple[Hashable, Completion]]:
@@ -168,27 +174,29 @@ class DecodeBatch:
             logits.append(self._prefill_waiting())
         if not logits:
             return []
-        token, logprob = _sample(torch.cat(logits).float(), self.temperature)
+        temperatures = torch.tensor([r.temperature for r in self.rows], device=self.device)
+        token, logprob = _sample(torch.cat(logits).float(), temperatures)
         for row, t, lp in zip(self.rows, token.tolist(), logprob.tolist()):
             row.tokens.append(t)
             row.logprobs.append(lp)
             row.versions.append(self.engine.version)
         finished = torch.isin(token, self.stop_ids) | torch.tensor(
-            [len(r.tokens) >= self.max_new_tokens for r in self.rows], device=self.device)
+            [len(r.tokens) >= r.max_new_tokens for r in self.rows], device=self.device)
         done = [(row.key, self._completion(row)) for row, f in zip(self.rows, finished.tolist()) if f]
         self._keep(~finished, token)
         return done
 
     def _prefill_waiting(self) -> torch.Tensor:
         """Run the waiting prompts through the model and merge them into the batch; their last logits."""
-        prompts, keys = zip(*self.waiting)
+        prompts, keys, limits, temperatures = zip(*self.waiting)
         self.waiting = []
         ids, attention = _left_padded(prompts, self.pad_id, self.device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         logits = self.model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
                             use_cache=True).logits[:, -1]
-        new_rows = [_Row(key, row_ids[mask.bool()].tolist()) for key, row_ids, mask in zip(keys, ids, attention)]
+        new_rows = [_Row(key, row_ids[mask.bool()].tolist(), limit, temperature)
+                    for key, row_ids, mask, limit, temperature in zip(keys, ids, attention, limits, temperatures)]
         if self.rows:
             # the old rows' newest tokens are in their cache now; both parts are `width` columns long, left-padded
             width = max(attention.shape[1], self.attention.shape[1])
@@ -249,12 +257,11 @@ def _merge_caches(old: DynamicCache, new: DynamicCache, width: int) -> DynamicCa
     return DynamicCache(ddp_cache_data=layers)
 
 
-def _sample(logits: torch.Tensor, temperature: float):
-    """(token, its log-prob) per row: multinomial at `temperature`, argmax at 0."""
-    if temperature > 0:
-        logprobs = torch.log_softmax(logits / temperature, dim=-1)
-        token = torch.multinomial(logprobs.exp(), 1).squeeze(-1)
-    else:
-        logprobs = torch.log_softmax(logits, dim=-1)
-        token = logprobs.argmax(-1)
+def _sample(logits: torch.Tensor, temperatures: torch.Tensor):
+    """(token, its log-prob) per row: multinomial at the row's temperature, argmax where it is 0."""
+    sampled = temperatures > 0
+    logprobs = torch.log_softmax(logits / torch.where(sampled, temperatures, 1.0)[:, None], dim=-1)
+    token = logprobs.argmax(-1)
+    if sampled.any():
+        token = torch.where(sampled, torch.multinomial(logprobs.exp(), 1).squeeze(-1), token)
     return token, logprobs.gather(-1, token[:, None]).squeeze(-1)

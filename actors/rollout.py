@@ -20,6 +20,7 @@ import ray
 import torch
 
 from rlplatform.actors.engine import Completion, ContinuousBatch, build_engine
+from rlplatform.actors.openai_bridge import serve_worker
 from rlplatform.config import EvalConfig, LoraConfig, RewardSpec, RLConfig, RolloutConfig
 from rlplatform.monitoring.evaluation import evaluation_figures
 from rlplatform.rewards.registry import resolve
@@ -46,7 +47,8 @@ class _OpenGroup:
 class RolloutWorker:
     def __init__(self, index: int, policy: str, model_path: str, prompts: List[Prompt], rl: RLConfig,
                  rollout: RolloutConfig, redis_url: str, job: str, weight_store, seed: int,
-                 dtype: str = "float32", transport: str = "object_store", lora: Optional[LoraConfig] = None) -> None:
+                 dtype: str = "float32", transport: str = "object_store", lora: Optional[LoraConfig] = None,
+                 chat_template: str = "auto") -> None:
         torch.set_num_threads(rollout.num_threads)
         torch.manual_seed(seed + 1000 * (index + 1))
         self.index, self.policy, self.prompts, self.rl, self.rollout = index, policy, prompts, rl, rollout
@@ -59,7 +61,7 @@ class RolloutWorker:
         self.gate = RolloutGate(client, job, rl.max_staleness, rl.batch_prompts, policy)
         self.ledger = PromptLedger(client, job, policy)
         self.gate.release(self.ledger.abandon_worker(index))  # a restart: the groups its predecessor left
-        self.seed = seed
+        self.seed, self.chat_template = seed, chat_template
         self._scorer = None  # the job's rewards, built on the first evaluation
         self._unreported_busy_s = 0.0
         self.heartbeats = Heartbeats(client, job)
@@ -103,6 +105,8 @@ class RolloutWorker:
         capacity = self.rollout.prompts_per_batch
         open_groups: Dict[str, _OpenGroup] = {}
         in_flight = self.rollout.weight_swap == "in_flight"
+        bridge = serve_worker(self.engine, self.rollout.openai_bridge, self.rl, self.policy, self.index,
+                              self.chat_template, self.queue)
         while not self.queue.stop_requested():
             self.heartbeats.beat(self.label)
             if in_flight or not batch:
@@ -113,15 +117,21 @@ class RolloutWorker:
             free = capacity - len(open_groups)
             if free >= max(1, capacity // 4) and (in_flight or not self._newer_published()):
                 self._admit(batch, open_groups, self.gate.claim(free, self.version))
+            if bridge is not None and (in_flight or not self._newer_published()):
+                bridge.admit(batch)
             if not batch:
                 time.sleep(0.01)
                 continue
             start = time.perf_counter()
             finished = batch.step()
+            if bridge is not None:
+                finished = bridge.collect(finished)
             self._unreported_busy_s += time.perf_counter() - start
             samples = self._close_groups(open_groups, finished)
             if samples:
                 self._submit(samples)
+        if bridge is not None:
+            bridge.stop()
 
     def _submit(self, samples: List[Sample]) -> None:
         """Queue complete groups for scoring; the queue counts their samples and tokens as it takes them."""

@@ -129,6 +129,13 @@ class RLConfig:
 
 
 @dataclass
+class OpenAIBridgeConfig:
+    enabled: bool = False  # each rollout worker serves an OpenAI-compatible /v1/chat/completions from its engine
+    host: str = "127.0.0.1"  # interface it listens on (0.0.0.0: reachable from other machines)
+    port: int = at_least(8000, 0)  # rollout worker i listens on port + i (0: any free port); give each policy its own range
+
+
+@dataclass
 class RolloutConfig:
     num_workers: int = at_least(1, 1)  # rollout worker actors
     prompts_per_batch: int = at_least(16, 1)  # groups a worker decodes at once (group_size sequences each, continuously refilled)
@@ -140,6 +147,7 @@ class RolloutConfig:
     resources: Dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker (and the evaluator), e.g. {rollout_node: 1} places them on nodes started with that resource
     engine: str = one_of("transformers", "vllm")  # transformers: CPU or GPU; vllm: vLLM on the worker's GPU (the vllm extra)
     gpu_memory_utilization: float = above(0.5, 0)  # vllm: fraction of the GPU's memory vLLM takes for weights and KV cache
+    openai_bridge: OpenAIBridgeConfig = field(default_factory=OpenAIBridgeConfig)  # agents sample trainable episodes over HTTP
 
 
 @dataclass

@@ -293,7 +293,7 @@ def _start_rollout_actors(config: JobConfig, policy: PolicyConfig, model_path: s
     return [RolloutActor.options(num_cpus=policy.rollout.num_cpus, num_gpus=gpus, resources=policy.rollout.resources,
                                  max_restarts=MAX_RESTARTS, name=f"{config.name}-{policy.name}-rollout-{i}").remote(
         i, policy.name, model_path, train, policy.rl, policy.rollout, redis_url, config.name, store, config.seed,
-        policy.model.dtype, policy.weights.transport, policy.model.lora)
+        policy.model.dtype, policy.weights.transport, policy.model.lora, config.data.chat_template)
         for i in range(policy.rollout.num_workers + 1)]
 
 

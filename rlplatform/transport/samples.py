@@ -33,6 +33,7 @@ class Sample:
     token_versions: List[int]  # policy version that generated each completion token
     row: Dict[str, Any] = field(default_factory=dict)  # the data row: answer and other fields
     created_at: float = 0.0  # unix time the completion was generated
+    completion_mask: List[int] = field(default_factory=list)  # per completion token: 1 the model's own (trained), 0 an observation inserted by the environment; empty: all the model's
 
     def __getattr__(self, name: str) -> Any:
         """The data row's fields read as attributes: `sample.answer`, `sample.tests`."""
@@ -62,11 +63,12 @@ class ScoredSample:
 _SAMPLE_TYPES = {
     "sample_id": str, "group_id": str, "policy": str, "prompt": str, "completion": str,
     "prompt_ids": list, "completion_ids": list, "behaviour_logprobs": list,
-    "token_versions": list, "row": dict,
+    "token_versions": list, "completion_mask": list, "row": dict,
 }
 # what the per-token lists hold (bool, an int subclass, is rejected separately)
 _ELEMENT_TYPES = {
     "prompt_ids": (int,), "completion_ids": (int,), "behaviour_logprobs": (int, float), "token_versions": (int,),
+    "completion_mask": (int,),
 }
 
 
@@ -133,9 +135,12 @@ def _sample_from(fields: Any) -> Sample:
     for name, kinds in _ELEMENT_TYPES.items():
         if not all(isinstance(x, kinds) and not isinstance(x, bool) for x in fields[name]):
             raise WireFormatError(f"sample field '{name}' holds a value that is not a number")
-    lengths = {len(fields[k]) for k in ("completion_ids", "behaviour_logprobs", "token_versions")}
-    if len(lengths) != 1:
+    per_token = ["completion_ids", "behaviour_logprobs", "token_versions"] + ["completion_mask"] * bool(
+        fields["completion_mask"])
+    if len({len(fields[k]) for k in per_token}) != 1:
         raise WireFormatError(f"sample {fields['sample_id']}: per-token fields differ in length")
+    if not set(fields["completion_mask"]) <= {0, 1}:
+        raise WireFormatError(f"sample {fields['sample_id']}: 'completion_mask' holds a value other than 0 or 1")
     created_at = fields.get("created_at", 0.0)
     if not isinstance(created_at, (int, float)) or isinstance(created_at, bool):
         raise WireFormatError("sample field 'created_at' is not a number")

@@ -60,3 +60,24 @@ def test_a_finished_row_leaves_at_once_and_its_slot_can_be_refilled(tiny_policy)
     short.step()
     (key, completion), = short.step()
     assert key == 3 and len(completion.completion_ids) == 2 and len(short) == 0
+
+
+def test_rows_with_their_own_temperature_and_limit_share_steps(tiny_policy):
+    engine = TransformersEngine(tiny_policy)
+    engine.load_weights({k: v.clone() for k, v in engine.model.state_dict().items()}, version=0)
+    batch = engine.decode_batch(max_new_tokens=6, temperature=1.0)
+    batch.add(ids(engine, ["12+34="]), keys=["t=1"])
+    batch.add(ids(engine, ["5+5="]), keys=["t=0.5"], temperature=0.5)
+    batch.add(ids(engine, ["7+8="]), keys=["greedy"], max_new_tokens=3, temperature=0.0)
+    finished = {}
+    while batch:
+        finished.update(batch.step())
+    # the greedy row decodes as it would alone, and stops at its own limit
+    assert finished["greedy"].completion_ids == alone(engine, "7+8=", 3).completion_ids
+    # each sampled row records its tokens' log-probs at its own temperature
+    for key, temperature, other in (("t=1", 1.0, 0.5), ("t=0.5", 0.5, 1.0)):
+        recorded = torch.tensor(finished[key].logprobs)
+        at = {t: completion_logprobs(engine.model, [finished[key].prompt_ids], [finished[key].completion_ids],
+                                     pad_id=0, temperature=t) for t in (temperature, other)}
+        assert torch.allclose(recorded, at[temperature].logprobs[0][at[temperature].mask[0].bool()], atol=1e-4)
+        assert not torch.allclose(recorded, at[other].logprobs[0][at[other].mask[0].bool()], atol=1e-3)

@@ -33,6 +33,12 @@ def test_sample_round_trip_keeps_every_field():
     assert decoded.version == 4
 
 
+def test_completion_mask_round_trips_and_defaults_to_empty():
+    multi_turn = make_sample(completion_mask=[1, 0, 1])
+    assert decode_sample(encode_sample(multi_turn)).completion_mask == [1, 0, 1]
+    assert make_sample().completion_mask == [] and decode_sample(encode_sample(make_sample())).completion_mask == []
+
+
 def test_empty_completion_round_trip():
     sample = make_sample(completion="", completion_ids=[], behaviour_logprobs=[], token_versions=[])
     decoded = decode_sample(encode_sample(sample))
@@ -98,7 +104,8 @@ def test_missing_schema_version():
 
 
 @pytest.mark.parametrize("name", ["sample_id", "group_id", "policy", "prompt", "completion", "prompt_ids",
-                                  "completion_ids", "behaviour_logprobs", "token_versions", "row"])
+                                  "completion_ids", "behaviour_logprobs", "token_versions", "completion_mask",
+                                  "row"])
 def test_missing_field(name):
     body = packed_sample()
     del body["sample"][name]
@@ -125,6 +132,7 @@ def test_wrong_typed_field(name, value):
     {"behaviour_logprobs": [-0.1, -0.2]},
     {"token_versions": [4, 4, 5, 5]},
     {"completion_ids": [8]},
+    {"completion_mask": [1, 0]},
 ])
 def test_per_token_lists_of_different_lengths(changes):
     body = packed_sample(**changes)
@@ -154,6 +162,7 @@ def test_scored_with_bad_sample_is_rejected():
 @pytest.mark.parametrize("name,value", [
     ("completion_ids", [8, "5", 2]), ("prompt_ids", [3, None]), ("behaviour_logprobs", [-0.1, "x", -0.3]),
     ("token_versions", [4, None, 5]), ("token_versions", [4, 4.5, 5]), ("completion_ids", [8, True, 2]),
+    ("completion_mask", [1, True, 0]), ("completion_mask", [1, 0.0, 1]), ("completion_mask", [1, 2, 0]),
 ])
 def test_wrong_typed_per_token_values(name, value):
     body = packed_sample(**{name: value})

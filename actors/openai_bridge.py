@@ -1,0 +1,312 @@
+"""The OpenAI-compatible bridge: agents written against the OpenAI client sample from a rollout worker.
+
+An aiohttp server on its own thread answers `POST /v1/chat/completions` and `GET /v1/models` (the
+model is the policy). Each request's prompt joins the worker's continuous decode batch (`admit`,
+called by the worker loop between steps) and its completions come back through `collect`; replies
+carry their token ids and weight versions. Requests with an `X-Episode-Id` header grow one token
+sequence per episode (`episodes.py`); `POST /v1/episodes/{id}/finish` with `{"group", "row"}`
+turns it into a `Sample` for the reward queue, like any rollout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Hashable, List, Optional, Set, Tuple
+
+import ray
+from aiohttp import web
+
+from rlplatform.actors.engine import Completion, DecodeBatch, TransformersEngine
+from rlplatform.actors.episodes import ChatRenderer, Episode, ExtensionError
+from rlplatform.config import OpenAIBridgeConfig, RLConfig
+from rlplatform.transport.reward_queue import RewardQueue
+from rlplatform.transport.samples import Sample
+
+EPISODE_HEADER = "X-Episode-Id"
+# request fields whose effect the recorded log-probs would not reflect, with the value that means "off"
+_UNSUPPORTED = {"stream": False, "stop": None, "top_p": 1, "top_logprobs": 0, "frequency_penalty": 0,
+                "presence_penalty": 0, "logit_bias": None, "tools": None, "response_format": None}
+
+
+class RequestError(Exception):
+    """A request the bridge refuses: answered with `status` and an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+@dataclass(frozen=True)
+class BridgeKey:
+    """The decode batch key of one choice of one bridge request."""
+    request: int
+    choice: int
+
+
+@dataclass
+class ChatParams:
+    messages: List[Dict[str, str]]
+    n: int
+    max_tokens: int
+    temperature: float
+    logprobs: bool
+
+
+@dataclass
+class _Generation:
+    """A request's prompt waiting for, or decoding, its `n` completions."""
+    key: int
+    prompt_ids: List[int]
+    params: ChatParams
+    future: asyncio.Future
+    completions: List[Optional[Completion]] = field(default_factory=list)
+
+
+class OpenAIBridge:
+    """The endpoint of one rollout worker's engine for policy `policy`; `submit` queues finished episodes."""
+
+    def __init__(self, engine: TransformersEngine, policy: str, chat_template: str, temperature: float,
+                 max_new_tokens: int, submit: Callable[[List[Sample]], None]) -> None:
+        self.policy, self.submit = policy, submit
+        self.temperature, self.max_new_tokens = temperature, max_new_tokens  # the job's rl settings
+        self.renderer = ChatRenderer(engine.tokenizer, chat_template)
+        self.stop_ids = set(engine.stop_ids)
+        self.episodes: Dict[str, Episode] = {}  # touched on the server's thread only
+        self.busy_episodes: Set[str] = set()  # episodes with a turn in progress
+        self._pending: "queue.SimpleQueue[_Generation]" = queue.SimpleQueue()  # server thread -> worker loop
+        self._decoding: Dict[int, _Generation] = {}  # worker loop only
+        self._keys = itertools.count()
+        self._loop = asyncio.new_event_loop()
+        self._runner: Optional[web.AppRunner] = None
+        self._thread: Optional[threading.Thread] = None
+        self._announced: Optional[Tuple[RewardQueue, str]] = None  # (queue, job status field) naming the URL
+
+    # the worker loop's side
+    def admit(self, batch: DecodeBatch) -> None:
+        """Add the requests that arrived since the last call to `batch`."""
+        while not self._pending.empty():
+            generation = self._pending.get_nowait()
+            params = generation.params
+            generation.completions = [None] * params.n
+            self._decoding[generation.key] = generation
+            batch.add([generation.prompt_ids] * params.n, [BridgeKey(generation.key, i) for i in range(params.n)],
+                      params.max_tokens, params.temperature)
+
+    def collect(self, finished: List[Tuple[Hashable, Completion]]) -> List[Tuple[Hashable, Completion]]:
+        """Answer the requests whose completions are all done; returns the finished rows that are not the bridge's."""
+        others = []
+        for key, completion in finished:
+            if not isinstance(key, BridgeKey):
+                others.append((key, completion))
+                continue
+            generation = self._decoding[key.request]
+            generation.completions[key.choice] = completion
+            if all(c is not None for c in generation.completions):
+                del self._decoding[key.request]
+                self._loop.call_soon_threadsafe(_resolve, generation.future, generation.completions)
+        return others
+
+    # the server
+    def start(self, host: str, port: int) -> int:
+        """Serve on `host`:`port` (0: a free port) from a background thread; returns the port."""
+        app = web.Application(middlewares=[_openai_errors])
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/episodes/{episode_id}/finish", self._finish)
+        self._runner = web.AppRunner(app, access_log=None)
+        self._loop.run_until_complete(self._runner.setup())
+        try:
+            self._loop.run_until_complete(web.TCPSite(self._runner, host, port).start())
+        except OSError as err:
+            raise RuntimeError(f"rollout.openai_bridge: cannot listen on {host}:{port} ({err.strerror}); "
+                               "choose another rollout.openai_bridge.port") from None
+        self._thread = threading.Thread(target=self._loop.run_forever, name="openai-bridge", daemon=True)
+        self._thread.start()
+        return self._runner.addresses[0][1]
+
+    def announce(self, reward_queue: RewardQueue, name: str, url: str) -> None:
+        """Print `url` and show it as field `name` of the job status (`rlp status`) until `stop`."""
+        reward_queue.client.hset(reward_queue.keys.status, name, url)
+        self._announced = (reward_queue, name)
+        print(f"{name}: OpenAI-compatible endpoint at {url}", flush=True)
+
+    def stop(self) -> None:
+        """Stop serving; requests still waiting are answered 503."""
+        if self._announced is not None:
+            reward_queue, name = self._announced
+            reward_queue.client.hdel(reward_queue.keys.status, name)
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        self._loop.close()
+
+    async def _shutdown(self) -> None:
+        for generation in list(self._decoding.values()) + _drain(self._pending):
+            if not generation.future.done():
+                generation.future.set_exception(RequestError(503, "the rollout worker stopped", "unavailable"))
+        await self._runner.cleanup()
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.policy, "object": "model", "created": 0, "owned_by": "rlplatform"}]})
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        params = parse_chat(body, self.policy, self.temperature, self.max_new_tokens)
+        episode_id = request.headers.get(EPISODE_HEADER)
+        if episode_id is None:
+            prompt_ids = self.renderer.prompt_ids(self.renderer.text(params.messages))
+            completions = await self._generate(prompt_ids, params)
+        else:
+            prompt_ids, completions = await self._episode_turn(episode_id, params)
+        return web.json_response(self._response(prompt_ids, completions, params.logprobs))
+
+    async def _episode_turn(self, episode_id: str, params: ChatParams) -> Tuple[List[int], List[Completion]]:
+        """A reply within episode `episode_id`: it starts the episode or extends its token sequence."""
+        if params.n != 1 or params.temperature != self.temperature:
+            raise RequestError(400, f"episode {episode_id}: episode requests take n=1 and the job's "
+                                    f"rl.temperature {self.temperature} (the learner scores tokens at it)")
+        if episode_id in self.busy_episodes:
+            raise RequestError(409, f"episode {episode_id} already has a request in progress; send its turns "
+                                    "one after another", "episode_busy")
+        self.busy_episodes.add(episode_id)
+        try:
+            episode = self.episodes.get(episode_id)
+            if episode is None:
+                episode = Episode.start(self.renderer, params.messages)
+            else:
+                episode.extend(self.renderer, params.messages)
+            self.episodes.pop(episode_id, None)  # an episode whose turn fails is discarded
+            prompt_ids = episode.ids
+            completions = await self._generate(prompt_ids, params)
+            episode.add_reply(self.renderer, completions[0])
+            self.episodes[episode_id] = episode
+            return prompt_ids, completions
+        except ExtensionError as err:
+            raise RequestError(400, f"episode {episode_id}: {err}", "episode_mismatch") from None
+        finally:
+            self.busy_episodes.discard(episode_id)
+
+    async def _generate(self, prompt_ids: List[int], params: ChatParams) -> List[Completion]:
+        future = self._loop.create_future()
+        self._pending.put(_Generation(next(self._keys), prompt_ids, params, future))
+        return await future
+
+    async def _finish(self, request: web.Request) -> web.Response:
+        """End an episode: its trajectory goes to the reward queue as sample `<group>/<episode id>`."""
+        episode_id = request.match_info["episode_id"]
+        body = await _json_body(request) if request.can_read_body else {}
+        group, row = body.get("group", episode_id), body.get("row", {})
+        if not isinstance(group, str) or not isinstance(row, dict):
+            raise RequestError(400, "finish takes {\"group\": a string, \"row\": an object of the row's fields}")
+        if episode_id in self.busy_episodes:
+            raise RequestError(409, f"episode {episode_id} has a request in progress", "episode_busy")
+        episode = self.episodes.pop(episode_id, None)
+        if episode is None:
+            raise RequestError(404, f"no episode {episode_id} on this worker (never started, already finished, "
+                                    "or a turn of it failed)", "episode_not_found")
+        sample = episode.sample(self.renderer, f"{group}/{episode_id}", group, self.policy, row, time.time())
+        await self._loop.run_in_executor(None, self.submit, [sample])
+        return web.json_response({"sample_id": sample.sample_id, "group_id": group,
+                                  "completion_tokens": len(sample.completion_ids), "model_tokens": sum(episode.mask)})
+
+    def _response(self, prompt_ids: List[int], completions: List[Completion], logprobs: bool) -> Dict:
+        choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
+                    "finish_reason": "stop" if c.completion_ids[-1] in self.stop_ids else "length",
+                    "logprobs": self._logprobs(c) if logprobs else None,
+                    "token_ids": c.completion_ids, "token_versions": c.versions}
+                   for i, c in enumerate(completions)]
+        generated = sum(len(c.completion_ids) for c in completions)
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.policy, "choices": choices, "prompt_token_ids": prompt_ids,
+                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": generated,
+                          "total_tokens": len(prompt_ids) + generated}}
+
+    def _logprobs(self, completion: Completion) -> Dict:
+        content = []
+        for token_id, logprob in zip(completion.completion_ids, completion.logprobs):
+            token = self.renderer.decode([token_id], special_tokens=True)
+            content.append({"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []})
+        return {"content": content}
+
+
+def serve_worker(engine: TransformersEngine, config: OpenAIBridgeConfig, rl: RLConfig, policy: str, index: int,
+                 chat_template: str, reward_queue: RewardQueue) -> Optional[OpenAIBridge]:
+    """Rollout worker `index`'s endpoint when `config` enables it, on port `config.port + index`; its URL
+    is printed and shown by `rlp status` until it stops."""
+    if not config.enabled:
+        return None
+    bridge = OpenAIBridge(engine, policy, chat_template, rl.temperature, rl.max_new_tokens, reward_queue.submit)
+    port = bridge.start(config.host, config.port + index if config.port else 0)
+    host = ray.util.get_node_ip_address() if config.host in ("0.0.0.0", "::") else config.host
+    bridge.announce(reward_queue, f"openai_bridge/{policy}/{index}", f"http://{host}:{port}/v1")
+    return bridge
+
+
+def parse_chat(body: Dict, policy: str, temperature: float, max_new_tokens: int) -> ChatParams:
+    """A chat request's parameters, checked; unset ones take the job's rl settings."""
+    if body.get("model", policy) != policy:
+        raise RequestError(404, f"model '{body.get('model')}' is not served here; this worker serves '{policy}'",
+                           "model_not_found")
+    for name, off in _UNSUPPORTED.items():
+        if body.get(name) not in (None, off, [], {}):
+            raise RequestError(400, f"'{name}' is not supported by this endpoint; leave it unset")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise RequestError(400, "'messages' must be a non-empty list of {\"role\", \"content\"} with string content")
+    n = _given(body, "n", 1)
+    max_tokens = _given(body, "max_completion_tokens", _given(body, "max_tokens", max_new_tokens))
+    temperature = _given(body, "temperature", temperature)
+    if not _whole(n) or not _whole(max_tokens) or not isinstance(temperature, (int, float)) or temperature < 0:
+        raise RequestError(400, "'n' and 'max_tokens' must be positive integers and 'temperature' a number >= 0")
+    return ChatParams([{"role": m["role"], "content": m["content"]} for m in messages], n, max_tokens,
+                      float(temperature), bool(body.get("logprobs")))
+
+
+def _given(body: Dict, name: str, default):
+    """The request's `name`, or `default` where it is absent or null."""
+    return default if body.get(name) is None else body[name]
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+async def _json_body(request: web.Request) -> Dict:
+    try:
+        body = await request.json()
+    except ValueError:
+        raise RequestError(400, "the request body is not JSON") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    return body
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler) -> web.StreamResponse:
+    """Refusals answered the way OpenAI answers them: `{"error": {message, type, param, code}}`."""
+    try:
+        return await handler(request)
+    except RequestError as err:
+        return web.json_response({"error": {"message": str(err), "type": "invalid_request_error", "param": None,
+                                            "code": err.code}}, status=err.status)
+
+
+def _resolve(future: asyncio.Future, completions: List[Completion]) -> None:
+    if not future.done():  # the client may have gone away
+        future.set_result(completions)
+
+
+def _drain(pending: "queue.SimpleQueue[_Generation]") -> List[_Generation]:
+    drained = []
+    while not pending.empty():
+        drained.append(pending.get_nowait())
+    return drained

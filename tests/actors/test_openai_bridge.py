@@ -1,0 +1,183 @@
+"""The OpenAI-compatible bridge, driven by the real `openai` client against a rollout worker's loop:
+replies record the tokens, log-probs and versions sampled; an episode's turns are one trajectory whose
+earlier replies are never re-tokenised; concurrent requests share the worker's decode batch."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import torch
+
+from rlplatform.actors.engine import DecodeBatch
+from rlplatform.actors.openai_bridge import OpenAIBridge
+from rlplatform.actors.rollout import RolloutWorker
+from rlplatform.config import OpenAIBridgeConfig, RLConfig, RolloutConfig
+from rlplatform.learners.batching import completion_logprobs
+from rlplatform.policy import load_tokenizer
+from rlplatform.tokenization import encode_prompts
+from rlplatform.transport.reward_queue import RewardQueue
+
+# a ChatML-like template in the demo tokenizer's characters: "u:" / "a:" open a turn, EOS ends it
+TEMPLATE = ("{% for m in messages %}{{ m['role'][0] + ':' + m['content'] + eos_token }}{% endfor %}"
+            "{% if add_generation_prompt %}a:{% endif %}")
+VERSION = 3
+
+
+@pytest.fixture(scope="module")
+def chat_policy(tiny_policy, tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("chat") / "policy")
+    shutil.copytree(tiny_policy, path)
+    tokenizer = load_tokenizer(path)
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def served(chat_policy, redis_server, redis_client):
+    """(worker, endpoint URL, reward queue) of a rollout worker running its loop with the bridge on."""
+    job = f"bridge-{time.time_ns()}"
+    queue = RewardQueue(redis_client, job)
+    queue.create_group()
+    rl = RLConfig(group_size=2, batch_prompts=1, max_staleness=0, max_new_tokens=4)
+    rollout = RolloutConfig(prompts_per_batch=2, openai_bridge=OpenAIBridgeConfig(enabled=True, port=0))
+    prompts = encode_prompts(load_tokenizer(chat_policy), [{"prompt": "1+1=", "answer": "2"}], "auto")
+    worker = RolloutWorker(0, "policy", chat_policy, prompts, rl, rollout, redis_server, job, None, 0)
+    worker.engine.load_weights({k: v.clone() for k, v in worker.engine.model.state_dict().items()}, VERSION)
+    loop = threading.Thread(target=worker.run, daemon=True)
+    loop.start()
+    deadline = time.time() + 30
+    while (url := redis_client.hget(queue.keys.status, "openai_bridge/policy/0")) is None:
+        assert time.time() < deadline, "the endpoint never appeared in the job status"
+        time.sleep(0.05)
+    yield worker, url.decode(), queue
+    queue.request_stop()
+    loop.join(timeout=30)
+    assert redis_client.hget(queue.keys.status, "openai_bridge/policy/0") is None  # gone once stopped
+
+
+def client(url: str, episode: str = "") -> openai.OpenAI:
+    headers = {"X-Episode-Id": episode} if episode else None
+    return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60, default_headers=headers)
+
+
+def scores(worker, prompt_ids, completion_ids, temperature: float) -> torch.Tensor:
+    """The completion tokens' log-probs under the worker's weights, recomputed from scratch."""
+    with torch.no_grad():
+        scored = completion_logprobs(worker.engine.model, [prompt_ids], [completion_ids], pad_id=0,
+                                     temperature=temperature)
+    return scored.logprobs[0][scored.mask[0].bool()]
+
+
+def template_ids(tokenizer, messages) -> list:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_reply_records_the_tokens_logprobs_and_versions_it_sampled(served):
+    worker, url, _ = served
+    tokenizer = worker.engine.tokenizer
+    api = client(url)
+    assert [m.id for m in api.models.list().data] == ["policy"]
+    messages = [{"role": "user", "content": "12+34="}]
+    reply = api.chat.completions.create(model="policy", messages=messages, temperature=0.7, max_tokens=5,
+                                        logprobs=True)
+    choice = reply.choices[0]
+    assert reply.prompt_token_ids == template_ids(tokenizer, messages)
+    assert tokenizer.decode(choice.token_ids, skip_special_tokens=True) == choice.message.content
+    assert choice.token_versions == [VERSION] * len(choice.token_ids)
+    assert reply.usage.completion_tokens == len(choice.token_ids) <= 5
+    recorded = torch.tensor([entry.logprob for entry in choice.logprobs.content])
+    torch.testing.assert_close(recorded, scores(worker, reply.prompt_token_ids, choice.token_ids, 0.7),
+                               atol=1e-4, rtol=0)
+    # the temperature is applied: the same tokens score differently at 1.0
+    assert not torch.allclose(recorded, scores(worker, reply.prompt_token_ids, choice.token_ids, 1.0), atol=1e-3)
+    with pytest.raises(openai.NotFoundError, match="serves 'policy'"):
+        api.chat.completions.create(model="other", messages=messages)
+    with pytest.raises(openai.BadRequestError, match="'top_p' is not supported"):
+        api.chat.completions.create(model="policy", messages=messages, top_p=0.5)
+    with pytest.raises(openai.BadRequestError, match="positive integers"):
+        api.chat.completions.create(model="policy", messages=messages, n=0)
+
+
+def test_a_two_turn_episode_is_one_trajectory_with_exact_tokens_and_mask(served):
+    worker, url, queue = served
+    tokenizer = worker.engine.tokenizer
+    api = client(url, episode="ep-1")
+    turn1 = [{"role": "user", "content": "12+34="}]
+    first = api.chat.completions.create(model="policy", messages=turn1)
+    turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "and 5+5="}]
+    second = api.chat.completions.create(model="policy", messages=turn2)
+    with pytest.raises(openai.BadRequestError, match="do not continue this episode"):
+        api.chat.completions.create(model="policy", messages=turn1 + [{"role": "assistant", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="rl.temperature"):  # the learner scores at the job's
+        api.chat.completions.create(model="policy", messages=turn2, temperature=0.5)
+    request = urllib.request.Request(f"{url}/episodes/ep-1/finish", method="POST",
+                                     data=json.dumps({"group": "task-7", "row": {"answer": "10"}}).encode())
+    finished = json.loads(urllib.request.urlopen(request, timeout=30).read())
+    assert finished["sample_id"] == "task-7/ep-1"
+    sample = next_sample(queue, "task-7")
+
+    reply1, reply2 = first.choices[0].token_ids, second.choices[0].token_ids
+    # the template writes each turn's end itself: the reply's own EOS, where it sampled one, is not repeated
+    said = tokenizer.decode(reply1, skip_special_tokens=False)
+    turn_end = "" if said == first.choices[0].message.content + tokenizer.eos_token else tokenizer.eos_token
+    observation = tokenizer(turn_end + "u:and 5+5=" + tokenizer.eos_token + "a:", add_special_tokens=False)["input_ids"]
+    assert sample.prompt_ids == first.prompt_token_ids == template_ids(tokenizer, turn1)
+    assert sample.completion_ids == reply1 + observation + reply2  # the first reply's sampled ids, not re-tokenised
+    assert second.prompt_token_ids == sample.prompt_ids + reply1 + observation  # what the second reply continued
+    assert sample.completion_mask == [1] * len(reply1) + [0] * len(observation) + [1] * len(reply2)
+    assert sample.token_versions == [VERSION] * len(sample.completion_ids)
+    assert sample.row == {"answer": "10"} and sample.group_id == "task-7" and sample.policy == "policy"
+    # the model's tokens carry the log-probs the learner recomputes on the one sequence; observations 0.0
+    behaviour = torch.tensor(sample.behaviour_logprobs)
+    mask = torch.tensor(sample.completion_mask).bool()
+    torch.testing.assert_close(behaviour[mask], scores(worker, sample.prompt_ids, sample.completion_ids, 1.0)[mask],
+                               atol=1e-4, rtol=0)
+    assert behaviour[~mask].eq(0.0).all()
+    with pytest.raises(urllib.error.HTTPError, match="404"):
+        urllib.request.urlopen(request, timeout=30)  # finished once
+
+
+def test_concurrent_requests_are_served_from_one_batch(served, monkeypatch):
+    worker, url, _ = served
+    api = client(url)
+    # the worker loop admits requests only once all six wait, and the rows of every step are counted
+    admit, step, rows_per_step = OpenAIBridge.admit, DecodeBatch.step, []
+    monkeypatch.setattr(OpenAIBridge, "admit", lambda self, batch: admit(self, batch)
+                        if self._pending.qsize() >= 6 else None)
+    monkeypatch.setattr(DecodeBatch, "step", lambda self: rows_per_step.append(len(self.rows)) or step(self))
+
+    def ask(i: int):
+        return api.chat.completions.create(model="policy", messages=[{"role": "user", "content": f"{i}+{i}="}],
+                                           n=2, max_tokens=i + 1, temperature=0.0 if i % 2 else 1.0)
+
+    with ThreadPoolExecutor(6) as pool:
+        replies = list(pool.map(ask, range(6)))
+    # all joined at one step; request 0 (one token) ended there, the other five's choices decoded together
+    assert max(rows_per_step) >= 10
+    for i, reply in enumerate(replies):
+        assert len(reply.choices) == 2
+        for choice in reply.choices:  # each request its own length limit
+            assert len(choice.token_ids) == i + 1 or (choice.finish_reason == "stop" and len(choice.token_ids) <= i)
+        if i % 2:  # and its own temperature: greedy choices alike
+            assert reply.choices[0].token_ids == reply.choices[1].token_ids
+
+
+def next_sample(queue: RewardQueue, group_id: str, timeout_s: float = 30.0):
+    """The first sample of `group_id` the reward queue receives."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        for _, raw in queue.fetch("test", 10, block_ms=200):
+            sample = queue.decode(raw)
+            if sample.group_id == group_id:
+                return sample
+    raise AssertionError(f"no sample of group {group_id} reached the reward queue")
