@@ -90,7 +90,6 @@ def test_in_flight_update_keeps_running_requests_and_labels_each_token(engine, v
     from rlplatform.policy import load_policy
 
     batch = engine.decode_batch(max_new_tokens=10, temperature=0.0)
-    engine.stop_ids, stop_ids = [], engine.stop_ids
     try:
         batch.add(_ids(engine, ["12+34=", "5+5=", "7=", "123+4="]), keys=[0, 1, 2, 3])
         for _ in range(3):
@@ -102,7 +101,6 @@ def test_in_flight_update_keeps_running_requests_and_labels_each_token(engine, v
             finished.update(batch.step())
         after = engine.generate(_ids(engine, ["12+34="]), 1, 10, temperature=0.0)[0][0]
     finally:
-        engine.stop_ids = stop_ids
         engine.load_weights(load_policy(vllm_policy)[0].state_dict(), version=0)
     assert sorted(finished) == [0, 1, 2, 3]  # nothing dropped
     for completion in finished.values():
