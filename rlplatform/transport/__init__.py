@@ -4,7 +4,8 @@ Samples (`samples`: records and their msgpack wire format) go from rollout worke
 workers through the reward queue on Redis Streams (`reward_queue`, served by `redis_server`
 when the job brings its own Redis); scored samples are grouped for the learner (`buffer`);
 the staleness gate (`staleness`) bounds how far rollout workers run ahead of the learner;
-versioned weight snapshots go from the learner back to the rollout workers (`weights`); the
+versioned weight snapshots go from the learner back to the rollout workers (`weights`; with
+LoRA, snapshots of the adapters alone: `adapters`); the
 prompt ledger (`ledger`) records every group from issue to its end; every wait on another
 process has a deadline (`deadlines`).
 Nothing here knows what a reward, a model or a loss is.
