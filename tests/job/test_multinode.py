@@ -47,7 +47,7 @@ class TwoNodeCluster:
 
     def start(self) -> None:
         port = self.address.rsplit(":", 1)[1]
-        self._start("--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
+        self._start("--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
                     f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}")
         self._start(f"--address={self.address}", "--num-cpus=2", "--resources", json.dumps({"rollout_node": 4}))
 
