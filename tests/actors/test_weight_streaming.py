@@ -13,7 +13,7 @@ from rlplatform.actors.rollout import RolloutActor
 from rlplatform.config import RLConfig, RolloutConfig
 from rlplatform.learners.batching import completion_logprobs
 from rlplatform.policy import load_policy, load_tokenizer
-from rlplatform.tokenization import encode_prompts
+from rlplatform.tokenization import encode_prompts, save_prompts
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.weights import WeightStore, to_snapshot
 
@@ -45,13 +45,13 @@ def collect(queue: RewardQueue, n: int, timeout_s: float = 60.0) -> list:
     return samples
 
 
-def test_worker_generates_with_each_new_version(ray_session, redis_server, redis_client, tiny_policy):
+def test_worker_generates_with_each_new_version(ray_session, redis_server, redis_client, tiny_policy, tmp_path):
     job = f"stream-test-{time.time_ns()}"
     queue = RewardQueue(redis_client, job)
     queue.create_group()
     store = WeightStore.remote()
     rl = RLConfig(group_size=2, max_new_tokens=4, batch_prompts=2, max_staleness=0)
-    prompts = encode_prompts(load_tokenizer(tiny_policy), ROWS, "auto")
+    prompts = save_prompts(encode_prompts(load_tokenizer(tiny_policy), ROWS, "auto"), str(tmp_path / "prompts.jsonl"))
     worker = RolloutActor.remote(0, "policy", tiny_policy, prompts, rl,
                                  RolloutConfig(prompts_per_batch=2, weight_swap="finish_then_swap"),
                                  redis_server, job, store, 0)
