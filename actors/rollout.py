@@ -4,9 +4,9 @@ Each worker is a Ray actor that loops until the job's stop flag is set: pull new
 published, claim groups from the staleness gate, decode their `group_size` completions each in a
 continuous batch, and submit every group to the reward queue as soon as it is complete. It never
 waits for the learner except when the staleness bound says any more samples would arrive too old.
-Prompts are read as token ids from the file the controller saved (so a worker Ray restarts reads them
-again, with nothing held in the object store for it) and drawn in seeded epochs, each worker its own
-share of an epoch.
+Prompts are read as token ids from the file the controller saved, and the weight store is found by
+name, so a worker Ray restarts gets both again with none of its constructor arguments held in the
+object store. Prompts are drawn in seeded epochs, each worker its own share of an epoch.
 The spare worker the job keeps for evaluation scores held-out completions with the job's rewards.
 Its counters (samples, tokens, weight syncs, generation, submit and weight-sync seconds) live on Redis, in the policy's
 `rollout_stats` hash, so a worker Ray restarts loses none of them.
@@ -46,14 +46,14 @@ class _OpenGroup:
 
 class RolloutWorker:
     def __init__(self, index: int, policy: str, model_path: str, prompts_path: str, rl: RLConfig,
-                 rollout: RolloutConfig, redis_url: str, job: str, weight_store, seed: int,
+                 rollout: RolloutConfig, redis_url: str, job: str, weight_store: Optional[str], seed: int,
                  dtype: str = "float32") -> None:
         torch.set_num_threads(rollout.num_threads)
         torch.manual_seed(seed + 1000 * (index + 1))
         self.index, self.policy, self.rl, self.rollout = index, policy, rl, rollout
         self.prompts = load_prompts(prompts_path)
         self.engine = TransformersEngine(model_path, rollout.device, dtype)
-        self.weight_store = weight_store
+        self.weight_store = ray.get_actor(weight_store) if weight_store else None  # None: evaluation only
         client = connect(redis_url)
         self.queue = RewardQueue(client, job)
         self.keys = PolicyKeys(job, policy)

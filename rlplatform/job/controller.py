@@ -233,19 +233,22 @@ def _start_reward_workers(config: JobConfig, redis_url: str) -> List:
 def _start_policy(config: JobConfig, policy: PolicyConfig, train_rows, test_rows, redis_url: str,
                   client) -> PolicyWorkers:
     """A policy's initial weights on disk, its learner ranks, rollout workers and evaluator (the last
-    rollout actor). Actors are named `<job>-<policy>-rollout-<i>`, `<job>-<policy>-learner-<rank>`."""
+    rollout actor). Actors are named `<job>-<policy>-rollout-<i>`, `<job>-<policy>-learner-<rank>` and
+    `<job>-<policy>-weights`; rollout workers find the weight store and their prompts file by name, so
+    no restartable actor's constructor arguments sit in the object store."""
     from rlplatform.actors.rollout import RolloutActor
 
     model_path = save_initial_policy(policy.model, config.seed,
                                      os.path.join(config.policy_dir(policy.name), "initial_policy"))
     train, test, data = _encode_prompts(config, model_path, train_rows, test_rows)
     prompts_path = save_prompts(train, os.path.join(config.policy_dir(policy.name), "train_prompts.jsonl"))
-    store = WeightStore.remote()
+    store_name = f"{config.name}-{policy.name}-weights"
+    store = WeightStore.options(name=store_name).remote()
     gpus = gpus_per_actor(policy.rollout.device, policy.rollout.num_gpus, ray.cluster_resources().get("GPU", 0.0))
     rollout = [RolloutActor.options(num_cpus=policy.rollout.num_cpus, num_gpus=gpus, max_restarts=MAX_RESTARTS,
                                     name=f"{config.name}-{policy.name}-rollout-{i}").remote(
-        i, policy.name, model_path, prompts_path, policy.rl, policy.rollout, redis_url, config.name, store, config.seed,
-        policy.model.dtype) for i in range(policy.rollout.num_workers + 1)]
+        i, policy.name, model_path, prompts_path, policy.rl, policy.rollout, redis_url, config.name, store_name,
+        config.seed, policy.model.dtype) for i in range(policy.rollout.num_workers + 1)]
     learner = LearnerGroup(policy.learner, model_path, config.seed, policy.model.dtype, config.data.chat_template,
                            name=f"{config.name}-{policy.name}-learner")
     gate = RolloutGate(client, config.name, policy.rl.max_staleness, policy.rl.batch_prompts, policy.name)
