@@ -4,7 +4,9 @@ Each worker is a Ray actor that loops until the job's stop flag is set: pull new
 published, claim groups from the staleness gate, decode their `group_size` completions each in a
 continuous batch, and submit every group to the reward queue as soon as it is complete. It never
 waits for the learner except when the staleness bound says any more samples would arrive too old.
-Prompts arrive as token ids and are drawn in seeded epochs, each worker its own share of an epoch.
+Prompts are read as token ids from the file the controller saved, and the weight store is found by
+name, so a worker Ray restarts gets both again with none of its constructor arguments held in the
+object store. Prompts are drawn in seeded epochs, each worker its own share of an epoch.
 The spare worker the job keeps for evaluation scores held-out completions with the job's rewards.
 Its counters (samples, tokens, weight syncs, generation, submit and weight-sync seconds) live on Redis, in the policy's
 `rollout_stats` hash, so a worker Ray restarts loses none of them.
@@ -26,7 +28,7 @@ from rlplatform.monitoring.evaluation import evaluation_figures
 from rlplatform.rewards.registry import resolve
 from rlplatform.rewards.scoring import Scorer
 from rlplatform.rewards.worker import import_modules
-from rlplatform.tokenization import Prompt
+from rlplatform.tokenization import Prompt, load_prompts
 from rlplatform.transport.deadlines import Heartbeats
 from rlplatform.transport.ledger import PromptLedger, prompt_row
 from rlplatform.transport.redis_server import connect
@@ -45,15 +47,19 @@ class _OpenGroup:
 
 
 class RolloutWorker:
-    def __init__(self, index: int, policy: str, model_path: str, prompts: List[Prompt], rl: RLConfig,
-                 rollout: RolloutConfig, redis_url: str, job: str, weight_store, seed: int,
+    def __init__(self, index: int, policy: str, model_path: str, prompts_path: str, rl: RLConfig,
+                 rollout: RolloutConfig, redis_url: str, job: str, weight_store: Optional[str], seed: int,
                  dtype: str = "float32", transport: str = "object_store", lora: Optional[LoraConfig] = None,
                  chat_template: str = "auto") -> None:
+        """`prompts_path`: the policy's encoded prompts file; `weight_store`: the weight store actor's name
+        (None: evaluation only)."""
         torch.set_num_threads(rollout.num_threads)
         torch.manual_seed(seed + 1000 * (index + 1))
-        self.index, self.policy, self.prompts, self.rl, self.rollout = index, policy, prompts, rl, rollout
+        self.index, self.policy, self.rl, self.rollout = index, policy, rl, rollout
+        self.prompts = load_prompts(prompts_path)
         self.engine = build_engine(rollout, model_path, dtype, seed + index, lora)
-        self.weights_in = Subscriber(transport, weight_store, self.engine.device)  # weights.transport's worker end
+        store = ray.get_actor(weight_store) if weight_store else None
+        self.weights_in = Subscriber(transport, store, self.engine.device)  # weights.transport's worker end
         self.redis_url = redis_url
         client = connect(redis_url)
         self.queue = RewardQueue(client, job)

@@ -5,11 +5,13 @@ RL samples on); `encode_sft` gives the same prompt ids plus the trained target a
 Special tokens follow one rule everywhere: with a chat template (`data.chat_template: auto` and
 the tokenizer has one) the rendered template decides them; otherwise the prompt text is encoded
 with the tokenizer's own special tokens (a BOS where it adds one) and the answer ends with EOS.
+Encoded prompts are saved as JSON lines (`save_prompts`) for rollout workers to load themselves.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
 from typing import Dict, List, Sequence, Tuple
 
 Row = Dict
@@ -21,6 +23,19 @@ class Prompt:
     row: Row
     ids: List[int]  # prompt token ids, as the engine decodes from them
     text: str  # the prompt as the model sees it (the rendered template for conversations)
+
+
+def save_prompts(prompts: Sequence[Prompt], path: str) -> str:
+    """Write `prompts` as JSON lines to `path`; returns `path`."""
+    with open(path, "w") as f:
+        f.writelines(json.dumps(asdict(prompt)) + "\n" for prompt in prompts)
+    return path
+
+
+def load_prompts(path: str) -> List[Prompt]:
+    """The prompts `save_prompts` wrote to `path`."""
+    with open(path) as f:
+        return [Prompt(**json.loads(line)) for line in f]
 
 
 def uses_chat_template(tokenizer, chat_template: str) -> bool:

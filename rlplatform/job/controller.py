@@ -12,6 +12,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import time
 from contextlib import ExitStack
 from typing import Dict, List, Optional
@@ -24,14 +25,14 @@ from rlplatform.devices import gpus_per_actor
 from rlplatform.job.checkpoint import checkpoints_dir, latest_checkpoint, read_state
 from rlplatform.job.rl_loop import Resume, run_rl
 from rlplatform.job.sft import run_sft
-from rlplatform.job.signals import Interrupted, StopSignals
+from rlplatform.job.signals import Interrupted, StopSignals, sigterm_held
 from rlplatform.job.supervision import MAX_RESTARTS
 from rlplatform.job.workers import Evaluator, PolicyWorkers, publish
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.monitoring.job_status import JobStatus
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.policy import load_tokenizer, save_initial_policy
-from rlplatform.tokenization import encode_prompts, within_limit
+from rlplatform.tokenization import encode_prompts, save_prompts, within_limit
 from rlplatform.transport.deadlines import LEARNER_TIMEOUT_S, JobFailed, LearnerDied
 from rlplatform.transport.redis_server import EmbeddedRedis, connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
@@ -74,8 +75,11 @@ def run_job(config: JobConfig, started_at: Optional[float] = None) -> Dict:
     except Interrupted as err:
         summary.update(status="interrupted", error=str(err))
     except BaseException as err:
-        summary.update(status="failed", error=f"{type(err).__name__}: {err}")
-        raise
+        if not stop.requested:
+            summary.update(status="failed", error=f"{type(err).__name__}: {err}")
+            raise
+        # a signal's Interrupted raised inside library code can surface as another error
+        summary.update(status="interrupted", error=f"stopped by {signal.Signals(stop.signum).name}")
     finally:
         summary["wall_s"] = round(time.perf_counter() - start, 2)
         if stop.requested:
@@ -122,7 +126,8 @@ def _start_services(config: JobConfig, resources: ExitStack) -> str:
         if config.ray.address or os.environ.get("RAY_ADDRESS"):
             ray.init(address=config.ray.address, include_dashboard=False)
         else:
-            ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(needed)), include_dashboard=False)
+            with sigterm_held():  # Ray's processes (and the workers they start) ignore a SIGTERM to the group
+                ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(needed)), include_dashboard=False)
         resources.callback(ray.shutdown)
     _check_cluster(config, needed)
     return redis_url
@@ -253,7 +258,9 @@ def _start_reward_workers(config: JobConfig, redis_url: str) -> List:
 def _start_policy(config: JobConfig, policy: PolicyConfig, train_rows, test_rows, redis_url: str,
                   client) -> PolicyWorkers:
     """A policy's initial weights on disk, its learner ranks, rollout workers and evaluator (the last
-    rollout actor). Actors are named `<job>-<policy>-rollout-<i>`, `<job>-<policy>-learner-<rank>`.
+    rollout actor). Actors are named `<job>-<policy>-rollout-<i>`, `<job>-<policy>-learner-<rank>` and
+    `<job>-<policy>-weights`; rollout workers find the weight store and their prompts file by name, so
+    no restartable actor's constructor arguments sit in the object store.
 
     With SFT first, the learner is set up before the rollout actors start: SFT needs only the learner,
     and the rollout actors' start-up (their imports and model load) would otherwise share the CPUs
@@ -261,12 +268,14 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, train_rows, test_rows
     model_path = save_initial_policy(policy.model, config.seed,
                                      os.path.join(config.policy_dir(policy.name), "initial_policy"))
     train, test, data = _encode_prompts(config, model_path, train_rows, test_rows)
-    store = WeightStore.remote()
+    prompts_path = save_prompts(train, os.path.join(config.policy_dir(policy.name), "train_prompts.jsonl"))
+    store_name = f"{config.name}-{policy.name}-weights"
+    store = WeightStore.options(name=store_name).remote()
     if policy.sft.enabled:
         learner = _start_learner(config, policy, model_path)
-        rollout = _start_rollout_actors(config, policy, model_path, train, redis_url, store)
+        rollout = _start_rollout_actors(config, policy, model_path, prompts_path, redis_url, store_name)
     else:
-        rollout = _start_rollout_actors(config, policy, model_path, train, redis_url, store)
+        rollout = _start_rollout_actors(config, policy, model_path, prompts_path, redis_url, store_name)
         learner = _start_learner(config, policy, model_path)
     if policy.weights.transport == "broadcast":
         open_broadcast(learner.ranks[0], rollout, redis_url, PolicyKeys(config.name, policy.name).version,
@@ -284,15 +293,16 @@ def _start_learner(config: JobConfig, policy: PolicyConfig, model_path: str) -> 
                         lora=policy.model.lora)
 
 
-def _start_rollout_actors(config: JobConfig, policy: PolicyConfig, model_path: str, train, redis_url: str,
-                          store) -> List:
-    """The policy's rollout workers and, last, its evaluator: `rollout.num_workers` + 1 actors."""
+def _start_rollout_actors(config: JobConfig, policy: PolicyConfig, model_path: str, prompts_path: str, redis_url: str,
+                          store_name: str) -> List:
+    """The policy's rollout workers and, last, its evaluator: `rollout.num_workers` + 1 actors, which
+    read their prompts from `prompts_path` and find the weight store by `store_name`."""
     from rlplatform.actors.rollout import RolloutActor
 
     gpus = gpus_per_actor(policy.rollout.device, policy.rollout.num_gpus, ray.cluster_resources().get("GPU", 0.0))
     return [RolloutActor.options(num_cpus=policy.rollout.num_cpus, num_gpus=gpus, resources=policy.rollout.resources,
                                  max_restarts=MAX_RESTARTS, name=f"{config.name}-{policy.name}-rollout-{i}").remote(
-        i, policy.name, model_path, train, policy.rl, policy.rollout, redis_url, config.name, store, config.seed,
+        i, policy.name, model_path, prompts_path, policy.rl, policy.rollout, redis_url, config.name, store_name, config.seed,
         policy.model.dtype, policy.weights.transport, policy.model.lora, config.data.chat_template)
         for i in range(policy.rollout.num_workers + 1)]
 

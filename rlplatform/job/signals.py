@@ -4,6 +4,8 @@ While the RL loop runs, the first signal only sets a flag it polls: the loop fin
 step in flight, writes a checkpoint and returns. Anywhere else the first signal raises
 `Interrupted` (like Ctrl-C), and a second signal always does; either way the controller
 still writes summary.json (status `interrupted`) and stops every service it started.
+Services start under `sigterm_held`, so a SIGTERM to the job's whole process group (what Slurm
+and Kubernetes send) reaches the job alone, and the job stops them after its checkpoint.
 """
 
 from __future__ import annotations
@@ -20,6 +22,16 @@ class Interrupted(BaseException):
     def __init__(self, signum: int) -> None:
         super().__init__(f"stopped by {signal.Signals(signum).name}")
         self.signum = signum
+
+
+@contextmanager
+def sigterm_held() -> Iterator[None]:
+    """Processes started within inherit SIGTERM blocked (a signal mask survives fork and exec)."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class StopSignals:

@@ -21,7 +21,7 @@ from rlplatform.actors.rollout import RolloutWorker
 from rlplatform.config import OpenAIBridgeConfig, RLConfig, RolloutConfig
 from rlplatform.learners.batching import completion_logprobs
 from rlplatform.policy import load_tokenizer
-from rlplatform.tokenization import encode_prompts
+from rlplatform.tokenization import encode_prompts, save_prompts
 from rlplatform.transport.reward_queue import RewardQueue
 
 # a ChatML-like template in the demo tokenizer's characters: "u:" / "a:" open a turn, EOS ends it
@@ -41,14 +41,15 @@ def chat_policy(tiny_policy, tmp_path_factory) -> str:
 
 
 @pytest.fixture
-def served(chat_policy, redis_server, redis_client):
+def served(chat_policy, redis_server, redis_client, tmp_path):
     """(worker, endpoint URL, reward queue) of a rollout worker running its loop with the bridge on."""
     job = f"bridge-{time.time_ns()}"
     queue = RewardQueue(redis_client, job)
     queue.create_group()
     rl = RLConfig(group_size=2, batch_prompts=1, max_staleness=0, max_new_tokens=4)
     rollout = RolloutConfig(prompts_per_batch=2, openai_bridge=OpenAIBridgeConfig(enabled=True, port=0))
-    prompts = encode_prompts(load_tokenizer(chat_policy), [{"prompt": "1+1=", "answer": "2"}], "auto")
+    prompts = save_prompts(encode_prompts(load_tokenizer(chat_policy), [{"prompt": "1+1=", "answer": "2"}], "auto"),
+                           str(tmp_path / "prompts.jsonl"))
     worker = RolloutWorker(0, "policy", chat_policy, prompts, rl, rollout, redis_server, job, None, 0)
     worker.engine.load_weights({k: v.clone() for k, v in worker.engine.model.state_dict().items()}, VERSION)
     loop = threading.Thread(target=worker.run, daemon=True)

@@ -13,7 +13,7 @@ from rlplatform.actors.rollout import RolloutActor
 from rlplatform.config import RLConfig, RolloutConfig
 from rlplatform.learners.batching import completion_logprobs
 from rlplatform.policy import load_policy, load_tokenizer
-from rlplatform.tokenization import encode_prompts
+from rlplatform.tokenization import encode_prompts, save_prompts
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.weight_store import WeightStore
 from rlplatform.transport.weights import to_snapshot
@@ -46,16 +46,17 @@ def collect(queue: RewardQueue, n: int, timeout_s: float = 60.0) -> list:
     return samples
 
 
-def test_worker_generates_with_each_new_version(ray_session, redis_server, redis_client, tiny_policy):
+def test_worker_generates_with_each_new_version(ray_session, redis_server, redis_client, tiny_policy, tmp_path,
+                                               capfd):
     job = f"stream-test-{time.time_ns()}"
     queue = RewardQueue(redis_client, job)
     queue.create_group()
-    store = WeightStore.remote()
+    store = WeightStore.options(name=f"{job}-weights").remote()
     rl = RLConfig(group_size=2, max_new_tokens=4, batch_prompts=2, max_staleness=0)
-    prompts = encode_prompts(load_tokenizer(tiny_policy), ROWS, "auto")
-    worker = RolloutActor.remote(0, "policy", tiny_policy, prompts, rl,
+    prompts = save_prompts(encode_prompts(load_tokenizer(tiny_policy), ROWS, "auto"), str(tmp_path / "prompts.jsonl"))
+    worker = RolloutActor.options(max_restarts=1).remote(0, "policy", tiny_policy, prompts, rl,
                                  RolloutConfig(prompts_per_batch=2, weight_swap="finish_then_swap"),
-                                 redis_server, job, store, 0)
+                                 redis_server, job, f"{job}-weights", 0)
     running = worker.run.remote()
     try:
         # synchronous gate: version 1 may start (1 + 1) * 2 groups in all, version 2 two more
@@ -79,6 +80,8 @@ def test_worker_generates_with_each_new_version(ray_session, redis_server, redis
         ray.kill(store)
     counters = queue.counters(PolicyKeys(job, "policy").rollout_stats)
     assert counters["samples"] == 12 and counters["weight_syncs"] == 2
+    # restartable, and nothing a restart could lose: no constructor argument in the object store
+    assert "constructor arguments in the object store" not in capfd.readouterr().err
 
 
 def test_in_flight_swap_changes_version_mid_sequence_without_dropping_any(tiny_policy):

@@ -1,5 +1,7 @@
-"""SIGTERM to a real `rlp run`: the job checkpoints, writes an `interrupted` summary, exits 143 and
-leaves neither its embedded redis-server nor that server's temp folder behind."""
+"""SIGTERM to the whole process group of a real `rlp run`, as Slurm and Kubernetes send it: the job
+checkpoints, writes an `interrupted` summary and exits 143, leaving no process of its session (Ray's
+included), no embedded redis-server and no temp folder behind; a second signal ends it at once, still
+with a summary. Ray has nothing to warn about: no actor's constructor arguments sit in the object store."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import yaml
@@ -33,34 +37,82 @@ def _redis_child(run_dir: Path):
     raise AssertionError(f"no redis-server on port {port}")
 
 
+def _stat(pid: int) -> list:
+    """Fields of /proc/<pid>/stat after the command name: state, ppid, pgrp, session, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def _alive(pid: int) -> bool:
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+        return _stat(pid)[0] != "Z"
     except OSError:
         return False
-    return state != "Z"
 
 
-def test_sigterm_checkpoints_summarises_and_stops_every_child(tmp_path, run_files):
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump({**TINY, "output_dir": str(tmp_path)}))
-    run_dir = tmp_path / "sigterm"
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    with open(tmp_path / "log.txt", "w") as log:
-        job = subprocess.Popen([RLP, "run", str(tmp_path / "job.yaml")], stdout=log, stderr=subprocess.STDOUT,
-                               env=env)
+def _session(sid: int) -> list:
+    """Live processes, zombies aside, of session `sid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
         try:
-            run_files.wait_for(lambda: run_files.trained_steps(str(run_dir)) >= 1, timeout_s=300)
-            redis_pid, redis_dir = _redis_child(run_dir)
-            job.send_signal(signal.SIGTERM)
-            code = job.wait(timeout=300)
-        finally:
-            job.kill()
+            fields = _stat(int(entry.name))
+        except (OSError, ValueError):
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append((int(entry.name), (entry / "cmdline").read_bytes()[:80]))
+    return found
+
+
+def _start(tmp_path: Path, temp: str) -> subprocess.Popen:
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump({**TINY, "output_dir": str(tmp_path)}))
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "TMPDIR": temp, "RAY_ADDRESS": ""}
+    log = open(tmp_path / "log.txt", "w")
+    return subprocess.Popen([RLP, "run", str(tmp_path / "job.yaml")], stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)  # its own group, as a batch system starts it
+
+
+def _signal_group(job: subprocess.Popen, tmp_path: Path, run_files, signals: int):
+    """Send SIGTERM `signals` times to the job's whole group once it trained a step; (exit code, redis pid)."""
+    run_dir = tmp_path / "sigterm"
+    try:
+        run_files.wait_for(lambda: run_files.trained_steps(str(run_dir)) >= 1, timeout_s=300)
+        redis_pid, redis_dir = _redis_child(run_dir)
+        for _ in range(signals):
+            os.killpg(job.pid, signal.SIGTERM)
+            time.sleep(0.5)
+        return job.wait(timeout=300), redis_pid, redis_dir
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+
+
+def test_sigterm_to_the_group_checkpoints_summarises_and_stops_every_child(tmp_path, run_files):
+    temp = tempfile.mkdtemp(prefix="t", dir="/tmp")  # short: Ray's socket paths must fit
+    job = _start(tmp_path, temp)
+    code, redis_pid, redis_dir = _signal_group(job, tmp_path, run_files, signals=1)
     log_text = (tmp_path / "log.txt").read_text()
     assert code == 143, log_text[-3000:]
+    run_dir = tmp_path / "sigterm"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["exit_code"] == 143
     steps = summary["rl"]["steps"]
     assert 1 <= steps < 200
     assert (run_dir / "checkpoints" / f"step-{steps:06d}" / "state.json").exists()
     assert not _alive(redis_pid) and not os.path.exists(redis_dir)
+    time.sleep(2)  # Ray's last workers exit once their raylet is gone
+    assert _session(job.pid) == []
+    assert [p for p in os.listdir(temp) if p.startswith("rlp-")] == []
     assert "Traceback" not in log_text
+    assert "constructor arguments in the object store" not in log_text  # nothing a restart could lose
+
+
+def test_a_second_sigterm_to_the_group_ends_at_once_still_with_a_summary(tmp_path, run_files):
+    temp = tempfile.mkdtemp(prefix="t", dir="/tmp")
+    job = _start(tmp_path, temp)
+    code, redis_pid, _ = _signal_group(job, tmp_path, run_files, signals=2)
+    log_text = (tmp_path / "log.txt").read_text()
+    assert code == 143, log_text[-3000:]
+    summary = json.loads((tmp_path / "sigterm" / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["exit_code"] == 143
+    assert not _alive(redis_pid)
+    time.sleep(2)
+    assert _session(job.pid) == []

@@ -11,10 +11,10 @@ import torch
 
 from rlplatform.config import LearnerConfig, RLConfig, RolloutConfig
 from rlplatform.learners.group import LearnerGroup
+from rlplatform.tokenization import save_prompts
 from rlplatform.transport.broadcast import ALIGN, inbox, plan_buckets
 from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import PolicyKeys
-from rlplatform.transport.weight_store import WeightStore
 from rlplatform.transport.weight_streams import open_broadcast, receiver
 
 BUCKET_MB = 0.02  # about 20 KB: the tiny policy's weights need several buckets
@@ -50,14 +50,14 @@ class Probe:
 
 
 def test_learner_broadcasts_each_version_to_every_worker_exactly(ray_session, redis_server, redis_client,
-                                                                  tiny_policy):
+                                                                  tiny_policy, tmp_path):
     from rlplatform.actors.rollout import RolloutActor
 
     job = f"broadcast-test-{time.time_ns()}"
     keys = PolicyKeys(job, "policy")
     worker = RolloutActor.options(num_cpus=0).remote(  # starts while the learner does
-        0, "policy", tiny_policy, [], RLConfig(), RolloutConfig(num_cpus=0), redis_server, job, WeightStore.remote(),
-        0, "float32", "broadcast")
+        0, "policy", tiny_policy, save_prompts([], str(tmp_path / "prompts.jsonl")), RLConfig(),
+        RolloutConfig(num_cpus=0), redis_server, job, None, 0, "float32", "broadcast")
     learner = LearnerGroup(LearnerConfig(num_cpus=0), tiny_policy, seed=0, transport="broadcast")
     probe = Probe.remote(redis_server, keys.version)
     try:
