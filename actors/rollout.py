@@ -85,8 +85,9 @@ class RolloutWorker:
             self.engine.load_weights(from_snapshot(snapshot), version)
             self.stats.weight_syncs += 1
             self.stats.weight_sync_s += time.perf_counter() - start
-            self.stats.weight_sync_bytes += snapshot_bytes(snapshot)
-            self.queue.add_counters(self.keys.rollout_stats, weight_syncs=1, weight_sync_bytes=snapshot_bytes(snapshot))
+            received = snapshot_bytes(snapshot)  # with LoRA, the adapters' bytes alone
+            self.stats.weight_sync_bytes += received
+            self.queue.add_counters(self.keys.rollout_stats, weight_syncs=1, weight_sync_bytes=received)
         return self.engine.version
 
     @property
