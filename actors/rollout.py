@@ -81,7 +81,8 @@ class RolloutWorker:
         if newer is not None:
             version, state_dict = newer
             self.engine.load_weights(state_dict, version)
-            self._count(weight_sync_bytes=sum(t.numel() * t.element_size() for t in state_dict.values()))
+            received = sum(t.numel() * t.element_size() for t in state_dict.values())  # with LoRA, the adapters' alone
+            self._count(weight_sync_bytes=received)
         return self.engine.version
 
     def _sync_counted(self) -> None:

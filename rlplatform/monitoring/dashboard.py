@@ -34,6 +34,7 @@ SECTIONS: List[Tuple[str, str, List[Panel]]] = [
     ("async", "Asynchrony", [
         Panel("Policy version", ["policy_version"]), Panel("Staleness of trained samples", ["staleness"], "histogram"),
         Panel("Dropped as stale", ["samples_dropped_stale"]), Panel("Weight sync (s)", ["weight_sync_s"]),
+        Panel("Weight bytes per sync", ["weight_bytes_per_sync"]),
         Panel("Busy fractions", ["rollout_busy_fraction", "learner_busy_fraction", "reward_busy_fraction"]),
         Panel("Reward queue depth", ["queue_depth"]), Panel("Reward latency (s)", ["reward_latency_s"]),
         Panel("Throughput", ["samples_per_s", "trained_samples_per_s"]), Panel("Tokens/s", ["tokens_per_s", "learner_tokens_per_s"])]),
