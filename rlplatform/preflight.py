@@ -32,11 +32,15 @@ def check(config: JobConfig, source: str) -> None:
 
 
 def check_engines(config: JobConfig, source: str) -> None:
-    """`rollout.engine: vllm` has the vllm package, and on a local cluster a CUDA GPU."""
+    """`rollout.engine: vllm` has the vllm package, and on a local cluster a CUDA GPU; with `model.lora`,
+    a rank vLLM's LoRA layers take."""
     for i, policy in enumerate(config.policy_list()):
         if policy.rollout.engine != "vllm":
             continue
-        key = f"{'policies[%d].' % i if config.policies else ''}rollout.engine"
+        prefix = f"policies[{i}]." if config.policies else ""
+        key = f"{prefix}rollout.engine"
+        if policy.model.lora.enabled:
+            _check_vllm_lora_rank(policy.model.lora.rank, prefix, source)
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError(f"{source}: '{key}' is vllm but the vllm package is not installed; "
                               f"pip install -e '.[vllm]', or use rollout.engine: transformers")
@@ -45,6 +49,14 @@ def check_engines(config: JobConfig, source: str) -> None:
         if not (config.ray.address or os.environ.get("RAY_ADDRESS")) and not torch.cuda.is_available():
             raise ConfigError(f"{source}: '{key}' is vllm, which needs a CUDA GPU, but this machine has none "
                               f"(torch {torch.__version__}); use rollout.engine: transformers")
+
+
+def _check_vllm_lora_rank(rank: int, prefix: str, source: str) -> None:
+    from rlplatform.actors.vllm_engine import MAX_LORA_RANKS
+
+    if rank > MAX_LORA_RANKS[-1]:
+        raise ConfigError(f"{source}: '{prefix}model.lora.rank' is {rank} but '{prefix}rollout.engine' is vllm, whose "
+                          f"LoRA ranks go up to {MAX_LORA_RANKS[-1]}; lower the rank or use rollout.engine: transformers")
 
 
 def check_data(config: JobConfig, source: str) -> None:

@@ -104,3 +104,14 @@ def test_streamed_adapters_give_vllm_the_learners_logprobs_in_flight_too(vllm_po
     second = second.cuda()
     for c, learner in zip(moved, _scores(second, moved, 1.0)):  # the tokens after the update are the new adapters'
         torch.testing.assert_close(torch.tensor(c.logprobs[3:]), learner[3:], atol=2e-3, rtol=0)
+
+
+def test_a_lora_rank_vllm_cannot_serve_is_refused_before_the_job_starts():
+    from rlplatform.config import ConfigError, load_config
+    from rlplatform.preflight import check_engines
+
+    overrides = ["rollout.engine=vllm", "model.lora.enabled=true", "model.lora.rank=1024"]
+    with pytest.raises(ConfigError) as err:
+        check_engines(load_config(overrides=overrides), "job.yaml")
+    assert str(err.value).startswith("job.yaml: 'model.lora.rank' is 1024 but 'rollout.engine' is vllm")
+    assert "\n" not in str(err.value)
