@@ -64,7 +64,7 @@ def build_engine(rollout: RolloutConfig, model_path: str, dtype: str, seed: int,
     if rollout.engine == "vllm":
         from rlplatform.actors.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, dtype, rollout.gpu_memory_utilization, seed)
+        return VLLMEngine(model_path, dtype, rollout.gpu_memory_utilization, seed, lora)
     return TransformersEngine(model_path, rollout.device, dtype, lora)
 
 

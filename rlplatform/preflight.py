@@ -32,11 +32,15 @@ def check(config: JobConfig, source: str) -> None:
 
 
 def check_engines(config: JobConfig, source: str) -> None:
-    """`rollout.engine: vllm` has the vllm package, and on a local cluster a CUDA GPU."""
+    """`rollout.engine: vllm` has the vllm package, and on a local cluster a CUDA GPU; with `model.lora`,
+    a rank and dtype vLLM's LoRA layers take."""
     for i, policy in enumerate(config.policy_list()):
         if policy.rollout.engine != "vllm":
             continue
-        key = f"{'policies[%d].' % i if config.policies else ''}rollout.engine"
+        prefix = f"policies[{i}]." if config.policies else ""
+        key = f"{prefix}rollout.engine"
+        if policy.model.lora.enabled:
+            _check_vllm_lora(policy.model, prefix, source)
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError(f"{source}: '{key}' is vllm but the vllm package is not installed; "
                               f"pip install -e '.[vllm]', or use rollout.engine: transformers")
@@ -45,6 +49,21 @@ def check_engines(config: JobConfig, source: str) -> None:
         if not (config.ray.address or os.environ.get("RAY_ADDRESS")) and not torch.cuda.is_available():
             raise ConfigError(f"{source}: '{key}' is vllm, which needs a CUDA GPU, but this machine has none "
                               f"(torch {torch.__version__}); use rollout.engine: transformers")
+
+
+def _check_vllm_lora(model, prefix: str, source: str) -> None:
+    """What vLLM's LoRA layers take: a rank up to its largest, and weights in bfloat16 or float16 (its kernels'
+    only dtypes)."""
+    from rlplatform.actors.vllm_engine import MAX_LORA_RANKS
+
+    engine = f"'{prefix}rollout.engine' is vllm"
+    if model.lora.rank > MAX_LORA_RANKS[-1]:
+        raise ConfigError(f"{source}: '{prefix}model.lora.rank' is {model.lora.rank} but {engine}, whose LoRA "
+                          f"ranks go up to {MAX_LORA_RANKS[-1]}; lower the rank or use rollout.engine: transformers")
+    if model.dtype == "float32":
+        raise ConfigError(f"{source}: '{prefix}model.dtype' is float32 with '{prefix}model.lora' but {engine}, whose "
+                          f"LoRA kernels take bfloat16 or float16; set model.dtype: bfloat16 or use "
+                          f"rollout.engine: transformers")
 
 
 def check_data(config: JobConfig, source: str) -> None:

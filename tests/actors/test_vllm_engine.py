@@ -110,3 +110,25 @@ def test_in_flight_update_keeps_running_requests_and_labels_each_token(engine, v
     reference = _model(vllm_policy, scale=0.05).generate(torch.tensor([after.prompt_ids]).cuda(), max_new_tokens=10,
                                                          do_sample=False)
     assert after.completion_ids == reference[0, len(after.prompt_ids):].tolist()
+
+
+@pytest.mark.gpu
+def test_rows_keep_their_own_length_limit_and_temperature(engine, vllm_policy):
+    """What the OpenAI bridge asks of a batch: per-request `max_tokens` and `temperature`."""
+    from rlplatform.learners.batching import completion_logprobs
+
+    prompt = _ids(engine, ["12+34="])
+    batch = engine.decode_batch(max_new_tokens=8, temperature=0.0)
+    batch.add(prompt, keys=["short"], max_new_tokens=2)
+    batch.add(prompt, keys=["greedy"])
+    batch.add(prompt * 2, keys=["hot0", "hot1"], temperature=3.0)
+    finished = {}
+    while batch:
+        finished.update(batch.step())
+    short, greedy = finished["short"].completion_ids, finished["greedy"].completion_ids
+    assert len(short) <= 2 and short == greedy[:len(short)] and len(greedy) > 2
+    hot = [finished["hot0"], finished["hot1"]]
+    scores = completion_logprobs(_model(vllm_policy), [c.prompt_ids for c in hot], [c.completion_ids for c in hot],
+                                 pad_id=0, temperature=3.0)
+    for c, row, mask in zip(hot, scores.logprobs, scores.mask):
+        torch.testing.assert_close(torch.tensor(c.logprobs), row[mask.bool()].cpu(), atol=2e-3, rtol=0)

@@ -1,15 +1,17 @@
 """Weight broadcast on CPU (gloo): the same code that runs on NCCL between a GPU learner and vLLM
-engines. Real Ray actors: a DeepSpeed learner rank sends, a rollout worker and a probe receive."""
+engines. Real Ray actors: a DeepSpeed learner rank sends, a rollout worker and a probe receive; with
+`model.lora` what flows is the adapters alone, under peft names, which the worker's engine loads."""
 
 from __future__ import annotations
 
 import time
 
 import numpy as np
+import pytest
 import ray
 import torch
 
-from rlplatform.config import LearnerConfig, RLConfig, RolloutConfig
+from rlplatform.config import LearnerConfig, LoraConfig, RLConfig, RolloutConfig
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.tokenization import save_prompts
 from rlplatform.transport.broadcast import ALIGN, inbox, plan_buckets
@@ -18,6 +20,7 @@ from rlplatform.transport.reward_queue import PolicyKeys
 from rlplatform.transport.weight_streams import open_broadcast, receiver
 
 BUCKET_MB = 0.02  # about 20 KB: the tiny policy's weights need several buckets
+LORA = LoraConfig(enabled=True, rank=2, alpha=4.0, target_modules=["q_proj", "v_proj"])
 
 
 def test_buckets_hold_every_weight_aligned_and_within_the_bound():
@@ -49,16 +52,17 @@ class Probe:
         return self.receiver.take()
 
 
+@pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
 def test_learner_broadcasts_each_version_to_every_worker_exactly(ray_session, redis_server, redis_client,
-                                                                  tiny_policy, tmp_path):
+                                                                  tiny_policy, tmp_path, lora):
     from rlplatform.actors.rollout import RolloutActor
 
     job = f"broadcast-test-{time.time_ns()}"
     keys = PolicyKeys(job, "policy")
     worker = RolloutActor.options(num_cpus=0).remote(  # starts while the learner does
         0, "policy", tiny_policy, save_prompts([], str(tmp_path / "prompts.jsonl")), RLConfig(),
-        RolloutConfig(num_cpus=0), redis_server, job, None, 0, "float32", "broadcast")
-    learner = LearnerGroup(LearnerConfig(num_cpus=0), tiny_policy, seed=0, transport="broadcast")
+        RolloutConfig(num_cpus=0), redis_server, job, None, 0, "float32", "broadcast", lora)
+    learner = LearnerGroup(LearnerConfig(num_cpus=0), tiny_policy, seed=0, transport="broadcast", lora=lora)
     probe = Probe.remote(redis_server, keys.version)
     try:
         open_broadcast(learner.ranks[0], [worker, probe], redis_server, keys.version, BUCKET_MB, 120)
@@ -71,6 +75,7 @@ def test_learner_broadcasts_each_version_to_every_worker_exactly(ray_session, re
             received = _wait_for(probe, version)
             assert sorted(received) == sorted(expected[version])  # every weight once (the tied head left out)
             assert all(np.array_equal(received[k].numpy(), a) for k, a in expected[version].items())
+            assert lora is None or all(".lora_" in k for k in received)
             assert _wait_for_worker(worker, version) == version
             assert [redis_client.llen(inbox(keys.version, rank)) for rank in (1, 2)] == [0, 0]  # announcements taken
             if version == 0:

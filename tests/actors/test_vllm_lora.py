@@ -1,0 +1,126 @@
+"""The vLLM engine under LoRA: each streamed version becomes a peft adapter directory that peft loads
+and that holds exactly the streamed tensors (CPU); on a GPU (`gpu` marker), vLLM's LoRA requests give
+the learner's log-probs, and requests in flight move to each new version's adapters."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+
+from rlplatform.actors.vllm_engine import AdapterVersions, max_lora_rank
+from rlplatform.config import LoraConfig, ModelConfig
+from rlplatform.learners.batching import completion_logprobs
+from rlplatform.lora import adapter_parameters, with_adapters
+from rlplatform.policy import load_policy
+from rlplatform.transport.adapters import AdapterSnapshot
+from rlplatform.transport.weights import from_snapshot
+
+LORA = LoraConfig(enabled=True, rank=2, alpha=4.0, target_modules=["q_proj", "v_proj", "down_proj"])
+
+
+def trained(policy_path: str, seed: int, dtype: str = "float32"):
+    """(the wrapped policy, its adapters as streamed: peft names) with adapters set to random values."""
+    wrapped = with_adapters(load_policy(policy_path, dtype)[0], LORA)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in adapter_parameters(wrapped).values():
+            param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+    state = {name: p.detach() for name, p in adapter_parameters(wrapped).items()}
+    return wrapped, from_snapshot(AdapterSnapshot.of(wrapped, state))
+
+
+def test_each_version_is_a_peft_directory_of_exactly_the_streamed_tensors(tiny_policy):
+    versions = AdapterVersions(LORA)
+    learner, streamed = trained(tiny_policy, seed=0)
+    name, lora_id, directory = versions.write(streamed, version=3)
+    written = load_file(os.path.join(directory, "adapter_model.safetensors"))
+    assert sorted(written) == sorted(streamed)
+    assert all(torch.equal(written[k], streamed[k]) for k in streamed)
+    with open(os.path.join(directory, "adapter_config.json")) as f:
+        config = json.load(f)
+    assert (config["r"], config["lora_alpha"]) == (2, 4.0)
+    assert sorted(config["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
+    loaded = PeftModel.from_pretrained(load_policy(tiny_policy)[0], directory)
+    expected = adapter_parameters(learner)
+    assert sorted(adapter_parameters(loaded)) == sorted(expected)
+    assert all(torch.equal(p, expected[k]) for k, p in adapter_parameters(loaded).items())
+    _, second = trained(tiny_policy, seed=1)
+    next_name, next_id, next_directory = versions.write(second, version=4)
+    assert next_name != name and next_id > lora_id > 0 and next_directory != directory
+
+
+def test_max_lora_rank_is_the_smallest_vllm_rank_that_fits():
+    assert [max_lora_rank(r) for r in (1, 2, 8, 9, 320)] == [1, 8, 8, 16, 320]
+    with pytest.raises(ValueError, match="model.lora.rank 600"):
+        max_lora_rank(600)
+
+
+@pytest.fixture(scope="module")
+def vllm_policy(tmp_path_factory):
+    """A random policy whose head size (64) vLLM's attention and LoRA kernels take."""
+    from rlplatform.policy import save_initial_policy
+
+    path = tmp_path_factory.mktemp("vllm_lora_policy")
+    return save_initial_policy(ModelConfig(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=2,
+                                           intermediate_size=256), 0, str(path))
+
+
+def _gaps(completions, model, temperature: float, start: int = 0) -> float:
+    """Mean |behaviour log-prob - `model`'s log-prob| over the completions' tokens from `start` on."""
+    with torch.no_grad():
+        scores = completion_logprobs(model, [c.prompt_ids for c in completions],
+                                     [c.completion_ids for c in completions], pad_id=0, temperature=temperature)
+    gaps = [(torch.tensor(c.logprobs[start:]) - row[mask.bool()].float().cpu()[start:]).abs()
+            for c, row, mask in zip(completions, scores.logprobs, scores.mask)]
+    return torch.cat(gaps).mean().item()
+
+
+@pytest.mark.gpu
+def test_streamed_adapters_give_vllm_the_learners_logprobs_in_flight_too(vllm_policy):
+    """bfloat16 (vLLM's LoRA kernels take no float32): vLLM's log-probs sit near the learner's under
+    the same adapters, far from the base model's and from the other version's."""
+    pytest.importorskip("vllm")
+    from rlplatform.actors.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(vllm_policy, "bfloat16", gpu_memory_utilization=0.3, seed=0, lora=LORA)
+    first, first_state = trained(vllm_policy, seed=0, dtype="bfloat16")
+    second, second_state = trained(vllm_policy, seed=1, dtype="bfloat16")
+    first, second = first.cuda(), second.cuda()
+    prompts = [engine.tokenizer(p)["input_ids"] for p in ["12+34=", "5+5=", "7="]]
+    engine.load_weights(first_state, version=1)
+    done = [c for group in engine.generate(prompts, 2, 8, temperature=0.7) for c in group]
+    assert all(c.versions == [1] * len(c.completion_ids) for c in done)
+    with first.disable_adapter():
+        base = _gaps(done, first, 0.7)
+    assert _gaps(done, first, 0.7) < min(0.02, 0.2 * base)
+    batch = engine.decode_batch(max_new_tokens=10, temperature=1.0)
+    batch.add(prompts, keys=[0, 1, 2])
+    for _ in range(3):
+        assert batch.step() == []
+    engine.load_weights(second_state, version=2)
+    finished = {}
+    while batch:
+        finished.update(batch.step())
+    assert sorted(finished) == [0, 1, 2]  # nothing dropped
+    moved = [c for c in finished.values() if len(c.completion_ids) > 3]
+    assert moved and all(c.versions == [1, 1, 1] + [2] * (len(c.versions) - 3) for c in finished.values())
+    assert _gaps(moved, second, 1.0, start=3) < min(0.02, 0.2 * _gaps(moved, first, 1.0, start=3))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.lora.rank=1024", "model.dtype=bfloat16"], "'model.lora.rank' is 1024 but 'rollout.engine' is vllm"),
+    (["model.dtype=float32"], "'model.dtype' is float32 with 'model.lora' but 'rollout.engine' is vllm"),
+])
+def test_lora_that_vllm_cannot_serve_is_refused_before_the_job_starts(overrides, message):
+    from rlplatform.config import ConfigError, load_config
+    from rlplatform.preflight import check_engines
+
+    base = ["rollout.engine=vllm", "model.lora.enabled=true"]
+    with pytest.raises(ConfigError) as err:
+        check_engines(load_config(overrides=base + overrides), "job.yaml")
+    assert str(err.value).startswith(f"job.yaml: {message}") and "\n" not in str(err.value)
