@@ -1,7 +1,8 @@
 """One DeepSpeed learner rank, run as a Ray actor: SFT and RL steps on its shard of each batch.
 
 Ranks of a group rendezvous over torch.distributed (gloo on CPU, nccl on the GPU Ray assigned
-each rank) and DeepSpeed averages their gradients; ZeRO stage 0-3 and the weights' dtype (DeepSpeed's
+each rank) and DeepSpeed averages their gradients; during RL each fetches its shard of a batch from
+Redis by sample id; ZeRO stage 0-3 and the weights' dtype (DeepSpeed's
 bf16/fp16 modes, with float32 master weights) come from config. Rank 0 publishes full weight
 snapshots to the Ray object store and writes checkpoints and the Hugging Face model.
 """
@@ -24,6 +25,9 @@ from rlplatform.learners.batching import TokenScores, align_per_token, completio
 from rlplatform.learners.losses import reference_kl, sft_loss
 from rlplatform.policy import load_policy
 from rlplatform.tokenization import encode_sft
+from rlplatform.transport.redis_server import connect
+from rlplatform.transport.results import ResultStore
+from rlplatform.transport.reward_queue import JobKeys
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.weights import to_snapshot
 
@@ -62,6 +66,7 @@ class LearnerRank:
         self.tokenizer = None
         self.reference = None  # frozen policy for KL, kept during RL when asked
         self.stage_lr = 0.0
+        self.results: Optional[ResultStore] = None  # the job's scored samples on Redis
 
     def address(self) -> tuple:
         """(host, free port) where rank 0 listens for the rendezvous."""
@@ -352,10 +357,17 @@ class LearnerRank:
                 return {k: v.detach().clone() for k, v in module.state_dict().items()} if wanted else None
         return module.state_dict() if wanted else None
 
-    def rl_step_and_publish(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
+    def connect_results(self, redis_url: str, job: str) -> None:
+        self.results = ResultStore(connect(redis_url), JobKeys(job).result_prefix)
+
+    def rl_step_and_publish(self, sample_ids: List[str], advantages: List[float], rl: RLConfig,
                             sft_rows: Optional[List[Dict]] = None, step: int = 0
                             ) -> Tuple[Dict[str, float], Optional[List[ray.ObjectRef]]]:
-        """`rl_step`, then a snapshot of the new weights, in one call: no round trip between them."""
+        """`rl_step` on this rank's share of a batch, fetched from Redis by id, then a snapshot of the
+        new weights, in one call: no round trip between them."""
+        if self.results is None:
+            raise RuntimeError("learner rank has no Redis to fetch samples from: call connect_results first")
+        samples = self.results.fetch(sample_ids)
         return self.rl_step(samples, advantages, rl, sft_rows, step), self.publish_weights()
 
     def publish_weights(self) -> Optional[List[ray.ObjectRef]]:

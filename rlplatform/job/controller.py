@@ -242,6 +242,7 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, train_rows, test_rows
         policy.model.dtype) for i in range(policy.rollout.num_workers + 1)]
     learner = LearnerGroup(policy.learner, model_path, config.seed, policy.model.dtype, config.data.chat_template,
                            name=f"{config.name}-{policy.name}-learner")
+    learner.connect_results(redis_url, config.name)
     gate = RolloutGate(client, config.name, policy.rl.max_staleness, policy.rl.batch_prompts, policy.name)
     evaluator = Evaluator(rollout.pop(), test, config.eval, config.rewards, config.imports)
     return PolicyWorkers(policy, learner, rollout, store, gate, evaluator, PolicyKeys(config.name, policy.name),
