@@ -82,3 +82,13 @@ def test_ranks_fetch_their_own_shard_and_the_controller_reads_no_tokens(ray_sess
     expected = sorted(sorted(queue.results.key(item.sample_id) for item in share) for share in shares)
     assert sorted(sorted(keys) for keys in gets.values()) == expected  # one connection per rank, its shard only
     assert steps[0]["tokens_total"] == sum(len(s.completion_ids) for s in samples)
+
+
+def test_minibatch_blocks_go_to_the_rank_holding_the_fewest_tokens():
+    tokens = [40, 8, 8, 8, 8, 8, 8, 8]  # one long sample, then short ones
+    shares = shard_minibatches(list(range(8)), ranks=2, minibatches=1, weights=tokens)
+    assert shares == [[0, 6], [1, 2, 3, 4, 5, 7]]
+    assert [sum(tokens[i] for i in share) for share in shares] == [48, 48]
+    shares = shard_minibatches(list(range(8)), ranks=2, minibatches=2, weights=tokens)
+    for j in range(2):  # blocks of 2: rank r's items j::2 together are still the batch's minibatch j
+        assert sorted(shares[0][j::2] + shares[1][j::2]) == list(range(8))[j::2]
