@@ -52,19 +52,19 @@ def pack(prompts: List[List[int]], completions: List[List[int]], pad_id: int,
         rows[row].append(i)
         loads[row] += len(sequences[i])
     length = max(loads)
-    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
-    position_ids = torch.zeros((len(rows), length), dtype=torch.long)
-    index = torch.zeros((len(sequences), width - 1), dtype=torch.long)
+    row_ids, row_positions, starts = [], [], [0] * len(sequences)  # starts: each sequence's flat offset
     for r, members in enumerate(rows):
-        offset = 0
+        ids, positions = [], []
         for i in members:
-            n = len(sequences[i])
-            input_ids[r, offset:offset + n] = torch.tensor(sequences[i])
-            position_ids[r, offset:offset + n] = torch.arange(n)
-            index[i, :n - 1] = r * (length - 1) + offset + torch.arange(n - 1)
-            offset += n
-        position_ids[r, offset:] = torch.arange(length - offset)
-    return PackedBatch(input_ids, position_ids, index, _completion_mask(prompts, completions))
+            starts[i] = r * (length - 1) + len(ids)
+            ids += sequences[i]
+            positions += range(len(sequences[i]))
+        row_ids.append(ids + [pad_id] * (length - len(ids)))
+        row_positions.append(positions + list(range(length - len(ids))))
+    index = _spans(torch.tensor(starts), torch.zeros(len(sequences), dtype=torch.long),
+                   torch.tensor([len(seq) - 1 for seq in sequences]), width - 1)
+    return PackedBatch(torch.tensor(row_ids), torch.tensor(row_positions), index,
+                       _completion_mask(prompts, completions))
 
 
 @dataclass
@@ -86,7 +86,7 @@ def completion_logprobs(model, prompts: List[List[int]], completions: List[List[
 
     `model` is a Hugging Face causal LM or a DeepSpeed engine around one. Its body runs once; the
     output head then projects only the completion positions, `chunk_tokens` at a time (0: as many
-    as fit LOGIT_CHUNK_ELEMENTS), each chunk recomputed in backward, so no full-vocabulary logits
+    as fit LOGIT_CHUNK_ELEMENTS), chunks recomputed in backward when there are several, so no full-vocabulary logits
     exist for the whole batch in either pass.
     """
     device = next(model.parameters()).device
@@ -115,7 +115,10 @@ def completion_logprobs(model, prompts: List[List[int]], completions: List[List[
 def chunked_token_scores(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
                          entropy_grad: bool, chunk_tokens: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """(log-prob of each target, entropy of each distribution) for hidden states (N, H) under the output
-    head, `chunk_tokens` rows at a time; with grad, each chunk's logits are recomputed in backward."""
+    head, `chunk_tokens` rows at a time; with grad and more than one chunk, each chunk's logits are
+    recomputed in backward (a single chunk keeps its logits: no more than one chunk is alive either way)."""
+    if hidden.shape[0] <= chunk_tokens:
+        return _token_scores(head, hidden, targets, temperature, entropy_grad)
     logprobs, entropies = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
         args = (head, hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens], temperature,
@@ -187,10 +190,24 @@ def _final_hidden(model, **inputs) -> torch.Tensor:
 
 def _completion_mask(prompts: List[List[int]], completions: List[List[int]]) -> torch.Tensor:
     width = max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1
-    mask = torch.zeros((len(prompts), width), dtype=torch.float32)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        mask[i, len(p) - 1:len(p) + len(c) - 1] = 1
-    return mask
+    return _span_mask(_lengths(prompts) - 1, _lengths(completions), width).float()
+
+
+def _lengths(sequences: List[List]) -> torch.Tensor:
+    return torch.tensor([len(seq) for seq in sequences])
+
+
+def _span_mask(starts: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """(batch, width) bool: row i true on positions starts[i] .. starts[i] + lengths[i] - 1."""
+    offset = torch.arange(width) - starts.unsqueeze(1)
+    return (offset >= 0) & (offset < lengths.unsqueeze(1))
+
+
+def _spans(values_at: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """(batch, width) long: values_at[i] + j at position starts[i] + j for j < lengths[i], 0 elsewhere."""
+    offset = torch.arange(width) - starts.unsqueeze(1)
+    inside = (offset >= 0) & (offset < lengths.unsqueeze(1))
+    return torch.where(inside, values_at.unsqueeze(1) + offset, torch.zeros_like(offset))
 
 
 def _shared_prompt_tokens(prompts: List[List[int]], completions: List[List[int]]) -> int:
@@ -211,23 +228,17 @@ def _shared_prompt_forward(model, prompts: List[List[int]], completions: List[Li
     distinct: dict = {}
     owner = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts])
     prompt_len, completion_len = max(len(p) for p in distinct), max(len(c) for c in completions)
-    prompt_ids = torch.full((len(distinct), prompt_len), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros((len(distinct), prompt_len), dtype=torch.long)
-    for k, p in enumerate(distinct):
-        prompt_ids[k, prompt_len - len(p):] = torch.tensor(p)
-        prompt_mask[k, prompt_len - len(p):] = 1
+    prompt_ids = torch.tensor([[pad_id] * (prompt_len - len(p)) + list(p) for p in distinct])
+    prompt_mask = torch.tensor([[0] * (prompt_len - len(p)) + [1] * len(p) for p in distinct])
     owner, prompt_ids, prompt_mask = owner.to(device), prompt_ids.to(device), prompt_mask.to(device)
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
     prompt_hidden = _final_hidden(model, input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
                                   past_key_values=cache, use_cache=True)[:, -1]
     cache = DynamicCache(ddp_cache_data=[(layer.keys[owner], layer.values[owner]) for layer in cache.layers])
-    targets = torch.full((len(prompts), completion_len), pad_id, dtype=torch.long)
-    index = torch.zeros((len(prompts), max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1),
-                        dtype=torch.long)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        targets[i, :len(c)] = torch.tensor(c)
-        index[i, len(p) - 1:len(p) - 1 + len(c)] = i * completion_len + torch.arange(len(c))
+    targets = torch.tensor([list(c) + [pad_id] * (completion_len - len(c)) for c in completions])
+    index = _spans(torch.arange(len(prompts)) * completion_len, _lengths(prompts) - 1, _lengths(completions),
+                   max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1)
     targets, index = targets.to(device), index.to(device)
     attention = torch.cat([prompt_mask[owner], torch.ones_like(targets)], dim=1)
     completion_hidden = _final_hidden(model, input_ids=targets, attention_mask=attention,
@@ -239,6 +250,6 @@ def _shared_prompt_forward(model, prompts: List[List[int]], completions: List[Li
 def align_per_token(values: List[List[float]], prompts: List[List[int]], width: int) -> torch.Tensor:
     """Place per-completion-token values (e.g. behaviour log-probs) at their mask positions."""
     out = torch.zeros((len(values), width), dtype=torch.float32)
-    for i, (v, p) in enumerate(zip(values, prompts)):
-        out[i, len(p) - 1:len(p) - 1 + len(v)] = torch.tensor(v, dtype=torch.float32)
+    out[_span_mask(_lengths(prompts) - 1, _lengths(values), width)] = torch.tensor(
+        [x for v in values for x in v], dtype=torch.float32)
     return out

@@ -1,11 +1,13 @@
 """The learner group: the job's DeepSpeed ranks, driven as one learner.
 
-Splits each batch across ranks, runs their steps in parallel and averages their metrics;
+Splits each batch across ranks (its samples in memory, or during RL stages their ids: each rank
+then fetches its own shard from Redis), runs their steps in parallel and averages their metrics;
 rank 0 provides weight snapshots. The controller only talks to this class.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import ray
@@ -19,17 +21,34 @@ from rlplatform.transport.samples import Sample
 T = TypeVar("T")
 
 
+@dataclass
+class TrainItem:
+    """One sample of an RL batch as the controller hands it over: its id on Redis, its advantage and
+    its token count (prompt + completion, for balancing the ranks' shares)."""
+    sample_id: str
+    advantage: float
+    tokens: int
+
+
 def shard(items: Sequence[T], parts: int) -> List[List[T]]:
     return [list(items[i::parts]) for i in range(parts)]
 
 
-def shard_minibatches(items: Sequence[T], ranks: int, minibatches: int) -> List[List[T]]:
+def shard_minibatches(items: Sequence[T], ranks: int, minibatches: int,
+                      weights: Optional[Sequence[int]] = None) -> List[List[T]]:
     """Each rank's share such that its items j::m (m = min(minibatches, len(items))) are its part of
-    the batch's minibatch j, items[j::m]: blocks of m consecutive items dealt to the ranks in turn.
-    Minibatches are then the same whatever the number of ranks."""
+    the batch's minibatch j, items[j::m]: blocks of m consecutive items, each dealt to the rank with
+    the least weight (e.g. tokens) so far (the first such rank; without weights: in turn), a block
+    short of m items last. Minibatches are then the same whatever the number of ranks."""
     m = max(1, min(minibatches, len(items)))
-    blocks = [list(items[start:start + m]) for start in range(0, len(items), m)]
-    return [[item for block in blocks[r::ranks] for item in block] for r in range(ranks)]
+    weights = weights if weights is not None else [1] * len(items)
+    shares: List[List[T]] = [[] for _ in range(ranks)]
+    loads = [0] * ranks
+    for start in range(0, len(items), m):
+        rank = loads.index(min(loads))
+        shares[rank] += items[start:start + m]
+        loads[rank] += sum(weights[start:start + m])
+    return shares
 
 
 class LearnerGroup:
@@ -60,18 +79,33 @@ class LearnerGroup:
         return _mean(deadline_get([rank.sft_step.remote(p) for rank, p in zip(self.ranks, parts)],
                                   "a learner rank's SFT step", LEARNER_TIMEOUT_S))
 
+    def connect_results(self, redis_url: str, job: str) -> None:
+        """Let every rank fetch the job's scored samples from Redis (`rl_step_async`)."""
+        deadline_get([rank.connect_results.remote(redis_url, job) for rank in self.ranks], "a learner rank",
+                     LEARNER_TIMEOUT_S)
+
     def rl_step(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
                 sft_rows: Optional[List[Dict]] = None, step: int = 0) -> Dict[str, float]:
-        return self.gather(self.rl_step_async(samples, advantages, rl, sft_rows, step))[0]
-
-    def rl_step_async(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
-                      sft_rows: Optional[List[Dict]] = None, step: int = 0) -> List[ray.ObjectRef]:
-        """Start RL step `step` on every rank, each publishing its new weights as it ends; `gather` the refs."""
+        """RL step `step` on samples held here, each rank passed its share."""
         n = len(self.ranks)
-        sft_parts = shard(sft_rows, n) if sft_rows else [None] * n
-        return [rank.rl_step_and_publish.remote(s, a, rl, r, step) for rank, s, a, r in
-                zip(self.ranks, shard_minibatches(samples, n, rl.minibatches),
-                    shard_minibatches(advantages, n, rl.minibatches), sft_parts)]
+        weights = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+        refs = [rank.rl_step.remote(s, a, rl, r, step) for rank, s, a, r in
+                zip(self.ranks, shard_minibatches(samples, n, rl.minibatches, weights),
+                    shard_minibatches(advantages, n, rl.minibatches, weights), self._sft_parts(sft_rows))]
+        return _mean(deadline_get(refs, "a learner rank's RL step", LEARNER_TIMEOUT_S))
+
+    def rl_step_async(self, batch: List[TrainItem], rl: RLConfig, sft_rows: Optional[List[Dict]] = None,
+                      step: int = 0) -> List[ray.ObjectRef]:
+        """Start RL step `step` on every rank with its token-balanced share of the batch's ids and
+        advantages (each rank fetches its samples from Redis: `connect_results`), each publishing its
+        new weights as it ends; `gather` the refs."""
+        shares = shard_minibatches(batch, len(self.ranks), rl.minibatches, [item.tokens for item in batch])
+        return [rank.rl_step_and_publish.remote([i.sample_id for i in share], [i.advantage for i in share], rl,
+                                                rows, step)
+                for rank, share, rows in zip(self.ranks, shares, self._sft_parts(sft_rows))]
+
+    def _sft_parts(self, sft_rows: Optional[List[Dict]]) -> List[Optional[List[Dict]]]:
+        return shard(sft_rows, len(self.ranks)) if sft_rows else [None] * len(self.ranks)
 
     @staticmethod
     def gather(refs: List[ray.ObjectRef]) -> Tuple[Dict[str, float], ray.ObjectRef]:

@@ -1,7 +1,8 @@
 """One DeepSpeed learner rank, run as a Ray actor: SFT and RL steps on its shard of each batch.
 
 Ranks of a group rendezvous over torch.distributed (gloo on CPU, nccl on the GPU Ray assigned
-each rank) and DeepSpeed averages their gradients; ZeRO stage 0-3 and the weights' dtype (DeepSpeed's
+each rank) and DeepSpeed averages their gradients; during RL each fetches its shard of a batch from
+Redis by sample id; ZeRO stage 0-3 and the weights' dtype (DeepSpeed's
 bf16/fp16 modes, with float32 master weights) come from config. Rank 0 publishes full weight
 snapshots to the Ray object store and writes checkpoints and the Hugging Face model; with
 `model.lora` the ranks train adapters only and those alone are published and saved (`learners/lora.py`).
@@ -28,6 +29,9 @@ from rlplatform.lora import with_adapters
 from rlplatform.policy import load_policy
 from rlplatform.tokenization import encode_sft
 from rlplatform.transport.adapters import AdapterSnapshot
+from rlplatform.transport.redis_server import connect
+from rlplatform.transport.results import ResultStore
+from rlplatform.transport.reward_queue import JobKeys
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.weight_streams import Publisher
 from rlplatform.transport.weights import from_snapshot, to_snapshot
@@ -70,6 +74,7 @@ class LearnerRank:
         self.reference = None  # frozen policy for KL, kept during RL when asked
         self.stage_lr = 0.0
         self.publisher = Publisher(transport)  # how rank 0 streams each new version (weights.transport)
+        self.results: Optional[ResultStore] = None  # the job's scored samples on Redis
 
     def address(self) -> tuple:
         """(host, free port) where rank 0 listens for the rendezvous."""
@@ -370,10 +375,17 @@ class LearnerRank:
                 return {k: v.detach().clone() for k, v in module.state_dict().items()} if wanted else None
         return module.state_dict() if wanted else None
 
-    def rl_step_and_publish(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
+    def connect_results(self, redis_url: str, job: str) -> None:
+        self.results = ResultStore(connect(redis_url), JobKeys(job).result_prefix)
+
+    def rl_step_and_publish(self, sample_ids: List[str], advantages: List[float], rl: RLConfig,
                             sft_rows: Optional[List[Dict]] = None, step: int = 0
                             ) -> Tuple[Dict[str, float], Optional[List]]:
-        """`rl_step`, then the new weights streamed as version `step + 1`, in one call: no round trip between them."""
+        """`rl_step` on this rank's share of a batch, fetched from Redis by id, then the new weights
+        streamed as version `step + 1`, in one call: no round trip between them."""
+        if self.results is None:
+            raise RuntimeError("learner rank has no Redis to fetch samples from: call connect_results first")
+        samples = self.results.fetch(sample_ids)
         return self.rl_step(samples, advantages, rl, sft_rows, step), self.stream_weights(step + 1)
 
     def stream_weights(self, version: int) -> Optional[List]:

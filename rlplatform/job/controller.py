@@ -277,6 +277,7 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, train_rows, test_rows
     else:
         rollout = _start_rollout_actors(config, policy, model_path, prompts_path, redis_url, store_name)
         learner = _start_learner(config, policy, model_path)
+    learner.connect_results(redis_url, config.name)
     if policy.weights.transport == "broadcast":
         open_broadcast(learner.ranks[0], rollout, redis_url, PolicyKeys(config.name, policy.name).version,
                        policy.weights.bucket_mb, LEARNER_TIMEOUT_S)

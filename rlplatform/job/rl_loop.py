@@ -1,9 +1,11 @@
 """The asynchronous RL stage: scored groups -> advantages -> learner step -> publish weights.
 
-Rollout and reward workers run their own loops the whole time; this loop only collects
-scored samples from the shared reward queue, routes them to their policy, hands each policy's
-learner fresh-enough batches (several policies' steps run at once) and streams each new
-version back. Samples too stale for the bound are dropped and counted.
+Rollout and reward workers run their own loops the whole time; this loop only reads the
+metadata of scored samples (ids, version, reward, token counts) from the shared reward queue,
+routes it to its policy, hands each policy's learner fresh-enough batches as sample ids with
+their advantages (the learner ranks fetch the samples from Redis; several policies' steps run at
+once) and streams each new version back. Samples too stale for the bound are dropped and counted;
+trained and dropped samples are deleted from Redis.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from rlplatform.job.signals import StopSignals
 from rlplatform.job.supervision import Supervisor
 from rlplatform.job.workers import PolicyWorkers, publish
 from rlplatform.learners.algorithms import ADVANTAGE_ESTIMATORS, grpo_advantages
+from rlplatform.learners.group import TrainItem
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.rl_monitor import RLMonitor
 from rlplatform.transport.buffer import Batch, GroupBuffer
 from rlplatform.transport.deadlines import Heartbeats, SilentWorkers
 from rlplatform.transport.ledger import PromptLedger
 from rlplatform.transport.reward_queue import RewardQueue
+from rlplatform.transport.samples import ResultMeta
 
 
 @dataclass
@@ -105,10 +109,17 @@ class PolicyRun:
         """The learner step in flight's result refs (empty when none is)."""
         return self._step[0] if self._step is not None else []
 
-    def absorb(self, scored) -> None:
+    def absorb(self, scored: ResultMeta) -> None:
         self.buffer.add(scored)
         self.counters.samples_dropped_expired = self.buffer.samples_expired
         _count_scored(scored, self.counters)
+        self._forget_expired()
+
+    def _forget_expired(self) -> None:
+        """Delete the stored results of expired groups' samples."""
+        if self.buffer.forgotten:
+            self.queue.results.delete(self.buffer.forgotten)
+            self.buffer.forgotten = []
 
     def watch(self) -> None:
         """Every few seconds: expire groups past rl.group_timeout_s."""
@@ -121,6 +132,7 @@ class PolicyRun:
                 self.workers.gate.release(1)
                 self.counters.groups_expired += 1
         self.counters.samples_dropped_expired = self.buffer.samples_expired
+        self._forget_expired()
 
     def advance(self) -> bool:
         """Finish the learner step in flight, or start one if a batch is ready; True if either happened."""
@@ -134,6 +146,7 @@ class PolicyRun:
         batch = self.buffer.take(self.rl.batch_prompts, self.version, self.rl.max_staleness,
                                  self.rl.filter_zero_advantage)
         _count_dropped(batch, self.counters, self.ledger)
+        self.queue.results.delete(batch.dropped_ids())
         self.workers.gate.release(batch.dropped_groups)  # dropped groups will never be trained: free their claims
         if not batch.groups:
             self.monitor.idle(self.version)
@@ -142,8 +155,8 @@ class PolicyRun:
         advantages = [a for group in _advantages(self.rl, rewards) for a in group]
         sft_rows = random.Random(self.version).sample(self.train_rows, self.rl.batch_prompts) \
             if self.rl.sft_coef else None
-        refs = self.workers.learner.rl_step_async([s.sample for s in batch.samples], advantages, self.rl, sft_rows,
-                                                  step=self.version)
+        items = [TrainItem(s.sample_id, a, s.tokens) for s, a in zip(batch.samples, advantages)]
+        refs = self.workers.learner.rl_step_async(items, self.rl, sft_rows, step=self.version)
         self._step = (refs, batch, time.perf_counter())
         return True
 
@@ -156,7 +169,7 @@ class PolicyRun:
         self.counters.learner_busy_s += time.perf_counter() - started
         self.first_step_at = self.first_step_at or time.time()
         self.counters.samples_trained += len(batch.samples)
-        gaps = [self.version - s.sample.version for s in batch.samples]  # versions behind the weights trained
+        gaps = [self.version - s.version for s in batch.samples]  # versions behind the weights trained
         self.counters.staleness_trained.update(gaps)
         self.version += 1
         self._record_trained(batch)
@@ -165,14 +178,15 @@ class PolicyRun:
         self.counters.weight_publish_s += publish_s
         self._evaluate_in_background()
         self.monitor.step(self.version, step_metrics, batch, gaps, self.counters, publish_s)
+        self.queue.results.delete(s.sample_id for s in batch.samples)
         return True
 
     def _record_trained(self, batch: Batch) -> None:
         """Close the batch's groups in the ledger and append its sample ids to trained.jsonl."""
         for group in batch.groups:
-            self.ledger.close(group[0].sample.group_id, "trained")
+            self.ledger.close(group[0].group_id, "trained")
         with open(self.trained_log, "a") as f:
-            f.write(json.dumps({"step": self.version, "sample_ids": [s.sample.sample_id for s in batch.samples]})
+            f.write(json.dumps({"step": self.version, "sample_ids": [s.sample_id for s in batch.samples]})
                     + "\n")
 
     def _evaluate_in_background(self) -> None:
@@ -220,6 +234,7 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
     """Train every policy to `rl.max_steps` from its version 0 (already published) or from `resume`,
     learner steps of different policies running at once, checkpoints every `checkpoint.every_steps`
     and at the end; a stop signal ends it early, checkpointed. Returns each policy's figures by name."""
+    controller_cpu_start = time.process_time()
     runs = {p.name: PolicyRun(job, p, queue, metrics, train_rows) for p in policies}
     attempt = resume.attempt if resume else 0
     for name, run in runs.items():
@@ -242,12 +257,15 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
     supervisor.wait_ended("reward", 600.0)
     supervisor.wait_ended("rollout", 600.0)
     unused = _unused_at_end(runs, queue)
+    held = queue.results.held()  # results stored and neither trained nor dropped: those unused
     figures = {}
     for name, run in runs.items():
         figures[name] = run.summary(unused[name])
         figures[name]["restarts"] = {"rollout": 0, "reward": 0, **supervisor.restarts,
                                      "evaluator": run.workers.evaluator.restarts}
         figures[name]["checkpoint"] = checkpoints.latest
+        figures[name]["results_held_at_end"] = held  # all policies'
+        figures[name]["controller_cpu_s"] = round(time.process_time() - controller_cpu_start, 3)  # all policies'
     return figures
 
 
@@ -291,8 +309,8 @@ def _turn(runs: Dict[str, PolicyRun], queue: RewardQueue) -> None:
     if in_flight:  # wake the moment the learner steps end; results wait in Redis meanwhile
         ray.wait(in_flight, num_returns=len(in_flight), timeout=0.02)
     for scored in queue.read_results(block_ms=None if in_flight else 20):
-        if scored.sample.policy in runs:
-            runs[scored.sample.policy].absorb(scored)
+        if scored.policy in runs:
+            runs[scored.policy].absorb(scored)
     for run in runs.values():
         run.advance()
         run.watch()
@@ -347,7 +365,7 @@ def _advantages(rl, rewards: List[List[float]]) -> List[List[float]]:
     return ADVANTAGE_ESTIMATORS[rl.algorithm](rewards)
 
 
-def _count_scored(scored, counters: RLCounters) -> None:
+def _count_scored(scored: ResultMeta, counters: RLCounters) -> None:
     counters.samples_scored += 1
     counters.reward_errors += scored.error is not None
     counters.reward_timeouts += "timeout" in (scored.error or "").lower()
@@ -363,7 +381,7 @@ def _count_dropped(batch: Batch, counters: RLCounters, ledger: PromptLedger) -> 
     for outcome, groups in (("dropped_stale", batch.dropped_stale), ("dropped_error", batch.dropped_errors),
                             ("dropped_zero_advantage", batch.dropped_zero_advantage)):
         for group in groups:
-            ledger.close(group[0].sample.group_id, outcome)
+            ledger.close(group[0].group_id, outcome)
 
 
 def _unused_at_end(runs: Dict[str, "PolicyRun"], queue: RewardQueue) -> Dict[str, Dict[str, int]]:
@@ -374,7 +392,7 @@ def _unused_at_end(runs: Dict[str, "PolicyRun"], queue: RewardQueue) -> Dict[str
         results = queue.read_results(block_ms=None)
         if not results:
             break
-        unread.update(scored.sample.policy for scored in results)
+        unread.update(scored.policy for scored in results)
     unscored = queue.unscored_by_policy()
     return {name: {"in_buffer": run.buffer.held_samples(), "scored_unread": unread[name],
                    "unscored": unscored[name]} for name, run in runs.items()}

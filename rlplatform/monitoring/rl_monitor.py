@@ -120,7 +120,7 @@ class RLMonitor:
                 "wall_time_s": time.perf_counter() - self.start}
 
     def _learning(self, learner_metrics: Dict[str, float], batch: Batch) -> Dict[str, float]:
-        lengths = [len(s.sample.completion_ids) for s in batch.samples]
+        lengths = [s.completion_tokens for s in batch.samples]
         values = {k: learner_metrics[k] for k in LEARNING_KEYS if k in learner_metrics}
         return {**values, "response_length_mean": sum(lengths) / len(lengths), "response_length_max": max(lengths)}
 
@@ -165,8 +165,9 @@ class RLMonitor:
         rows = batch.samples[:self.config.monitoring.samples_rows]
         names = sorted(rows[0].components)
         table = wandb.Table(columns=["step", "policy", "version", "prompt", "completion", "reward", *names, "error"])
-        for s in rows:
-            table.add_data(version, s.sample.policy, s.sample.version, s.sample.prompt, s.sample.completion,
+        texts = self.queue.results.fetch([s.sample_id for s in rows])  # the few shown, read from Redis
+        for s, text in zip(rows, texts):
+            table.add_data(version, s.policy, s.version, text.prompt, text.completion,
                            s.reward, *[s.components.get(n) for n in names], s.error or "")
         return table
 

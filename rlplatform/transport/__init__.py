@@ -2,7 +2,8 @@
 
 Samples (`samples`: records and their msgpack wire format) go from rollout workers to reward
 workers through the reward queue on Redis Streams (`reward_queue`, served by `redis_server`
-when the job brings its own Redis); scored samples are grouped for the learner (`buffer`);
+when the job brings its own Redis); scored samples stay on Redis by id (`results`) for the
+learner ranks to fetch, while their small metadata is grouped into batches (`buffer`);
 the staleness gate (`staleness`) bounds how far rollout workers run ahead of the learner;
 versioned weight snapshots go from the learner back to the rollout workers (`weights`; with
 LoRA, snapshots of the adapters alone: `adapters`); the

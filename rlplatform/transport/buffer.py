@@ -1,10 +1,11 @@
 """The scored-group buffer between the reward queue and the learner.
 
-Scored samples arrive one by one, in any order; the buffer assembles them into groups (all
-completions of one prompt) and hands the learner batches of complete groups, oldest policy
-version first. Groups over the staleness bound, and groups left with fewer than two
+Scored samples' metadata (`ResultMeta`: ids, version, reward, token counts) arrive one by one,
+in any order; the buffer assembles them into groups (all completions of one prompt) and chooses
+the learner's batches of complete groups, oldest policy version first. Groups over the staleness bound, and groups left with fewer than two
 samples once reward errors and filter drops are removed, are dropped and counted, never
 trained on; so are groups expired before they completed (a sample lost to dead letters).
+`forgotten` lists the samples of expired groups, whose stored results can be deleted.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Set
 
-from rlplatform.transport.samples import ScoredSample
+from rlplatform.transport.samples import ResultMeta
 
-Group = List[ScoredSample]
+Group = List[ResultMeta]
 
 
 @dataclass
@@ -23,10 +24,10 @@ class Batch:
     dropped_stale: List[Group] = field(default_factory=list)
     dropped_errors: List[Group] = field(default_factory=list)
     dropped_zero_advantage: List[Group] = field(default_factory=list)  # all rewards equal: nothing to learn
-    dropped_invalid: List[ScoredSample] = field(default_factory=list)  # error or drop-flagged samples of trained groups
+    dropped_invalid: List[ResultMeta] = field(default_factory=list)  # error or drop-flagged samples of trained groups
 
     @property
-    def samples(self) -> List[ScoredSample]:
+    def samples(self) -> List[ResultMeta]:
         return [s for group in self.groups for s in group]
 
     @property
@@ -34,13 +35,18 @@ class Batch:
         """Whole groups this take dropped: their gate claims can be given back."""
         return len(self.dropped_stale) + len(self.dropped_errors) + len(self.dropped_zero_advantage)
 
+    def dropped_ids(self) -> List[str]:
+        """Every sample this take dropped: never trained, their stored results can go."""
+        groups = self.dropped_stale + self.dropped_errors + self.dropped_zero_advantage
+        return [s.sample_id for s in [*(s for g in groups for s in g), *self.dropped_invalid]]
 
-def _trainable(scored: ScoredSample) -> bool:
+
+def _trainable(scored: ResultMeta) -> bool:
     return scored.error is None and not scored.drop
 
 
 def group_version(group: Group) -> int:
-    return min(s.sample.version for s in group)
+    return min(s.version for s in group)
 
 
 class GroupBuffer:
@@ -51,16 +57,18 @@ class GroupBuffer:
         self._completed_ids: Set[str] = set()  # groups already complete: later redeliveries are ignored
         self._expired_ids: Set[str] = set()  # groups given up on: their late results are dropped
         self.samples_expired = 0  # samples of expired groups, dropped
+        self.forgotten: List[str] = []  # sample ids of expired groups dropped here, not yet deleted
 
-    def add(self, scored: ScoredSample) -> None:
-        group_id = scored.sample.group_id
+    def add(self, scored: ResultMeta) -> None:
+        group_id = scored.group_id
         if group_id in self._expired_ids:
             self.samples_expired += 1
+            self.forgotten.append(scored.sample_id)
             return
         if group_id in self._completed_ids:
             return  # a redelivered result of a group already complete
         group = self._partial.setdefault(group_id, [])
-        if any(s.sample.sample_id == scored.sample.sample_id for s in group):
+        if any(s.sample_id == scored.sample_id for s in group):
             return  # a redelivered result: already counted
         group.append(scored)
         if len(group) == self.group_size:
@@ -73,7 +81,9 @@ class GroupBuffer:
     def expire(self, group_id: str) -> None:
         """Give up on an incomplete group: drop what arrived of it and whatever arrives later."""
         self._expired_ids.add(group_id)
-        self.samples_expired += len(self._partial.pop(group_id, []))
+        dropped = self._partial.pop(group_id, [])
+        self.samples_expired += len(dropped)
+        self.forgotten += [s.sample_id for s in dropped]
 
     def ready(self) -> int:
         return len(self._complete)

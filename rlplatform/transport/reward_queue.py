@@ -2,9 +2,11 @@
 
 Requests go to `rlp:<job>:requests`, read through the consumer group `reward-workers`
 (at-least-once). A reward worker stores each result with one Lua script that records the
-sample id, appends the result to `rlp:<job>:results` only the first time that id is seen
-(idempotent), then acknowledges and deletes the request. Messages that cannot be decoded go
-to `rlp:<job>:dead` with the reason. The controller reads results in order from the results stream.
+sample id and, only the first time that id is seen (idempotent), stores the whole result under
+its id (`results.ResultStore`) and appends its small `ResultMeta` to `rlp:<job>:results`, then
+acknowledges and deletes the request. Messages that cannot be decoded go to `rlp:<job>:dead`
+with the reason. The controller reads the metadata in order from the results stream; learner
+ranks read the samples themselves by id.
 Producers append only while the requests stream stays within the job's bound (recorded on
 Redis by the controller), and otherwise wait: backpressure, never dropping.
 """
@@ -17,18 +19,20 @@ from typing import List, Optional, Tuple
 
 import redis
 
-from rlplatform.transport.samples import (Sample, ScoredSample, WireFormatError, decode_sample, decode_scored,
-                                          encode_sample, encode_scored)
+from rlplatform.transport.results import ResultStore
+from rlplatform.transport.samples import (ResultMeta, Sample, ScoredSample, WireFormatError, decode_meta,
+                                          decode_sample, encode_meta, encode_sample, encode_scored)
 
 GROUP = "reward-workers"
 
-# KEYS: scored-ids set, results stream, requests stream. ARGV: group, then
-# (message id, sample id, payload) triples. Returns how many results were new.
+# KEYS: scored-ids set, results stream, requests stream. ARGV: group, result key prefix, then
+# (message id, sample id, payload, metadata) quadruples. Returns how many results were new.
 _STORE_RESULTS = """
 local added = 0
-for i = 2, #ARGV, 3 do
+for i = 3, #ARGV, 4 do
   if redis.call('SADD', KEYS[1], ARGV[i + 1]) == 1 then
-    redis.call('XADD', KEYS[2], '*', 'data', ARGV[i + 2])
+    redis.call('SET', ARGV[2] .. ARGV[i + 1], ARGV[i + 2])
+    redis.call('XADD', KEYS[2], '*', 'meta', ARGV[i + 3])
     added = added + 1
   end
   redis.call('XACK', KEYS[3], ARGV[1], ARGV[i])
@@ -65,7 +69,8 @@ class JobKeys:
     def __init__(self, job: str) -> None:
         self.prefix = f"rlp:{job}"
         self.requests = f"{self.prefix}:requests"
-        self.results = f"{self.prefix}:results"
+        self.results = f"{self.prefix}:results"  # the metadata of each new result
+        self.result_prefix = f"{self.prefix}:result:"  # + sample id: the whole result, until trained or dropped
         self.scored_ids = f"{self.prefix}:scored-ids"
         self.dead = f"{self.prefix}:dead"
         self.stop = f"{self.prefix}:stop"
@@ -98,6 +103,7 @@ class RewardQueue:
         self.max_pending = max_pending
         self._store = client.register_script(_STORE_RESULTS)
         self._submit = client.register_script(_SUBMIT_WITHIN_BOUND)
+        self.results = ResultStore(client, self.keys.result_prefix)
         self._last_result_id = "0-0"
 
     def create_group(self) -> None:
@@ -147,9 +153,9 @@ class RewardQueue:
         """Store (message id, result) pairs once per sample id and acknowledge them."""
         if not done:
             return 0
-        args: list = [GROUP]
+        args: list = [GROUP, self.keys.result_prefix]
         for msg_id, scored in done:
-            args += [msg_id, scored.sample.sample_id, encode_scored(scored)]
+            args += [msg_id, scored.sample.sample_id, encode_scored(scored), encode_meta(ResultMeta.of(scored))]
         keys = [self.keys.scored_ids, self.keys.results, self.keys.requests]
         return int(self._store(keys=keys, args=args))
 
@@ -179,8 +185,9 @@ class RewardQueue:
         return taken
 
     # results side (the controller)
-    def read_results(self, count: int = 1024, block_ms: Optional[int] = 100) -> List[ScoredSample]:
-        """Results not read before, oldest first; read entries are trimmed from the stream."""
+    def read_results(self, count: int = 1024, block_ms: Optional[int] = 100) -> List[ResultMeta]:
+        """The metadata of results not read before, oldest first; read entries are trimmed from the
+        stream (the results themselves stay in `self.results` until deleted)."""
         reply = self.client.xread({self.keys.results: self._last_result_id}, count=count, block=block_ms)
         if not reply:
             return []
@@ -190,9 +197,9 @@ class RewardQueue:
         results = []
         for msg_id, fields in entries:
             try:
-                results.append(decode_scored(fields.get(b"data", b"")))
+                results.append(decode_meta(fields.get(b"meta", b"")))
             except WireFormatError as err:
-                self.client.xadd(self.keys.dead, {"data": fields.get(b"data", b""), "reason": str(err),
+                self.client.xadd(self.keys.dead, {"data": fields.get(b"meta", b""), "reason": str(err),
                                                   "message_id": _text(msg_id)})
         return results
 

@@ -4,6 +4,8 @@ A `Sample` is one completion with everything the learner needs to train on it of
 token ids, the behaviour log-prob and the policy version of every completion token, and the
 data row it answers. On Redis they travel as msgpack maps with a schema version; decoding
 checks every field, so a malformed message is rejected with a reason and never executed.
+A `ResultMeta` is the few fields of a scored sample the controller batches on (ids, version,
+reward, token counts), without its tokens or text.
 """
 
 from __future__ import annotations
@@ -58,6 +60,57 @@ class ScoredSample:
     drop: bool = False  # a `drop` filter flagged it: never trained on
     scored_at: float = 0.0  # unix time the reward worker stored the result
     reasons: Dict[str, str] = field(default_factory=dict)  # why, by reward label, for rewards that say (a Verdict)
+
+
+@dataclass
+class ResultMeta:
+    """What the controller reads of a scored sample: enough to group, gate, weigh and count it."""
+    sample_id: str
+    group_id: str
+    policy: str
+    version: int  # the sample's version (its oldest token's)
+    prompt_tokens: int
+    completion_tokens: int
+    reward: float
+    components: Dict[str, float]
+    error: Optional[str] = None
+    filtered: bool = False
+    drop: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @classmethod
+    def of(cls, scored: ScoredSample) -> "ResultMeta":
+        sample = scored.sample
+        return cls(sample.sample_id, sample.group_id, sample.policy, sample.version, len(sample.prompt_ids),
+                   len(sample.completion_ids), float(scored.reward), dict(scored.components), scored.error,
+                   bool(scored.filtered), bool(scored.drop))
+
+
+_META_TYPES = {"sample_id": str, "group_id": str, "policy": str, "version": int, "prompt_tokens": int,
+               "completion_tokens": int, "reward": (int, float), "components": dict, "filtered": bool, "drop": bool}
+
+
+def encode_meta(meta: ResultMeta) -> bytes:
+    return msgpack.packb({"v": SCHEMA_VERSION, **asdict(meta)})
+
+
+def decode_meta(data: bytes) -> ResultMeta:
+    body = _unpack(data)
+    for name, kind in _META_TYPES.items():
+        if not isinstance(body.get(name), kind) or (kind is int and isinstance(body[name], bool)):
+            raise WireFormatError(f"result record field '{name}' missing or of the wrong type")
+    error = body.get("error")
+    if error is not None and not isinstance(error, str):
+        raise WireFormatError("'error' must be a string or null")
+    components = body["components"]
+    if not all(isinstance(v, (int, float)) for v in components.values()):
+        raise WireFormatError("result record 'components' holds a value that is not a number")
+    fields = {name: body[name] for name in _META_TYPES}
+    fields.update(reward=float(body["reward"]), components={str(k): float(v) for k, v in components.items()})
+    return ResultMeta(**fields, error=error)
 
 
 _SAMPLE_TYPES = {

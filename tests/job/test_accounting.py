@@ -10,7 +10,7 @@ from rlplatform.job.rl_loop import RLCounters, _count_dropped, _unused_at_end
 from rlplatform.transport.buffer import GroupBuffer
 from rlplatform.transport.ledger import PromptLedger
 from rlplatform.transport.reward_queue import RewardQueue
-from rlplatform.transport.samples import Sample, ScoredSample
+from rlplatform.transport.samples import ResultMeta, Sample, ScoredSample
 
 
 def sample(policy: str, group: str, i: int) -> Sample:
@@ -31,8 +31,8 @@ def test_unused_samples_are_counted_where_they_sit_per_policy(redis_client):
     queue.dead_letter(held[1][0], held[1][1], "undecodable")  # one dead-lettered; held[2] stays pending
     buffer = GroupBuffer(group_size=4)
     for i in range(4):
-        buffer.add(scored("a", "ga", i))  # a complete group, not taken
-    buffer.add(scored("a", "gb", 0))  # a group still filling
+        buffer.add(ResultMeta.of(scored("a", "ga", i)))  # a complete group, not taken
+    buffer.add(ResultMeta.of(scored("a", "gb", 0)))  # a group still filling
     runs = {"a": SimpleNamespace(buffer=buffer), "b": SimpleNamespace(buffer=GroupBuffer(group_size=4))}
     assert _unused_at_end(runs, queue) == {
         "a": {"in_buffer": 5, "scored_unread": 1, "unscored": 4},  # 2 unread + 1 held + 1 dead letter
@@ -42,7 +42,7 @@ def test_unused_samples_are_counted_where_they_sit_per_policy(redis_client):
 def test_samples_cut_from_a_trained_group_are_counted_as_dropped(redis_client):
     buffer = GroupBuffer(group_size=4)
     for i in range(4):
-        buffer.add(scored("a", "g", i, reward=float(i % 2), error="timeout" if i == 3 else None))
+        buffer.add(ResultMeta.of(scored("a", "g", i, reward=float(i % 2), error="timeout" if i == 3 else None)))
     batch = buffer.take(batch_prompts=1, learner_version=0, max_staleness=1)
     counters = RLCounters()
     _count_dropped(batch, counters, PromptLedger(redis_client, "accounting", "a"))

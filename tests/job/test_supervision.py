@@ -90,6 +90,9 @@ def test_sample_lost_to_dead_letters_expires_its_group_instead_of_deadlocking(ra
     assert rl["groups_expired"] >= 1 and rl["samples_dropped_expired"] >= config.rl.group_size - 1
     assert rl["ledger"]["expired"] == rl["groups_expired"] and balanced(rl["ledger"])
     assert rl["ledger"]["trained"] == 3 * 2
+    # trained and expired samples' results were deleted from Redis: only the untrained ones are left
+    unused = rl["samples_unused_where"]
+    assert rl["results_held_at_end"] == unused["in_buffer"] + unused["scored_unread"]
 
 
 def test_learner_rank_death_ends_the_job_naming_the_checkpoint(ray_session, tiny_job, run_files):

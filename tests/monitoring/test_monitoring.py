@@ -23,7 +23,7 @@ from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.rl_monitor import RLMonitor, TrailingRate
 from rlplatform.transport.buffer import Batch
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
-from rlplatform.transport.samples import Sample, ScoredSample
+from rlplatform.transport.samples import ResultMeta, Sample, ScoredSample
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
@@ -64,13 +64,14 @@ def test_offline_run_holds_every_dashboard_key_and_the_samples_table(ray_session
 
 
 def scored_group(group: str, reward: float, version: int) -> list:
-    return [ScoredSample(Sample(f"{group}/{i}", group, "policy", "1+1=", "2", [4], [5, 2], [-0.1, -0.2],
-                                [version, version], {"answer": "2"}), reward, {"exact_match": reward})
+    return [ResultMeta.of(ScoredSample(Sample(f"{group}/{i}", group, "policy", "1+1=", "2", [4], [5, 2], [-0.1, -0.2],
+                                              [version, version], {"answer": "2"}), reward, {"exact_match": reward}))
             for i in range(4)]
 
 
 def test_alert_fires_once_on_a_forced_reward_collapse(redis_client, tmp_path, capsys):
-    config = load_config(QUICKSTART, [f"output_dir={tmp_path}", "name=collapse", "wandb.mode=disabled"])
+    config = load_config(QUICKSTART, [f"output_dir={tmp_path}", "name=collapse", "wandb.mode=disabled",
+                                                "monitoring.samples_every=0"])
     metrics = Metrics(config, str(tmp_path))
     monitor = RLMonitor(config, config.rl, metrics, RewardQueue(redis_client, "collapse"), "policy",
                         PolicyKeys("collapse", "policy"), rollout_workers=1)

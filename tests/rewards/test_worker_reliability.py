@@ -79,7 +79,7 @@ def test_worker_killed_mid_batch_loses_no_sample(redis_server, redis_client, job
         survivor.step(block_ms=50)
         collect(queue, results)
     collect(queue, results)
-    ids = [r.sample.sample_id for r in results]
+    ids = [r.sample_id for r in results]
     assert sorted(ids) == sorted(s.sample_id for s in make_samples(200))  # every sample exactly once
     assert survivor.stats.reclaimed >= 1
     assert all(r.reward == 1.0 and r.error is None for r in results)
@@ -118,7 +118,7 @@ def test_producer_waits_on_a_full_queue_and_loses_nothing(redis_server, redis_cl
         collect(queue, results)
     producer.join(timeout=5)
     assert not producer.is_alive()
-    assert sorted(r.sample.sample_id for r in results) == sorted(
+    assert sorted(r.sample_id for r in results) == sorted(
         s.sample_id for s in make_samples(5, "a") + make_samples(3, "b"))
 
 
@@ -194,6 +194,6 @@ def test_rediss_url_round_trip_through_tls(redis_server, tmp_path, job):
     worker = RewardWorker("tls", [RewardSpec(name="exact_match")], url, job)
     worker.step(block_ms=50)
     results = queue.read_results(block_ms=50)
-    assert sorted(r.sample.sample_id for r in results) == ["s0/0", "s1/0", "s2/0"]
+    assert sorted(r.sample_id for r in results) == ["s0/0", "s1/0", "s2/0"]
     with pytest.raises(ConnectionError, match="cannot reach Redis"):
         connect(f"rediss://:{password}@127.0.0.1:{proxy.port}/0?ssl_cert_reqs=required")  # unknown CA: refused

@@ -6,17 +6,17 @@ from __future__ import annotations
 from typing import Optional
 
 from rlplatform.transport.buffer import GroupBuffer, group_version
-from rlplatform.transport.samples import Sample, ScoredSample
+from rlplatform.transport.samples import ResultMeta, Sample, ScoredSample
 
 
 def scored(group: str, index: int, version: int = 0, reward: float = 1.0,
-           error: Optional[str] = None) -> ScoredSample:
+           error: Optional[str] = None) -> ResultMeta:
     sample = Sample(
         sample_id=f"{group}/{index}", group_id=group, policy="p", prompt="1+1=", completion="2",
         prompt_ids=[1, 2, 3], completion_ids=[4, 5], behaviour_logprobs=[-0.5, -0.5],
         token_versions=[version, version + 1],  # the oldest token sets the sample's version
     )
-    return ScoredSample(sample, reward, {"exact_match": reward}, error)
+    return ResultMeta.of(ScoredSample(sample, reward, {"exact_match": reward}, error))
 
 
 def fill(buffer: GroupBuffer, group: str, version: int = 0, errors: int = 0) -> None:
@@ -25,7 +25,7 @@ def fill(buffer: GroupBuffer, group: str, version: int = 0, errors: int = 0) -> 
 
 
 def ids(groups) -> list:
-    return [g[0].sample.group_id for g in groups]
+    return [g[0].group_id for g in groups]
 
 
 def test_groups_complete_only_at_group_size():
@@ -43,7 +43,7 @@ def test_groups_complete_only_at_group_size():
     batch = buffer.take(batch_prompts=2, learner_version=0, max_staleness=1)
     assert ids(batch.groups) == ["a", "b"]
     assert [len(g) for g in batch.groups] == [3, 3]
-    assert sorted(s.sample.sample_id for s in batch.samples) == ["a/0", "a/1", "a/2", "b/0", "b/1", "b/2"]
+    assert sorted(s.sample_id for s in batch.samples) == ["a/0", "a/1", "a/2", "b/0", "b/1", "b/2"]
 
 
 def test_redelivered_duplicates_are_ignored():
@@ -56,7 +56,7 @@ def test_redelivered_duplicates_are_ignored():
     buffer.add(scored("a", 2))
     assert buffer.ready() == 1
     (group,) = buffer.take(batch_prompts=1, learner_version=0, max_staleness=0).groups
-    assert [s.sample.sample_id for s in group] == ["a/0", "a/1", "a/2"]
+    assert [s.sample_id for s in group] == ["a/0", "a/1", "a/2"]
 
 
 def test_redelivery_after_completion_does_not_train_a_group_twice():
@@ -102,8 +102,8 @@ def test_groups_with_fewer_than_two_valid_samples_are_dropped():
     assert ids(batch.dropped_errors) == ["two-errors"]
     assert batch.dropped_stale == []
     assert sorted(ids(batch.groups)) == ["clean", "one-error"]
-    one_error = next(g for g in batch.groups if g[0].sample.group_id == "one-error")
-    assert [s.sample.sample_id for s in one_error] == ["one-error/1", "one-error/2"]
+    one_error = next(g for g in batch.groups if g[0].group_id == "one-error")
+    assert [s.sample_id for s in one_error] == ["one-error/1", "one-error/2"]
     assert all(s.error is None for s in batch.samples)
     assert len(batch.samples) == 5
 
@@ -139,8 +139,8 @@ def test_zero_advantage_groups_are_filtered_and_counted_when_asked():
         for i, reward in enumerate(rewards):
             buffer.add(scored(group, i, reward=reward))
     batch = buffer.take(batch_prompts=1, learner_version=0, max_staleness=0, filter_zero_advantage=True)
-    assert [g[0].sample.group_id for g in batch.groups] == ["mixed"]
-    assert [g[0].sample.group_id for g in batch.dropped_zero_advantage] == ["same"]
+    assert [g[0].group_id for g in batch.groups] == ["mixed"]
+    assert [g[0].group_id for g in batch.dropped_zero_advantage] == ["same"]
 
 
 def test_an_expired_group_drops_what_arrived_and_what_arrives_later():

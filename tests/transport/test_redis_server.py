@@ -70,7 +70,7 @@ def test_a_killed_server_restarted_on_its_port_loses_no_acknowledged_result(serv
 
     assert queue.client.xinfo_groups(queue.keys.requests)[0]["name"].decode() == GROUP
     results = collect_until(queue, worker, 15)
-    assert sorted(r.sample.sample_id for r in results) == sorted(
+    assert sorted(r.sample_id for r in results) == sorted(
         s.sample_id for s in make_samples(6, "before") + make_samples(4, "pending") + make_samples(5, "after"))
     assert queue.pending() == 0
 

@@ -87,12 +87,13 @@ def test_submitted_samples_come_back_scored(redis_server, redis_client, job, que
     assert drain(worker) == 2
     assert worker.stats.scored == 2 and worker.stats.errors == 0 and worker.stats.dead_letters == 0
 
-    # the controller reads through its own connection
-    results = read_all(RewardQueue(connect(redis_server), job))
-    by_id = {r.sample.sample_id: r for r in results}
+    # the controller reads the results' metadata through its own connection; the samples stay on Redis
+    reader = RewardQueue(connect(redis_server), job)
+    results = read_all(reader)
+    by_id = {r.sample_id: r for r in results}
     assert sorted(by_id) == ["g0/0", "g0/1"]
-    assert by_id["g0/0"].sample == right  # every field intact, row included
-    assert by_id["g0/1"].sample == wrong
+    assert reader.results.fetch(["g0/0", "g0/1"]) == [right, wrong]  # every field intact, row included
+    assert by_id["g0/0"].completion_tokens == len(right.completion_ids) and by_id["g0/0"].group_id == "g0"
     assert by_id["g0/0"].reward == 1.0 and by_id["g0/0"].components == {"exact_match": 1.0}
     assert by_id["g0/1"].reward == 0.0 and by_id["g0/1"].components == {"exact_match": 0.0}
     assert all(r.error is None for r in results)
@@ -111,7 +112,7 @@ def test_results_are_read_once_in_order(redis_server, job, queue):
     reader = RewardQueue(connect(redis_server), job)
     first = reader.read_results(count=3, block_ms=50)
     rest = read_all(reader)
-    assert [r.sample.sample_id for r in first + rest] == [s.sample_id for s in samples]
+    assert [r.sample_id for r in first + rest] == [s.sample_id for s in samples]
     assert [r.reward for r in first + rest] == [1.0, 0.0, 1.0, 0.0, 1.0]
     assert reader.read_results(block_ms=10) == []
 
@@ -147,7 +148,7 @@ def test_malformed_message_goes_to_dead_letters(redis_server, redis_client, job,
     assert all(fields[b"message_id"] for _, fields in dead)
 
     (result,) = read_all(queue)
-    assert result.sample.sample_id == "g0/0" and result.reward == 1.0
+    assert result.sample_id == "g0/0" and result.reward == 1.0
     assert redis_client.xlen(queue.keys.requests) == 0
     assert redis_client.xpending(queue.keys.requests, GROUP)["pending"] == 0
 
@@ -155,7 +156,7 @@ def test_malformed_message_goes_to_dead_letters(redis_server, redis_client, job,
     queue.submit([make_sample(1, "7")])
     assert drain(worker) == 1
     (later,) = read_all(queue)
-    assert later.sample.sample_id == "g0/1" and later.reward == 0.0
+    assert later.sample_id == "g0/1" and later.reward == 0.0
 
 
 def test_storing_the_same_result_twice_appends_once(redis_client, queue):
@@ -176,7 +177,7 @@ def test_storing_the_same_result_twice_appends_once(redis_client, queue):
     assert redis_client.xlen(queue.keys.requests) == 0  # both requests acknowledged and deleted
 
     results = read_all(queue)
-    assert len(results) == 1 and results[0].sample == sample
+    assert len(results) == 1 and queue.results.fetch([results[0].sample_id]) == [sample]
 
 
 def test_duplicate_requests_through_the_worker_give_one_result(redis_server, job, queue):
@@ -185,7 +186,7 @@ def test_duplicate_requests_through_the_worker_give_one_result(redis_server, job
     worker = worker_for(redis_server, job)
     assert drain(worker) == 2
     results = read_all(queue)
-    assert [r.sample.sample_id for r in results] == ["g0/0"]
+    assert [r.sample_id for r in results] == ["g0/0"]
     assert queue.pending() == 0
 
 
@@ -202,12 +203,12 @@ def test_raising_reward_yields_error_result(redis_server, job, queue, test_rewar
     assert drain(worker) == 2
     assert worker.stats.errors == 1 and worker.stats.scored == 2
 
-    by_id = {r.sample.sample_id: r for r in read_all(queue)}
+    by_id = {r.sample_id: r for r in read_all(queue)}
     failed, ok = by_id["g0/0"], by_id["g0/1"]
     assert failed.error is not None
     assert "test_explode" in failed.error and "RuntimeError" in failed.error and "verifier crashed" in failed.error
     assert failed.reward == 0.0
-    assert failed.sample == make_sample(0, "boom")
+    assert queue.results.fetch(["g0/0"]) == [make_sample(0, "boom")]
     assert ok.error is None and ok.reward == pytest.approx(1.5)  # 1.0 * 1.0 + 1.0 * 0.5
     assert ok.components == {"exact_match": 1.0, "test_explode": 0.5}
     assert queue.pending() == 0
