@@ -2,7 +2,8 @@
 
 A `Sample` is one completion with everything the learner needs to train on it off-policy:
 token ids, the behaviour log-prob and the policy version of every completion token, and the
-data row it answers. On Redis they travel as msgpack maps with a schema version; decoding
+data row it answers. A multi-turn episode is one sample too: its completion interleaves the
+model's tokens with observation tokens the environment inserted, told apart by `completion_mask`. On Redis they travel as msgpack maps with a schema version; decoding
 checks every field, so a malformed message is rejected with a reason and never executed.
 """
 
@@ -33,6 +34,7 @@ class Sample:
     token_versions: List[int]  # policy version that generated each completion token
     row: Dict[str, Any] = field(default_factory=dict)  # the data row: answer and other fields
     created_at: float = 0.0  # unix time the completion was generated
+    completion_mask: List[int] = field(default_factory=list)  # per completion token: 1 the model's own (trained), 0 an observation inserted by the environment; empty: all the model's
 
     def __getattr__(self, name: str) -> Any:
         """The data row's fields read as attributes: `sample.answer`, `sample.tests`."""
@@ -43,8 +45,18 @@ class Sample:
 
     @property
     def version(self) -> int:
-        """Version of the oldest token: what staleness is measured against."""
-        return min(self.token_versions) if self.token_versions else 0
+        """Version of the oldest model token: what staleness is measured against."""
+        versions = [v for v, m in zip(self.token_versions, self.model_token_mask()) if m]
+        return min(versions) if versions else 0
+
+    def model_token_mask(self) -> List[int]:
+        """`completion_mask`, or all ones when it is empty (every token the model's)."""
+        return self.completion_mask or [1] * len(self.completion_ids)
+
+    @property
+    def trained_tokens(self) -> int:
+        """Completion tokens the model generated (the ones the loss sees)."""
+        return sum(self.completion_mask) if self.completion_mask else len(self.completion_ids)
 
 
 @dataclass
@@ -128,4 +140,16 @@ def _sample_from(fields: Any) -> Sample:
     created_at = fields.get("created_at", 0.0)
     if not isinstance(created_at, (int, float)) or isinstance(created_at, bool):
         raise WireFormatError("sample field 'created_at' is not a number")
-    return Sample(**{name: fields[name] for name in _SAMPLE_TYPES}, created_at=float(created_at))
+    mask = _completion_mask(fields, lengths.pop())
+    return Sample(**{name: fields[name] for name in _SAMPLE_TYPES}, created_at=float(created_at), completion_mask=mask)
+
+
+def _completion_mask(fields: dict, tokens: int) -> List[int]:
+    """The record's `completion_mask`: empty, or one 0/1 per completion token."""
+    mask = fields.get("completion_mask", [])
+    if not isinstance(mask, list) or not all(type(m) is int and m in (0, 1) for m in mask):
+        raise WireFormatError(f"sample {fields['sample_id']}: 'completion_mask' must be a list of 0 and 1")
+    if mask and len(mask) != tokens:
+        raise WireFormatError(f"sample {fields['sample_id']}: 'completion_mask' has {len(mask)} entries for "
+                              f"{tokens} completion tokens")
+    return mask
