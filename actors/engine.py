@@ -12,7 +12,7 @@ continue with them (in-flight weight update). A GPU engine (vLLM) is a second cl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Hashable, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Protocol, Tuple
 
 import torch
 from transformers import DynamicCache
@@ -30,6 +30,8 @@ class Completion:
     text: str  # decoded completion, special tokens removed
     logprobs: List[float]  # behaviour log-prob of each completion token
     versions: List[int]  # weight version that generated each completion token
+    completion_mask: List[int] = field(default_factory=list)  # multi-turn: 1 model token, 0 observation (Sample's)
+    episode: Dict[str, Any] = field(default_factory=dict)  # multi-turn: per-episode fields for the sample's row
 
 
 class GenerationEngine(Protocol):
@@ -82,6 +84,7 @@ class TransformersEngine:
 class _Row:
     key: Hashable  # the caller's tag for this sequence
     prompt_ids: List[int]
+    limit: int  # new tokens it may sample
     tokens: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
     versions: List[int] = field(default_factory=list)
@@ -104,7 +107,7 @@ class DecodeBatch:
         self.pad_id = engine.tokenizer.pad_token_id
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.rows: List[_Row] = []
-        self.waiting: List[Tuple[List[int], Hashable]] = []  # (prompt ids, key) not yet prefilled
+        self.waiting: List[Tuple[List[int], Hashable, int]] = []  # (prompt ids, key, token limit) not yet prefilled
         self.cache: Optional[DynamicCache] = None
         self.device = engine.device
         # (rows, cache length + 1 when rows have a token to feed)
@@ -115,9 +118,11 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.rows) + len(self.waiting)
 
-    def add(self, prompts: List[List[int]], keys: List[Hashable]) -> None:
-        """Queue prompts (token ids) to join at the next step; each finished completion comes back with its key."""
-        self.waiting.extend(zip(prompts, keys))
+    def add(self, prompts: List[List[int]], keys: List[Hashable], limits: Optional[List[int]] = None) -> None:
+        """Queue prompts (token ids) to join at the next step; each finished completion comes back with its key.
+        `limits`: new tokens each may sample, when fewer than the batch's `max_new_tokens`."""
+        limits = limits or [self.max_new_tokens] * len(prompts)
+        self.waiting.extend(zip(prompts, keys, [min(limit, self.max_new_tokens) for limit in limits]))
 
     @torch.no_grad()
     def step(self) -> List[Tuple[Hashable, Completion]]:
@@ -137,21 +142,22 @@ class DecodeBatch:
             row.logprobs.append(lp)
             row.versions.append(self.engine.version)
         finished = torch.isin(token, self.stop_ids) | torch.tensor(
-            [len(r.tokens) >= self.max_new_tokens for r in self.rows], device=self.device)
+            [len(r.tokens) >= r.limit for r in self.rows], device=self.device)
         done = [(row.key, self._completion(row)) for row, f in zip(self.rows, finished.tolist()) if f]
         self._keep(~finished, token)
         return done
 
     def _prefill_waiting(self) -> torch.Tensor:
         """Run the waiting prompts through the model and merge them into the batch; their last logits."""
-        prompts, keys = zip(*self.waiting)
+        prompts, keys, limits = zip(*self.waiting)
         self.waiting = []
         ids, attention = _left_padded(prompts, self.pad_id, self.device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         logits = self.model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
                             use_cache=True).logits[:, -1]
-        new_rows = [_Row(key, row_ids[mask.bool()].tolist()) for key, row_ids, mask in zip(keys, ids, attention)]
+        new_rows = [_Row(key, row_ids[mask.bool()].tolist(), limit)
+                    for key, row_ids, mask, limit in zip(keys, ids, attention, limits)]
         if self.rows:
             # the old rows' newest tokens are in their cache now; both parts are `width` columns long, left-padded
             width = max(attention.shape[1], self.attention.shape[1])

@@ -5,6 +5,8 @@ published, claim groups from the staleness gate, decode their `group_size` compl
 continuous batch, and submit every group to the reward queue as soon as it is complete. It never
 waits for the learner except when the staleness bound says any more samples would arrive too old.
 Prompts arrive as token ids and are drawn in seeded epochs, each worker its own share of an epoch.
+With a multi-turn `env`, each completion is an episode (`episodes.MultiTurn`) whose tool calls
+run on tool workers while the batch decodes other episodes.
 The spare worker the job keeps for evaluation scores held-out completions with the job's rewards.
 """
 
@@ -18,7 +20,9 @@ import ray
 import torch
 
 from rlplatform.actors.engine import Completion, DecodeBatch, TransformersEngine
-from rlplatform.config import EvalConfig, RewardSpec, RLConfig, RolloutConfig
+from rlplatform.actors.episodes import MultiTurn, SingleTurn, run_episodes
+from rlplatform.config import EnvConfig, EvalConfig, RewardSpec, RLConfig, RolloutConfig
+from rlplatform.envs.rendering import Renderer
 from rlplatform.monitoring.evaluation import evaluation_figures
 from rlplatform.rewards.registry import resolve
 from rlplatform.rewards.scoring import Scorer
@@ -29,6 +33,7 @@ from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.staleness import RolloutGate
+from rlplatform.transport.tool_queue import ToolQueue
 from rlplatform.transport.weights import from_snapshot
 
 
@@ -54,7 +59,7 @@ class _OpenGroup:
 class RolloutWorker:
     def __init__(self, index: int, policy: str, model_path: str, prompts: List[Prompt], rl: RLConfig,
                  rollout: RolloutConfig, redis_url: str, job: str, weight_store, seed: int,
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", env: Optional[EnvConfig] = None, chat_template: str = "auto") -> None:
         torch.set_num_threads(rollout.num_threads)
         torch.manual_seed(seed + 1000 * (index + 1))
         self.index, self.policy, self.prompts, self.rl, self.rollout = index, policy, prompts, rl, rollout
@@ -67,6 +72,8 @@ class RolloutWorker:
         self.ledger = PromptLedger(client, job, policy)
         self.gate.release(self.ledger.abandon_worker(index))  # a restart: the groups its predecessor left
         self.seed = seed
+        self.env = env or EnvConfig()
+        self.episodes = self._episodes(client, job, chat_template, rl.max_new_tokens)
         self.stats = RolloutStats()
         self._scorer = None  # the job's rewards, built on the first evaluation
         self._unreported_busy_s = 0.0
@@ -84,6 +91,14 @@ class RolloutWorker:
             self.stats.weight_syncs += 1
             self.stats.weight_sync_s += time.perf_counter() - start
         return self.engine.version
+
+    def _episodes(self, client, job: str, chat_template: str, max_new_tokens: int):
+        """How this worker's completions become episodes: single turns, or the job's multi-turn environment."""
+        if not self.env.multi_turn:
+            return SingleTurn()
+        tools = ToolQueue(client, job)
+        return MultiTurn(self.env, max_new_tokens, Renderer(self.engine.tokenizer, chat_template), tools,
+                         tools.tool_keys.results(f"{self.policy}-{self.index}"))
 
     @property
     def version(self) -> int:
@@ -113,9 +128,10 @@ class RolloutWorker:
                 self._admit(batch, open_groups, self.gate.claim(free, self.version))
             if not batch:
                 time.sleep(0.01)
-                continue
+                if not self.episodes.waiting:
+                    continue
             start = time.perf_counter()
-            finished = batch.step()
+            finished = self.episodes.advance(batch, batch.step() if batch else [])
             self._unreported_busy_s += time.perf_counter() - start
             samples = self._close_groups(open_groups, finished)
             if samples:
@@ -143,7 +159,7 @@ class RolloutWorker:
             prompt = self.prompts[prompt_row(position, len(self.prompts), self.seed)]
             self.stats.groups_started += 1
             open_groups[group_id] = _OpenGroup(prompt, [None] * self.rl.group_size)
-            batch.add([prompt.ids] * self.rl.group_size, keys=[(group_id, i) for i in range(self.rl.group_size)])
+            self.episodes.start(batch, [(group_id, i) for i in range(self.rl.group_size)], prompt)
 
     def _close_groups(self, open_groups: Dict[str, _OpenGroup],
                       finished: List[Tuple[Hashable, Completion]]) -> List[Sample]:
@@ -160,20 +176,21 @@ class RolloutWorker:
         for group_id, group in closed:
             samples += [self._sample(f"{group_id}/{i}", group_id, group.prompt, c, now)
                         for i, c in enumerate(group.completions)]
-        tokens = sum(len(s.completion_ids) for s in samples)
+        tokens = sum(s.trained_tokens for s in samples)  # the model's own: observation tokens are not generated
         self.stats.groups_generated += len(closed)
         self.stats.samples_generated += len(samples)
         self.stats.tokens_generated += tokens
         self.stats.busy_s += self._unreported_busy_s
         self.queue.add_counters(self.keys.rollout_stats, busy_s=self._unreported_busy_s, samples=len(samples),
-                                tokens=tokens)
+                                tokens=tokens, **self.episodes.take_counts())
         self._unreported_busy_s = 0.0
         return samples
 
     def _sample(self, sample_id: str, group_id: str, prompt: Prompt, c: Completion, now: float) -> Sample:
         return Sample(sample_id=sample_id, group_id=group_id, policy=self.policy, prompt=prompt.text,
                       completion=c.text, prompt_ids=c.prompt_ids, completion_ids=c.completion_ids,
-                      behaviour_logprobs=c.logprobs, token_versions=c.versions, row=dict(prompt.row), created_at=now)
+                      behaviour_logprobs=c.logprobs, token_versions=c.versions, row={**prompt.row, **c.episode},
+                      created_at=now, completion_mask=c.completion_mask)
 
     def evaluate_snapshot(self, snapshot: Dict, prompts: List[Prompt], config: EvalConfig, rewards: List[RewardSpec],
                           imports: List[str]) -> Dict:
@@ -199,8 +216,12 @@ class RolloutWorker:
         samples, now = [], time.time()
         for start in range(0, len(prompts), config.batch_size):
             chunk = prompts[start:start + config.batch_size]
-            outputs = self.engine.generate([p.ids for p in chunk], config.samples_per_prompt,
-                                           config.max_new_tokens, temperature)
+            if self.env.multi_turn:
+                outputs = run_episodes(self.episodes, self.engine.decode_batch(config.max_new_tokens, temperature),
+                                       chunk, config.samples_per_prompt)
+            else:
+                outputs = self.engine.generate([p.ids for p in chunk], config.samples_per_prompt,
+                                               config.max_new_tokens, temperature)
             for i, (prompt, completions) in enumerate(zip(chunk, outputs), start):
                 samples += [self._sample(f"eval/{i}/{j}", f"eval/{i}", prompt, c, now)
                             for j, c in enumerate(completions)]

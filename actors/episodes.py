@@ -1,0 +1,186 @@
+"""Episodes on a continuous decode batch: the rollout worker's side of multi-turn environments.
+
+`SingleTurn` (the default) starts each prompt's completions and passes finished ones through.
+`MultiTurn` keeps one token sequence per episode: the model's tokens with their behaviour
+log-probs and versions (completion_mask 1), and the observation tokens the environment's
+replies add (mask 0, log-prob 0.0, the version of the model token before them). Each model turn
+goes to the episode's environment; tool calls go to the job's tool queue and the episode leaves
+the batch until every result is back on this worker's result stream, while the batch keeps
+decoding the other episodes. An episode ends when its environment says so, at `env.max_turns`
+model turns, or when `env.max_tokens` leaves no room (then `truncated`); it comes back as one
+`Completion` whose `episode` fields (the environment's, and turns, tool_calls, truncated) join the row.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Dict, Hashable, List, Optional, Tuple
+
+from rlplatform.actors.engine import Completion, DecodeBatch
+from rlplatform.config import EnvConfig
+from rlplatform.envs.environment import Environment, Message, Reply, environment_factory
+from rlplatform.envs.rendering import Renderer
+from rlplatform.tokenization import Prompt
+from rlplatform.transport.tool_queue import ToolCall, ToolQueue, ToolResult
+
+Finished = List[Tuple[Hashable, Completion]]
+
+
+class SingleTurn:
+    """One completion per episode, straight from the batch."""
+    waiting = 0  # episodes waiting on tools
+
+    def start(self, batch: DecodeBatch, keys: List[Hashable], prompt: Prompt) -> None:
+        batch.add([prompt.ids] * len(keys), keys)
+
+    def advance(self, batch: DecodeBatch, finished: Finished) -> Finished:
+        return finished
+
+    def take_counts(self) -> Dict[str, float]:
+        return {}
+
+
+@dataclass
+class _Episode:
+    tag: str  # unique in the job: prefixes its tool call ids
+    env: Environment
+    prompt_ids: List[int]
+    messages: List[Message]  # the conversation so far, as the chat template renders it
+    tokens: List[int] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)
+    versions: List[int] = field(default_factory=list)
+    mask: List[int] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    results: Dict[str, Optional[ToolResult]] = field(default_factory=dict)  # call id -> result, in call order
+
+
+class MultiTurn:
+    def __init__(self, config: EnvConfig, max_new_tokens: int, renderer: Renderer, tools: ToolQueue,
+                 reply_to: str) -> None:
+        self.make_env = environment_factory(config)
+        self.max_turns, self.max_new_tokens = config.max_turns, max_new_tokens
+        self.max_tokens = config.max_tokens or config.max_turns * max_new_tokens
+        self.renderer, self.tools, self.reply_to = renderer, tools, reply_to
+        self.episodes: Dict[Hashable, _Episode] = {}
+        self.calls: Dict[str, Hashable] = {}  # outstanding tool call id -> episode key
+        self._tag, self._serial = uuid.uuid4().hex[:12], 0  # call ids stay unique across restarts and evaluations
+        self.counts: Counter = Counter()
+
+    @property
+    def waiting(self) -> int:
+        return len({key for key in self.calls.values()})
+
+    def start(self, batch: DecodeBatch, keys: List[Hashable], prompt: Prompt) -> None:
+        for key in keys:
+            env = self.make_env()
+            messages = env.start(prompt.row)
+            self._serial += 1
+            episode = _Episode(f"{self._tag}-{self._serial}", env, self.renderer.prompt_ids(messages), messages)
+            self.episodes[key] = episode
+            batch.add([episode.prompt_ids], [key], [min(self.max_new_tokens, self.max_tokens)])
+
+    def advance(self, batch: DecodeBatch, finished: Finished) -> Finished:
+        """Episodes that ended: hand each finished model turn to its environment, and each complete set
+        of tool results; episodes that go on rejoin the batch."""
+        done: Finished = []
+        for key, turn in finished:
+            episode = self.episodes[key]
+            self._add_turn(episode, turn)
+            self._answer(key, episode, episode.env.step(turn.text), batch, done)
+        for result in self.tools.read_results(self.reply_to):
+            key = self.calls.pop(result.call_id, None)
+            if key is None:  # a second delivery of a result already used
+                continue
+            episode = self.episodes[key]
+            episode.results[result.call_id] = result
+            if all(r is not None for r in episode.results.values()):
+                results, episode.results = list(episode.results.values()), {}
+                self._answer(key, episode, episode.env.tool_results(results), batch, done)
+        return done
+
+    def take_counts(self) -> Dict[str, float]:
+        """Episode counters since the last call: episodes, turns, tool_calls, observation_tokens, episodes_truncated."""
+        counts, self.counts = dict(self.counts), Counter()
+        return counts
+
+    def _add_turn(self, episode: _Episode, turn: Completion) -> None:
+        episode.tokens += turn.completion_ids
+        episode.logprobs += turn.logprobs
+        episode.versions += turn.versions
+        episode.mask += [1] * len(turn.completion_ids)
+        episode.turns += 1
+        episode.messages.append({"role": "assistant", "content": turn.text})
+        self.counts["turns"] += 1
+
+    def _answer(self, key: Hashable, episode: _Episode, reply: Reply, batch: DecodeBatch, done: Finished) -> None:
+        """Act on the environment's reply: end the episode, send its tool calls, or show the observation."""
+        if reply.done:
+            done.append((key, self._finish(key, episode, reply.fields, truncated=False)))
+        elif episode.turns >= self.max_turns or len(episode.tokens) >= self.max_tokens:
+            done.append((key, self._finish(key, episode, reply.fields, truncated=True)))
+        elif reply.tool_calls:
+            self._call_tools(key, episode, reply)
+        elif not self._observe(key, episode, reply.observation, batch):
+            done.append((key, self._finish(key, episode, reply.fields, truncated=True)))
+
+    def _call_tools(self, key: Hashable, episode: _Episode, reply: Reply) -> None:
+        now = time.time()
+        calls = [ToolCall(f"{episode.tag}/t{episode.turns}/c{i}", call.name, call.arguments, self.reply_to, now)
+                 for i, call in enumerate(reply.tool_calls)]
+        episode.results = {call.call_id: None for call in calls}
+        self.calls.update({call.call_id: key for call in calls})
+        episode.tool_calls += len(calls)
+        self.counts["tool_calls"] += len(calls)
+        self.tools.submit(calls)
+
+    def _observe(self, key: Hashable, episode: _Episode, observation: List[Message], batch: DecodeBatch) -> bool:
+        """Append the observation's tokens and start the next model turn; False when the budget has no room."""
+        ids = self.renderer.observation_ids(episode.messages, episode.tokens[_last_turn_start(episode.mask):],
+                                            observation)
+        room = self.max_tokens - len(episode.tokens) - len(ids)
+        if room < 1:
+            return False
+        episode.tokens += ids
+        episode.logprobs += [0.0] * len(ids)
+        episode.versions += [episode.versions[-1]] * len(ids)
+        episode.mask += [0] * len(ids)
+        episode.messages += observation
+        self.counts["observation_tokens"] += len(ids)
+        batch.add([episode.prompt_ids + episode.tokens], [key], [min(self.max_new_tokens, room)])
+        return True
+
+    def _finish(self, key: Hashable, episode: _Episode, fields: Dict, truncated: bool) -> Completion:
+        del self.episodes[key]
+        self.counts["episodes"] += 1
+        self.counts["episodes_truncated"] += truncated
+        text = self.renderer.tokenizer.decode(episode.tokens, skip_special_tokens=True)
+        return Completion(episode.prompt_ids, episode.tokens, text, episode.logprobs, episode.versions,
+                          completion_mask=episode.mask, episode={**fields, "turns": episode.turns,
+                                                                 "tool_calls": episode.tool_calls,
+                                                                 "truncated": truncated})
+
+
+def _last_turn_start(mask: List[int]) -> int:
+    """Index in `mask` where the newest run of model tokens starts."""
+    start = len(mask)
+    while start > 0 and mask[start - 1] == 1:
+        start -= 1
+    return start
+
+
+def run_episodes(episodes, batch: DecodeBatch, prompts: List[Prompt], samples_per_prompt: int,
+                 poll_s: float = 0.005) -> List[List[Completion]]:
+    """Every prompt's `samples_per_prompt` episodes run to their end on `batch` (evaluation)."""
+    for i, prompt in enumerate(prompts):
+        episodes.start(batch, [(i, j) for j in range(samples_per_prompt)], prompt)
+    ended: Dict[Hashable, Completion] = {}
+    while len(ended) < len(prompts) * samples_per_prompt:
+        finished = episodes.advance(batch, batch.step() if batch else [])
+        ended.update(finished)
+        if not batch and not finished:
+            time.sleep(poll_s)
+    return [[ended[(i, j)] for j in range(samples_per_prompt)] for i in range(len(prompts))]
