@@ -51,12 +51,13 @@ class ModelConfig:
     num_kv_heads: int = at_least(2, 1)  # demo key/value heads (grouped-query attention)
     intermediate_size: int = at_least(384, 1)  # demo MLP width
     max_positions: int = at_least(64, 1)  # demo context length
+    extra_chars: str = ""  # characters the demo tokenizer knows beyond its default alphabet (e.g. "<>/" for tool tags)
     dtype: str = one_of("float32", "bfloat16", "float16")  # weights' precision in learners, rollout workers and the saved model
 
 
 @dataclass
 class DataConfig:
-    kind: str = one_of("addition", "jsonl", "hf")  # addition: generated "37+48=" -> "85" rows; jsonl, hf: read files
+    kind: str = one_of("addition", "jsonl", "hf", "tool_calc")  # addition: generated "37+48=" -> "85" rows; jsonl, hf: read files; tool_calc: "123*4=" rows answered with a calculator trace
     # kind=jsonl: jsonl files; kind=hf: json/jsonl/parquet/csv files (format by extension) or save_to_disk directories
     train_path: Optional[str] = None  # training rows
     test_path: Optional[str] = None  # held-out rows for evaluation

@@ -34,3 +34,18 @@ class CallOnce(ToolEnvironment):
             self.called = True
             return Reply(tool_calls=[ParsedCall(self.row["tool"], self.row["arguments"])])
         return Reply(done=True, fields={"final_response": turn})
+
+
+class CalculateThePrompt(ToolEnvironment):
+    """After the first model turn, whatever the model wrote, computes the row's prompt ("123*4=")
+    with the calculator; the next model turn ends the episode (a job test's tool traffic)."""
+
+    def start(self, row):
+        self.expression, self.called = row["prompt"].rstrip("="), False
+        return super().start(row)
+
+    def step(self, turn: str) -> Reply:
+        if not self.called:
+            self.called = True
+            return Reply(tool_calls=[ParsedCall("calculator", self.expression)])
+        return Reply(done=True, fields={"final_response": turn.strip()})
