@@ -49,6 +49,15 @@ def prompt(engine, text: str, **row) -> Prompt:
     return Prompt({"prompt": text, **row}, engine.tokenizer(text)["input_ids"], text)
 
 
+def drive(episodes, batch, ended: dict, count: int, timeout_s: float = 120.0) -> None:
+    """Step the batch and the episodes until `count` episodes have ended (into `ended`)."""
+    deadline = time.monotonic() + timeout_s
+    while len(ended) < count:
+        ended.update(episodes.advance(batch, batch.step() if batch else []))
+        assert time.monotonic() < deadline, f"only {sorted(ended)} ended in {timeout_s:g}s"
+        time.sleep(0.001)
+
+
 class Serving:
     """A tool worker stepping on a thread of the test process until stopped."""
 
@@ -107,13 +116,12 @@ def test_other_episodes_decode_while_one_waits_on_a_tool(engine, redis_client, r
     ended = {}
     tools_for_tests.gate.clear()
     with Serving(redis_server):
-        while len(ended) < 2:
-            ended.update(episodes.advance(batch, batch.step() if batch else []))
-        assert set(ended) == {"a", "b"} and episodes.waiting == 1  # done while the call is still running
-        tools_for_tests.gate.set()
-        while len(ended) < 3:
-            ended.update(episodes.advance(batch, batch.step() if batch else []))
-            time.sleep(0.001)
+        try:
+            drive(episodes, batch, ended, 2, timeout_s=60)
+            assert set(ended) == {"a", "b"} and episodes.waiting == 1  # done while the call is still running
+        finally:
+            tools_for_tests.gate.set()
+        drive(episodes, batch, ended, 3)
     assert ended["waits"].episode["tool_calls"] == 1 and ended["a"].episode["turns"] == 1
 
 
@@ -150,9 +158,7 @@ def test_a_tool_worker_killed_mid_call_loses_no_episode(engine, redis_client, re
         doomed.wait()
     rescuer = [ToolSpec(fn="tests.envs.tools_for_tests:slow_echo")]
     with Serving(redis_server, "rescuer", rescuer, claim_idle_s=0.5) as worker:
-        while "e" not in ended:
-            ended.update(episodes.advance(batch, batch.step() if batch else []))
-            time.sleep(0.01)
+        drive(episodes, batch, ended, 1)
     assert worker.stats.reclaimed == 1 and ended["e"].episode["tool_calls"] == 1
     assert "echo hi" in engine.tokenizer.decode(ended["e"].completion_ids)
 
