@@ -1,9 +1,9 @@
 """The tool worker: reads tool calls from a job's tool queue, runs them, stores each result for the
 rollout worker that asked.
 
-Runs as a Ray actor inside a job (`ToolActor`, serving from construction on, so from SFT's
-evaluations on and again whenever Ray restarts it) or as a standalone process on any machine that
-reaches Redis (`rlp tool-worker`), until the job's stop flag is set. Delivery is the reward
+Runs as a Ray actor inside a job (`ToolActor`, serving from construction until the job ends, so
+for SFT's and the last evaluations too, and again whenever Ray restarts it) or as a standalone
+process on any machine that reaches Redis (`rlp tool-worker`), until the job's stop flag is set. Delivery is the reward
 worker's loop (`QueueWorker`): at least once, results stored once per call id, calls a dead
 worker held reclaimed after `claim_idle_s`, dead letters. Calls run on a thread pool, each bounded
 by its tool's `timeout_s`; an unknown tool, a raise or a timeout is an error result whose output
@@ -107,11 +107,16 @@ def default_tool_worker_name(job: str) -> str:
 
 
 class ToolService(ToolWorker):
-    """A tool worker that serves on a thread of its own from the moment it is built."""
+    """A tool worker that serves on a thread of its own from the moment it is built until the job kills
+    it: past the job's stop flag, which ends RL before the last evaluation's episodes call tools."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        threading.Thread(target=self.run, daemon=True, name="tool-worker").start()
+        threading.Thread(target=self._serve, daemon=True, name="tool-worker").start()
+
+    def _serve(self) -> None:
+        while True:
+            self.step()
 
     def counts(self) -> ToolStats:
         return self.stats
