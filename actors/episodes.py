@@ -72,7 +72,7 @@ class MultiTurn:
 
     @property
     def waiting(self) -> int:
-        return len({key for key in self.calls.values()})
+        return len(set(self.calls.values()))
 
     def start(self, batch: DecodeBatch, keys: List[Hashable], prompt: Prompt) -> None:
         for key in keys:

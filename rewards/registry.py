@@ -65,7 +65,7 @@ def reward(name: str, batch: bool = False) -> Callable[[Callable], Callable]:
     return decorate
 
 
-def _entry_points(group: str = ENTRY_POINT_GROUP) -> Dict[str, Any]:
+def entry_points_of(group: str = ENTRY_POINT_GROUP) -> Dict[str, Any]:
     """Installed plugins' entry points of `group`, by name (tools use the same mechanism)."""
     return {ep.name: ep for ep in entry_points(group=group)}
 
@@ -74,9 +74,9 @@ def find(name: str) -> RewardFunction:
     """A reward by name: registered in this process first, then installed entry points."""
     if name in REWARDS:
         return REWARDS[name]
-    point = _entry_points().get(name)
+    point = entry_points_of().get(name)
     if point is None:
-        known = sorted(set(REWARDS) | set(_entry_points()))
+        known = sorted(set(REWARDS) | set(entry_points_of()))
         raise RewardSpecError(f"unknown reward '{name}'; known: {', '.join(known)}")
     try:
         fn = point.load()
@@ -113,7 +113,7 @@ def from_import_path(path: str) -> RewardFunction:
 def all_rewards() -> List[RewardFunction]:
     """Every reward this process can find, for `rlp rewards list`."""
     found = dict(REWARDS)
-    for name in _entry_points():
+    for name in entry_points_of():
         if name not in found:
             found[name] = find(name)
     return [found[name] for name in sorted(found)]

@@ -15,7 +15,7 @@ from typing import Callable, Dict, List
 
 from rlplatform.config import ToolSpec
 from rlplatform.rewards.code_sandbox import run_in_sandbox
-from rlplatform.rewards.registry import _entry_points, import_callable
+from rlplatform.rewards.registry import entry_points_of, import_callable
 from rlplatform.transport.tool_queue import Arguments
 
 ENTRY_POINT_GROUP = "rlplatform.tools"
@@ -40,9 +40,9 @@ def find_tool(spec: ToolSpec) -> Callable:
         return import_callable(spec.fn, "tool", ToolSpecError)
     if spec.name in TOOLS:
         return TOOLS[spec.name]
-    point = _entry_points(ENTRY_POINT_GROUP).get(spec.name)
+    point = entry_points_of(ENTRY_POINT_GROUP).get(spec.name)
     if point is None:
-        known = sorted(set(TOOLS) | set(_entry_points(ENTRY_POINT_GROUP)))
+        known = sorted(set(TOOLS) | set(entry_points_of(ENTRY_POINT_GROUP)))
         raise ToolSpecError(f"unknown tool '{spec.name}'; known: {', '.join(known)}")
     return point.load()
 
