@@ -103,7 +103,8 @@ class MultiTurn:
         return done
 
     def take_counts(self) -> Dict[str, float]:
-        """Episode counters since the last call: episodes, turns, tool_calls, observation_tokens, episodes_truncated."""
+        """Counters of the episodes ended since the last call: episodes, episodes_truncated, and their turns,
+        tool_calls and observation_tokens."""
         counts, self.counts = dict(self.counts), Counter()
         return counts
 
@@ -114,7 +115,6 @@ class MultiTurn:
         episode.mask += [1] * len(turn.completion_ids)
         episode.turns += 1
         episode.messages.append({"role": "assistant", "content": turn.text})
-        self.counts["turns"] += 1
 
     def _answer(self, key: Hashable, episode: _Episode, reply: Reply, batch: DecodeBatch, done: Finished) -> None:
         """Act on the environment's reply: end the episode, send its tool calls, or show the observation."""
@@ -134,7 +134,6 @@ class MultiTurn:
         episode.results = {call.call_id: None for call in calls}
         self.calls.update({call.call_id: key for call in calls})
         episode.tool_calls += len(calls)
-        self.counts["tool_calls"] += len(calls)
         self.tools.submit(calls)
 
     def _observe(self, key: Hashable, episode: _Episode, observation: List[Message], batch: DecodeBatch) -> bool:
@@ -149,14 +148,13 @@ class MultiTurn:
         episode.versions += [episode.versions[-1]] * len(ids)
         episode.mask += [0] * len(ids)
         episode.messages += observation
-        self.counts["observation_tokens"] += len(ids)
         batch.add([episode.prompt_ids + episode.tokens], [key], [min(self.max_new_tokens, room)])
         return True
 
     def _finish(self, key: Hashable, episode: _Episode, fields: Dict, truncated: bool) -> Completion:
         del self.episodes[key]
-        self.counts["episodes"] += 1
-        self.counts["episodes_truncated"] += truncated
+        self.counts.update(episodes=1, episodes_truncated=int(truncated), turns=episode.turns,
+                           tool_calls=episode.tool_calls, observation_tokens=len(episode.mask) - sum(episode.mask))
         text = self.renderer.tokenizer.decode(episode.tokens, skip_special_tokens=True)
         return Completion(episode.prompt_ids, episode.tokens, text, episode.logprobs, episode.versions,
                           completion_mask=episode.mask, episode={**fields, "turns": episode.turns,
