@@ -14,7 +14,7 @@ with peft adapters, as the learner does, and each update loads the adapters alon
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Hashable, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Protocol, Tuple
 
 import torch
 from transformers import DynamicCache
@@ -34,6 +34,8 @@ class Completion:
     text: str  # decoded completion, special tokens removed
     logprobs: List[float]  # behaviour log-prob of each completion token
     versions: List[int]  # weight version that generated each completion token
+    completion_mask: List[int] = field(default_factory=list)  # multi-turn: 1 model token, 0 observation (Sample's)
+    episode: Dict[str, Any] = field(default_factory=dict)  # multi-turn: per-episode fields for the sample's row
 
 
 class ContinuousBatch(Protocol):

@@ -1,106 +1,184 @@
-"""Agent episodes as one token sequence: the trajectories the OpenAI bridge records.
+"""Episodes on a continuous decode batch: the rollout worker's side of multi-turn environments.
 
-Each chat request of an episode is rendered as the job renders prompts (the chat template, or the
-messages' text); when it extends the previous request's prompt and the reply sampled for it, that
-reply's sampled tokens are kept exactly and only the new text is tokenised, as observation tokens.
-A finished episode becomes a `Sample`: the model's tokens carry their behaviour log-probs and
-versions (mask 1), observation tokens log-prob 0.0, the preceding model token's version and mask 0.
+`SingleTurn` (the default) starts each prompt's completions and passes finished ones through.
+`MultiTurn` keeps one token sequence per episode: the model's tokens with their behaviour
+log-probs and versions (completion_mask 1), and the observation tokens the environment's
+replies add (mask 0, log-prob 0.0, the version of the model token before them). Each model turn
+goes to the episode's environment; tool calls go to the job's tool queue and the episode leaves
+the batch until every result is back on this worker's result stream, while the batch keeps
+decoding the other episodes. An episode ends when its environment says so, at `env.max_turns`
+model turns, or when `env.max_tokens` leaves no room (then `truncated`); it comes back as one
+`Completion` whose `episode` fields (the environment's, and turns, tool_calls, truncated) join the row.
 """
 
 from __future__ import annotations
 
+import time
+import uuid
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, Hashable, List, Optional, Tuple
 
-from rlplatform.actors.engine import Completion
-from rlplatform.tokenization import uses_chat_template
-from rlplatform.transport.samples import Sample
+from rlplatform.actors.engine import Completion, DecodeBatch
+from rlplatform.config import EnvConfig
+from rlplatform.envs.environment import Environment, Message, Reply, environment_factory
+from rlplatform.envs.rendering import Renderer
+from rlplatform.tokenization import Prompt
+from rlplatform.transport.tool_queue import ToolCall, ToolQueue, ToolResult
+
+Finished = List[Tuple[Hashable, Completion]]
 
 
-class ExtensionError(ValueError):
-    """A request of an episode whose messages do not continue the episode's conversation."""
+class SingleTurn:
+    """One completion per episode, straight from the batch."""
+    waiting = 0  # episodes waiting on tools
 
+    def start(self, batch: DecodeBatch, keys: List[Hashable], prompt: Prompt) -> None:
+        batch.add([prompt.ids] * len(keys), keys)
 
-class ChatRenderer:
-    """Messages to prompt text and token ids, the way `encode_prompts` encodes data rows."""
+    def advance(self, batch: DecodeBatch, finished: Finished) -> Finished:
+        return finished
 
-    def __init__(self, tokenizer, chat_template: str) -> None:
-        self.tokenizer = tokenizer
-        self.templated = uses_chat_template(tokenizer, chat_template)
-
-    def text(self, messages: List[Dict[str, str]]) -> str:
-        """The prompt a reply to `messages` continues: the rendered template, else the contents joined."""
-        if self.templated:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return "".join(m["content"] for m in messages)
-
-    def prompt_ids(self, text: str) -> List[int]:
-        """A first prompt's ids (the tokenizer's special tokens, such as a BOS, only without a template)."""
-        return self.tokenizer(text, add_special_tokens=not self.templated)["input_ids"]
-
-    def observation_ids(self, text: str) -> List[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
-
-    def decode(self, ids: List[int], special_tokens: bool = False) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=not special_tokens, clean_up_tokenization_spaces=False)
+    def take_counts(self) -> Dict[str, float]:
+        return {}
 
 
 @dataclass
-class Episode:
-    """One agent episode so far: its first prompt, then every token after it."""
-    prompt_text: str  # the first request's prompt
+class _Episode:
+    tag: str  # unique in the job: prefixes its tool call ids
+    env: Environment
     prompt_ids: List[int]
-    text: str  # the newest request's prompt text: what its reply continues
-    reply_text: str = ""  # the newest reply as answered to the agent (special tokens removed)
-    reply_model_text: str = ""  # the same reply with its special tokens
-    completion_ids: List[int] = field(default_factory=list)
+    messages: List[Message]  # the conversation so far, as the chat template renders it
+    tokens: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
     versions: List[int] = field(default_factory=list)
     mask: List[int] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    results: Dict[str, Optional[ToolResult]] = field(default_factory=dict)  # call id -> result, in call order
 
-    @classmethod
-    def start(cls, renderer: ChatRenderer, messages: List[Dict[str, str]]) -> "Episode":
-        text = renderer.text(messages)
-        return cls(prompt_text=text, prompt_ids=renderer.prompt_ids(text), text=text)
+
+class MultiTurn:
+    def __init__(self, config: EnvConfig, max_new_tokens: int, renderer: Renderer, tools: ToolQueue,
+                 reply_to: str) -> None:
+        self.make_env = environment_factory(config)
+        self.max_turns, self.max_new_tokens = config.max_turns, max_new_tokens
+        self.max_tokens = config.max_tokens or config.max_turns * max_new_tokens
+        self.renderer, self.tools, self.reply_to = renderer, tools, reply_to
+        self.episodes: Dict[Hashable, _Episode] = {}
+        self.calls: Dict[str, Hashable] = {}  # outstanding tool call id -> episode key
+        self._tag, self._serial = uuid.uuid4().hex[:12], 0  # call ids stay unique across restarts and evaluations
+        self.counts: Counter = Counter()
 
     @property
-    def ids(self) -> List[int]:
-        """The whole sequence: what the next reply is sampled after."""
-        return self.prompt_ids + self.completion_ids
+    def waiting(self) -> int:
+        return len(set(self.calls.values()))
 
-    def extend(self, renderer: ChatRenderer, messages: List[Dict[str, str]]) -> None:
-        """Append the text `messages` add after the newest reply as observation tokens."""
-        text = renderer.text(messages)
-        observation = renderer.observation_ids(self._observation_text(text))
-        self.completion_ids += observation
-        self.logprobs += [0.0] * len(observation)
-        self.versions += self.versions[-1:] * len(observation)
-        self.mask += [0] * len(observation)
-        self.text = text
+    def start(self, batch: DecodeBatch, keys: List[Hashable], prompt: Prompt) -> None:
+        for key in keys:
+            env = self.make_env()
+            messages = env.start(prompt.row)
+            self._serial += 1
+            episode = _Episode(f"{self._tag}-{self._serial}", env, self.renderer.prompt_ids(messages), messages)
+            self.episodes[key] = episode
+            batch.add([episode.prompt_ids], [key], max_new_tokens=min(self.max_new_tokens, self.max_tokens))
 
-    def _observation_text(self, text: str) -> str:
-        """What `text` adds after the newest prompt and its reply; the reply's own stop token is not
-        repeated where the template writes the same text after the reply."""
-        if text.startswith(self.text):
-            after = text[len(self.text):]
-            for written in (self.reply_model_text, self.reply_text):
-                if after.startswith(written):
-                    return after[len(written):]
-        raise ExtensionError("the messages do not continue this episode: they must repeat its earlier messages "
-                             "and the assistant replies exactly as answered, then add new ones; use a new "
-                             "episode id for another conversation")
+    def advance(self, batch: DecodeBatch, finished: Finished) -> Finished:
+        """Episodes that ended: hand each finished model turn to its environment, and each complete set
+        of tool results; episodes that go on rejoin the batch."""
+        done: Finished = []
+        for key, turn in finished:
+            episode = self.episodes[key]
+            self._add_turn(episode, turn)
+            self._answer(key, episode, episode.env.step(turn.text), batch, done)
+        for result in self.tools.read_results(self.reply_to):
+            key = self.calls.pop(result.call_id, None)
+            if key is None:  # a second delivery of a result already used
+                continue
+            episode = self.episodes[key]
+            episode.results[result.call_id] = result
+            if all(r is not None for r in episode.results.values()):
+                results, episode.results = list(episode.results.values()), {}
+                self._answer(key, episode, episode.env.tool_results(results), batch, done)
+        return done
 
-    def add_reply(self, renderer: ChatRenderer, reply: Completion) -> None:
-        self.completion_ids += reply.completion_ids
-        self.logprobs += reply.logprobs
-        self.versions += reply.versions
-        self.mask += [1] * len(reply.completion_ids)
-        self.reply_text = reply.text
-        self.reply_model_text = renderer.decode(reply.completion_ids, special_tokens=True)
+    def take_counts(self) -> Dict[str, float]:
+        """Counters of the episodes ended since the last call: episodes, episodes_truncated, and their turns,
+        tool_calls and observation_tokens."""
+        counts, self.counts = dict(self.counts), Counter()
+        return counts
 
-    def sample(self, renderer: ChatRenderer, sample_id: str, group_id: str, policy: str, row: Dict,
-               now: float) -> Sample:
-        return Sample(sample_id=sample_id, group_id=group_id, policy=policy, prompt=self.prompt_text,
-                      completion=renderer.decode(self.completion_ids), prompt_ids=self.prompt_ids,
-                      completion_ids=self.completion_ids, behaviour_logprobs=self.logprobs,
-                      token_versions=self.versions, completion_mask=self.mask, row=row, created_at=now)
+    def _add_turn(self, episode: _Episode, turn: Completion) -> None:
+        episode.tokens += turn.completion_ids
+        episode.logprobs += turn.logprobs
+        episode.versions += turn.versions
+        episode.mask += [1] * len(turn.completion_ids)
+        episode.turns += 1
+        episode.messages.append({"role": "assistant", "content": turn.text})
+
+    def _answer(self, key: Hashable, episode: _Episode, reply: Reply, batch: DecodeBatch, done: Finished) -> None:
+        """Act on the environment's reply: end the episode, send its tool calls, or show the observation."""
+        if reply.done:
+            done.append((key, self._finish(key, episode, reply.fields, truncated=False)))
+        elif episode.turns >= self.max_turns or len(episode.tokens) >= self.max_tokens:
+            done.append((key, self._finish(key, episode, reply.fields, truncated=True)))
+        elif reply.tool_calls:
+            self._call_tools(key, episode, reply)
+        elif not self._observe(key, episode, reply.observation, batch):
+            done.append((key, self._finish(key, episode, reply.fields, truncated=True)))
+
+    def _call_tools(self, key: Hashable, episode: _Episode, reply: Reply) -> None:
+        now = time.time()
+        calls = [ToolCall(f"{episode.tag}/t{episode.turns}/c{i}", call.name, call.arguments, self.reply_to, now)
+                 for i, call in enumerate(reply.tool_calls)]
+        episode.results = {call.call_id: None for call in calls}
+        self.calls.update({call.call_id: key for call in calls})
+        episode.tool_calls += len(calls)
+        self.tools.submit(calls)
+
+    def _observe(self, key: Hashable, episode: _Episode, observation: List[Message], batch: DecodeBatch) -> bool:
+        """Append the observation's tokens and start the next model turn; False when the budget has no room."""
+        ids = self.renderer.observation_ids(episode.messages, episode.tokens[_last_turn_start(episode.mask):],
+                                            observation)
+        room = self.max_tokens - len(episode.tokens) - len(ids)
+        if room < 1:
+            return False
+        episode.tokens += ids
+        episode.logprobs += [0.0] * len(ids)
+        episode.versions += [episode.versions[-1]] * len(ids)
+        episode.mask += [0] * len(ids)
+        episode.messages += observation
+        batch.add([episode.prompt_ids + episode.tokens], [key], max_new_tokens=min(self.max_new_tokens, room))
+        return True
+
+    def _finish(self, key: Hashable, episode: _Episode, fields: Dict, truncated: bool) -> Completion:
+        del self.episodes[key]
+        self.counts.update(episodes=1, episodes_truncated=int(truncated), turns=episode.turns,
+                           tool_calls=episode.tool_calls, observation_tokens=len(episode.mask) - sum(episode.mask))
+        text = self.renderer.tokenizer.decode(episode.tokens, skip_special_tokens=True)
+        return Completion(episode.prompt_ids, episode.tokens, text, episode.logprobs, episode.versions,
+                          completion_mask=episode.mask, episode={**fields, "turns": episode.turns,
+                                                                 "tool_calls": episode.tool_calls,
+                                                                 "truncated": truncated})
+
+
+def _last_turn_start(mask: List[int]) -> int:
+    """Index in `mask` where the newest run of model tokens starts."""
+    start = len(mask)
+    while start > 0 and mask[start - 1] == 1:
+        start -= 1
+    return start
+
+
+def run_episodes(episodes, batch: DecodeBatch, prompts: List[Prompt], samples_per_prompt: int,
+                 poll_s: float = 0.005) -> List[List[Completion]]:
+    """Every prompt's `samples_per_prompt` episodes run to their end on `batch` (evaluation)."""
+    for i, prompt in enumerate(prompts):
+        episodes.start(batch, [(i, j) for j in range(samples_per_prompt)], prompt)
+    ended: Dict[Hashable, Completion] = {}
+    while len(ended) < len(prompts) * samples_per_prompt:
+        finished = episodes.advance(batch, batch.step() if batch else [])
+        ended.update(finished)
+        if not batch and not finished:
+            time.sleep(poll_s)
+    return [[ended[(i, j)] for j in range(samples_per_prompt)] for i in range(len(prompts))]

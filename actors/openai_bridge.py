@@ -22,8 +22,8 @@ from typing import Callable, Dict, Hashable, List, Optional, Set, Tuple
 import ray
 from aiohttp import web
 
+from rlplatform.actors.bridge_episodes import ChatRenderer, Episode, ExtensionError
 from rlplatform.actors.engine import Completion, DecodeBatch, TransformersEngine
-from rlplatform.actors.episodes import ChatRenderer, Episode, ExtensionError
 from rlplatform.config import OpenAIBridgeConfig, RLConfig
 from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.samples import Sample

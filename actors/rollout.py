@@ -7,6 +7,8 @@ waits for the learner except when the staleness bound says any more samples woul
 Prompts are read as token ids from the file the controller saved, and the weight store is found by
 name, so a worker Ray restarts gets both again with none of its constructor arguments held in the
 object store. Prompts are drawn in seeded epochs, each worker its own share of an epoch.
+With a multi-turn `env`, each completion is an episode (`episodes.MultiTurn`) whose tool calls
+run on tool workers while the batch decodes other episodes.
 The spare worker the job keeps for evaluation scores held-out completions with the job's rewards.
 Its counters (samples, tokens, weight syncs, generation, submit and weight-sync seconds) live on Redis, in the policy's
 `rollout_stats` hash, so a worker Ray restarts loses none of them.
@@ -22,8 +24,10 @@ import ray
 import torch
 
 from rlplatform.actors.engine import Completion, ContinuousBatch, build_engine
+from rlplatform.actors.episodes import MultiTurn, SingleTurn, run_episodes
 from rlplatform.actors.openai_bridge import serve_worker
-from rlplatform.config import EvalConfig, LoraConfig, RewardSpec, RLConfig, RolloutConfig
+from rlplatform.config import EnvConfig, EvalConfig, LoraConfig, RewardSpec, RLConfig, RolloutConfig
+from rlplatform.envs.rendering import Renderer
 from rlplatform.monitoring.evaluation import evaluation_figures
 from rlplatform.rewards.registry import resolve
 from rlplatform.rewards.scoring import Scorer
@@ -35,6 +39,7 @@ from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.staleness import RolloutGate
+from rlplatform.transport.tool_queue import ToolQueue
 from rlplatform.transport.weight_streams import Subscriber, receiver
 from rlplatform.transport.weights import from_snapshot
 
@@ -50,7 +55,7 @@ class RolloutWorker:
     def __init__(self, index: int, policy: str, model_path: str, prompts_path: str, rl: RLConfig,
                  rollout: RolloutConfig, redis_url: str, job: str, weight_store: Optional[str], seed: int,
                  dtype: str = "float32", transport: str = "object_store", lora: Optional[LoraConfig] = None,
-                 chat_template: str = "auto") -> None:
+                 chat_template: str = "auto", env: Optional[EnvConfig] = None) -> None:
         """`prompts_path`: the policy's encoded prompts file; `weight_store`: the weight store actor's name
         (None: evaluation only)."""
         torch.set_num_threads(rollout.num_threads)
@@ -68,6 +73,8 @@ class RolloutWorker:
         self.ledger = PromptLedger(client, job, policy)
         self.gate.release(self.ledger.abandon_worker(index))  # a restart: the groups its predecessor left
         self.seed, self.chat_template = seed, chat_template
+        self.env = env or EnvConfig()
+        self.episodes = self._episodes(client, job, chat_template, rl.max_new_tokens)
         self._scorer = None  # the job's rewards, built on the first evaluation
         self._unreported_busy_s = 0.0
         self.heartbeats = Heartbeats(client, job)
@@ -90,6 +97,14 @@ class RolloutWorker:
         start, held = time.perf_counter(), self.version
         if self.sync_weights() != held:
             self._count(weight_syncs=1, weight_sync_s=time.perf_counter() - start)
+
+    def _episodes(self, client, job: str, chat_template: str, max_new_tokens: int):
+        """How this worker's completions become episodes: single turns, or the job's multi-turn environment."""
+        if not self.env.multi_turn:
+            return SingleTurn()
+        tools = ToolQueue(client, job)
+        return MultiTurn(self.env, max_new_tokens, Renderer(self.engine.tokenizer, chat_template), tools,
+                         tools.tool_keys.results(f"{self.policy}-{self.index}"))
 
     @property
     def version(self) -> int:
@@ -128,11 +143,13 @@ class RolloutWorker:
                 bridge.admit(batch)
             if not batch:
                 time.sleep(0.01)
-                continue
+                if not self.episodes.waiting:
+                    continue
             start = time.perf_counter()
-            finished = batch.step()
+            finished = batch.step() if batch else []
             if bridge is not None:
                 finished = bridge.collect(finished)
+            finished = self.episodes.advance(batch, finished)
             self._unreported_busy_s += time.perf_counter() - start
             samples = self._close_groups(open_groups, finished)
             if samples:
@@ -162,7 +179,7 @@ class RolloutWorker:
         for group_id, position in self.ledger.issue(self.index, groups):
             prompt = self.prompts[prompt_row(position, len(self.prompts), self.seed)]
             open_groups[group_id] = _OpenGroup(prompt, [None] * self.rl.group_size)
-            batch.add([prompt.ids] * self.rl.group_size, keys=[(group_id, i) for i in range(self.rl.group_size)])
+            self.episodes.start(batch, [(group_id, i) for i in range(self.rl.group_size)], prompt)
 
     def _close_groups(self, open_groups: Dict[str, _OpenGroup],
                       finished: List[Tuple[Hashable, Completion]]) -> List[Sample]:
@@ -179,12 +196,16 @@ class RolloutWorker:
         for group_id, group in closed:
             samples += [self._sample(f"{group_id}/{i}", group_id, group.prompt, c, now)
                         for i, c in enumerate(group.completions)]
+        counts = self.episodes.take_counts()  # multi-turn: turns, tool calls, observation tokens
+        if counts:
+            self._count(**counts)
         return samples
 
     def _sample(self, sample_id: str, group_id: str, prompt: Prompt, c: Completion, now: float) -> Sample:
         return Sample(sample_id=sample_id, group_id=group_id, policy=self.policy, prompt=prompt.text,
                       completion=c.text, prompt_ids=c.prompt_ids, completion_ids=c.completion_ids,
-                      behaviour_logprobs=c.logprobs, token_versions=c.versions, row=dict(prompt.row), created_at=now)
+                      behaviour_logprobs=c.logprobs, token_versions=c.versions, row={**prompt.row, **c.episode},
+                      created_at=now, completion_mask=c.completion_mask)
 
     def evaluate_snapshot(self, snapshot: Dict, prompts: List[Prompt], config: EvalConfig, rewards: List[RewardSpec],
                           imports: List[str]) -> Dict:
@@ -210,8 +231,12 @@ class RolloutWorker:
         samples, now = [], time.time()
         for start in range(0, len(prompts), config.batch_size):
             chunk = prompts[start:start + config.batch_size]
-            outputs = self.engine.generate([p.ids for p in chunk], config.samples_per_prompt,
-                                           config.max_new_tokens, temperature)
+            if self.env.multi_turn:
+                outputs = run_episodes(self.episodes, self.engine.decode_batch(config.max_new_tokens, temperature),
+                                       chunk, config.samples_per_prompt)
+            else:
+                outputs = self.engine.generate([p.ids for p in chunk], config.samples_per_prompt,
+                                               config.max_new_tokens, temperature)
             for i, (prompt, completions) in enumerate(zip(chunk, outputs), start):
                 samples += [self._sample(f"eval/{i}/{j}", f"eval/{i}", prompt, c, now)
                             for j, c in enumerate(completions)]

@@ -47,6 +47,7 @@ class MicroBatch:
     proximal: Optional[torch.Tensor]  # (batch, T-1) under the weights at entry, unless those are the trained ones
     reference: Optional[torch.Tensor]  # (batch, T-1) under the frozen reference, when kept
     live: bool  # False: a stand-in so every rank runs the same passes; its loss counts 0
+    token_mask: Optional[List[List[int]]] = None  # per completion token 1 trained, 0 an observation; None: all trained
 
 
 @dataclass
@@ -224,7 +225,7 @@ class LearnerRank:
         so the update does not depend on the number of ranks. Metrics are averaged over all updates."""
         for group in self.engine.optimizer.param_groups:
             group["lr"] = self.stage_lr * lr_scale(rl, step)
-        stale = sum(v != step for s in samples for v in s.token_versions)
+        stale = sum(v != step for s in samples for v, m in zip(s.token_versions, s.model_token_mask()) if m)
         total_samples, stale = self._all_reduce([len(samples), stale])
         parts = max(1, min(rl.minibatches, int(total_samples)))
         single_update = parts == 1 and rl.ppo_epochs == 1
@@ -252,7 +253,7 @@ class LearnerRank:
             self.config.micro_batch_tokens)] if share else [] for share in shares]
         counts = self._all_reduce([len(split) for split in splits], op="max")
         sizes = self._all_reduce([x for share in shares for x in (
-            sum(len(samples[i].completion_ids) for i in share), len(share))])
+            sum(samples[i].trained_tokens for i in share), len(share))])
         minibatches = []
         for j, split in enumerate(splits):
             groups = split + [[]] * (int(counts[j]) - len(split))
@@ -263,16 +264,19 @@ class LearnerRank:
     def _micro_batch(self, samples: List[Sample], advantages: List[float]) -> MicroBatch:
         """The samples' micro-batch; none: a one-token stand-in whose loss counts 0."""
         live = bool(samples)
+        token_mask = None
         if not live:
             pad = self.tokenizer.pad_token_id
             prompts, completions, behaviour, advantages = [[pad]], [[pad]], [[0.0]], [0.0]
         else:
             prompts, completions = [s.prompt_ids for s in samples], [s.completion_ids for s in samples]
             behaviour = [s.behaviour_logprobs for s in samples]
+            if any(s.completion_mask for s in samples):  # multi-turn episodes: observation tokens are not trained
+                token_mask = [s.model_token_mask() for s in samples]
         width = max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1
         device = self.engine.device
         return MicroBatch(prompts, completions, torch.tensor(advantages, dtype=torch.float32, device=device),
-                          align_per_token(behaviour, prompts, width).to(device), None, None, live)
+                          align_per_token(behaviour, prompts, width).to(device), None, None, live, token_mask)
 
     @torch.no_grad()
     def _prepare(self, minibatch: Minibatch, rl: RLConfig, recompute_proximal: bool) -> Minibatch:
@@ -281,10 +285,11 @@ class LearnerRank:
         for part in minibatch.parts:
             if not minibatch.proximal_is_current:
                 part.proximal = completion_logprobs(self.engine, part.prompts, part.completions, pad_id,
-                                                    rl.temperature).logprobs if recompute_proximal else part.behaviour
+                                                    rl.temperature, token_mask=part.token_mask
+                                                    ).logprobs if recompute_proximal else part.behaviour
             if self.reference is not None:
                 part.reference = completion_logprobs(self.reference, part.prompts, part.completions, pad_id,
-                                                     rl.temperature).logprobs
+                                                     rl.temperature, token_mask=part.token_mask).logprobs
         return minibatch
 
     def _policy_update(self, minibatch: Minibatch, rl: RLConfig, sft_rows: Optional[List[Dict]]) -> Dict[str, float]:
@@ -305,7 +310,7 @@ class LearnerRank:
 
     def _rl_loss(self, part: MicroBatch, minibatch: Minibatch, rl: RLConfig) -> Tuple[torch.Tensor, Dict[str, float]]:
         scores = completion_logprobs(self.engine, part.prompts, part.completions, self.tokenizer.pad_token_id,
-                                     rl.temperature, entropy_grad=rl.entropy_coef > 0)
+                                     rl.temperature, entropy_grad=rl.entropy_coef > 0, token_mask=part.token_mask)
         mask, totals = scores.mask * part.live, minibatch.totals
         proximal = scores.logprobs.detach() if minibatch.proximal_is_current else part.proximal
         loss, metrics = policy_loss(scores.logprobs, proximal, part.behaviour, part.advantages, mask, rl.correction,
@@ -360,8 +365,9 @@ class LearnerRank:
 
     @staticmethod
     def _local_tokens(minibatches: List[Minibatch]) -> float:
-        """Completion tokens of this rank's share of the batch (one pass over it)."""
-        return float(sum(len(c) for m in minibatches for part in m.parts if part.live for c in part.completions))
+        """Trained completion tokens of this rank's share of the batch (one pass over it)."""
+        return float(sum(sum(mask) for m in minibatches for part in m.parts if part.live
+                         for mask in (part.token_mask or [[1] * len(c) for c in part.completions])))
 
     def _full_state_dict(self, every_rank: bool = False) -> Optional[Dict[str, torch.Tensor]]:
         """The whole model's weights (gathered under ZeRO-3) on rank 0, or on every rank."""

@@ -77,17 +77,18 @@ def reward(name: str, batch: bool = False) -> Callable[[Callable], Callable]:
     return decorate
 
 
-def _entry_points() -> Dict[str, Any]:
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+def entry_points_of(group: str = ENTRY_POINT_GROUP) -> Dict[str, Any]:
+    """Installed plugins' entry points of `group`, by name (tools use the same mechanism)."""
+    return {ep.name: ep for ep in entry_points(group=group)}
 
 
 def find(name: str) -> RewardFunction:
     """A reward by name: registered in this process first, then installed entry points."""
     if name in REWARDS:
         return REWARDS[name]
-    point = _entry_points().get(name)
+    point = entry_points_of().get(name)
     if point is None:
-        known = sorted(set(REWARDS) | set(_entry_points()))
+        known = sorted(set(REWARDS) | set(entry_points_of()))
         raise RewardSpecError(f"unknown reward '{name}'; known: {', '.join(known)}")
     try:
         fn = point.load()
@@ -103,22 +104,28 @@ def importable_from_cwd() -> None:
         sys.path.insert(0, os.getcwd())
 
 
-def from_import_path(path: str) -> RewardFunction:
+def import_callable(path: str, kind: str = "reward", error: type = RewardSpecError) -> Callable:
+    """The callable a `package.module:attribute` path names, else `error` saying why."""
     module_name, _, attribute = path.partition(":")
     importable_from_cwd()
     try:
         fn = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as err:
-        raise RewardSpecError(f"cannot import reward '{path}': {err}") from None
+        raise error(f"cannot import {kind} '{path}': {err}") from None
     if not callable(fn):
-        raise RewardSpecError(f"'{path}' is not a function")
-    return RewardFunction(attribute, fn, bool(getattr(fn, "batch", False)), "import path")
+        raise error(f"'{path}' is not a function")
+    return fn
+
+
+def from_import_path(path: str) -> RewardFunction:
+    fn = import_callable(path)
+    return RewardFunction(path.partition(":")[2], fn, bool(getattr(fn, "batch", False)), "import path")
 
 
 def all_rewards() -> List[RewardFunction]:
     """Every reward this process can find, for `rlp rewards list`."""
     found = dict(REWARDS)
-    for name in _entry_points():
+    for name in entry_points_of():
         if name not in found:
             found[name] = find(name)
     return [found[name] for name in sorted(found)]

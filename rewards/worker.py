@@ -7,6 +7,7 @@ step; requests a dead worker held are reclaimed after `claim_idle_s`, and a requ
 `max_deliveries` times without a result, or one that cannot be decoded, goes to dead letters.
 Each round of its loop beats on the job's heartbeat hash, so a worker that stops making progress
 is named like a silent rollout worker.
+That loop is `QueueWorker`, which the tool worker (`rlplatform.envs.tool_worker`) runs as well.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from rlplatform.rewards.registry import importable_from_cwd, resolve
 from rlplatform.rewards.scoring import Scorer
 from rlplatform.transport.deadlines import Heartbeats
 from rlplatform.transport.redis_server import connect
-from rlplatform.transport.reward_queue import RewardQueue
-from rlplatform.transport.samples import Sample, WireFormatError
+from rlplatform.transport.reward_queue import RewardQueue, StreamQueue
+from rlplatform.transport.samples import Sample, ScoredSample, WireFormatError, decode_sample
 
 
 @dataclass
@@ -55,53 +56,58 @@ def job_rewards_from_json(text: str) -> Tuple[List[RewardSpec], List[str]]:
     return [RewardSpec(**r) for r in body["rewards"]], body["imports"]
 
 
-class RewardWorker:
-    def __init__(self, name: str, rewards: List[RewardSpec], redis_url: str, job: str,
-                 config: Optional[RewardWorkersConfig] = None, imports: Optional[List[str]] = None) -> None:
-        self.name = name
-        self.config = config or RewardWorkersConfig()
-        import_modules(imports or [])
-        self.scorer = Scorer(resolve(rewards), self.config.concurrency)
-        self.queue = RewardQueue(connect(redis_url), job)
+class QueueWorker:
+    """The delivery loop every queue service runs (`RewardWorker`, the tool worker): take back
+    requests a dead worker held, fetch new ones, dead-letter what cannot be decoded or was
+    delivered too often, `handle` the rest and store their results idempotently. Subclasses give
+    `decode` and `handle`; `stats` counts `dead_letters` and `reclaimed` and time spent `busy_s`.
+    `job` is the job's reward queue: its stop flag ends `run`, its counters collect the figures;
+    `label` names the worker on the job's heartbeat hash (`heartbeats`), as silent workers are named."""
+
+    def __init__(self, name: str, queue: StreamQueue, job: RewardQueue, config: RewardWorkersConfig, stats,
+                 heartbeats: Heartbeats, label: str) -> None:
+        self.name, self.queue, self.job, self.config, self.stats = name, queue, job, config, stats
+        self.heartbeats, self.label = heartbeats, label
         self.queue.create_group()
-        self.heartbeats = Heartbeats(self.queue.client, job)
-        self.label = f"reward worker {name}"  # as silent workers are named
-        self.stats = RewardStats()
         self._last_reclaim = 0.0
         self._recovered = False  # requests an earlier process of this name held are taken back first
 
+    def decode(self, raw: bytes):
+        """The request a payload holds; raises WireFormatError for a malformed one."""
+        raise NotImplementedError
+
+    def handle(self, requests: List) -> List:
+        """The result of each request, in order, as `store` takes them (by default (result id, result
+        stream, payload)); never raises for a request's fault."""
+        raise NotImplementedError
+
+    def store(self, msg_ids: List[str], results: List) -> None:
+        """Store what `handle` made of the requests `msg_ids` and acknowledge them."""
+        self.queue.store([(msg_id, *result) for msg_id, result in zip(msg_ids, results)])
+
     def step(self, block_ms: int = 100) -> int:
-        """Score one batch from the queue; returns how many messages were handled."""
+        """Handle one batch from the queue; returns how many messages were handled."""
         messages = self._reclaim() + [(m, raw, 0) for m, raw in
                                       self.queue.fetch(self.name, self.config.batch_size, block_ms)]
         start = time.perf_counter()
-        ids, samples = [], []
+        ids, requests = [], []
         for msg_id, raw, delivered in messages:
-            sample = self._decode_or_dead_letter(msg_id, raw, delivered)
-            if sample is not None:
+            request = self._decode_or_dead_letter(msg_id, raw, delivered)
+            if request is not None:
                 ids.append(msg_id)
-                samples.append(sample)
-        done = list(zip(ids, self.scorer.score(samples))) if samples else []
-        now = time.time()
-        for _, scored in done:
-            scored.scored_at = now
-            self.stats.errors += scored.error is not None
-        self.queue.store_results(done)
-        self.stats.scored += len(done)
+                requests.append(request)
+        self.store(ids, self.handle(requests) if requests else [])
         if messages:
-            busy = time.perf_counter() - start
-            self.stats.busy_s += busy
-            latency = sum(s.scored_at - s.sample.created_at for _, s in done)
-            self.queue.add_counters(self.queue.keys.reward_stats, busy_s=busy, scored=len(done), latency_s=latency)
+            self.stats.busy_s += time.perf_counter() - start
         return len(messages)
 
-    def _decode_or_dead_letter(self, msg_id: str, raw: bytes, delivered: int) -> Optional[Sample]:
+    def _decode_or_dead_letter(self, msg_id: str, raw: bytes, delivered: int):
         if delivered >= self.config.max_deliveries:
             self.queue.dead_letter(msg_id, raw, f"delivered {delivered} times without a stored result")
             self.stats.dead_letters += 1
             return None
         try:
-            return self.queue.decode(raw)
+            return self.decode(raw)
         except WireFormatError as err:
             self.queue.dead_letter(msg_id, raw, str(err))
             self.stats.dead_letters += 1
@@ -122,15 +128,47 @@ class RewardWorker:
         self.stats.reclaimed += len(taken)
         return taken
 
-    def run(self) -> RewardStats:
-        """Score until the job's stop flag is set, beating on the heartbeat hash each round."""
+    def run(self):
+        """Serve until the job's stop flag is set, beating on the job's heartbeat hash each round;
+        returns the stats."""
         try:
-            while not self.queue.stop_requested():
+            while not self.job.stop_requested():
                 self.heartbeats.beat(self.label)
                 self.step()
         finally:
             self.heartbeats.leave(self.label)
         return self.stats
+
+
+class RewardWorker(QueueWorker):
+    def __init__(self, name: str, rewards: List[RewardSpec], redis_url: str, job: str,
+                 config: Optional[RewardWorkersConfig] = None, imports: Optional[List[str]] = None) -> None:
+        config = config or RewardWorkersConfig()
+        import_modules(imports or [])
+        self.scorer = Scorer(resolve(rewards), config.concurrency)
+        queue = RewardQueue(connect(redis_url), job)
+        super().__init__(name, queue, queue, config, RewardStats(), Heartbeats(queue.client, job),
+                         f"reward worker {name}")
+
+    def decode(self, raw: bytes) -> Sample:
+        return decode_sample(raw)
+
+    def handle(self, samples: List[Sample]) -> List[ScoredSample]:
+        start = time.perf_counter()
+        scored = self.scorer.score(samples)
+        now = time.time()
+        for result in scored:
+            result.scored_at = now
+            self.stats.errors += result.error is not None
+        self.stats.scored += len(scored)
+        latency = sum(s.scored_at - s.sample.created_at for s in scored)
+        self.job.add_counters(self.job.keys.reward_stats, busy_s=time.perf_counter() - start, scored=len(scored),
+                              latency_s=latency)
+        return scored
+
+    def store(self, msg_ids: List[str], results: List[ScoredSample]) -> None:
+        """Each result whole under its sample id and its metadata on the results stream (`store_results`)."""
+        self.job.store_results(list(zip(msg_ids, results)))
 
 
 def default_worker_name(job: str) -> str:

@@ -18,7 +18,20 @@ from rlplatform.config import ConfigError, JobConfig, load_config
 def _load(args) -> JobConfig:
     config = load_config(args.config, args.overrides)
     _resolve_rewards(config, args.config)
+    _resolve_environment(config, args.config)
     return config
+
+
+def _resolve_environment(config: JobConfig, source: str) -> None:
+    """The job's environment class and tools exist (after `imports`, which may register tools)."""
+    from rlplatform.envs.environment import environment_factory
+    from rlplatform.envs.tools import ToolSpecError, resolve_tools
+
+    try:
+        resolve_tools(config.env.tools)
+        environment_factory(config.env)
+    except (ToolSpecError, ValueError) as err:
+        raise ConfigError(f"{source}: {err}") from None
 
 
 def _resolve_rewards(config: JobConfig, source: str):
@@ -147,6 +160,29 @@ def _reward_worker(args) -> int:
     return 0
 
 
+def _tool_worker(args) -> int:
+    """A standalone tool worker serving job `args.job`'s tool calls until the job stops."""
+    import time
+
+    from rlplatform.config import RewardWorkersConfig
+    from rlplatform.envs.tool_worker import ToolWorker, default_tool_worker_name, job_tools_from_json
+    from rlplatform.transport.redis_server import connect
+    from rlplatform.transport.tool_queue import ToolKeys
+
+    client = connect(args.redis)
+    while (published := client.get(ToolKeys(args.job).specs)) is None:
+        print(f"rlp: waiting for job '{args.job}' to start (with env.tools)", file=sys.stderr)
+        time.sleep(2)
+    tools, imports = job_tools_from_json(published.decode())
+    config = RewardWorkersConfig(concurrency=args.concurrency, batch_size=args.batch_size)
+    worker = ToolWorker(args.name or default_tool_worker_name(args.job), tools, args.redis, args.job, config, imports)
+    print(f"rlp: tool worker {worker.name} serving job '{args.job}'", file=sys.stderr)
+    stats = worker.run()
+    print(f"rlp: job '{args.job}' stopped; {stats.calls} tool calls, {stats.errors} errors, "
+          f"{stats.dead_letters} dead letters", file=sys.stderr)
+    return 0
+
+
 def _status(args) -> int:
     import time
 
@@ -202,6 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--batch-size", type=int, default=64, help="queue messages read per call")
     worker.add_argument("--name", help="consumer name (default: <job>-reward-<host>-<pid>)")
     worker.set_defaults(handler=_reward_worker)
+    tools = commands.add_parser("tool-worker", help="serve a running job's tool calls from this machine")
+    tools.add_argument("--redis", required=True, help="the job's Redis URL")
+    tools.add_argument("--job", required=True, help="the job's name")
+    tools.add_argument("--concurrency", type=int, default=8, help="tool calls run at once")
+    tools.add_argument("--batch-size", type=int, default=64, help="queue messages read per call")
+    tools.add_argument("--name", help="consumer name (default: <job>-tool-<host>-<pid>)")
+    tools.set_defaults(handler=_tool_worker)
     status = commands.add_parser("status", help="progress of a job running anywhere, read from its Redis")
     status.add_argument("--redis", required=True, help="the job's Redis URL (runs/<name>/redis.url for embedded)")
     status.add_argument("--job", required=True, help="the job's name")

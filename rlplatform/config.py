@@ -63,13 +63,14 @@ class ModelConfig:
     num_kv_heads: int = at_least(2, 1)  # demo key/value heads (grouped-query attention)
     intermediate_size: int = at_least(384, 1)  # demo MLP width
     max_positions: int = at_least(64, 1)  # demo context length
+    extra_chars: str = ""  # characters the demo tokenizer knows beyond its default alphabet (e.g. "<>/" for tool tags)
     dtype: str = one_of("float32", "bfloat16", "float16")  # weights' precision in learners, rollout workers and the saved model
     lora: LoraConfig = field(default_factory=LoraConfig)  # train adapters only; weight syncs and checkpoints carry them alone
 
 
 @dataclass
 class DataConfig:
-    kind: str = one_of("addition", "jsonl", "hf")  # addition: generated "37+48=" -> "85" rows; jsonl, hf: read files
+    kind: str = one_of("addition", "jsonl", "hf", "tool_calc")  # addition: generated "37+48=" -> "85" rows; jsonl, hf: read files; tool_calc: "123*4=" rows answered with a calculator trace
     # kind=jsonl: jsonl files; kind=hf: json/jsonl/parquet/csv files (format by extension) or save_to_disk directories
     train_path: Optional[str] = None  # training rows
     test_path: Optional[str] = None  # held-out rows for evaluation
@@ -185,6 +186,33 @@ class RewardWorkersConfig:
 
 
 @dataclass
+class ToolSpec:
+    name: Optional[str] = None  # a built-in (calculator, python), registered or entry-point tool name
+    fn: Optional[str] = None  # or an import path "package.module:function"
+    params: Dict[str, Any] = field(default_factory=dict)  # keyword arguments for the function (the model cannot set them)
+    timeout_s: float = above(10.0, 0)  # a call running longer is an error observation
+
+    @property
+    def label(self) -> str:
+        """The name the model calls it by."""
+        return self.name or (self.fn or "").rsplit(":", 1)[-1]
+
+
+@dataclass
+class EnvConfig:
+    kind: str = one_of("single_turn", "tools")  # single_turn: one completion per prompt; tools: the model may call `tools`
+    fn: Optional[str] = None  # instead of kind: a custom environment class "package.module:Class" (rlplatform.envs)
+    max_turns: int = at_least(1, 1)  # model turns per episode
+    max_tokens: int = at_least(0, 0)  # completion tokens per episode, model and observation (0: max_turns x rl.max_new_tokens)
+    tools: List[ToolSpec] = field(default_factory=list)  # the tools the model may call (kind=tools)
+    tool_workers: RewardWorkersConfig = field(default_factory=RewardWorkersConfig)  # tool workers started for the job
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.kind != "single_turn" or self.fn is not None
+
+
+@dataclass
 class LearnerConfig:
     num_ranks: int = at_least(1, 1)  # DeepSpeed data-parallel ranks (Ray actors)
     zero_stage: int = one_of(0, 1, 2, 3, default=1)  # DeepSpeed ZeRO stage 0-3
@@ -283,6 +311,7 @@ class JobConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rewards: List[RewardSpec] = field(default_factory=lambda: [RewardSpec(name="exact_match")])
     imports: List[str] = field(default_factory=list)  # modules imported before rewards resolve (@rlplatform.reward files)
+    env: EnvConfig = field(default_factory=EnvConfig)  # episodes: single-turn, or multi-turn with tools (rlplatform.envs)
     reward_workers: RewardWorkersConfig = field(default_factory=RewardWorkersConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
@@ -446,6 +475,18 @@ def _check_values(config: JobConfig, source: str) -> None:
                           f"(half of the {problems} distinct {config.data.digits}-digit additions) can be held out")
     _check_data(config.data, source)
     _check_eval(config, source)
+    _check_env(config.env, source)
+
+
+def _check_env(env: EnvConfig, source: str) -> None:
+    for i, spec in enumerate(env.tools):
+        if bool(spec.name) == bool(spec.fn):
+            raise ConfigError(f"{source}: 'env.tools[{i}]' needs exactly one of 'name' or 'fn'")
+    if env.kind == "tools" and not env.fn and not env.tools:
+        raise ConfigError(f"{source}: 'env.kind' is tools but 'env.tools' is empty; list the tools the model may "
+                          f"call, e.g. tools: [{{name: calculator}}]")
+    if env.fn and ":" not in env.fn:
+        raise ConfigError(f"{source}: 'env.fn' is {env.fn!r}; expected 'package.module:Class'")
 
 
 def _check_data(data: DataConfig, source: str) -> None:

@@ -26,9 +26,10 @@ DEMO_CHARS = list("0123456789+-*=() abcdefghijklmnopqrstuvwxyz.,:?!")
 DEMO_SPECIALS = ["<pad>", "<s>", "</s>"]
 
 
-def demo_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per character; left padding for batched generation."""
-    vocab = {token: i for i, token in enumerate(DEMO_SPECIALS + DEMO_CHARS)}
+def demo_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
+    """One token per character (the default alphabet, then `extra_chars`); left padding for batched generation."""
+    chars = DEMO_CHARS + [c for c in dict.fromkeys(extra_chars) if c not in DEMO_CHARS]
+    vocab = {token: i for i, token in enumerate(DEMO_SPECIALS + chars)}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
@@ -37,7 +38,7 @@ def demo_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_demo_policy(config: ModelConfig, seed: int) -> Tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    tokenizer = demo_tokenizer()
+    tokenizer = demo_tokenizer(config.extra_chars)
     torch.manual_seed(seed)
     model_config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=config.hidden_size,

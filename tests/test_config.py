@@ -4,6 +4,7 @@ ConfigError naming the file and the key for every kind of bad input."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -267,3 +268,21 @@ def test_lora_settings_are_checked_where_they_are_set():
         load_config(None, ["model.lora.enabled=true", "model.lora.dropout=1.0"])
     with pytest.raises(ConfigError, match="at least one target module"):
         load_config(None, ["model.lora.enabled=true", "model.lora.target_modules=[]"])
+
+
+def test_env_defaults_to_single_turn_and_tool_calc_loads():
+    assert not load_config().env.multi_turn
+    config = load_config(str(Path(__file__).parent.parent / "configs" / "tool_calc.yaml"))
+    assert config.env.multi_turn and [t.label for t in config.env.tools] == ["calculator"]
+    assert config.env.tool_workers.num_workers == 1
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["env.kind=tools"], "'env.kind' is tools but 'env.tools' is empty"),
+    (["env.fn=my_envs.Game"], "'env.fn' is 'my_envs.Game'; expected 'package.module:Class'"),
+    (["env.kind=tools", "env.tools=[{name: calculator, fn: 'm:f'}]"], "'env.tools[0]' needs exactly one of"),
+    (["env.max_turns=0"], "'env.max_turns' is 0; it must be >= 1"),
+])
+def test_bad_env_settings_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(overrides=overrides)

@@ -2,7 +2,7 @@
 
 `load_rows` gives a job's (train, test) rows, each a dict holding `prompt` (text) or `messages`
 (a conversation: a list of {role, content}), usually `answer`, and any other fields the rewards
-read (`tests`, ...). Rows come from the generated addition task, jsonl files, or a Hugging Face
+read (`tests`, ...). Rows come from the generated addition or tool_calc tasks, jsonl files, or a Hugging Face
 dataset (`kind: hf`); the `data.*_key` fields map a dataset's own field names onto these.
 Rollout workers draw training prompts in seeded epochs without replacement through the prompt
 ledger (`rlplatform.transport.ledger`).
@@ -16,6 +16,7 @@ from typing import Dict, List, Tuple
 from rlplatform.config import DataConfig
 from rlplatform.data.addition import addition_rows, pair
 from rlplatform.data.files import read_hf, read_jsonl
+from rlplatform.data.tool_calc import tool_calc_rows
 
 Row = Dict
 
@@ -26,6 +27,9 @@ def load_rows(config: DataConfig, seed: int) -> Tuple[List[Row], List[Row]]:
     """(train rows, held-out test rows) for a job, with `prompt`/`messages`/`answer` under those names."""
     if config.kind == "addition":
         return _addition(config, seed)
+    if config.kind == "tool_calc":
+        rng = random.Random(seed)
+        return tool_calc_rows(config.train_size, rng), tool_calc_rows(config.test_size, rng)
     if config.kind == "jsonl":
         train, test = read_jsonl(config.train_path), read_jsonl(config.test_path)
         sources = (config.train_path, config.test_path)

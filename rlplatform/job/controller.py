@@ -156,7 +156,8 @@ def _check_cluster(config: JobConfig, cpus: float) -> None:
 
 def _cpus_needed(config: JobConfig) -> float:
     """Ray CPUs the job's actors reserve: reward workers, and per policy its ranks, rollout workers and evaluator."""
-    return config.reward_workers.num_workers * config.reward_workers.num_cpus + sum(
+    tools = config.env.tool_workers.num_workers * config.env.tool_workers.num_cpus if config.env.tools else 0.0
+    return tools + config.reward_workers.num_workers * config.reward_workers.num_cpus + sum(
         p.learner.num_ranks * p.learner.num_cpus + (p.rollout.num_workers + 1) * p.rollout.num_cpus
         for p in config.policy_list())
 
@@ -188,10 +189,12 @@ def _run_stages(config: JobConfig, redis_url: str, metrics: Metrics, summary: Di
     queue = _open_queue(config, client)
     policies: List[PolicyWorkers] = []
     reward_actors: List = []
+    tool_actors: List = []
     try:
         for policy in config.policy_list():
             policies.append(_start_policy(config, policy, train_rows, test_rows, redis_url, client))
         reward_actors = _start_reward_workers(config, redis_url)  # needed from RL on
+        tool_actors = _start_tool_workers(config, redis_url, client)
         summary["startup_s"]["workers_ready_s"] = round(time.time() - started_at, 2)  # every actor constructed
         results = resume.state["results"] if resume else \
             {p.name: {"data": p.data, "stages": {}, "eval": {}} for p in policies}
@@ -214,7 +217,7 @@ def _run_stages(config: JobConfig, redis_url: str, metrics: Metrics, summary: Di
     finally:
         queue.request_stop()
         queue.clear()
-        _stop(policies, reward_actors)
+        _stop(policies, reward_actors + tool_actors)
 
 
 def _resume_hint(config: JobConfig, what: str) -> str:
@@ -253,6 +256,21 @@ def _start_reward_workers(config: JobConfig, redis_url: str) -> List:
                                 max_restarts=MAX_RESTARTS, name=f"{config.name}-reward-{i}").remote(
         f"{config.name}-reward-{i}", config.rewards, redis_url, config.name, config.reward_workers, config.imports)
         for i in range(config.reward_workers.num_workers)]
+
+
+def _start_tool_workers(config: JobConfig, redis_url: str, client) -> List:
+    """The job's tool workers, serving from now on (SFT's evaluations run episodes too); none without tools."""
+    if not (config.env.multi_turn and config.env.tools):
+        return []
+    from rlplatform.envs.tool_worker import ToolActor, job_tools_json
+    from rlplatform.transport.tool_queue import ToolKeys, ToolQueue
+
+    ToolQueue(client, config.name).create_group()
+    client.set(ToolKeys(config.name).specs, job_tools_json(config.env.tools, config.imports))
+    workers = config.env.tool_workers
+    return [ToolActor.options(num_cpus=workers.num_cpus, max_restarts=MAX_RESTARTS, name=f"{config.name}-tool-{i}"
+                              ).remote(f"{config.name}-tool-{i}", config.env.tools, redis_url, config.name, workers,
+                                       config.imports) for i in range(workers.num_workers)]
 
 
 def _start_policy(config: JobConfig, policy: PolicyConfig, train_rows, test_rows, redis_url: str,
@@ -304,7 +322,7 @@ def _start_rollout_actors(config: JobConfig, policy: PolicyConfig, model_path: s
     return [RolloutActor.options(num_cpus=policy.rollout.num_cpus, num_gpus=gpus, resources=policy.rollout.resources,
                                  max_restarts=MAX_RESTARTS, name=f"{config.name}-{policy.name}-rollout-{i}").remote(
         i, policy.name, model_path, prompts_path, policy.rl, policy.rollout, redis_url, config.name, store_name, config.seed,
-        policy.model.dtype, policy.weights.transport, policy.model.lora, config.data.chat_template)
+        policy.model.dtype, policy.weights.transport, policy.model.lora, config.data.chat_template, config.env)
         for i in range(policy.rollout.num_workers + 1)]
 
 

@@ -214,6 +214,8 @@ class PolicyRun:
         summary["eval_history"] = self.monitor.eval_history
         summary["ledger"] = self.ledger.counts()
         summary["first_step_at"] = self.first_step_at
+        if self.job.env.multi_turn:
+            summary["tools"] = self.monitor.tool_totals()
         return summary
 
 

@@ -21,7 +21,7 @@ from rlplatform.monitoring.job_status import JobStatus
 
 # RL metric family -> the step axis it is plotted against
 RL_AXES = {"learning": "learner_step", "rewards": "learner_step", "async": "wall_time_s",
-           "eval": "samples_seen", "samples": "learner_step"}
+           "eval": "samples_seen", "samples": "learner_step", "tools": "learner_step"}
 
 
 def wandb_mode(mode: str) -> str:

@@ -5,8 +5,8 @@ Families (logged as `<policy>/<family>/<name>`): `learning` (losses, KL, entropy
 importance weights, grad norm, lr, response length), `rewards` (total, each component, error,
 timeout and filter fractions, zero-advantage groups, samples scored so far per reward reason), `async` (version, staleness, drops,
 weight sync, busy fractions, queue depth, reward latency, throughput), `eval` (held-out pass@1
-as accuracy, reward mean and components) and `samples` (a table of completions every
-`monitoring.samples_every` steps).
+as accuracy, reward mean and components), `samples` (a table of completions every
+`monitoring.samples_every` steps) and, with a multi-turn `env`, `tools` (`tool_metrics`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ import wandb
 from rlplatform.config import JobConfig, RLConfig
 from rlplatform.monitoring.alerts import AlertRules, StepFigures
 from rlplatform.monitoring.metrics import Metrics
+from rlplatform.monitoring.tool_metrics import tool_figures
 from rlplatform.transport.buffer import Batch
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
+from rlplatform.transport.tool_queue import ToolKeys
 
 LEARNING_KEYS = ("loss", "pg_loss", "kl_to_reference", "entropy", "clip_fraction", "importance_weight_mean",
                  "importance_weight_max", "logprob_mismatch_abs", "grad_norm", "lr")
@@ -65,6 +67,7 @@ class RLMonitor:
         self._token_rate = TrailingRate(RATE_WINDOW_S, self._previous["time"],
                                         self._previous.get("rollout_tokens", 0.0))
         self._scored = (0, 0, 0, 0)  # scored, errors, timeouts, filtered at the previous step
+        self._tool_counters = self._episode_counters()  # at the previous step
         self._learner_busy_s = 0.0
 
     def _worker_counters(self) -> Dict[str, float]:
@@ -85,6 +88,8 @@ class RLMonitor:
         step_s = counters.learner_busy_s - self._learner_busy_s
         self._learner_busy_s = counters.learner_busy_s
         families["async"]["learner_tokens_per_s"] = learner_metrics.get("tokens_total", 0.0) / max(step_s, 1e-9)
+        if self.config.env.multi_turn:
+            families["tools"] = self._tools()
         if self.config.monitoring.samples_every and version % self.config.monitoring.samples_every == 0:
             families["samples"] = {"table": self._samples_table(version, batch)}
         self.metrics.log_rl(self.policy, families, self._axes(version))
@@ -160,6 +165,21 @@ class RLMonitor:
             "weight_bytes_per_sync": delta.get("rollout_weight_sync_bytes", 0.0)
             / max(delta.get("rollout_weight_syncs", 0.0), 1.0),  # 0 when no worker synced since the last step
         }
+
+    def _episode_counters(self) -> Tuple[Dict[str, float], Dict[str, float]]:
+        """(the policy's rollout counters, the job's tool counters) as they stand."""
+        return self.queue.counters(self.keys.rollout_stats), self.queue.counters(ToolKeys(self.config.name).stats)
+
+    def _tools(self) -> Dict[str, float]:
+        """Episodes and tool calls since the previous step."""
+        current = self._episode_counters()
+        deltas = [{k: v - before.get(k, 0.0) for k, v in now.items()} for now, before in zip(current, self._tool_counters)]
+        self._tool_counters = current
+        return tool_figures(*deltas)
+
+    def tool_totals(self) -> Dict[str, float]:
+        """The stage's episode and tool figures (for the summary)."""
+        return tool_figures(*self._episode_counters())
 
     def _samples_table(self, version: int, batch: Batch) -> wandb.Table:
         rows = batch.samples[:self.config.monitoring.samples_rows]

@@ -1,42 +1,51 @@
-"""The reward queue on Redis Streams: rollout workers submit samples, reward workers score them.
+"""Work queues on Redis Streams, and the reward queue: rollout workers submit samples, reward workers score them.
 
-Requests go to `rlp:<job>:requests`, read through the consumer group `reward-workers`
-(at-least-once). A reward worker stores each result with one Lua script that records the
-sample id and, only the first time that id is seen (idempotent), stores the whole result under
-its id (`results.ResultStore`) and appends its small `ResultMeta` to `rlp:<job>:results`, then
-acknowledges and deletes the request. Messages that cannot be decoded go to `rlp:<job>:dead`
-with the reason. The controller reads the metadata in order from the results stream; learner
-ranks read the samples themselves by id.
-Producers append only while the requests stream stays within the job's bound (recorded on
-Redis by the controller), and otherwise wait: backpressure, never dropping.
+`StreamQueue` is the delivery machinery every slow service of a job shares (rewards here, tool
+calls in `tool_queue`): requests go to a stream read through a consumer group (at-least-once).
+A worker stores each result with one Lua script that records the result's id, appends the result
+to the result stream its request names only the first time that id is seen (idempotent), then
+acknowledges and deletes the request. Requests a dead worker held are reclaimed; messages that
+cannot be decoded go to a dead-letter stream with the reason. Producers append only while the
+requests stream stays within the job's bound (recorded on Redis by the controller), and
+otherwise wait: backpressure, never dropping.
+
+`RewardQueue` is the reward service's queue: requests `rlp:<job>:requests` (consumer group
+`reward-workers`), dead letters `rlp:<job>:dead`. Each new result is stored whole under its sample
+id (`results.ResultStore`) and its small `ResultMeta` goes to `rlp:<job>:results`, in the same
+atomic step: the controller reads the metadata in order, learner ranks read the samples themselves
+by id. It also holds the job's shared flags and counters.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import redis
 
 from rlplatform.transport.results import ResultStore
-from rlplatform.transport.samples import (ResultMeta, Sample, ScoredSample, WireFormatError, decode_meta,
-                                          decode_sample, encode_meta, encode_sample, encode_scored)
+from rlplatform.transport.samples import (ResultMeta, Sample, ScoredSample, WireFormatError, decode_meta, decode_sample,
+                                          encode_meta, encode_sample, encode_scored)
 
 GROUP = "reward-workers"
 
-# KEYS: scored-ids set, results stream, requests stream. ARGV: group, result key prefix, then
-# (message id, sample id, payload, metadata) quadruples. Returns how many results were new.
+# KEYS: done-ids set, requests stream, then the result stream of each entry. ARGV: group, then
+# (message id, result id, stream payload, stash key, stash value) quintuples: a new result appends its
+# payload to its stream and, when the stash key is not empty, stores the stash value under it.
+# Returns how many results were new.
 _STORE_RESULTS = """
 local added = 0
-for i = 3, #ARGV, 4 do
+for i = 2, #ARGV, 5 do
   if redis.call('SADD', KEYS[1], ARGV[i + 1]) == 1 then
-    redis.call('SET', ARGV[2] .. ARGV[i + 1], ARGV[i + 2])
-    redis.call('XADD', KEYS[2], '*', 'meta', ARGV[i + 3])
+    if ARGV[i + 3] ~= '' then
+      redis.call('SET', ARGV[i + 3], ARGV[i + 4])
+    end
+    redis.call('XADD', KEYS[2 + (i + 3) / 5], '*', 'data', ARGV[i + 2])
     added = added + 1
   end
-  redis.call('XACK', KEYS[3], ARGV[1], ARGV[i])
-  redis.call('XDEL', KEYS[3], ARGV[i])
+  redis.call('XACK', KEYS[2], ARGV[1], ARGV[i])
+  redis.call('XDEL', KEYS[2], ARGV[i])
 end
 return added
 """
@@ -92,78 +101,78 @@ class PolicyKeys:
         self.rollout_stats = f"{prefix}:rollout-stats"  # the policy's rollout counters (the one record of them)
 
 
-class RewardQueue:
-    """Both ends of one job's reward queue."""
+class StreamQueue:
+    """Both ends of one at-least-once work queue: `requests` read through consumer group `group`,
+    results stored once per result id (remembered in `done_ids`), undecodable or undeliverable
+    requests moved to `dead`. Payloads are bytes; what they encode is the subclass's business."""
 
-    def __init__(self, client: redis.Redis, job: str, max_pending: Optional[int] = None) -> None:
-        """`max_pending`: the job's bound on unscored requests. The controller passes it and
-        `reset` records it on Redis; producers built without it read it from there."""
+    def __init__(self, client: redis.Redis, requests: str, done_ids: str, dead: str, group: str, bound_key: str,
+                 max_pending: Optional[int] = None) -> None:
+        """`bound_key`: where the job records its bound on pending requests, read when `max_pending` is None."""
         self.client = client
-        self.keys = JobKeys(job)
-        self.max_pending = max_pending
+        self.requests, self.done_ids, self.dead, self.group = requests, done_ids, dead, group
+        self.bound_key, self.max_pending = bound_key, max_pending
         self._store = client.register_script(_STORE_RESULTS)
         self._submit = client.register_script(_SUBMIT_WITHIN_BOUND)
-        self.results = ResultStore(client, self.keys.result_prefix)
-        self._last_result_id = "0-0"
+        self._last_read: Dict[str, str] = {}  # result stream -> id of the newest entry read
 
     def create_group(self) -> None:
         try:
-            self.client.xgroup_create(self.keys.requests, GROUP, id="0", mkstream=True)
+            self.client.xgroup_create(self.requests, self.group, id="0", mkstream=True)
         except redis.ResponseError as err:
             if "BUSYGROUP" not in str(err):
                 raise
 
-    # producer side (rollout workers)
-    def submit(self, samples: List[Sample], counters: Optional[str] = None, poll_s: float = 0.01) -> None:
-        """Append samples, waiting while they would take the stream past the job's bound of
-        unscored requests (backpressure: nothing is dropped); a batch larger than the bound
-        goes in parts. Each part appended adds its samples and completion tokens to the counter
-        hash `counters` (`PolicyKeys.rollout_stats`) in the same atomic step, so the counts equal
-        what the stream received even when the producer dies midway."""
+    # producer side
+    def submit_payloads(self, payloads: List[bytes], poll_s: float = 0.01, counters: Optional[str] = None,
+                        tokens: Optional[List[int]] = None) -> None:
+        """Append requests, waiting while they would take the stream past the job's bound of pending
+        requests (backpressure: nothing is dropped); a batch larger than the bound goes in parts.
+        With `counters` (a hash), each part appended adds its requests to `samples` and their
+        `tokens` to `tokens` in the same atomic step, so the counts equal what the stream received
+        even when the producer dies midway."""
         bound = self.bound()
-        keys = [self.keys.requests] + ([counters] if counters else [])
-        for start in range(0, len(samples), bound):
-            part = samples[start:start + bound]
-            tokens = sum(len(sample.completion_ids) for sample in part)
-            payloads = [encode_sample(sample) for sample in part]
-            while not self._submit(keys=keys, args=[bound, tokens, *payloads]):
+        keys = [self.requests] + ([counters] if counters else [])
+        tokens = tokens or [0] * len(payloads)
+        for start in range(0, len(payloads), bound):
+            part = payloads[start:start + bound]
+            while not self._submit(keys=keys, args=[bound, sum(tokens[start:start + bound]), *part]):
                 time.sleep(poll_s)
 
     def bound(self) -> int:
-        """Unscored requests the stream may hold: given, else the job's recorded bound."""
+        """Pending requests the stream may hold: given, else the job's recorded bound."""
         if self.max_pending is None:
-            recorded = self.client.get(self.keys.max_pending)
+            recorded = self.client.get(self.bound_key)
             self.max_pending = int(recorded) if recorded is not None else DEFAULT_MAX_PENDING
         return self.max_pending
 
-    # consumer side (reward workers)
+    # consumer side (workers)
     def fetch(self, consumer: str, count: int, block_ms: int) -> List[Tuple[str, bytes]]:
         """Up to `count` new requests for `consumer` as (message id, raw payload)."""
-        reply = self.client.xreadgroup(GROUP, consumer, {self.keys.requests: ">"},
-                                       count=count, block=block_ms)
+        reply = self.client.xreadgroup(self.group, consumer, {self.requests: ">"}, count=count, block=block_ms)
         if not reply:
             return []
         return [(_text(msg_id), fields.get(b"data", b"")) for msg_id, fields in reply[0][1]]
 
-    @staticmethod
-    def decode(raw: bytes) -> Sample:
-        return decode_sample(raw)
-
-    def store_results(self, done: List[Tuple[str, ScoredSample]]) -> int:
-        """Store (message id, result) pairs once per sample id and acknowledge them."""
+    def store(self, done: List[Tuple[str, str, str, bytes]],
+              stashes: Optional[List[Tuple[str, bytes]]] = None) -> int:
+        """Store (message id, result id, result stream, payload) once per result id and acknowledge
+        the requests; with `stashes`, a new result also stores its (key, value) pair. Returns how
+        many results were new."""
         if not done:
             return 0
-        args: list = [GROUP, self.keys.result_prefix]
-        for msg_id, scored in done:
-            args += [msg_id, scored.sample.sample_id, encode_scored(scored), encode_meta(ResultMeta.of(scored))]
-        keys = [self.keys.scored_ids, self.keys.results, self.keys.requests]
+        stashes = stashes or [("", b"")] * len(done)
+        args: list = [self.group]
+        for (msg_id, result_id, _, payload), (key, value) in zip(done, stashes):
+            args += [msg_id, result_id, payload, key, value]
+        keys = [self.done_ids, self.requests] + [stream for _, _, stream, _ in done]
         return int(self._store(keys=keys, args=args))
 
     def dead_letter(self, msg_id: str, raw: bytes, reason: str) -> None:
         pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(self.keys.dead, {"data": raw, "reason": reason, "message_id": msg_id})
-        pipe.xack(self.keys.requests, GROUP, msg_id)
-        pipe.xdel(self.keys.requests, msg_id)
+        pipe.xadd(self.dead, {"data": raw, "reason": reason, "message_id": msg_id})
+        pipe.xack(self.requests, self.group, msg_id)
+        pipe.xdel(self.requests, msg_id)
         pipe.execute()
 
     def reclaim(self, consumer: str, min_idle_ms: int, count: int,
@@ -171,44 +180,77 @@ class RewardQueue:
         """Take over requests another consumer (or `owner` alone: a worker restarted under the same
         name) has held unacknowledged for `min_idle_ms` (it died or hangs): (message id, payload,
         times delivered before) for each."""
-        pending = self.client.xpending_range(self.keys.requests, GROUP, min="-", max="+", count=count,
+        pending = self.client.xpending_range(self.requests, self.group, min="-", max="+", count=count,
                                              consumername=owner, idle=min_idle_ms)
         if not pending:
             return []
         deliveries = {_text(p["message_id"]): int(p["times_delivered"]) for p in pending}
-        claimed = self.client.xclaim(self.keys.requests, GROUP, consumer, min_idle_ms, list(deliveries))
+        claimed = self.client.xclaim(self.requests, self.group, consumer, min_idle_ms, list(deliveries))
         taken = []
         for msg_id, fields in claimed:
-            if fields is None:  # deleted meanwhile: already scored and stored
+            if fields is None:  # deleted meanwhile: already handled and stored
                 continue
             taken.append((_text(msg_id), fields.get(b"data", b""), deliveries[_text(msg_id)]))
         return taken
 
-    # results side (the controller)
-    def read_results(self, count: int = 1024, block_ms: Optional[int] = 100) -> List[ResultMeta]:
-        """The metadata of results not read before, oldest first; read entries are trimmed from the
-        stream (the results themselves stay in `self.results` until deleted)."""
-        reply = self.client.xread({self.keys.results: self._last_result_id}, count=count, block=block_ms)
+    # results side
+    def read(self, stream: str, count: int = 1024, block_ms: Optional[int] = 100) -> List[Tuple[str, bytes]]:
+        """(entry id, payload) of results on `stream` not read before, oldest first; read entries are trimmed."""
+        reply = self.client.xread({stream: self._last_read.get(stream, "0-0")}, count=count, block=block_ms)
         if not reply:
             return []
         entries = reply[0][1]
-        self._last_result_id = _text(entries[-1][0])
-        self.client.xtrim(self.keys.results, minid=self._last_result_id, approximate=False)
-        results = []
-        for msg_id, fields in entries:
-            try:
-                results.append(decode_meta(fields.get(b"meta", b"")))
-            except WireFormatError as err:
-                self.client.xadd(self.keys.dead, {"data": fields.get(b"meta", b""), "reason": str(err),
-                                                  "message_id": _text(msg_id)})
-        return results
+        self._last_read[stream] = _text(entries[-1][0])
+        self.client.xtrim(stream, minid=self._last_read[stream], approximate=False)
+        return [(_text(msg_id), fields.get(b"data", b"")) for msg_id, fields in entries]
 
     def pending(self) -> int:
-        """Requests submitted and not yet scored."""
-        return int(self.client.xlen(self.keys.requests))
+        """Requests submitted and not yet handled."""
+        return int(self.client.xlen(self.requests))
 
     def dead_letters(self) -> int:
-        return int(self.client.xlen(self.keys.dead))
+        return int(self.client.xlen(self.dead))
+
+
+class RewardQueue(StreamQueue):
+    """Both ends of one job's reward queue, and the job's shared flags and counters."""
+
+    def __init__(self, client: redis.Redis, job: str, max_pending: Optional[int] = None) -> None:
+        """`max_pending`: the job's bound on unscored requests. The controller passes it and
+        `reset` records it on Redis; producers built without it read it from there."""
+        self.keys = JobKeys(job)
+        super().__init__(client, self.keys.requests, self.keys.scored_ids, self.keys.dead, GROUP,
+                         self.keys.max_pending, max_pending)
+        self.results = ResultStore(client, self.keys.result_prefix)
+
+    def submit(self, samples: List[Sample], counters: Optional[str] = None, poll_s: float = 0.01) -> None:
+        """Append samples for scoring, within the job's bound (`submit_payloads`); with `counters`
+        (`PolicyKeys.rollout_stats`) their number and model tokens are counted as they go in."""
+        self.submit_payloads([encode_sample(sample) for sample in samples], poll_s, counters,
+                             [sample.trained_tokens for sample in samples])
+
+    @staticmethod
+    def decode(raw: bytes) -> Sample:
+        return decode_sample(raw)
+
+    def store_results(self, done: List[Tuple[str, ScoredSample]]) -> int:
+        """Store (message id, result) pairs once per sample id, each whole under its id and its
+        metadata on the results stream, and acknowledge them."""
+        return self.store([(msg_id, scored.sample.sample_id, self.keys.results, encode_meta(ResultMeta.of(scored)))
+                           for msg_id, scored in done],
+                          [(self.keys.result_prefix + scored.sample.sample_id, encode_scored(scored))
+                           for _, scored in done])
+
+    def read_results(self, count: int = 1024, block_ms: Optional[int] = 100) -> List[ResultMeta]:
+        """The metadata of results not read before, oldest first; read entries are trimmed from the
+        stream (the results themselves stay in `self.results` until deleted)."""
+        results = []
+        for msg_id, raw in self.read(self.keys.results, count, block_ms):
+            try:
+                results.append(decode_meta(raw))
+            except WireFormatError as err:
+                self.client.xadd(self.keys.dead, {"data": raw, "reason": str(err), "message_id": msg_id})
+        return results
 
     def unscored_by_policy(self) -> Counter:
         """Samples never scored, by policy: requests still in the stream (held by a worker or

@@ -2,7 +2,8 @@
 
 A `Sample` is one completion with everything the learner needs to train on it off-policy:
 token ids, the behaviour log-prob and the policy version of every completion token, and the
-data row it answers. On Redis they travel as msgpack maps with a schema version; decoding
+data row it answers. A multi-turn episode is one sample too: its completion interleaves the
+model's tokens with observation tokens the environment inserted, told apart by `completion_mask`. On Redis they travel as msgpack maps with a schema version; decoding
 checks every field, so a malformed message is rejected with a reason and never executed.
 A `ResultMeta` is the few fields of a scored sample the controller batches on (ids, version,
 reward, token counts), without its tokens or text.
@@ -46,8 +47,18 @@ class Sample:
 
     @property
     def version(self) -> int:
-        """Version of the oldest token: what staleness is measured against."""
-        return min(self.token_versions) if self.token_versions else 0
+        """Version of the oldest model token: what staleness is measured against."""
+        versions = [v for v, m in zip(self.token_versions, self.model_token_mask()) if m]
+        return min(versions) if versions else 0
+
+    def model_token_mask(self) -> List[int]:
+        """`completion_mask`, or all ones when it is empty (every token the model's)."""
+        return self.completion_mask or [1] * len(self.completion_ids)
+
+    @property
+    def trained_tokens(self) -> int:
+        """Completion tokens the model generated (the ones the loss sees)."""
+        return sum(self.completion_mask) if self.completion_mask else len(self.completion_ids)
 
 
 @dataclass
@@ -116,12 +127,11 @@ def decode_meta(data: bytes) -> ResultMeta:
 _SAMPLE_TYPES = {
     "sample_id": str, "group_id": str, "policy": str, "prompt": str, "completion": str,
     "prompt_ids": list, "completion_ids": list, "behaviour_logprobs": list,
-    "token_versions": list, "completion_mask": list, "row": dict,
+    "token_versions": list, "row": dict,
 }
 # what the per-token lists hold (bool, an int subclass, is rejected separately)
 _ELEMENT_TYPES = {
     "prompt_ids": (int,), "completion_ids": (int,), "behaviour_logprobs": (int, float), "token_versions": (int,),
-    "completion_mask": (int,),
 }
 
 
@@ -188,13 +198,22 @@ def _sample_from(fields: Any) -> Sample:
     for name, kinds in _ELEMENT_TYPES.items():
         if not all(isinstance(x, kinds) and not isinstance(x, bool) for x in fields[name]):
             raise WireFormatError(f"sample field '{name}' holds a value that is not a number")
-    per_token = ["completion_ids", "behaviour_logprobs", "token_versions"] + ["completion_mask"] * bool(
-        fields["completion_mask"])
-    if len({len(fields[k]) for k in per_token}) != 1:
+    lengths = {len(fields[k]) for k in ("completion_ids", "behaviour_logprobs", "token_versions")}
+    if len(lengths) != 1:
         raise WireFormatError(f"sample {fields['sample_id']}: per-token fields differ in length")
-    if not set(fields["completion_mask"]) <= {0, 1}:
-        raise WireFormatError(f"sample {fields['sample_id']}: 'completion_mask' holds a value other than 0 or 1")
     created_at = fields.get("created_at", 0.0)
     if not isinstance(created_at, (int, float)) or isinstance(created_at, bool):
         raise WireFormatError("sample field 'created_at' is not a number")
-    return Sample(**{name: fields[name] for name in _SAMPLE_TYPES}, created_at=float(created_at))
+    mask = _completion_mask(fields, lengths.pop())
+    return Sample(**{name: fields[name] for name in _SAMPLE_TYPES}, created_at=float(created_at), completion_mask=mask)
+
+
+def _completion_mask(fields: dict, tokens: int) -> List[int]:
+    """The record's `completion_mask`: empty, or one 0/1 per completion token."""
+    mask = fields.get("completion_mask", [])
+    if not isinstance(mask, list) or not all(type(m) is int and m in (0, 1) for m in mask):
+        raise WireFormatError(f"sample {fields['sample_id']}: 'completion_mask' must be a list of 0 and 1")
+    if mask and len(mask) != tokens:
+        raise WireFormatError(f"sample {fields['sample_id']}: 'completion_mask' has {len(mask)} entries for "
+                              f"{tokens} completion tokens")
+    return mask

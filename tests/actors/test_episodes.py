@@ -1,71 +1,173 @@
-"""Episodes: an agent's turns as one token sequence, the sampled replies kept token for token."""
+"""Multi-turn episodes on a real decode batch (tiny model), real Redis and real tool workers: one
+token sequence per episode, model tokens with their behaviour log-probs and observation tokens
+masked out; other episodes decode while one waits on a tool; the token budget truncates; a tool
+worker killed mid-call loses no episode; a one-turn episode is today's completion."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
 import pytest
+import torch
 
-from rlplatform.actors.engine import Completion
-from rlplatform.actors.episodes import ChatRenderer, Episode, ExtensionError
-from rlplatform.policy import demo_tokenizer
+from rlplatform.actors.engine import TransformersEngine
+from rlplatform.actors.episodes import MultiTurn, run_episodes
+from rlplatform.config import EnvConfig, RewardWorkersConfig, ToolSpec
+from rlplatform.envs.rendering import Renderer
+from rlplatform.envs.tool_worker import ToolWorker, job_tools_json
+from rlplatform.learners.batching import completion_logprobs
+from rlplatform.tokenization import Prompt
+from rlplatform.transport.tool_queue import ToolKeys, ToolQueue
+from tests.envs import tools_for_tests
 
-TEMPLATE = ("{% for m in messages %}{{ m['role'][0] + ':' + m['content'] + eos_token }}{% endfor %}"
-            "{% if add_generation_prompt %}a:{% endif %}")
-
-
-@pytest.fixture
-def renderer() -> ChatRenderer:
-    tokenizer = demo_tokenizer()
-    tokenizer.chat_template = TEMPLATE
-    return ChatRenderer(tokenizer, "auto")
-
-
-def ids(renderer: ChatRenderer, text: str) -> list:
-    return renderer.tokenizer(text, add_special_tokens=False)["input_ids"]
+JOB = "episodes"
+ENV = "tests.envs.tools_for_tests:CallOnce"
+TOOLS = [ToolSpec(name="calculator"), ToolSpec(fn="tests.envs.tools_for_tests:wait_for_gate", timeout_s=60),
+         ToolSpec(fn="tests.envs.tools_for_tests:slow_echo")]
 
 
-def reply(renderer: ChatRenderer, token_ids: list, version: int) -> Completion:
-    return Completion(prompt_ids=[], completion_ids=token_ids, text=renderer.decode(token_ids),
-                      logprobs=[-0.5 - i for i in range(len(token_ids))], versions=[version] * len(token_ids))
+@pytest.fixture(scope="module")
+def engine(tiny_policy):
+    torch.manual_seed(0)
+    engine = TransformersEngine(tiny_policy)
+    engine.version = 3
+    return engine
 
 
-def test_the_templates_end_of_turn_follows_a_reply_that_sampled_its_eos(renderer):
-    user = [{"role": "user", "content": "12+34="}]
-    episode = Episode.start(renderer, user)
-    assert episode.ids == ids(renderer, "u:12+34=</s>a:")
-    said = ids(renderer, "46") + [renderer.tokenizer.eos_token_id]
-    episode.add_reply(renderer, reply(renderer, said, version=2))
-    episode.extend(renderer, user + [{"role": "assistant", "content": "46"}, {"role": "user", "content": "ok"}])
-    observation = ids(renderer, "u:ok</s>a:")  # the reply's EOS is the template's end of turn: not repeated
-    assert episode.completion_ids == said + observation
-    assert episode.mask == [1, 1, 1] + [0] * len(observation)
-    assert episode.logprobs == [-0.5, -1.5, -2.5] + [0.0] * len(observation)
-    assert episode.versions == [2] * len(episode.completion_ids)
+def runner(engine, redis_client, max_turns=3, max_tokens=40, fn=ENV) -> MultiTurn:
+    queue = ToolQueue(redis_client, JOB)
+    return MultiTurn(EnvConfig(fn=fn, max_turns=max_turns, max_tokens=max_tokens, tools=TOOLS), 4,
+                     Renderer(engine.tokenizer, "auto"), queue, queue.tool_keys.results("policy-0"))
 
 
-def test_a_reply_is_kept_as_sampled_even_where_its_text_tokenises_otherwise(renderer):
-    user = [{"role": "user", "content": "1+1="}]
-    episode = Episode.start(renderer, user)
-    said = [ids(renderer, "4")[0], renderer.tokenizer.pad_token_id, ids(renderer, "6")[0]]  # no EOS: cut at length
-    episode.add_reply(renderer, reply(renderer, said, version=5))
-    assert episode.reply_text == "46"
-    episode.extend(renderer, user + [{"role": "assistant", "content": "46"}, {"role": "user", "content": "no"}])
-    later = reply(renderer, ids(renderer, "2"), version=6)
-    episode.add_reply(renderer, later)
-    observation = ids(renderer, "</s>u:no</s>a:")
-    assert episode.completion_ids == said + observation + ids(renderer, "2")  # the pad stays; "46" is not re-read
-    assert episode.versions == [5] * (3 + len(observation)) + [6]
-    sample = episode.sample(renderer, "g/e", "g", "policy", {"answer": "2"}, 0.0)
-    assert sample.completion_mask == [1, 1, 1] + [0] * len(observation) + [1]
-    assert sample.prompt == "u:1+1=</s>a:" and sample.completion == "46u:noa:2"
+def prompt(engine, text: str, **row) -> Prompt:
+    return Prompt({"prompt": text, **row}, engine.tokenizer(text)["input_ids"], text)
 
 
-def test_messages_that_rewrite_the_conversation_are_refused(renderer):
-    user = [{"role": "user", "content": "1+1="}]
-    episode = Episode.start(renderer, user)
-    episode.add_reply(renderer, reply(renderer, ids(renderer, "2"), version=0))
-    before = list(episode.completion_ids)
-    for messages in ([{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "2"}],
-                     user + [{"role": "assistant", "content": "3"}, {"role": "user", "content": "ok"}]):
-        with pytest.raises(ExtensionError, match="do not continue this episode"):
-            episode.extend(renderer, messages)
-    assert episode.completion_ids == before
+def drive(episodes, batch, ended: dict, count: int, timeout_s: float = 120.0) -> None:
+    """Step the batch and the episodes until `count` episodes have ended (into `ended`)."""
+    deadline = time.monotonic() + timeout_s
+    while len(ended) < count:
+        ended.update(episodes.advance(batch, batch.step() if batch else []))
+        assert time.monotonic() < deadline, f"only {sorted(ended)} ended in {timeout_s:g}s"
+        time.sleep(0.001)
+
+
+class Serving:
+    """A tool worker stepping on a thread of the test process until stopped."""
+
+    def __init__(self, redis_url: str, name: str = "worker", tools=TOOLS, claim_idle_s: float = 30.0) -> None:
+        self.worker = ToolWorker(name, tools, redis_url, JOB, RewardWorkersConfig(claim_idle_s=claim_idle_s))
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self.stop.is_set():
+            self.worker.step(block_ms=20)
+
+    def __enter__(self) -> ToolWorker:
+        self.thread.start()
+        return self.worker
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def test_episode_is_one_token_sequence_with_observations_masked(engine, redis_client, redis_server):
+    episodes = runner(engine, redis_client)
+    with Serving(redis_server) as worker:
+        (group,) = run_episodes(episodes, engine.decode_batch(4, 1.0),
+                                [prompt(engine, "6*7=", tool="calculator", arguments="6*7")], 3)
+    observation = episodes.renderer._ids("<result>42</result>")
+    for c in group:
+        mask = c.completion_mask
+        first = mask.index(0)
+        assert mask == [1] * first + [0] * len(observation) + [1] * (len(mask) - first - len(observation))
+        assert c.completion_ids[first:first + len(observation)] == observation
+        assert c.logprobs[first:first + len(observation)] == [0.0] * len(observation)
+        assert c.versions == [3] * len(c.completion_ids)
+        assert c.episode == {"final_response": c.episode["final_response"], "turns": 2, "tool_calls": 1,
+                             "truncated": False}
+        # token-exact: the model's recorded log-probs are those of the whole sequence scored at once
+        scores = completion_logprobs(engine.model, [c.prompt_ids], [c.completion_ids], engine.tokenizer.pad_token_id)
+        width = len(c.prompt_ids) - 1
+        scored = scores.logprobs[0, width:width + len(mask)].tolist()
+        model = [(s, lp) for s, lp, m in zip(scored, c.logprobs, mask) if m]
+        assert [s for s, _ in model] == pytest.approx([lp for _, lp in model], abs=2e-4)
+    assert worker.stats.calls == 3 and worker.stats.errors == 0
+    counts = episodes.take_counts()
+    assert counts["episodes"] == 3 and counts["turns"] == 6 and counts["tool_calls"] == 3
+    assert counts["observation_tokens"] == 3 * len(observation) and counts["episodes_truncated"] == 0
+    stats = {k.decode(): float(v) for k, v in redis_client.hgetall(ToolKeys(JOB).stats).items()}
+    assert stats["calls/calculator"] == 3 and stats["errors/calculator"] == 0 and stats["latency_s/calculator"] > 0
+
+
+def test_other_episodes_decode_while_one_waits_on_a_tool(engine, redis_client, redis_server):
+    episodes = runner(engine, redis_client)
+    batch = engine.decode_batch(4, 1.0)
+    episodes.start(batch, ["waits"], prompt(engine, "1+1=", tool="wait_for_gate", arguments=""))
+    episodes.start(batch, ["a", "b"], prompt(engine, "2+2="))
+    ended = {}
+    tools_for_tests.gate.clear()
+    with Serving(redis_server):
+        try:
+            drive(episodes, batch, ended, 2, timeout_s=60)
+            assert set(ended) == {"a", "b"} and episodes.waiting == 1  # done while the call is still running
+        finally:
+            tools_for_tests.gate.set()
+        drive(episodes, batch, ended, 3)
+    assert ended["waits"].episode["tool_calls"] == 1 and ended["a"].episode["turns"] == 1
+
+
+def test_token_budget_truncates_the_episode(engine, redis_client, redis_server):
+    episodes = runner(engine, redis_client, max_tokens=8)  # 4 model tokens, then no room for "<result>42</result>"
+    with Serving(redis_server):
+        (group,) = run_episodes(episodes, engine.decode_batch(4, 1.0),
+                                [prompt(engine, "6*7=", tool="calculator", arguments="6*7")], 2)
+    for c in group:
+        assert c.episode["truncated"] and c.episode["turns"] == 1 and c.completion_mask == [1] * len(c.completion_ids)
+    assert episodes.take_counts()["episodes_truncated"] == 2
+
+
+def test_a_tool_worker_killed_mid_call_loses_no_episode(engine, redis_client, redis_server):
+    redis_client.set(ToolKeys(JOB).specs, job_tools_json(
+        [ToolSpec(fn="tests.envs.tools_for_tests:slow_echo", params={"delay_s": 600})], []))
+    doomed = subprocess.Popen([sys.executable, "-m", "rlplatform.cli", "tool-worker", "--redis", redis_server,
+                               "--job", JOB, "--name", "doomed"], cwd=os.path.dirname(os.path.dirname(
+                                   os.path.dirname(os.path.abspath(__file__)))), stderr=subprocess.DEVNULL)
+    episodes = runner(engine, redis_client)
+    episodes.tools.create_group()  # the job's controller does this before any worker starts
+    batch = engine.decode_batch(4, 1.0)
+    episodes.start(batch, ["e"], prompt(engine, "1+1=", tool="slow_echo", arguments="hi"))
+    ended = {}
+    try:
+        deadline = time.monotonic() + 120
+        while not redis_client.xpending_range(ToolKeys(JOB).requests, "tool-workers", "-", "+", 1,
+                                              consumername="doomed"):
+            ended.update(episodes.advance(batch, batch.step() if batch else []))
+            assert time.monotonic() < deadline, "the standalone tool worker never took the call"
+            time.sleep(0.05)
+    finally:
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait()
+    rescuer = [ToolSpec(fn="tests.envs.tools_for_tests:slow_echo")]
+    with Serving(redis_server, "rescuer", rescuer, claim_idle_s=0.5) as worker:
+        drive(episodes, batch, ended, 1)
+    assert worker.stats.reclaimed == 1 and ended["e"].episode["tool_calls"] == 1
+    assert "echo hi" in engine.tokenizer.decode(ended["e"].completion_ids)
+
+
+def test_one_turn_episode_is_the_plain_completion(engine, redis_client):
+    one_turn = runner(engine, redis_client, fn="rlplatform.envs.environment:SingleTurnEnvironment")
+    p = prompt(engine, "12+30=")
+    (episode,) = run_episodes(one_turn, engine.decode_batch(4, 0.0), [p], 1)[0]
+    (plain,) = engine.generate([p.ids], 1, 4, 0.0)[0]
+    assert episode.completion_ids == plain.completion_ids and episode.text == plain.text
+    assert episode.logprobs == pytest.approx(plain.logprobs, abs=1e-6) and episode.versions == plain.versions
+    assert episode.completion_mask == [1] * len(plain.completion_ids)

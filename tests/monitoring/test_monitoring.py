@@ -132,3 +132,17 @@ def test_dashboard_dry_run_renders_every_section():
     workspace = build_workspace("team", "proj", ["small", "large"], "rl")
     assert [s.name for s in workspace.sections][:2] == ["small: Learning", "small: Rewards"]
     assert len(workspace.sections) == 10
+
+
+def test_tool_figures_per_episode_and_per_tool():
+    from rlplatform.monitoring.tool_metrics import tool_figures
+
+    rollout = {"episodes": 4, "turns": 10, "tool_calls": 6, "observation_tokens": 48, "episodes_truncated": 1,
+               "samples": 4, "tokens": 90}
+    tools = {"calls/calculator": 5, "errors/calculator": 1, "latency_s/calculator": 0.5, "calls/python": 1,
+             "latency_s/python": 2.0}
+    figures = tool_figures(rollout, tools)
+    assert figures == {"episodes": 4, "turns_per_episode": 2.5, "tool_calls_per_episode": 1.5,
+                       "observation_tokens_per_episode": 12.0, "truncated_fraction": 0.25, "episodes_truncated": 1,
+                       "calculator/calls": 5, "calculator/error_fraction": 0.2, "calculator/latency_s": 0.1,
+                       "python/calls": 1, "python/error_fraction": 0.0, "python/latency_s": 2.0}

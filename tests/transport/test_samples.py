@@ -173,3 +173,31 @@ def test_wrong_typed_per_token_values(name, value):
 def test_integer_logprob_is_accepted():
     decoded = decode_sample(msgpack.packb(packed_sample(behaviour_logprobs=[0, -1, -0.5])))
     assert decoded.behaviour_logprobs == [0, -1, -0.5]
+
+
+def test_completion_mask_round_trips_and_marks_the_model_tokens():
+    sample = make_sample(completion_ids=[8, 5, 2, 9], behaviour_logprobs=[-0.5, 0.0, 0.0, -1.0],
+                         token_versions=[6, 6, 6, 7], completion_mask=[1, 0, 0, 1])
+    decoded = decode_sample(encode_sample(sample))
+    assert decoded == sample and decoded.completion_mask == [1, 0, 0, 1]
+    assert decoded.trained_tokens == 2 and decoded.version == 6
+    observation_first = make_sample(token_versions=[9, 4, 9], completion_mask=[1, 0, 1])
+    assert observation_first.version == 9  # an observation's version does not count
+
+
+def test_records_without_a_completion_mask_decode_as_all_model_tokens():
+    body = packed_sample()
+    del body["sample"]["completion_mask"]
+    decoded = decode_sample(msgpack.packb(body))
+    assert decoded.completion_mask == [] and decoded.trained_tokens == 3
+
+
+@pytest.mark.parametrize("mask, reason", [
+    ([1, 0], "has 2 entries for 3 completion tokens"),
+    ([1, 2, 0], "list of 0 and 1"),
+    ([1, True, 0], "list of 0 and 1"),
+    ("110", "list of 0 and 1"),
+])
+def test_malformed_completion_mask_is_rejected(mask, reason):
+    with pytest.raises(WireFormatError, match=reason):
+        decode_sample(msgpack.packb(packed_sample(completion_mask=mask)))

@@ -1,0 +1,106 @@
+"""Agent episodes as one token sequence: the trajectories the OpenAI bridge records.
+
+Each chat request of an episode is rendered as the job renders prompts (the chat template, or the
+messages' text); when it extends the previous request's prompt and the reply sampled for it, that
+reply's sampled tokens are kept exactly and only the new text is tokenised, as observation tokens.
+A finished episode becomes a `Sample`: the model's tokens carry their behaviour log-probs and
+versions (mask 1), observation tokens log-prob 0.0, the preceding model token's version and mask 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+from rlplatform.actors.engine import Completion
+from rlplatform.tokenization import uses_chat_template
+from rlplatform.transport.samples import Sample
+
+
+class ExtensionError(ValueError):
+    """A request of an episode whose messages do not continue the episode's conversation."""
+
+
+class ChatRenderer:
+    """Messages to prompt text and token ids, the way `encode_prompts` encodes data rows."""
+
+    def __init__(self, tokenizer, chat_template: str) -> None:
+        self.tokenizer = tokenizer
+        self.templated = uses_chat_template(tokenizer, chat_template)
+
+    def text(self, messages: List[Dict[str, str]]) -> str:
+        """The prompt a reply to `messages` continues: the rendered template, else the contents joined."""
+        if self.templated:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return "".join(m["content"] for m in messages)
+
+    def prompt_ids(self, text: str) -> List[int]:
+        """A first prompt's ids (the tokenizer's special tokens, such as a BOS, only without a template)."""
+        return self.tokenizer(text, add_special_tokens=not self.templated)["input_ids"]
+
+    def observation_ids(self, text: str) -> List[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def decode(self, ids: List[int], special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=not special_tokens, clean_up_tokenization_spaces=False)
+
+
+@dataclass
+class Episode:
+    """One agent episode so far: its first prompt, then every token after it."""
+    prompt_text: str  # the first request's prompt
+    prompt_ids: List[int]
+    text: str  # the newest request's prompt text: what its reply continues
+    reply_text: str = ""  # the newest reply as answered to the agent (special tokens removed)
+    reply_model_text: str = ""  # the same reply with its special tokens
+    completion_ids: List[int] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)
+    versions: List[int] = field(default_factory=list)
+    mask: List[int] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, renderer: ChatRenderer, messages: List[Dict[str, str]]) -> "Episode":
+        text = renderer.text(messages)
+        return cls(prompt_text=text, prompt_ids=renderer.prompt_ids(text), text=text)
+
+    @property
+    def ids(self) -> List[int]:
+        """The whole sequence: what the next reply is sampled after."""
+        return self.prompt_ids + self.completion_ids
+
+    def extend(self, renderer: ChatRenderer, messages: List[Dict[str, str]]) -> None:
+        """Append the text `messages` add after the newest reply as observation tokens."""
+        text = renderer.text(messages)
+        observation = renderer.observation_ids(self._observation_text(text))
+        self.completion_ids += observation
+        self.logprobs += [0.0] * len(observation)
+        self.versions += self.versions[-1:] * len(observation)
+        self.mask += [0] * len(observation)
+        self.text = text
+
+    def _observation_text(self, text: str) -> str:
+        """What `text` adds after the newest prompt and its reply; the reply's own stop token is not
+        repeated where the template writes the same text after the reply."""
+        if text.startswith(self.text):
+            after = text[len(self.text):]
+            for written in (self.reply_model_text, self.reply_text):
+                if after.startswith(written):
+                    return after[len(written):]
+        raise ExtensionError("the messages do not continue this episode: they must repeat its earlier messages "
+                             "and the assistant replies exactly as answered, then add new ones; use a new "
+                             "episode id for another conversation")
+
+    def add_reply(self, renderer: ChatRenderer, reply: Completion) -> None:
+        self.completion_ids += reply.completion_ids
+        self.logprobs += reply.logprobs
+        self.versions += reply.versions
+        self.mask += [1] * len(reply.completion_ids)
+        self.reply_text = reply.text
+        self.reply_model_text = renderer.decode(reply.completion_ids, special_tokens=True)
+
+    def sample(self, renderer: ChatRenderer, sample_id: str, group_id: str, policy: str, row: Dict,
+               now: float) -> Sample:
+        return Sample(sample_id=sample_id, group_id=group_id, policy=policy, prompt=self.prompt_text,
+                      completion=renderer.decode(self.completion_ids), prompt_ids=self.prompt_ids,
+                      completion_ids=self.completion_ids, behaviour_logprobs=self.logprobs,
+                      token_versions=self.versions, completion_mask=self.mask, row=row, created_at=now)
