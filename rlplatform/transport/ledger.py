@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import time
 from functools import lru_cache
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import redis
 
@@ -38,12 +38,15 @@ end
 return out
 """
 
-# KEYS: open, claimed, counts. ARGV: group, outcome. Returns 1 the first time a group is closed.
+# KEYS: open, claimed, counts. ARGV: group, outcome. Returns the group's prompt position the
+# first time it is closed, else false.
 _CLOSE = """
-if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+local entry = redis.call('HGET', KEYS[1], ARGV[1])
+if not entry then return false end
+redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HINCRBY', KEYS[3], ARGV[2], 1)
-return 1
+return string.match(entry, '^(%S+)')
 """
 
 # KEYS: open, claimed, counts, reissue. ARGV: worker. Returns how many groups it abandoned.
@@ -104,9 +107,11 @@ class PromptLedger:
         if group_ids:
             self.client.hdel(self.claimed, *group_ids)
 
-    def close(self, group_id: str, outcome: str) -> bool:
-        """End a group as `outcome`; False when it had already ended (it counts once)."""
-        return bool(self._close(keys=[self.open, self.claimed, self.counts_key], args=[group_id, outcome]))
+    def close(self, group_id: str, outcome: str) -> Optional[int]:
+        """End a group as `outcome`; returns its prompt position, or None when it had already
+        ended (it counts once)."""
+        position = self._close(keys=[self.open, self.claimed, self.counts_key], args=[group_id, outcome])
+        return int(position) if position is not None else None
 
     def abandon_worker(self, worker: int) -> int:
         """A restarted worker's predecessor's unsubmitted groups: closed, their prompts queued for re-issue."""

@@ -21,8 +21,8 @@ def test_groups_end_once_and_the_counts_balance(redis_client):
     issued = ledger.issue(worker=0, groups=3)
     assert [position for _, position in issued] == [0, 1, 2]
     assert len({group for group, _ in issued}) == 3
-    assert ledger.close(issued[0][0], "trained") and not ledger.close(issued[0][0], "expired")
-    assert ledger.close(issued[1][0], "dropped_stale")
+    assert ledger.close(issued[0][0], "trained") == 0 and ledger.close(issued[0][0], "expired") is None
+    assert ledger.close(issued[1][0], "dropped_stale") == 1  # each close gives the group's prompt position
     counts = ledger.counts()
     assert counts["issued"] == 3 and counts["trained"] == 1 and counts["dropped_stale"] == 1
     assert counts["expired"] == 0 and counts["open"] == 1 and balanced(counts)
