@@ -61,11 +61,13 @@ class Running:
 
 @dataclass
 class Fault:
-    """One injection: `inject(job)` once the job has trained `at_step` steps."""
+    """One injection: `inject(job)` once the job has trained `at_step` steps; it returns the time the
+    fault struck."""
     what: str
     at_step: int
-    inject: Callable[[Running], None]
+    inject: Callable[[Running], float]
     at: Optional[float] = None  # wall-clock time it was injected
+    landed_step: Optional[int] = None  # steps trained when it was injected (at_step or later)
     recovery_s: Optional[float] = None  # until a learner step next ended
 
 
@@ -122,13 +124,14 @@ def actor_pid(name: str, not_pid: Optional[int] = None, timeout_s: float = 120.0
     raise TimeoutError(f"actor {name} is not alive")
 
 
-def kill_actor(name: str) -> Callable[[Running], None]:
+def kill_actor(name: str) -> Callable[[Running], float]:
     killed: List[int] = []
 
-    def inject(job: Running) -> None:
+    def inject(job: Running) -> float:
         pid = actor_pid(name, killed[-1] if killed else None)
         os.kill(pid, signal.SIGKILL)
         killed.append(pid)
+        return time.time()
     return inject
 
 
@@ -137,7 +140,7 @@ def job_redis_url(run_dir: str) -> str:
         return f.read().strip()
 
 
-def kill_embedded_redis(job: Running) -> None:
+def kill_embedded_redis(job: Running) -> float:
     """SIGKILL the redis-server listening on the port of the job's Redis URL."""
     port = int(job_redis_url(job.run_dir).rsplit(":", 1)[1].split("/")[0])
     for process in psutil.process_iter(["name"]):
@@ -145,31 +148,35 @@ def kill_embedded_redis(job: Running) -> None:
             try:
                 if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in process.net_connections()):
                     process.kill()
-                    return
+                    return time.time()
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
     raise RuntimeError(f"no redis-server listens on port {port}")
 
 
-def restart_external_redis(server: EmbeddedRedis, down_s: float = 3.0) -> Callable[[Running], None]:
+def restart_external_redis(server: EmbeddedRedis, down_s: float = 3.0) -> Callable[[Running], float]:
     """An operator's restart: the server is killed, and started again `down_s` later on its port."""
-    def inject(job: Running) -> None:
+    def inject(job: Running) -> float:
         os.kill(server.pid, signal.SIGKILL)
+        struck = time.time()
         time.sleep(down_s)
         server.start()
+        return struck
     return inject
 
 
-def write_malformed(name: str) -> Callable[[Running], None]:
+def write_malformed(name: str) -> Callable[[Running], float]:
     """Malformed records into the requests stream (reward workers read them) and the results stream
     (the job reads them)."""
-    def inject(job: Running) -> None:
+    def inject(job: Running) -> float:
+        struck = time.time()
         client, keys = connect(job_redis_url(job.run_dir)), JobKeys(name)
         for payload in MALFORMED:
             client.xadd(keys.requests, {"data": payload})
             client.xadd(keys.results, {"data": payload})
         client.xadd(keys.requests, {"other": b"no data field"})
         client.close()
+        return struck
     return inject
 
 
@@ -237,8 +244,8 @@ def _inject_all(faults: List[Fault], job: Running, progress: Progress, errors: L
     try:
         for fault in faults:
             progress.wait_for(fault.at_step)
-            fault.at = time.time()
-            fault.inject(job)
+            fault.landed_step = progress.steps
+            fault.at = fault.inject(job)
     except BaseException as err:  # reported with the scenario
         errors.append(err)
 
@@ -326,7 +333,12 @@ def _kills(kind: str, actor: Callable[[str, random.Random], str], count: int = 3
 
 def _sigterm(job: str, rng: random.Random, steps: int) -> List[Fault]:
     return [Fault("SIGTERM to `rlp run`, then `rlp run --resume`", fault_steps(rng, steps, 1)[0],
-                  lambda job: os.kill(job.pid, signal.SIGTERM))]
+                  _terminate)]
+
+
+def _terminate(job: Running) -> float:
+    os.kill(job.pid, signal.SIGTERM)
+    return time.time()
 
 
 SCENARIOS = [
@@ -355,8 +367,9 @@ def table(outcomes: List[Outcome]) -> List[str]:
             "(samples / prompts) | prompts skipped | recovery s per fault | restarts | accounting checks |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for o in outcomes:
-        injected = "; ".join(f"{f.what} ({f.at_step})" for f in o.faults if f.at is not None) or "none landed"
-        recovery = ", ".join("-" if f.recovery_s is None else f"{f.recovery_s:g}" for f in o.faults if f.at)
+        injected = "; ".join(f"{f.what} ({f.landed_step})" for f in o.faults if f.at is not None) or "none landed"
+        recovery = ", ".join("no later step" if f.recovery_s is None else f"{f.recovery_s:g}"
+                             for f in o.faults if f.at)
         restarts = ", ".join(f"{k} {v}" for k, v in o.restarts.items() if v) or "0"
         c = o.counts
         rows.append(f"| {o.scenario} | {injected} | {'yes' if o.completed else 'NO'} | {o.steps} | "

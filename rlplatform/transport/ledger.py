@@ -125,19 +125,19 @@ class PromptLedger:
 
     def counts(self) -> Dict[str, int]:
         """issued, reissued, each outcome, and `open` (issued and not ended yet)."""
-        stored = {_text(k): int(v) for k, v in self.client.hgetall(self.counts_key).items()}
-        counts = {name: stored.get(name, 0) for name in ("issued", "reissued", *OUTCOMES)}
-        counts["open"] = int(self.client.hlen(self.open))
-        return counts
+        stored, open_groups = self.client.pipeline(transaction=True).hgetall(self.counts_key).hlen(self.open).execute()
+        return _counts(stored, open_groups)
 
     def state(self) -> Dict:
-        """What a checkpoint keeps: the data position, the counts and the prompts still in flight."""
-        in_flight = [int(entry.split()[0]) for entry in self.client.hvals(self.open)]
-        in_flight += [int(p) for p in self.client.lrange(self.reissue, 0, -1)]
-        counts = self.counts()
-        return {"cursor": int(self.client.get(self.cursor) or 0), "seq": int(self.client.get(self.seq) or 0),
+        """What a checkpoint keeps: the data position, the counts and the prompts still in flight, read
+        in one transaction (rollout workers keep issuing meanwhile; no prompt may fall between reads)."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hvals(self.open).lrange(self.reissue, 0, -1).get(self.cursor).get(self.seq).hgetall(self.counts_key)
+        entries, reissue, cursor, seq, stored = pipe.execute()
+        counts = _counts(stored, len(entries))
+        return {"cursor": int(cursor or 0), "seq": int(seq or 0),
                 "counts": {k: v for k, v in counts.items() if k != "open"}, "open": counts["open"],
-                "in_flight_prompts": in_flight}
+                "in_flight_prompts": [int(entry.split()[0]) for entry in entries] + [int(p) for p in reissue]}
 
     def restore(self, state: Dict, attempt: int) -> None:
         """Continue from a checkpoint's `state`: prompts in flight then are re-issued first."""
@@ -157,6 +157,11 @@ class PromptLedger:
 def balanced(counts: Dict[str, int]) -> bool:
     """Every issued group ended in exactly one outcome or is still open."""
     return counts["issued"] == sum(counts[name] for name in OUTCOMES) + counts["open"]
+
+
+def _counts(stored: Dict, open_groups: int) -> Dict[str, int]:
+    named = {_text(k): int(v) for k, v in stored.items()}
+    return {**{name: named.get(name, 0) for name in ("issued", "reissued", *OUTCOMES)}, "open": int(open_groups)}
 
 
 def _text(value) -> str:
