@@ -298,21 +298,21 @@ def account(config: JobConfig, faults: List[Fault]) -> Outcome:
         {"cursor": 0, "counts": Counter(), "in_flight_prompts": [], "open": 0}
     counts, cursor = ledger["counts"], ledger["cursor"]
     known = [p for p in prompts if p is not None]
-    ended_otherwise = sum(counts.get(k, 0) for k in ("dropped_stale", "dropped_error", "dropped_zero_advantage",
-                                                     "expired"))
+    ended_otherwise = sum(counts.get(k, 0) for k in ("dropped_stale", "dropped_error", "dropped_zero_advantage"))
     seen = {p for p in set(known) | set(ledger["in_flight_prompts"]) if p < cursor}
     figures = {
         "samples_trained": len(ids),
-        "samples_lost": counts.get("expired", 0) * group_size + rl.get("samples_dropped_error", 0)
+        "samples_lost": rl.get("samples_dropped_expired", 0) + rl.get("samples_dropped_error", 0)
         + rl.get("samples_dropped_invalid", 0),
+        "groups_expired": counts.get("expired", 0),
         "samples_trained_twice": len(ids) - len(set(ids)),
         "prompts_trained_twice": len(prompts) - len(set(known)),  # a repeat, or a group the ledger had closed
         "prompts_skipped": cursor - len(seen) - ended_otherwise,
         "dropped_stale": counts.get("dropped_stale", 0) * group_size,
     }
     groups = Counter(i.rsplit("/", 1)[0] for i in ids)
-    checks = []
-    if rl.get("samples_trained") != len(ids):
+    checks = [f"{summary['status']}: {summary.get('error')}"] if summary["status"] != "completed" else []
+    if rl and rl.get("samples_trained") != len(ids):
         checks.append(f"summary says {rl.get('samples_trained')} samples trained, trained.jsonl lists {len(ids)}")
     if counts.get("trained", 0) != len(groups):
         checks.append(f"ledger closed {counts.get('trained', 0)} groups as trained, trained.jsonl has {len(groups)}")

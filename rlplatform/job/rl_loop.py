@@ -109,12 +109,13 @@ class PolicyRun:
         _count_scored(scored, self.counters)
 
     def watch(self) -> None:
-        """Every few seconds: expire groups past rl.group_timeout_s, name rollout workers gone quiet."""
+        """Every few seconds: expire groups past rl.group_timeout_s (their prompts are issued again),
+        name rollout workers gone quiet."""
         if time.monotonic() - self._last_watch < 2.0:
             return
         self._last_watch = time.monotonic()
         for group_id in self.ledger.overdue(self.rl.group_timeout_s):
-            if not self.buffer.is_complete(group_id) and self.ledger.close(group_id, "expired") is not None:
+            if not self.buffer.is_complete(group_id) and self.ledger.close(group_id, "expired", reissue=True) is not None:
                 self.buffer.expire(group_id)
                 self.workers.gate.release(1)
                 self.counters.groups_expired += 1

@@ -1,8 +1,8 @@
 """The prompt ledger: every group a rollout worker starts, from issue to its end, kept on Redis.
 
-Rollout workers take prompts from it (`issue`: prompts a dead worker abandoned first, then the
-next positions of a seeded shuffle of the training rows); the RL loop closes each group once
-as trained, dropped, expired or abandoned. Its counts balance: issued = closed + still open.
+Rollout workers take prompts from it (`issue`: prompts a dead worker abandoned or an expired
+group held first, then the next positions of a seeded shuffle of the training rows); the RL loop
+closes each group once as trained, dropped, expired or abandoned. Its counts balance: issued = closed + still open.
 Its `state` goes into every checkpoint, so a resumed job re-issues what was in flight.
 """
 
@@ -38,15 +38,17 @@ end
 return out
 """
 
-# KEYS: open, claimed, counts. ARGV: group, outcome. Returns the group's prompt position the
-# first time it is closed, else false.
+# KEYS: open, claimed, counts, reissue. ARGV: group, outcome, '1' to queue its prompt for re-issue.
+# Returns the group's prompt position the first time it is closed, else false.
 _CLOSE = """
 local entry = redis.call('HGET', KEYS[1], ARGV[1])
 if not entry then return false end
+local prompt = string.match(entry, '^(%S+)')
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HINCRBY', KEYS[3], ARGV[2], 1)
-return string.match(entry, '^(%S+)')
+if ARGV[3] == '1' then redis.call('RPUSH', KEYS[4], prompt) end
+return prompt
 """
 
 # KEYS: open, claimed, counts, reissue. ARGV: worker. Returns how many groups it abandoned.
@@ -107,10 +109,11 @@ class PromptLedger:
         if group_ids:
             self.client.hdel(self.claimed, *group_ids)
 
-    def close(self, group_id: str, outcome: str) -> Optional[int]:
-        """End a group as `outcome`; returns its prompt position, or None when it had already
-        ended (it counts once)."""
-        position = self._close(keys=[self.open, self.claimed, self.counts_key], args=[group_id, outcome])
+    def close(self, group_id: str, outcome: str, reissue: bool = False) -> Optional[int]:
+        """End a group as `outcome` (with `reissue`, its prompt is issued again); returns its prompt
+        position, or None when it had already ended (it counts once)."""
+        position = self._close(keys=[self.open, self.claimed, self.counts_key, self.reissue],
+                               args=[group_id, outcome, int(reissue)])
         return int(position) if position is not None else None
 
     def abandon_worker(self, worker: int) -> int:

@@ -9,11 +9,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import sys
 from typing import List
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _spec = importlib.util.spec_from_file_location("faults_suite", os.path.join(REPO, "benchmarks", "faults.py"))
 faults = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = faults  # its dataclasses look their module up there
 _spec.loader.exec_module(faults)
 
 

@@ -48,6 +48,16 @@ def test_overdue_groups_are_those_claimed_before_the_timeout(redis_client):
     assert ledger.overdue(0.2) == [old]
 
 
+def test_an_expired_group_s_prompt_is_issued_again(redis_client):
+    ledger = PromptLedger(redis_client, "job", "p")
+    (late, position), = ledger.issue(worker=0, groups=1)
+    assert ledger.close(late, "expired", reissue=True) == position
+    (again, same), = ledger.issue(worker=1, groups=1)
+    assert same == position and again != late
+    counts = ledger.counts()
+    assert counts["expired"] == 1 and counts["reissued"] == 1 and counts["open"] == 1 and balanced(counts)
+
+
 def test_restored_state_issues_what_was_in_flight_first_under_new_group_ids(redis_client):
     ledger = PromptLedger(redis_client, "job", "p")
     before = ledger.issue(worker=0, groups=4)
