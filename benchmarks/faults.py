@@ -10,7 +10,7 @@ learner step next ends), counted from what the run left: trained.jsonl (the samp
 positions of every step), the final checkpoint's prompt ledger and summary.json, each checked
 against the others.
 
-Usage: python benchmarks/faults.py [--steps 10] [--seed 0] [--only NAME ...] [--out benchmarks/results/faults.md]
+Usage: python benchmarks/faults.py [--steps 20] [--seed 0] [--only NAME ...] [--out benchmarks/results/faults.md]
 """
 
 from __future__ import annotations
@@ -244,8 +244,8 @@ def _inject_all(faults: List[Fault], job: Running, progress: Progress, errors: L
     try:
         for fault in faults:
             progress.wait_for(fault.at_step)
-            fault.landed_step = progress.steps
             fault.at = fault.inject(job)
+            fault.landed_step = progress.steps
     except BaseException as err:  # reported with the scenario
         errors.append(err)
 
@@ -325,9 +325,14 @@ def account(config: JobConfig, faults: List[Fault]) -> Outcome:
 
 
 # the scenarios
-def _kills(kind: str, actor: Callable[[str, random.Random], str], count: int = 3):
+def _kills(kind: str, actors: Callable[[str], List[str]]):
+    """A SIGKILL of each of `actors(job)` in a seeded order (a restart takes long enough on a busy
+    machine that killing one actor again would often land after the job's last step)."""
     def faults(job: str, rng: random.Random, steps: int) -> List[Fault]:
-        return [Fault(f"SIGKILL {kind}", s, kill_actor(actor(job, rng))) for s in fault_steps(rng, steps, count)]
+        names = actors(job)
+        rng.shuffle(names)
+        return [Fault(f"SIGKILL {kind}", s, kill_actor(name)) for s, name in zip(fault_steps(rng, steps, len(names)),
+                                                                                   names)]
     return faults
 
 
@@ -342,12 +347,12 @@ def _terminate(job: Running) -> float:
 
 
 SCENARIOS = [
-    Scenario("rollout-kill", ["rollout.num_workers=2"],
-             _kills("rollout worker", lambda job, rng: f"{job}-policy-rollout-{rng.randrange(2)}")),
-    Scenario("reward-kill", ["reward_workers.num_workers=2"],
-             _kills("reward worker", lambda job, rng: f"{job}-reward-{rng.randrange(2)}")),
+    Scenario("rollout-kill", ["rollout.num_workers=3"],
+             _kills("rollout worker", lambda job: [f"{job}-policy-rollout-{i}" for i in range(3)])),
+    Scenario("reward-kill", ["reward_workers.num_workers=3"],
+             _kills("reward worker", lambda job: [f"{job}-reward-{i}" for i in range(3)])),
     Scenario("evaluator-kill", ["eval.every_steps=1"],
-             _kills("evaluator", lambda job, rng: f"{job}-policy-rollout-1")),
+             _kills("evaluator", lambda job: [f"{job}-policy-rollout-1"] * 2)),
     Scenario("embedded-redis-kill", [], lambda job, rng, steps: [
         Fault("SIGKILL embedded redis-server", s, kill_embedded_redis) for s in fault_steps(rng, steps, 2)]),
     Scenario("external-redis-restart", [], lambda job, rng, steps: [], external_redis=True),
@@ -355,7 +360,7 @@ SCENARIOS = [
         Fault(f"{2 * len(MALFORMED) + 1} malformed stream entries", s, write_malformed(job))
         for s in fault_steps(rng, steps, 2)]),
     Scenario("learner-kill-resume", ["checkpoint.every_steps=3"],
-             _kills("learner rank, then `rlp run --resume`", lambda job, rng: f"{job}-policy-learner-0", 1),
+             _kills("learner rank, then `rlp run --resume`", lambda job: [f"{job}-policy-learner-0"]),
              resume=True),
     Scenario("sigterm-resume", ["checkpoint.every_steps=3"], _sigterm, resume=True, in_process=False),
 ]
@@ -398,7 +403,7 @@ def write_report(outcomes: List[Outcome], path: str, command: str, wall_s: float
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=10, help="RL steps of each job")
+    parser.add_argument("--steps", type=int, default=20, help="RL steps of each job")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", nargs="*", help="scenario names to run (default: all)")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "faults.md"))

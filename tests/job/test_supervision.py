@@ -1,18 +1,21 @@
 """Workers dying under a running job (SIGKILLed rollout, reward and evaluation workers: see
 test_faults.py): a sample lost to dead letters expires its group instead of deadlocking the job,
 and its prompt is issued again; a learner rank's death ends the job with a message naming how to
-resume."""
+resume; a SIGKILLed worker counts one restart however long Ray takes to restart it."""
 
 from __future__ import annotations
 
 import os
+import signal
 import threading
+import time
 
 import pytest
 import ray
 
 from rlplatform.job.checkpoint import latest_checkpoint
 from rlplatform.job.controller import run_job
+from rlplatform.job.supervision import Supervisor
 from rlplatform.rewards.worker import RewardWorker
 from rlplatform.transport.deadlines import JobFailed
 from rlplatform.transport.ledger import balanced
@@ -31,6 +34,45 @@ def _in_background(action):
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread, errors
+
+
+@ray.remote(max_restarts=2, max_concurrency=2)  # `pid` answers while `run` runs
+class SlowToStart:
+    def __init__(self) -> None:
+        time.sleep(2)  # every start, restarts too: calls made meanwhile fail at once
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self) -> None:
+        time.sleep(600)
+
+
+def _answers(actor, not_pid: int) -> bool:
+    try:
+        return ray.get(actor.pid.remote(), timeout=1) != not_pid
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return False
+
+
+def test_a_killed_worker_counts_one_restart_and_its_loop_runs_again(ray_session):
+    actor = SlowToStart.remote()
+    pid = ray.get(actor.pid.remote())
+    supervisor = Supervisor(lambda text: None)
+    supervisor.start("rollout", "slow", actor)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while not _answers(actor, pid):  # the supervisor checks its loops all along, as the RL loop does
+        assert time.monotonic() < deadline
+        for _ in range(10):
+            supervisor.check()
+            time.sleep(0.02)
+    for _ in range(50):
+        supervisor.check()
+        time.sleep(0.02)
+    assert supervisor.restarts["rollout"] == 1
+    assert not ray.wait([supervisor._loops[0].ref], timeout=0)[0]  # its loop was called again and runs
+    ray.kill(actor, no_restart=True)
 
 
 def test_sample_lost_to_dead_letters_expires_its_group_instead_of_deadlocking(ray_session, tiny_job, run_files):
