@@ -389,14 +389,16 @@ def write_report(outcomes: List[Outcome], path: str, command: str, wall_s: float
              f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}: {os.cpu_count()} CPUs "
              f"(shared with other work), Python {sys.version.split()[0]}, `{command}`, {wall_s:.0f} s in all.", "",
              "Tiny Qwen2 policies built from config (2 layers, hidden 64), RL only, 2 prompts x 4 completions a "
-             "step; real Ray, redis-server and DeepSpeed (gloo). Faults land once the job has trained the step in "
-             "brackets (seeded). Counted from what each run left: `trained.jsonl` (sample ids and prompt "
-             "positions of every step), the final checkpoint's prompt ledger and `summary.json`. Lost: samples "
-             "of expired groups, or dropped for reward errors; trained twice: repeated sample ids, and prompt "
-             "positions trained again (or trained after the ledger had closed their group); skipped: ledger "
-             "positions issued but neither trained, dropped by a rule, expired nor still in flight at the end; "
-             "recovery: seconds from the fault until a learner step next ended (for a resume, including the "
-             "new process's start-up).", "", *table(outcomes), ""]
+             "step; real Ray, redis-server and DeepSpeed (gloo). Faults are planned at seeded random steps; the "
+             "step in brackets is how many steps were trained when each struck. Counted from what each run left: "
+             "`trained.jsonl` (sample ids and prompt positions of every step), the final checkpoint's prompt "
+             "ledger and `summary.json`. Lost: samples discarded (arrived for an expired group, reward errors); "
+             "trained twice: repeated sample ids, and prompt positions trained again (or trained after the ledger "
+             "had closed their group); skipped: ledger positions issued but neither trained, dropped by a rule "
+             "nor still in flight (open or queued for re-issue) at the end; recovery: seconds from the fault "
+             "until a learner step next ended (for a resume, including the new process's start-up); restarts: "
+             "worker restarts the job counted (a restarted Redis is a `redis_restart` event instead).", "",
+             *table(outcomes), ""]
     with open(path, "w") as f:
         f.write("\n".join(lines))
 
