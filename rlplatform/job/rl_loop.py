@@ -115,7 +115,9 @@ class PolicyRun:
             return
         self._last_watch = time.monotonic()
         for group_id in self.ledger.overdue(self.rl.group_timeout_s):
-            if not self.buffer.is_complete(group_id) and self.ledger.close(group_id, "expired", reissue=True) is not None:
+            if self.buffer.is_complete(group_id):
+                continue
+            if self.ledger.close(group_id, "expired", reissue=True) is not None:
                 self.buffer.expire(group_id)
                 self.workers.gate.release(1)
                 self.counters.groups_expired += 1
