@@ -15,7 +15,7 @@ import shutil
 import signal
 import time
 from contextlib import ExitStack
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import ray
 
@@ -56,7 +56,7 @@ def run_job(config: JobConfig, started_at: Optional[float] = None) -> Dict:
     stop = StopSignals()
     try:
         with ExitStack() as resources:
-            redis_url = _start_services(config, resources)
+            redis_url, embedded = _start_services(config, resources)
             stop.install()  # after ray.init, which sets its own SIGTERM handler
             resources.callback(stop.restore)
             summary["startup_s"] = {"services_ready_s": round(time.time() - started_at, 2)}  # Redis and Ray up
@@ -64,6 +64,8 @@ def run_job(config: JobConfig, started_at: Optional[float] = None) -> Dict:
             metrics = Metrics(config, run_dir, run_id=resume.state["wandb_run_id"] if resume else None)
             metrics.console.note(f"job status from anywhere: rlp status --redis \"$(cat {run_dir}/redis.url)\" "
                                  f"--job {config.name}")
+            if embedded is not None:
+                embedded.keep_alive(lambda text: metrics.event("redis_restart", text, 0))
             metrics.status = JobStatus(connect(redis_url), config.name)
             summary["wandb_dir"] = metrics.wandb_dir
             try:
@@ -114,13 +116,16 @@ def _record_redis_url(url: str, run_dir: str) -> None:
         f.write(url + "\n")
 
 
-def _start_services(config: JobConfig, resources: ExitStack) -> str:
-    """Reach or start Redis; join or start Ray; returns the Redis URL. Stopped on exit."""
+def _start_services(config: JobConfig, resources: ExitStack) -> Tuple[str, Optional[EmbeddedRedis]]:
+    """Reach or start Redis; join or start Ray; returns the Redis URL and the embedded server
+    (None when `redis.url` names one). Stopped on exit."""
+    embedded = None
     if config.redis.url:
         connect(config.redis.url)  # fails early with a clear message if unreachable
         redis_url = config.redis.url
     else:
-        redis_url = resources.enter_context(EmbeddedRedis(os.path.join(config.run_dir, "redis"))).url
+        embedded = resources.enter_context(EmbeddedRedis(os.path.join(config.run_dir, "redis")))
+        redis_url = embedded.url
     needed = _cpus_needed(config)
     if not ray.is_initialized():
         if config.ray.address or os.environ.get("RAY_ADDRESS"):
@@ -130,7 +135,7 @@ def _start_services(config: JobConfig, resources: ExitStack) -> str:
                 ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(needed)), include_dashboard=False)
         resources.callback(ray.shutdown)
     _check_cluster(config, needed)
-    return redis_url
+    return redis_url, embedded
 
 
 def _check_cluster(config: JobConfig, cpus: float) -> None:

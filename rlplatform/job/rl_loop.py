@@ -122,12 +122,14 @@ class PolicyRun:
             self.buffer.forgotten = []
 
     def watch(self) -> None:
-        """Every few seconds: expire groups past rl.group_timeout_s."""
+        """Every few seconds: expire groups past rl.group_timeout_s (their prompts are issued again)."""
         if time.monotonic() - self._last_watch < 2.0:
             return
         self._last_watch = time.monotonic()
         for group_id in self.ledger.overdue(self.rl.group_timeout_s):
-            if not self.buffer.is_complete(group_id) and self.ledger.close(group_id, "expired"):
+            if self.buffer.is_complete(group_id):
+                continue
+            if self.ledger.close(group_id, "expired", reissue=True) is not None:
                 self.buffer.expire(group_id)
                 self.workers.gate.release(1)
                 self.counters.groups_expired += 1
@@ -182,12 +184,12 @@ class PolicyRun:
         return True
 
     def _record_trained(self, batch: Batch) -> None:
-        """Close the batch's groups in the ledger and append its sample ids to trained.jsonl."""
-        for group in batch.groups:
-            self.ledger.close(group[0].group_id, "trained")
+        """Close the batch's groups in the ledger and append its sample ids and the groups' prompt
+        positions (null for a group the ledger had already closed) to trained.jsonl."""
+        prompts = [self.ledger.close(group[0].group_id, "trained") for group in batch.groups]
         with open(self.trained_log, "a") as f:
-            f.write(json.dumps({"step": self.version, "sample_ids": [s.sample_id for s in batch.samples]})
-                    + "\n")
+            f.write(json.dumps({"step": self.version, "sample_ids": [s.sample_id for s in batch.samples],
+                                "prompts": prompts}) + "\n")
 
     def _evaluate_in_background(self) -> None:
         finished = self.workers.evaluator.poll()

@@ -1,8 +1,9 @@
 """Supervision of the job's long-running worker loops (rollout and reward workers).
 
 Workers run as Ray actors that Ray restarts when their process dies; `Supervisor` notices a
-loop that ended with the actor's death, calls the loop again on the restarted actor and counts
-the restart by kind. The loops report through Redis, not their return values. Remote waits go through `rlplatform.transport.deadlines`.
+loop that ended with the actor's death, waits until Ray has restarted the actor (`Revival`: calls
+made meanwhile fail at once), calls the loop again and counts the restart by kind. The loops
+report through Redis, not their return values. Remote waits go through `rlplatform.transport.deadlines`.
 """
 
 from __future__ import annotations
@@ -10,14 +11,53 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from rlplatform.transport.deadlines import deadline_get
+from rlplatform.transport.deadlines import JobFailed, WorkerHung, deadline_get
 
 MAX_RESTARTS = 10  # per actor: Ray gives up on an actor that died this often, and the job fails
+PROBE_S = 0.5  # between readiness probes of an actor Ray is restarting
+RESTART_TIMEOUT_S = 600.0  # an actor not back this long after its death hangs
+
+
+class Revival:
+    """An actor whose process died, while Ray restarts it: calls made meanwhile fail at once with
+    `ActorUnavailableError`, so it is probed (`__ray_ready__`) every PROBE_S until it answers."""
+
+    def __init__(self, actor, what: str) -> None:
+        self.actor, self.what = actor, what
+        self._probe: Optional[ray.ObjectRef] = None
+        self._next_at = 0.0
+        self._deadline = time.monotonic() + RESTART_TIMEOUT_S
+
+    def ready(self) -> bool:
+        """Whether the restarted actor answers (never blocks)."""
+        if self._probe is None:
+            if time.monotonic() < self._next_at:
+                return False
+            self._probe = self.actor.__ray_ready__.remote()
+        if not ray.wait([self._probe], timeout=0)[0]:
+            return False
+        probe, self._probe = self._probe, None
+        try:
+            ray.get(probe)
+            return True
+        except ActorUnavailableError:
+            if time.monotonic() > self._deadline:
+                raise WorkerHung(f"{self.what} died and was not back within {RESTART_TIMEOUT_S:.0f}s; "
+                                 f"see the Ray logs") from None
+            self._next_at = time.monotonic() + PROBE_S
+            return False
+        except ActorDiedError as err:
+            raise JobFailed(f"{self.what} died and Ray did not restart it (at most {MAX_RESTARTS} restarts "
+                            f"per worker): {str(err).splitlines()[0]}") from None
+
+    def wait(self) -> None:
+        while not self.ready():
+            time.sleep(0.05)
 
 
 @dataclass
@@ -25,7 +65,8 @@ class _Loop:
     kind: str  # rollout, reward
     name: str
     actor: object
-    ref: ray.ObjectRef
+    ref: Optional[ray.ObjectRef]
+    revival: Optional[Revival] = None  # set from the actor's death until it answers again
 
 
 class Supervisor:
@@ -40,11 +81,15 @@ class Supervisor:
         self._loops.append(_Loop(kind, name, actor, actor.run.remote()))
 
     def check(self) -> None:
-        """Restart the loop of every worker whose actor died; a loop that returned early is an error."""
-        refs = [loop.ref for loop in self._loops]
-        finished, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        """Restart the loop of every worker whose actor died once Ray has restarted the actor; a loop
+        that returned early is an error."""
         for loop in self._loops:
-            if loop.ref in finished:
+            if loop.revival is not None and loop.revival.ready():
+                loop.revival, loop.ref = None, loop.actor.run.remote()
+        refs = [loop.ref for loop in self._loops if loop.revival is None]
+        finished = ray.wait(refs, num_returns=len(refs), timeout=0)[0] if refs else []
+        for loop in self._loops:
+            if loop.revival is None and loop.ref in finished:
                 self._handle_finished(loop)
 
     def _handle_finished(self, loop: _Loop) -> None:
@@ -54,9 +99,9 @@ class Supervisor:
             self.restarts[loop.kind] += 1
             if self.restarts[loop.kind] > MAX_RESTARTS * max(1, self._count(loop.kind)):
                 raise RuntimeError(f"{loop.kind} worker {loop.name} keeps dying: {err}") from None
-            self.note(f"{loop.kind} worker {loop.name} died; restarted it (restart {self.restarts[loop.kind]} "
+            self.note(f"{loop.kind} worker {loop.name} died; restarting it (restart {self.restarts[loop.kind]} "
                       f"of {loop.kind} workers)")
-            loop.ref = loop.actor.run.remote()
+            loop.revival = Revival(loop.actor, f"{loop.kind} worker {loop.name}")
             return
         raise RuntimeError(f"{loop.kind} worker {loop.name} stopped before the job asked it to")
 
@@ -69,9 +114,12 @@ class Supervisor:
         deadline = time.monotonic() + timeout_s
         for loop in (loop for loop in self._loops if loop.kind == kind):
             while True:
+                if loop.revival is not None:  # died while stopping: its restart sees the stop flag at once
+                    loop.revival.wait()
+                    loop.revival, loop.ref = None, loop.actor.run.remote()
                 try:
                     deadline_get(loop.ref, f"{kind} worker {loop.name}", max(1.0, deadline - time.monotonic()))
                     break
                 except RayActorError:
                     self.restarts[kind] += 1
-                    loop.ref = loop.actor.run.remote()
+                    loop.revival = Revival(loop.actor, f"{kind} worker {loop.name}")

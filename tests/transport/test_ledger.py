@@ -21,8 +21,8 @@ def test_groups_end_once_and_the_counts_balance(redis_client):
     issued = ledger.issue(worker=0, groups=3)
     assert [position for _, position in issued] == [0, 1, 2]
     assert len({group for group, _ in issued}) == 3
-    assert ledger.close(issued[0][0], "trained") and not ledger.close(issued[0][0], "expired")
-    assert ledger.close(issued[1][0], "dropped_stale")
+    assert ledger.close(issued[0][0], "trained") == 0 and ledger.close(issued[0][0], "expired") is None
+    assert ledger.close(issued[1][0], "dropped_stale") == 1  # each close gives the group's prompt position
     counts = ledger.counts()
     assert counts["issued"] == 3 and counts["trained"] == 1 and counts["dropped_stale"] == 1
     assert counts["expired"] == 0 and counts["open"] == 1 and balanced(counts)
@@ -46,6 +46,16 @@ def test_overdue_groups_are_those_claimed_before_the_timeout(redis_client):
     time.sleep(0.3)
     ledger.issue(worker=0, groups=1)
     assert ledger.overdue(0.2) == [old]
+
+
+def test_an_expired_group_s_prompt_is_issued_again(redis_client):
+    ledger = PromptLedger(redis_client, "job", "p")
+    (late, position), = ledger.issue(worker=0, groups=1)
+    assert ledger.close(late, "expired", reissue=True) == position
+    (again, same), = ledger.issue(worker=1, groups=1)
+    assert same == position and again != late
+    counts = ledger.counts()
+    assert counts["expired"] == 1 and counts["reissued"] == 1 and counts["open"] == 1 and balanced(counts)
 
 
 def test_restored_state_issues_what_was_in_flight_first_under_new_group_ids(redis_client):

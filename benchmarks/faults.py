@@ -1,0 +1,434 @@
+"""Fault injection: small real jobs (a tiny Qwen2 built from config; real Ray, Redis and DeepSpeed)
+with faults injected at seeded random learner steps: SIGKILL of rollout workers, reward workers
+and the evaluator, SIGKILL of the job's embedded redis-server and an operator's restart of an
+external one, a learner rank's SIGKILL and a SIGTERM each followed by `rlp run --resume`, and
+malformed messages written into the reward queue's streams.
+
+For each scenario it reports whether the job completed, samples lost, samples and prompts trained
+twice, prompts skipped and the recovery time of each fault (seconds from the fault until a
+learner step next ends), counted from what the run left: trained.jsonl (the sample ids and prompt
+positions of every step), the final checkpoint's prompt ledger and summary.json, each checked
+against the others.
+
+Usage: python benchmarks/faults.py [--steps 20] [--seed 0] [--only NAME ...] [--out benchmarks/results/faults.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Callable, Dict, List, Optional
+
+import psutil
+import ray
+from ray._private.state import state as ray_state  # the GCS actor table: names, pids, states
+
+from rlplatform.config import JobConfig, load_config, to_yaml
+from rlplatform.job.checkpoint import latest_checkpoint, read_state
+from rlplatform.job.controller import run_job
+from rlplatform.transport.deadlines import JobFailed
+from rlplatform.transport.redis_server import EmbeddedRedis, connect
+from rlplatform.transport.reward_queue import JobKeys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RLP = os.path.join(os.path.dirname(sys.executable), "rlp")
+TINY = ["model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=128", "sft.enabled=false",
+        "data.train_size=300", "data.test_size=8", "eval.batch_size=8", "rl.batch_prompts=2", "rl.group_size=4",
+        "rl.max_new_tokens=4", "rollout.prompts_per_batch=4", "rollout.num_cpus=0.5", "learner.num_cpus=0.5",
+        "reward_workers.num_cpus=0.25", "wandb.mode=disabled", "rl.group_timeout_s=60"]
+MALFORMED = [b"\x00not msgpack", b"\x93\x01\x02\x03", b"\x82\xa1v\x07\xa6sample\xc0",  # garbage, a list, schema 7
+             b"\x82\xa1v\x01\xa6sample\x81\xa9sample_id\xa1x"]  # schema 1 with a sample missing its fields
+
+
+@dataclass
+class Running:
+    """The job a fault lands on: its run directory and the pid of the process running it."""
+    run_dir: str
+    pid: int
+
+
+@dataclass
+class Fault:
+    """One injection: `inject(job)` once the job has trained `at_step` steps; it returns the time the
+    fault struck."""
+    what: str
+    at_step: int
+    inject: Callable[[Running], float]
+    at: Optional[float] = None  # wall-clock time it was injected
+    landed_step: Optional[int] = None  # steps trained when it was injected (at_step or later)
+    recovery_s: Optional[float] = None  # until a learner step next ended
+
+
+class Progress(threading.Thread):
+    """Polls a run's trained.jsonl; `ends` holds the times its step count went up."""
+
+    def __init__(self, run_dir: str) -> None:
+        super().__init__(daemon=True)
+        self.path = os.path.join(run_dir, "trained.jsonl")
+        self.ends: List[float] = []
+        self.steps = 0
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.wait(0.1):
+            steps = _lines(self.path)
+            if steps > self.steps:
+                self.ends.append(time.time())
+            self.steps = steps
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join()
+
+    def wait_for(self, steps: int, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.steps < steps:
+            if time.monotonic() > deadline or not self.is_alive():
+                raise TimeoutError(f"the job did not reach step {steps}")
+            time.sleep(0.1)
+
+    def recovery(self, at: float) -> Optional[float]:
+        later = [t for t in self.ends if t > at]
+        return round(later[0] - at, 1) if later else None
+
+
+def _lines(path: str) -> int:
+    try:
+        with open(path) as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0
+
+
+# injections
+def actor_pid(name: str, not_pid: Optional[int] = None, timeout_s: float = 120.0) -> int:
+    """The pid of the live Ray actor `name` (waiting out a restart: a pid other than `not_pid`)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for actor in ray_state.actor_table(None).values():
+            if actor.get("Name") == name and actor.get("State") == "ALIVE" and actor.get("Pid") not in (0, not_pid):
+                return actor["Pid"]
+        time.sleep(0.2)
+    raise TimeoutError(f"actor {name} is not alive")
+
+
+def kill_actor(name: str) -> Callable[[Running], float]:
+    killed: List[int] = []
+
+    def inject(job: Running) -> float:
+        pid = actor_pid(name, killed[-1] if killed else None)
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+        return time.time()
+    return inject
+
+
+def job_redis_url(run_dir: str) -> str:
+    with open(os.path.join(run_dir, "redis.url")) as f:
+        return f.read().strip()
+
+
+def kill_embedded_redis(job: Running) -> float:
+    """SIGKILL the redis-server listening on the port of the job's Redis URL."""
+    port = int(job_redis_url(job.run_dir).rsplit(":", 1)[1].split("/")[0])
+    for process in psutil.process_iter(["name"]):
+        if process.info["name"] == "redis-server":
+            try:
+                if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in process.net_connections()):
+                    process.kill()
+                    return time.time()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+    raise RuntimeError(f"no redis-server listens on port {port}")
+
+
+def restart_external_redis(server: EmbeddedRedis, down_s: float = 3.0) -> Callable[[Running], float]:
+    """An operator's restart: the server is killed, and started again `down_s` later on its port."""
+    def inject(job: Running) -> float:
+        os.kill(server.pid, signal.SIGKILL)
+        struck = time.time()
+        time.sleep(down_s)
+        server.start()
+        return struck
+    return inject
+
+
+def write_malformed(name: str) -> Callable[[Running], float]:
+    """Malformed records into the requests stream (reward workers read them) and the results stream
+    (the job reads them)."""
+    def inject(job: Running) -> float:
+        struck = time.time()
+        client, keys = connect(job_redis_url(job.run_dir)), JobKeys(name)
+        for payload in MALFORMED:
+            client.xadd(keys.requests, {"data": payload})
+            client.xadd(keys.results, {"data": payload})
+        client.xadd(keys.requests, {"other": b"no data field"})
+        client.close()
+        return struck
+    return inject
+
+
+# running a scenario
+@dataclass
+class Scenario:
+    name: str
+    overrides: List[str]
+    faults: Callable[[str, random.Random, int], List[Fault]]  # (job name, rng, steps) -> faults
+    resume: bool = False  # the job ends at the fault; `rlp run --resume` continues it
+    in_process: bool = True  # else `rlp run` in its own process (SIGTERM goes to it)
+    external_redis: bool = False
+
+
+@dataclass
+class Outcome:
+    scenario: str
+    completed: bool
+    steps: int
+    faults: List[Fault]
+    counts: Dict[str, int] = field(default_factory=dict)
+    checks: List[str] = field(default_factory=list)  # accounting mismatches found
+    restarts: Dict[str, int] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+
+def fault_steps(rng: random.Random, steps: int, count: int) -> List[int]:
+    """`count` distinct learner steps in [1, steps - 2] at which to inject, in order."""
+    return sorted(rng.sample(range(1, steps - 1), min(count, steps - 2)))
+
+
+def run_scenario(scenario: Scenario, out_dir: str, steps: int, seed: int) -> Outcome:
+    name = scenario.name
+    server = EmbeddedRedis(os.path.join(out_dir, f"{name}-external-redis")).start() \
+        if scenario.external_redis else None
+    overrides = [f"output_dir={out_dir}", f"name={name}", *TINY, f"rl.max_steps={steps}", f"seed={seed}",
+                 *scenario.overrides, *([f"redis.url={server.url}"] if server else [])]
+    config = load_config(None, overrides)
+    rng = random.Random(f"{seed}-{name}")
+    faults = scenario.faults(name, rng, steps) if not server else \
+        [Fault("external Redis restarted", s, restart_external_redis(server)) for s in fault_steps(rng, steps, 2)]
+    progress = Progress(config.run_dir)
+    progress.start()
+    start = time.time()
+    try:
+        if scenario.in_process:
+            _run_in_process(config, faults, progress)
+        else:
+            _run_as_command(config, faults, progress, out_dir)
+        if scenario.resume:
+            subprocess.run([RLP, "run", "--resume", config.run_dir], cwd=REPO, env=_command_env(),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+    finally:
+        progress.stop()
+        if server:
+            server.stop()
+    for fault in faults:
+        fault.recovery_s = progress.recovery(fault.at) if fault.at else None
+    outcome = account(config, faults)
+    outcome.wall_s = round(time.time() - start, 1)
+    return outcome
+
+
+def _inject_all(faults: List[Fault], job: Running, progress: Progress, errors: List[BaseException]) -> None:
+    try:
+        for fault in faults:
+            progress.wait_for(fault.at_step)
+            fault.at = fault.inject(job)
+            fault.landed_step = progress.steps
+    except BaseException as err:  # reported with the scenario
+        errors.append(err)
+
+
+def _run_in_process(config: JobConfig, faults: List[Fault], progress: Progress) -> None:
+    errors: List[BaseException] = []
+    injector = threading.Thread(target=_inject_all, args=(faults, Running(config.run_dir, os.getpid()), progress,
+                                                          errors), daemon=True)
+    injector.start()
+    try:
+        run_job(config)
+    except JobFailed:
+        pass  # a learner rank's death: the summary says failed, and the scenario resumes
+    injector.join(timeout=5)
+    if errors:
+        raise RuntimeError(f"injection failed: {errors[0]}")
+
+
+def _run_as_command(config: JobConfig, faults: List[Fault], progress: Progress, out_dir: str) -> None:
+    path = os.path.join(out_dir, f"{config.name}.yaml")
+    with open(path, "w") as f:
+        f.write(to_yaml(config))
+    job = subprocess.Popen([RLP, "run", path], cwd=REPO, env=_command_env(), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    errors: List[BaseException] = []
+    _inject_all(faults, Running(config.run_dir, job.pid), progress, errors)
+    job.wait(timeout=600)
+    if errors:
+        raise RuntimeError(f"injection failed: {errors[0]}")
+
+
+def _command_env() -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray cluster
+    env["WANDB_MODE"] = "disabled"
+    return env
+
+
+# counting
+def account(config: JobConfig, faults: List[Fault]) -> Outcome:
+    """Lost, duplicated and skipped, from trained.jsonl, the final checkpoint's ledger and summary.json."""
+    run_dir, group_size = config.run_dir, config.rl.group_size
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    rl = summary.get("rl", {})
+    lines = [json.loads(line) for line in open(os.path.join(run_dir, "trained.jsonl"))]
+    ids = [i for line in lines for i in line["sample_ids"]]
+    prompts = [p for line in lines for p in line["prompts"]]
+    checkpoint = latest_checkpoint(run_dir)
+    ledger = read_state(checkpoint)["policies"]["policy"]["ledger"] if checkpoint else \
+        {"cursor": 0, "counts": Counter(), "in_flight_prompts": [], "open": 0}
+    counts, cursor = ledger["counts"], ledger["cursor"]
+    known = [p for p in prompts if p is not None]
+    ended_otherwise = sum(counts.get(k, 0) for k in ("dropped_stale", "dropped_error", "dropped_zero_advantage"))
+    seen = {p for p in set(known) | set(ledger["in_flight_prompts"]) if p < cursor}
+    figures = {
+        "samples_trained": len(ids),
+        "samples_lost": rl.get("samples_dropped_expired", 0) + rl.get("samples_dropped_error", 0)
+        + rl.get("samples_dropped_invalid", 0),
+        "groups_expired": counts.get("expired", 0),
+        "samples_trained_twice": len(ids) - len(set(ids)),
+        "prompts_trained_twice": len(prompts) - len(set(known)),  # a repeat, or a group the ledger had closed
+        "prompts_skipped": cursor - len(seen) - ended_otherwise,
+        "dropped_stale": counts.get("dropped_stale", 0) * group_size,
+    }
+    groups = Counter(i.rsplit("/", 1)[0] for i in ids)
+    checks = [f"{summary['status']}: {summary.get('error')}"] if summary["status"] != "completed" else []
+    if rl and rl.get("samples_trained") != len(ids):
+        checks.append(f"summary says {rl.get('samples_trained')} samples trained, trained.jsonl lists {len(ids)}")
+    if counts.get("trained", 0) != len(groups):
+        checks.append(f"ledger closed {counts.get('trained', 0)} groups as trained, trained.jsonl has {len(groups)}")
+    if any(n != group_size for n in groups.values()):
+        checks.append("a trained group did not have group_size samples")
+    unused = rl.get("samples_unused_where", {})
+    if rl and rl.get("samples_generated") != rl.get("samples_scored", 0) + unused.get("scored_unread", 0) \
+            + unused.get("unscored", 0):
+        checks.append(f"summary counts {rl.get('samples_generated')} samples generated but {rl.get('samples_scored')} "
+                      f"scored and {unused} unused: a restarted worker's counts went missing")
+    if sum(counts.get(k, 0) for k in counts if k not in ("issued", "reissued")) + ledger["open"] != counts["issued"]:
+        checks.append("the checkpoint's ledger does not balance")
+    return Outcome(config.name, summary.get("status") == "completed" and rl.get("steps") == config.rl.max_steps,
+                   rl.get("steps", 0), faults, figures, checks, rl.get("restarts", {}))
+
+
+# the scenarios
+def _kills(kind: str, actors: Callable[[str], List[str]]):
+    """A SIGKILL of each of `actors(job)` in a seeded order (a restart takes long enough on a busy
+    machine that killing one actor again would often land after the job's last step)."""
+    def faults(job: str, rng: random.Random, steps: int) -> List[Fault]:
+        names = actors(job)
+        rng.shuffle(names)
+        return [Fault(f"SIGKILL {kind}", s, kill_actor(name)) for s, name in zip(fault_steps(rng, steps, len(names)),
+                                                                                   names)]
+    return faults
+
+
+def _sigterm(job: str, rng: random.Random, steps: int) -> List[Fault]:
+    return [Fault("SIGTERM to `rlp run`, then `rlp run --resume`", fault_steps(rng, steps, 1)[0],
+                  _terminate)]
+
+
+def _terminate(job: Running) -> float:
+    os.kill(job.pid, signal.SIGTERM)
+    return time.time()
+
+
+SCENARIOS = [
+    Scenario("rollout-kill", ["rollout.num_workers=3"],
+             _kills("rollout worker", lambda job: [f"{job}-policy-rollout-{i}" for i in range(3)])),
+    Scenario("reward-kill", ["reward_workers.num_workers=3"],
+             _kills("reward worker", lambda job: [f"{job}-reward-{i}" for i in range(3)])),
+    Scenario("evaluator-kill", ["eval.every_steps=1"],
+             _kills("evaluator", lambda job: [f"{job}-policy-rollout-1"] * 2)),
+    Scenario("embedded-redis-kill", [], lambda job, rng, steps: [
+        Fault("SIGKILL embedded redis-server", s, kill_embedded_redis) for s in fault_steps(rng, steps, 2)]),
+    Scenario("external-redis-restart", [], lambda job, rng, steps: [], external_redis=True),
+    Scenario("malformed-messages", [], lambda job, rng, steps: [
+        Fault(f"{2 * len(MALFORMED) + 1} malformed stream entries", s, write_malformed(job))
+        for s in fault_steps(rng, steps, 2)]),
+    Scenario("learner-kill-resume", ["checkpoint.every_steps=3"],
+             _kills("learner rank, then `rlp run --resume`", lambda job: [f"{job}-policy-learner-0"]),
+             resume=True),
+    Scenario("sigterm-resume", ["checkpoint.every_steps=3"], _sigterm, resume=True, in_process=False),
+]
+
+
+# the report
+def table(outcomes: List[Outcome]) -> List[str]:
+    rows = ["| scenario | faults injected (at step) | completed | steps | samples trained | lost | trained twice "
+            "(samples / prompts) | prompts skipped | recovery s per fault | restarts | accounting checks |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for o in outcomes:
+        injected = "; ".join(f"{f.what} ({f.landed_step})" for f in o.faults if f.at is not None) or "none landed"
+        recovery = ", ".join("no later step" if f.recovery_s is None else f"{f.recovery_s:g}"
+                             for f in o.faults if f.at)
+        restarts = ", ".join(f"{k} {v}" for k, v in o.restarts.items() if v) or "0"
+        c = o.counts
+        rows.append(f"| {o.scenario} | {injected} | {'yes' if o.completed else 'NO'} | {o.steps} | "
+                    f"{c['samples_trained']} | {c['samples_lost']} | {c['samples_trained_twice']} / "
+                    f"{c['prompts_trained_twice']} | {c['prompts_skipped']} | {recovery} | {restarts} | "
+                    f"{'; '.join(o.checks) or 'agree'} |")
+    return rows
+
+
+def write_report(outcomes: List[Outcome], path: str, command: str, wall_s: float) -> None:
+    lines = ["# Fault injection", "",
+             f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}: {os.cpu_count()} CPUs "
+             f"(shared with other work), Python {sys.version.split()[0]}, `{command}`, {wall_s:.0f} s in all.", "",
+             "Tiny Qwen2 policies built from config (2 layers, hidden 64), RL only, 2 prompts x 4 completions a "
+             "step; real Ray, redis-server and DeepSpeed (gloo). Faults are planned at seeded random steps; the "
+             "step in brackets is how many steps were trained when each struck. Counted from what each run left: "
+             "`trained.jsonl` (sample ids and prompt positions of every step), the final checkpoint's prompt "
+             "ledger and `summary.json`. Lost: samples discarded (arrived for an expired group, reward errors); "
+             "trained twice: repeated sample ids, and prompt positions trained again (or trained after the ledger "
+             "had closed their group); skipped: ledger positions issued but neither trained, dropped by a rule "
+             "nor still in flight (open or queued for re-issue) at the end; recovery: seconds from the fault "
+             "until a learner step next ended (for a resume, including the new process's start-up); restarts: "
+             "worker restarts the job counted (a restarted Redis is a `redis_restart` event instead).", "",
+             *table(outcomes), ""]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=20, help="RL steps of each job")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", nargs="*", help="scenario names to run (default: all)")
+    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "faults.md"))
+    args = parser.parse_args()
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    ray.init(num_cpus=max(os.cpu_count() or 1, 8), include_dashboard=False, log_to_driver=False)
+    start, outcomes = time.time(), []
+    with tempfile.TemporaryDirectory(prefix="rlp-faults-") as out_dir:
+        for scenario in SCENARIOS:
+            if args.only and scenario.name not in args.only:
+                continue
+            outcome = run_scenario(scenario, out_dir, args.steps, args.seed)
+            print("\n".join(table([outcome])[2:]), flush=True)
+            outcomes.append(outcome)
+    command = "python benchmarks/faults.py " + " ".join(sys.argv[1:])
+    write_report(outcomes, args.out, command.strip(), time.time() - start)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

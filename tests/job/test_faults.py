@@ -1,0 +1,44 @@
+"""The fault-injection suite's fast subset (benchmarks/faults.py, its own functions): one tiny job
+takes SIGKILLs of a rollout worker, a reward worker and the evaluator, of its embedded
+redis-server, and malformed entries in both reward-queue streams, and still completes with no
+sample lost or trained twice and no prompt skipped, by the run's trained.jsonl, final ledger and
+summary."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import sys
+from typing import List
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_spec = importlib.util.spec_from_file_location("faults_suite", os.path.join(REPO, "benchmarks", "faults.py"))
+faults = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = faults  # its dataclasses look their module up there
+_spec.loader.exec_module(faults)
+
+
+def mixed_faults(job: str, rng: random.Random, steps: int) -> List:
+    return [faults.Fault("SIGKILL rollout worker", 1, faults.kill_actor(f"{job}-policy-rollout-0")),
+            faults.Fault("SIGKILL reward worker", 2, faults.kill_actor(f"{job}-reward-0")),
+            faults.Fault("malformed stream entries", 3, faults.write_malformed(job)),
+            faults.Fault("SIGKILL embedded redis-server", 3, faults.kill_embedded_redis),
+            faults.Fault("SIGKILL evaluator", 4, faults.kill_actor(f"{job}-policy-rollout-1"))]
+
+
+def test_a_job_survives_worker_kills_a_redis_kill_and_malformed_messages(ray_session, tmp_path):
+    # claim_idle_s and group_timeout_s beyond the test's patience: the requests the killed reward
+    # worker held come back only if its restart takes them back, and no group may expire
+    scenario = faults.Scenario("mixed", ["reward_workers.num_workers=2", "eval.every_steps=2",
+                                         "reward_workers.claim_idle_s=600", "rl.group_timeout_s=600"], mixed_faults)
+    outcome = faults.run_scenario(scenario, str(tmp_path), steps=7, seed=0)
+    assert all(fault.at is not None for fault in outcome.faults)
+    assert outcome.completed and outcome.steps == 7
+    assert outcome.checks == []  # summary, ledger and trained.jsonl agree
+    counts = outcome.counts
+    assert counts["samples_trained"] == 7 * 2 * 4
+    assert counts["samples_lost"] == counts["samples_trained_twice"] == counts["prompts_trained_twice"] == 0
+    assert counts["prompts_skipped"] == 0 and counts["groups_expired"] == 0
+    assert outcome.restarts["rollout"] >= 1 and outcome.restarts["reward"] >= 1
+    assert outcome.restarts["evaluator"] >= 1
