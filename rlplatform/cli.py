@@ -269,21 +269,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"rlp: config error: {err}", file=sys.stderr)
         return 2
     except Exception as err:
+        from rlplatform.transport.deadlines import JobFailed
+
         cause = getattr(err, "cause", err)  # a failed Ray task keeps the worker's own error as `cause`
-        if isinstance(cause, ConnectionError):  # Redis or Ray unreachable: say where, without a traceback
+        if isinstance(err, JobFailed) or isinstance(cause, ConnectionError):  # one line, without a traceback
             print(f"rlp: {cause}", file=sys.stderr)
             return 1
         raise
     except KeyboardInterrupt:
         print("rlp: interrupted", file=sys.stderr)
         return 130
-    except RuntimeError as err:
-        from rlplatform.transport.deadlines import JobFailed
-
-        if not isinstance(err, JobFailed):
-            raise
-        print(f"rlp: {err}", file=sys.stderr)
-        return 1
 
 
 if __name__ == "__main__":

@@ -165,3 +165,15 @@ def test_a_model_folder_that_cannot_load_is_named(tmp_path, tiny_policy, broken,
     result = rlp("validate", str(REPO / "configs" / "quickstart.yaml"), "model.kind=pretrained",
                  f"model.path={model}", f"output_dir={tmp_path / 'runs'}", cwd=tmp_path)
     assert_stopped_before_start(result, tmp_path, "'model.path'", expected)
+
+
+def test_a_job_failure_is_one_line_without_a_traceback(monkeypatch, capsys):
+    from rlplatform import cli
+    from rlplatform.transport.deadlines import JobFailed
+
+    def fail(args):
+        raise JobFailed("learner rank 1 died; resume with: rlp run --resume runs/x")
+
+    monkeypatch.setattr(cli, "_status", fail)
+    assert cli.main(["status", "--redis", "redis://127.0.0.1:1", "--job", "x"]) == 1
+    assert capsys.readouterr().err == "rlp: learner rank 1 died; resume with: rlp run --resume runs/x\n"
