@@ -87,6 +87,7 @@ class ResultMeta:
     error: Optional[str] = None
     filtered: bool = False
     drop: bool = False
+    reasons: Dict[str, str] = field(default_factory=dict)  # the scored sample's reasons, by reward label
 
     @property
     def tokens(self) -> int:
@@ -97,7 +98,7 @@ class ResultMeta:
         sample = scored.sample
         return cls(sample.sample_id, sample.group_id, sample.policy, sample.version, len(sample.prompt_ids),
                    len(sample.completion_ids), float(scored.reward), dict(scored.components), scored.error,
-                   bool(scored.filtered), bool(scored.drop))
+                   bool(scored.filtered), bool(scored.drop), dict(scored.reasons))
 
 
 _META_TYPES = {"sample_id": str, "group_id": str, "policy": str, "version": int, "prompt_tokens": int,
@@ -121,7 +122,7 @@ def decode_meta(data: bytes) -> ResultMeta:
         raise WireFormatError("result record 'components' holds a value that is not a number")
     fields = {name: body[name] for name in _META_TYPES}
     fields.update(reward=float(body["reward"]), components={str(k): float(v) for k, v in components.items()})
-    return ResultMeta(**fields, error=error)
+    return ResultMeta(**fields, error=error, reasons=_reasons_from(body.get("reasons", {})))
 
 
 _SAMPLE_TYPES = {
