@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Dict, List, Set, Tuple
 
-from rlplatform.rewards.registry import Verdict
+from rlplatform.rewards.verdict import Verdict
 from rlplatform.rewards.sandbox_jail import SANDBOX_UID_BASE
 
 if TYPE_CHECKING:

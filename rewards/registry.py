@@ -50,17 +50,6 @@ class RewardFunction:
         return f"{self.name:<20} {self.source:<12} {kind:<18} ({params})"
 
 
-class Verdict(float):
-    """A score that says why it is what it is: a float with a short `reason` ("passed", "timeout", ...)."""
-
-    reason: str
-
-    def __new__(cls, score: float, reason: str) -> "Verdict":
-        verdict = super().__new__(cls, score)
-        verdict.reason = reason
-        return verdict
-
-
 REWARDS: Dict[str, RewardFunction] = {}
 
 

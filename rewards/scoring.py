@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Dict, List, Union
 
-from rlplatform.rewards.registry import BoundReward, Verdict
+from rlplatform.rewards.registry import BoundReward
+from rlplatform.rewards.verdict import Verdict
 from rlplatform.transport.samples import Sample, ScoredSample
 
 Score = Union[float, Dict[str, float]]

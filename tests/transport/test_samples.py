@@ -104,8 +104,7 @@ def test_missing_schema_version():
 
 
 @pytest.mark.parametrize("name", ["sample_id", "group_id", "policy", "prompt", "completion", "prompt_ids",
-                                  "completion_ids", "behaviour_logprobs", "token_versions", "completion_mask",
-                                  "row"])
+                                  "completion_ids", "behaviour_logprobs", "token_versions", "row"])
 def test_missing_field(name):
     body = packed_sample()
     del body["sample"][name]
@@ -132,7 +131,6 @@ def test_wrong_typed_field(name, value):
     {"behaviour_logprobs": [-0.1, -0.2]},
     {"token_versions": [4, 4, 5, 5]},
     {"completion_ids": [8]},
-    {"completion_mask": [1, 0]},
 ])
 def test_per_token_lists_of_different_lengths(changes):
     body = packed_sample(**changes)
