@@ -69,14 +69,15 @@ class TwoNodeCluster:
 
     def watch_actors(self, until: Path) -> subprocess.Popen:
         """A driver on the cluster that records, until `until` exists, the node of every named actor it sees
-        alive (Ray's actor table), then prints {"actors": {name: node id}, "labelled": [node ids]} as JSON."""
+        placed (Ray's actor table: alive, or dead after it ran), then prints {"actors": {name: node id}, "labelled": [node ids]} as JSON."""
         script = f"""
 import json, os, time, ray
 from ray._private.state import actors
 ray.init(address={self.address!r}, log_to_driver=False)
 seen = {{}}
 while not os.path.exists({str(until)!r}):
-    seen.update({{a["Name"]: a["Address"]["NodeID"] for a in actors().values() if a["Name"] and a["State"] == "ALIVE"}})
+    seen.update({{a["Name"]: a["Address"]["NodeID"] for a in actors().values()
+                 if a["Name"] and a["State"] in ("ALIVE", "DEAD") and a["Address"]["NodeID"]}})
     time.sleep(0.2)
 labelled = [n["NodeID"] for n in ray.nodes() if "rollout_node" in n["Resources"]]
 print(json.dumps({{"actors": seen, "labelled": labelled}}))
@@ -113,7 +114,7 @@ def job_yaml(tmp_path: Path, name: str, address: str) -> Path:
     job = {"name": name, "output_dir": str(tmp_path), "ray": {"address": address},
            "model": {"hidden_size": 64, "num_layers": 2, "intermediate_size": 128},
            "data": {"train_size": 300, "test_size": 8}, "sft": {"enabled": False}, "eval": {"batch_size": 8},
-           "rl": {"max_steps": 3, "batch_prompts": 2, "group_size": 4, "max_new_tokens": 4},
+           "rl": {"max_steps": 6, "batch_prompts": 2, "group_size": 4, "max_new_tokens": 4},
            "rollout": {"prompts_per_batch": 4, "num_cpus": 0.5, "resources": {"rollout_node": 1}},
            "reward_workers": {"num_cpus": 0.25, "resources": {"rollout_node": 1}},
            "learner": {"num_cpus": 0.5}, "wandb": {"mode": "disabled"}}
@@ -160,10 +161,10 @@ def test_workers_run_on_the_labelled_node_and_the_job_accounts_for_every_sample(
 
     summary = json.loads((tmp_path / name / "summary.json").read_text())
     rl = summary["rl"]
-    assert summary["status"] == "completed" and rl["samples_trained"] == 3 * 2 * 4
+    assert summary["status"] == "completed" and rl["samples_trained"] == 6 * 2 * 4
     assert rl["samples_generated"] == (rl["samples_trained"] + rl["samples_dropped_stale"]
                                        + rl["samples_dropped_error"] + rl["samples_dropped_zero_advantage"]
                                        + rl["samples_dropped_invalid"] + rl["samples_unused_at_end"])
     assert rl["samples_unused_at_end"] == sum(rl["samples_unused_where"].values())
-    assert rl["ledger"]["trained"] == 3 * 2 and balanced(rl["ledger"])
+    assert rl["ledger"]["trained"] == 6 * 2 and balanced(rl["ledger"])
     assert rl["restarts"] == {"rollout": 0, "reward": 0, "evaluator": 0}
