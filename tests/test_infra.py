@@ -144,7 +144,7 @@ def test_production_redis_gives_a_job_user_its_own_keys_only(production_redis, t
     queue.submit([sample])
     (entry, raw), = queue.fetch("worker", count=1, block_ms=100)
     queue.store_results([(entry, ScoredSample(queue.decode(raw), 1.0, {"exact_match": 1.0}))])
-    assert [r.sample.sample_id for r in queue.read_results(block_ms=100)] == ["s/0"]
+    assert [r.sample_id for r in queue.read_results(block_ms=100)] == ["s/0"]
     with pytest.raises(redis.exceptions.NoPermissionError):
         client.set("rlp:cluster:status", "x")  # another job's keys
     with pytest.raises(redis.exceptions.NoPermissionError):
