@@ -32,12 +32,17 @@ from rlplatform.transport.samples import Sample, ScoredSample, WireFormatError, 
 
 
 @dataclass
-class RewardStats:
-    scored: int = 0
-    errors: int = 0
+class QueueStats:
+    """What `QueueWorker`'s loop counts for any queue service."""
     dead_letters: int = 0
     reclaimed: int = 0
     busy_s: float = 0.0
+
+
+@dataclass
+class RewardStats(QueueStats):
+    scored: int = 0
+    errors: int = 0
 
 
 def import_modules(modules: List[str]) -> None:
@@ -60,7 +65,7 @@ class QueueWorker:
     """The delivery loop every queue service runs (`RewardWorker`, the tool worker): take back
     requests a dead worker held, fetch new ones, dead-letter what cannot be decoded or was
     delivered too often, `handle` the rest and store their results idempotently. Subclasses give
-    `decode` and `handle`; `stats` counts `dead_letters` and `reclaimed` and time spent `busy_s`.
+    `decode` and `handle`; `stats` (a `QueueStats`) counts `dead_letters` and `reclaimed` and time spent `busy_s`.
     `job` is the job's reward queue: its stop flag ends `run`, its counters collect the figures;
     `label` names the worker on the job's heartbeat hash (`heartbeats`), as silent workers are named."""
 

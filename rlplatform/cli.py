@@ -139,18 +139,13 @@ def _rewards_test(args) -> int:
 
 def _reward_worker(args) -> int:
     """A standalone reward worker serving job `args.job` until the job stops."""
-    import time
-
     from rlplatform.config import RewardWorkersConfig
     from rlplatform.rewards.worker import RewardWorker, default_worker_name, job_rewards_from_json
     from rlplatform.transport.redis_server import connect
     from rlplatform.transport.reward_queue import RewardQueue
 
     queue = RewardQueue(connect(args.redis), args.job)
-    while (published := queue.rewards_json()) is None:
-        print(f"rlp: waiting for job '{args.job}' to start", file=sys.stderr)
-        time.sleep(2)
-    rewards, imports = job_rewards_from_json(published)
+    rewards, imports = job_rewards_from_json(_published(queue.rewards_json, f"job '{args.job}' to start"))
     config = RewardWorkersConfig(concurrency=args.concurrency, batch_size=args.batch_size)
     worker = RewardWorker(args.name or default_worker_name(args.job), rewards, args.redis, args.job, config, imports)
     print(f"rlp: reward worker {worker.name} serving job '{args.job}'", file=sys.stderr)
@@ -160,20 +155,26 @@ def _reward_worker(args) -> int:
     return 0
 
 
-def _tool_worker(args) -> int:
-    """A standalone tool worker serving job `args.job`'s tool calls until the job stops."""
+def _published(read, what: str):
+    """What `read()` returns once the job has published it (not None), saying every 2 s what is awaited."""
     import time
 
+    while (value := read()) is None:
+        print(f"rlp: waiting for {what}", file=sys.stderr)
+        time.sleep(2)
+    return value
+
+
+def _tool_worker(args) -> int:
+    """A standalone tool worker serving job `args.job`'s tool calls until the job stops."""
     from rlplatform.config import RewardWorkersConfig
     from rlplatform.envs.tool_worker import ToolWorker, default_tool_worker_name, job_tools_from_json
     from rlplatform.transport.redis_server import connect
     from rlplatform.transport.tool_queue import ToolKeys
 
     client = connect(args.redis)
-    while (published := client.get(ToolKeys(args.job).specs)) is None:
-        print(f"rlp: waiting for job '{args.job}' to start (with env.tools)", file=sys.stderr)
-        time.sleep(2)
-    tools, imports = job_tools_from_json(published.decode())
+    specs = _published(lambda: client.get(ToolKeys(args.job).specs), f"job '{args.job}' to start (with env.tools)")
+    tools, imports = job_tools_from_json(specs.decode())
     config = RewardWorkersConfig(concurrency=args.concurrency, batch_size=args.batch_size)
     worker = ToolWorker(args.name or default_tool_worker_name(args.job), tools, args.redis, args.job, config, imports)
     print(f"rlp: tool worker {worker.name} serving job '{args.job}'", file=sys.stderr)

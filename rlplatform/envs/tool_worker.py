@@ -25,7 +25,7 @@ import ray
 
 from rlplatform.config import RewardWorkersConfig, ToolSpec
 from rlplatform.envs.tools import resolve_tools
-from rlplatform.rewards.worker import QueueWorker, import_modules
+from rlplatform.rewards.worker import QueueStats, QueueWorker, import_modules
 from rlplatform.transport.deadlines import Heartbeats
 from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import RewardQueue
@@ -35,12 +35,9 @@ MAX_OUTPUT_CHARS = 2000  # longer tool output is cut to its end, as the model se
 
 
 @dataclass
-class ToolStats:
+class ToolStats(QueueStats):
     calls: int = 0
     errors: int = 0
-    dead_letters: int = 0
-    reclaimed: int = 0
-    busy_s: float = 0.0
 
 
 def job_tools_json(tools: List[ToolSpec], imports: List[str]) -> str:
