@@ -9,6 +9,7 @@ the batch until every result is back on this worker's result stream, while the b
 decoding the other episodes. An episode ends when its environment says so, at `env.max_turns`
 model turns, or when `env.max_tokens` leaves no room (then `truncated`); it comes back as one
 `Completion` whose `episode` fields (the environment's, and turns, tool_calls, truncated) join the row.
+`WaitOccupancy` counts what the decode batch does while episodes wait on tools.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class _Episode:
     mask: List[int] = field(default_factory=list)
     turns: int = 0
     tool_calls: int = 0
+    malformed_calls: int = 0
+    unknown_tool_calls: int = 0
     results: Dict[str, Optional[ToolResult]] = field(default_factory=dict)  # call id -> result, in call order
 
 
@@ -104,7 +107,7 @@ class MultiTurn:
 
     def take_counts(self) -> Dict[str, float]:
         """Counters of the episodes ended since the last call: episodes, episodes_truncated, and their turns,
-        tool_calls and observation_tokens."""
+        tool_calls, observation_tokens, malformed_calls and unknown_tool_calls."""
         counts, self.counts = dict(self.counts), Counter()
         return counts
 
@@ -118,6 +121,8 @@ class MultiTurn:
 
     def _answer(self, key: Hashable, episode: _Episode, reply: Reply, batch: DecodeBatch, done: Finished) -> None:
         """Act on the environment's reply: end the episode, send its tool calls, or show the observation."""
+        episode.malformed_calls += reply.malformed_calls
+        episode.unknown_tool_calls += reply.unknown_tool_calls
         if reply.done:
             done.append((key, self._finish(key, episode, reply.fields, truncated=False)))
         elif episode.turns >= self.max_turns or len(episode.tokens) >= self.max_tokens:
@@ -154,12 +159,41 @@ class MultiTurn:
     def _finish(self, key: Hashable, episode: _Episode, fields: Dict, truncated: bool) -> Completion:
         del self.episodes[key]
         self.counts.update(episodes=1, episodes_truncated=int(truncated), turns=episode.turns,
-                           tool_calls=episode.tool_calls, observation_tokens=len(episode.mask) - sum(episode.mask))
+                           tool_calls=episode.tool_calls, observation_tokens=len(episode.mask) - sum(episode.mask),
+                           malformed_calls=episode.malformed_calls, unknown_tool_calls=episode.unknown_tool_calls)
         text = self.renderer.tokenizer.decode(episode.tokens, skip_special_tokens=True)
         return Completion(episode.prompt_ids, episode.tokens, text, episode.logprobs, episode.versions,
                           completion_mask=episode.mask, episode={**fields, "turns": episode.turns,
                                                                  "tool_calls": episode.tool_calls,
                                                                  "truncated": truncated})
+
+
+class WaitOccupancy:
+    """While at least one episode waits on a tool: the decode steps taken and the sequences they decoded
+    (their ratio is the batch's occupancy while waiting), and the wall time the batch sat empty."""
+
+    def __init__(self) -> None:
+        self.counts: Counter = Counter()
+        self._waiting = 0
+        self._idle_since: Optional[float] = None
+
+    def tick(self, waiting: int, sequences: int) -> None:
+        """Called once per pass of the worker loop with the episodes waiting and the batch's rows."""
+        now = time.perf_counter()
+        if self._idle_since is not None:
+            self.counts["idle_s_while_waiting"] += now - self._idle_since
+        self._waiting = waiting
+        self._idle_since = now if waiting and not sequences else None
+
+    def decoded(self, sequences: int) -> None:
+        """Called for each decode step the loop takes, of `sequences` rows."""
+        if self._waiting:
+            self.counts.update(decode_steps_while_waiting=1, sequences_while_waiting=sequences)
+
+    def take_counts(self) -> Dict[str, float]:
+        """decode_steps_while_waiting, sequences_while_waiting and idle_s_while_waiting since the last call."""
+        counts, self.counts = dict(self.counts), Counter()
+        return counts
 
 
 def _last_turn_start(mask: List[int]) -> int:

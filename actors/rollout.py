@@ -10,7 +10,8 @@ object store. Prompts are drawn in seeded epochs, each worker its own share of a
 With a multi-turn `env`, each completion is an episode (`episodes.MultiTurn`) whose tool calls
 run on tool workers while the batch decodes other episodes.
 The spare worker the job keeps for evaluation scores held-out completions with the job's rewards.
-Its counters (samples, tokens, weight syncs, generation, submit and weight-sync seconds) live on Redis, in the policy's
+Its counters (samples, tokens, weight syncs, generation, submit and weight-sync seconds, the decode batch
+while episodes wait on tools) live on Redis, in the policy's
 `rollout_stats` hash, so a worker Ray restarts loses none of them.
 """
 
@@ -24,7 +25,7 @@ import ray
 import torch
 
 from rlplatform.actors.engine import Completion, ContinuousBatch, build_engine
-from rlplatform.actors.episodes import MultiTurn, SingleTurn, run_episodes
+from rlplatform.actors.episodes import MultiTurn, SingleTurn, WaitOccupancy, run_episodes
 from rlplatform.actors.openai_bridge import serve_worker
 from rlplatform.config import EnvConfig, EvalConfig, LoraConfig, RewardSpec, RLConfig, RolloutConfig
 from rlplatform.envs.rendering import Renderer
@@ -75,6 +76,7 @@ class RolloutWorker:
         self.seed, self.chat_template = seed, chat_template
         self.env = env or EnvConfig()
         self.episodes = self._episodes(client, job, chat_template, rl.max_new_tokens)
+        self.occupancy = WaitOccupancy()  # the decode batch while episodes wait on tools
         self._scorer = None  # the job's rewards, built on the first evaluation
         self._unreported_busy_s = 0.0
         self.heartbeats = Heartbeats(client, job)
@@ -141,12 +143,13 @@ class RolloutWorker:
                 self._admit(batch, open_groups, self.gate.claim(free, self.version))
             if bridge is not None and (in_flight or not self._newer_published()):
                 bridge.admit(batch)
+            self.occupancy.tick(self.episodes.waiting, len(batch))
             if not batch:
                 time.sleep(0.01)
                 if not self.episodes.waiting:
                     continue
             start = time.perf_counter()
-            finished = batch.step() if batch else []
+            finished = self._decode(batch)
             if bridge is not None:
                 finished = bridge.collect(finished)
             finished = self.episodes.advance(batch, finished)
@@ -157,12 +160,20 @@ class RolloutWorker:
         if bridge is not None:
             bridge.stop()
 
+    def _decode(self, batch: ContinuousBatch) -> List[Tuple[Hashable, Completion]]:
+        """One decode step (none while the batch is empty), counted while episodes wait on tools."""
+        if not batch:
+            return []
+        self.occupancy.decoded(len(batch))
+        return batch.step()
+
     def _submit(self, samples: List[Sample]) -> None:
         """Queue complete groups for scoring; the queue counts their samples and tokens as it takes them."""
         start = time.perf_counter()
         self.queue.submit(samples, counters=self.keys.rollout_stats)
         self.ledger.submitted(sorted({s.group_id for s in samples}))
-        self._count(busy_s=self._unreported_busy_s, submit_s=time.perf_counter() - start)
+        self._count(busy_s=self._unreported_busy_s, submit_s=time.perf_counter() - start,
+                    **self.occupancy.take_counts())
         self._unreported_busy_s = 0.0
 
     def _count(self, **values: float) -> None:

@@ -30,6 +30,8 @@ class Reply:
     tool_calls: List[ParsedCall] = field(default_factory=list)  # to run on tool workers before anything is shown
     done: bool = False  # the episode ends here
     fields: Dict[str, Any] = field(default_factory=dict)  # with done: added to the sample's row for the rewards
+    malformed_calls: int = 0  # tool calls of the turn written wrong (the observation says why)
+    unknown_tool_calls: int = 0  # tool calls of the turn naming no tool of the job
 
 
 class Environment(Protocol):
@@ -70,10 +72,11 @@ class ToolEnvironment:
     def step(self, turn: str) -> Reply:
         parsed = parse_tool_calls(turn)
         if parsed.error:
-            return Reply(observation=[_error(parsed.error)])
+            return Reply(observation=[_error(parsed.error)], malformed_calls=1)
         unknown = [call.name for call in parsed.calls if call.name not in self.tools]
         if unknown:
-            return Reply(observation=[_error(f"unknown tool '{unknown[0]}'; tools: {', '.join(self.tools)}")])
+            return Reply(observation=[_error(f"unknown tool '{unknown[0]}'; tools: {', '.join(self.tools)}")],
+                         unknown_tool_calls=len(unknown))
         if parsed.calls:
             return Reply(tool_calls=parsed.calls)
         return Reply(done=True, fields={"final_response": turn.strip()})

@@ -68,6 +68,8 @@ class RLMonitor:
                                         self._previous.get("rollout_tokens", 0.0))
         self._scored = (0, 0, 0, 0)  # scored, errors, timeouts, filtered at the previous step
         self._tool_counters = self._episode_counters()  # at the previous step
+        rollout = next(p.rollout for p in config.policy_list() if p.name == policy)
+        self.decode_slots = rollout.prompts_per_batch * rl.group_size  # a worker's decode batch at its fullest
         self._learner_busy_s = 0.0
 
     def _worker_counters(self) -> Dict[str, float]:
@@ -175,11 +177,11 @@ class RLMonitor:
         current = self._episode_counters()
         deltas = [{k: v - before.get(k, 0.0) for k, v in now.items()} for now, before in zip(current, self._tool_counters)]
         self._tool_counters = current
-        return tool_figures(*deltas)
+        return tool_figures(*deltas, self.decode_slots)
 
     def tool_totals(self) -> Dict[str, float]:
         """The stage's episode and tool figures (for the summary)."""
-        return tool_figures(*self._episode_counters())
+        return tool_figures(*self._episode_counters(), self.decode_slots)
 
     def _samples_table(self, version: int, batch: Batch) -> wandb.Table:
         rows = batch.samples[:self.config.monitoring.samples_rows]

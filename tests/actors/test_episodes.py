@@ -1,7 +1,8 @@
 """Multi-turn episodes on a real decode batch (tiny model), real Redis and real tool workers: one
 token sequence per episode, model tokens with their behaviour log-probs and observation tokens
 masked out; other episodes decode while one waits on a tool; the token budget truncates; a tool
-worker killed mid-call loses no episode; a one-turn episode is today's completion."""
+worker killed mid-call loses no episode; a one-turn episode is today's completion; a rollout worker
+counts its batch's occupancy while episodes wait on a slow tool, and malformed and unknown-tool calls."""
 
 from __future__ import annotations
 
@@ -17,11 +18,14 @@ import torch
 
 from rlplatform.actors.engine import TransformersEngine
 from rlplatform.actors.episodes import MultiTurn, run_episodes
-from rlplatform.config import EnvConfig, RewardWorkersConfig, ToolSpec
+from rlplatform.actors.rollout import RolloutWorker
+from rlplatform.config import EnvConfig, RewardWorkersConfig, RLConfig, RolloutConfig, ToolSpec
 from rlplatform.envs.rendering import Renderer
 from rlplatform.envs.tool_worker import ToolWorker, job_tools_json
 from rlplatform.learners.batching import completion_logprobs
-from rlplatform.tokenization import Prompt
+from rlplatform.policy import load_tokenizer
+from rlplatform.tokenization import Prompt, encode_prompts, save_prompts
+from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.tool_queue import ToolKeys, ToolQueue
 from tests.envs import tools_for_tests
 
@@ -61,8 +65,9 @@ def drive(episodes, batch, ended: dict, count: int, timeout_s: float = 120.0) ->
 class Serving:
     """A tool worker stepping on a thread of the test process until stopped."""
 
-    def __init__(self, redis_url: str, name: str = "worker", tools=TOOLS, claim_idle_s: float = 30.0) -> None:
-        self.worker = ToolWorker(name, tools, redis_url, JOB, RewardWorkersConfig(claim_idle_s=claim_idle_s))
+    def __init__(self, redis_url: str, name: str = "worker", tools=TOOLS, claim_idle_s: float = 30.0,
+                 job: str = JOB) -> None:
+        self.worker = ToolWorker(name, tools, redis_url, job, RewardWorkersConfig(claim_idle_s=claim_idle_s))
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -171,3 +176,47 @@ def test_one_turn_episode_is_the_plain_completion(engine, redis_client):
     assert episode.completion_ids == plain.completion_ids and episode.text == plain.text
     assert episode.logprobs == pytest.approx(plain.logprobs, abs=1e-6) and episode.versions == plain.versions
     assert episode.completion_mask == [1] * len(plain.completion_ids)
+
+
+def test_malformed_and_unknown_tool_calls_are_counted_per_episode(engine, redis_client):
+    episodes = runner(engine, redis_client, max_tokens=1000, fn="tests.envs.tools_for_tests:Scripted")
+    turns = ["<tool>calculator(1", "<tool>search(x)</tool> <tool>find(y)</tool>", "<tool>calculator(", "42"]
+    (group,) = run_episodes(episodes, engine.decode_batch(4, 1.0), [prompt(engine, "6*7=", turns=turns)], 1)
+    assert group[0].episode["turns"] == 3 and group[0].episode["truncated"]  # max_turns ends it before "42"
+    counts = episodes.take_counts()
+    assert counts["malformed_calls"] == 2 and counts["unknown_tool_calls"] == 2 and counts["tool_calls"] == 0
+
+
+def test_the_worker_decodes_while_episodes_wait_on_a_slow_tool(tiny_policy, redis_server, redis_client, tmp_path):
+    job = f"occupancy-{time.time_ns()}"
+    RewardQueue(redis_client, job).create_group()
+    ToolQueue(redis_client, job).create_group()
+    rl = RLConfig(group_size=2, batch_prompts=1, max_staleness=1, max_new_tokens=4)
+    rollout = RolloutConfig(prompts_per_batch=2)
+    env = EnvConfig(fn="tests.envs.tools_for_tests:SlowToolOrTalk", max_turns=4, max_tokens=40, tools=SLOW)
+    prompts = save_prompts(encode_prompts(load_tokenizer(tiny_policy), [{"prompt": "1+1=", "answer": "2"}], "auto"),
+                           str(tmp_path / "prompts.jsonl"))
+    worker = RolloutWorker(0, "policy", tiny_policy, prompts, rl, rollout, redis_server, job, None, 0, env=env)
+    worker.engine.version = 0  # 2 groups allowed in play: both start at once
+    loop = threading.Thread(target=worker.run, daemon=True)
+    keys = PolicyKeys(job, "policy")
+    with Serving(redis_server, tools=SLOW, job=job):
+        loop.start()
+        try:
+            deadline = time.monotonic() + 120
+            while float(redis_client.hget(keys.rollout_stats, "samples") or 0) < 4:
+                assert time.monotonic() < deadline and loop.is_alive(), "the worker never submitted its 2 groups"
+                time.sleep(0.05)
+        finally:
+            worker.queue.request_stop()
+            loop.join(timeout=60)
+    stats = worker.queue.counters(keys.rollout_stats)
+    # a caller waited a second on its tool while its group's talker decoded 3 more turns: 0 were the loop to
+    # block on tool results
+    assert stats["decode_steps_while_waiting"] >= 2 and stats["sequences_while_waiting"] >= stats[
+        "decode_steps_while_waiting"]
+    assert stats["idle_s_while_waiting"] > 0  # then only the callers were left, waiting
+    assert stats["episodes"] == 4 and stats["tool_calls"] == 2 and stats["malformed_calls"] == 0
+
+
+SLOW = [ToolSpec(fn="tests.envs.tools_for_tests:slow_echo", params={"delay_s": 1.0})]

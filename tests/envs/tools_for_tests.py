@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -49,3 +50,33 @@ class CalculateThePrompt(ToolEnvironment):
             self.called = True
             return Reply(tool_calls=[ParsedCall("calculator", self.expression)])
         return Reply(done=True, fields={"final_response": turn.strip()})
+
+
+class SlowToolOrTalk(ToolEnvironment):
+    """Every other episode calls `slow_echo` after its first model turn and ends at its next; the others
+    are answered by a user turn ("go on") until `env.max_turns` ends them: they decode while the
+    callers wait."""
+    made = itertools.count()
+
+    def start(self, row):
+        self.calls, self.called = next(self.made) % 2 == 0, False
+        return super().start(row)
+
+    def step(self, turn: str) -> Reply:
+        if not self.calls:
+            return Reply(observation=[{"role": "user", "content": " go on"}])
+        if self.called:
+            return Reply(done=True, fields={"final_response": turn})
+        self.called = True
+        return Reply(tool_calls=[ParsedCall("slow_echo", "x")])
+
+
+class Scripted(ToolEnvironment):
+    """The job's tool environment reading the row's `turns` in place of what the model wrote, turn by turn."""
+
+    def start(self, row):
+        self.turns = iter(row["turns"])
+        return super().start(row)
+
+    def step(self, turn: str) -> Reply:
+        return super().step(next(self.turns))

@@ -138,11 +138,15 @@ def test_tool_figures_per_episode_and_per_tool():
     from rlplatform.monitoring.tool_metrics import tool_figures
 
     rollout = {"episodes": 4, "turns": 10, "tool_calls": 6, "observation_tokens": 48, "episodes_truncated": 1,
-               "samples": 4, "tokens": 90}
+               "malformed_calls": 3, "unknown_tool_calls": 1, "decode_steps_while_waiting": 10,
+               "sequences_while_waiting": 40, "idle_s_while_waiting": 1.5, "samples": 4, "tokens": 90}
     tools = {"calls/calculator": 5, "errors/calculator": 1, "latency_s/calculator": 0.5, "calls/python": 1,
              "latency_s/python": 2.0}
-    figures = tool_figures(rollout, tools)
+    figures = tool_figures(rollout, tools, decode_slots=16)
     assert figures == {"episodes": 4, "turns_per_episode": 2.5, "tool_calls_per_episode": 1.5,
                        "observation_tokens_per_episode": 12.0, "truncated_fraction": 0.25, "episodes_truncated": 1,
+                       "malformed_calls": 3, "unknown_tool_calls": 1, "decode_steps_while_waiting": 10,
+                       "decode_occupancy_while_waiting": 4.0, "decode_slots_used_while_waiting": 0.25,
+                       "idle_s_while_waiting": 1.5,
                        "calculator/calls": 5, "calculator/error_fraction": 0.2, "calculator/latency_s": 0.1,
                        "python/calls": 1, "python/error_fraction": 0.0, "python/latency_s": 2.0}
