@@ -66,7 +66,7 @@ class MultiTurn:
                  reply_to: str) -> None:
         self.make_env = environment_factory(config)
         self.max_turns, self.max_new_tokens = config.max_turns, max_new_tokens
-        self.max_tokens = config.max_tokens or config.max_turns * max_new_tokens
+        self.max_tokens = config.completion_tokens(max_new_tokens)
         self.renderer, self.tools, self.reply_to = renderer, tools, reply_to
         self.episodes: Dict[Hashable, _Episode] = {}
         self.calls: Dict[str, Hashable] = {}  # outstanding tool call id -> episode key

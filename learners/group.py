@@ -85,23 +85,23 @@ class LearnerGroup:
                      LEARNER_TIMEOUT_S)
 
     def rl_step(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
-                sft_rows: Optional[List[Dict]] = None, step: int = 0) -> Dict[str, float]:
-        """RL step `step` on samples held here, each rank passed its share."""
+                sft_rows: Optional[List[Dict]] = None, step: int = 0, max_tokens: int = 0) -> Dict[str, float]:
+        """RL step `step` on samples held here, each rank passed its share (`max_tokens`: as `rl_step` of a rank)."""
         n = len(self.ranks)
         weights = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
-        refs = [rank.rl_step.remote(s, a, rl, r, step) for rank, s, a, r in
+        refs = [rank.rl_step.remote(s, a, rl, r, step, max_tokens) for rank, s, a, r in
                 zip(self.ranks, shard_minibatches(samples, n, rl.minibatches, weights),
                     shard_minibatches(advantages, n, rl.minibatches, weights), self._sft_parts(sft_rows))]
         return _mean(deadline_get(refs, "a learner rank's RL step", LEARNER_TIMEOUT_S))
 
     def rl_step_async(self, batch: List[TrainItem], rl: RLConfig, sft_rows: Optional[List[Dict]] = None,
-                      step: int = 0) -> List[ray.ObjectRef]:
+                      step: int = 0, max_tokens: int = 0) -> List[ray.ObjectRef]:
         """Start RL step `step` on every rank with its token-balanced share of the batch's ids and
         advantages (each rank fetches its samples from Redis: `connect_results`), each publishing its
         new weights as it ends; `gather` the refs."""
         shares = shard_minibatches(batch, len(self.ranks), rl.minibatches, [item.tokens for item in batch])
         return [rank.rl_step_and_publish.remote([i.sample_id for i in share], [i.advantage for i in share], rl,
-                                                rows, step)
+                                                rows, step, max_tokens)
                 for rank, share, rows in zip(self.ranks, shares, self._sft_parts(sft_rows))]
 
     def _sft_parts(self, sft_rows: Optional[List[Dict]]) -> List[Optional[List[Dict]]]:

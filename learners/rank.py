@@ -213,7 +213,7 @@ class LearnerRank:
                                    token_mask=list(masks))
 
     def rl_step(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
-                sft_rows: Optional[List[Dict]] = None, step: int = 0) -> Dict[str, float]:
+                sft_rows: Optional[List[Dict]] = None, step: int = 0, max_tokens: int = 0) -> Dict[str, float]:
         """`rl.ppo_epochs` passes over `rl.minibatches` minibatches of the clipped, importance-weighted
         policy gradient (plus the KL, entropy and SFT terms rl asks for), at the learning rate of RL
         step `step` (the stage's rate under `rl.lr_schedule`). The proximal policy is the weights at
@@ -222,7 +222,10 @@ class LearnerRank:
 
         Every rank runs the same optimizer steps and passes whatever its share of the batch (an empty
         share runs stand-in passes), and losses are normalised by the minibatch's totals over all ranks,
-        so the update does not depend on the number of ranks. Metrics are averaged over all updates."""
+        so the update does not depend on the number of ranks. Metrics are averaged over all updates.
+        `max_tokens`: the completions' length limit `fixed_length` divides by (0: `rl.max_new_tokens`; for
+        multi-turn episodes, the episode's budget, `EnvConfig.completion_tokens`)."""
+        self._max_tokens = max_tokens or rl.max_new_tokens
         for group in self.engine.optimizer.param_groups:
             group["lr"] = self.stage_lr * lr_scale(rl, step)
         stale = sum(v != step for s in samples for v, m in zip(s.token_versions, s.model_token_mask()) if m)
@@ -314,7 +317,7 @@ class LearnerRank:
         mask, totals = scores.mask * part.live, minibatch.totals
         proximal = scores.logprobs.detach() if minibatch.proximal_is_current else part.proximal
         loss, metrics = policy_loss(scores.logprobs, proximal, part.behaviour, part.advantages, mask, rl.correction,
-                                    rl.clip_eps, rl.is_cap, rl.loss_aggregation, rl.max_new_tokens, totals)
+                                    rl.clip_eps, rl.is_cap, rl.loss_aggregation, self._max_tokens, totals)
         if part.reference is not None:
             kl = token_mean(reference_kl(scores.logprobs, part.reference), mask, totals=totals)
             loss = loss + rl.kl_coef * kl
@@ -385,14 +388,14 @@ class LearnerRank:
         self.results = ResultStore(connect(redis_url), JobKeys(job).result_prefix)
 
     def rl_step_and_publish(self, sample_ids: List[str], advantages: List[float], rl: RLConfig,
-                            sft_rows: Optional[List[Dict]] = None, step: int = 0
+                            sft_rows: Optional[List[Dict]] = None, step: int = 0, max_tokens: int = 0
                             ) -> Tuple[Dict[str, float], Optional[List]]:
         """`rl_step` on this rank's share of a batch, fetched from Redis by id, then the new weights
         streamed as version `step + 1`, in one call: no round trip between them."""
         if self.results is None:
             raise RuntimeError("learner rank has no Redis to fetch samples from: call connect_results first")
         samples = self.results.fetch(sample_ids)
-        return self.rl_step(samples, advantages, rl, sft_rows, step), self.stream_weights(step + 1)
+        return self.rl_step(samples, advantages, rl, sft_rows, step, max_tokens), self.stream_weights(step + 1)
 
     def stream_weights(self, version: int) -> Optional[List]:
         """[what the weight store gets] for `version` through `weights.transport` (rank 0): a snapshot or

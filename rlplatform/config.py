@@ -211,6 +211,13 @@ class EnvConfig:
     def multi_turn(self) -> bool:
         return self.kind != "single_turn" or self.fn is not None
 
+    def completion_tokens(self, max_new_tokens: int) -> int:
+        """The most completion tokens an episode holds: `max_tokens`, else `max_turns` x `max_new_tokens`
+        (one turn's `max_new_tokens` without a multi-turn environment)."""
+        if not self.multi_turn:
+            return max_new_tokens
+        return self.max_tokens or self.max_turns * max_new_tokens
+
 
 @dataclass
 class LearnerConfig:

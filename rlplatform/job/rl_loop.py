@@ -158,7 +158,8 @@ class PolicyRun:
         sft_rows = random.Random(self.version).sample(self.train_rows, self.rl.batch_prompts) \
             if self.rl.sft_coef else None
         items = [TrainItem(s.sample_id, a, s.tokens) for s, a in zip(batch.samples, advantages)]
-        refs = self.workers.learner.rl_step_async(items, self.rl, sft_rows, step=self.version)
+        refs = self.workers.learner.rl_step_async(items, self.rl, sft_rows, step=self.version,
+                                                  max_tokens=self.job.env.completion_tokens(self.rl.max_new_tokens))
         self._step = (refs, batch, time.perf_counter())
         return True
 

@@ -1,7 +1,8 @@
 """Multi-turn samples in a learner step (real DeepSpeed rank): observation tokens (completion_mask 0)
 are context only. Whatever they carry (behaviour log-probs, versions) and whichever tokens come after
 the last model token, the losses and gradients are those of the model tokens alone; a one-turn
-episode (mask all ones) trains exactly like a sample without a mask."""
+episode (mask all ones) trains exactly like a sample without a mask; `fixed_length` divides by the
+episode's token budget."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from rlplatform.config import LearnerConfig, RLConfig
+from rlplatform.config import EnvConfig, LearnerConfig, RLConfig, ToolSpec
 from rlplatform.learners.group import LearnerGroup
 from tests.learners.test_learner import rl_batch
 
@@ -67,3 +68,15 @@ def test_one_turn_episode_trains_like_a_plain_sample(learner, tiny_policy):
     one_turn = [dataclasses.replace(s, completion_mask=[1] * len(s.completion_ids)) for s in samples]
     assert figures(learner, one_turn, advantages) == pytest.approx(figures(learner, samples, advantages),
                                                                     rel=1e-6, abs=1e-8)
+
+
+def test_fixed_length_divides_by_the_episode_budget(learner, tiny_policy):
+    samples, advantages = rl_batch(tiny_policy)
+    rl = dataclasses.replace(RL, loss_aggregation="fixed_length", kl_coef=0.0, entropy_coef=0.0)
+    env = EnvConfig(kind="tools", max_turns=3, tools=[ToolSpec(name="calculator")])
+    assert env.completion_tokens(rl.max_new_tokens) == 3 * rl.max_new_tokens
+    assert dataclasses.replace(env, max_tokens=50).completion_tokens(rl.max_new_tokens) == 50
+    assert EnvConfig(max_turns=3).completion_tokens(rl.max_new_tokens) == rl.max_new_tokens  # single turn
+    one_turn = learner.rl_step(samples, advantages, rl)["pg_loss"]
+    episodes = learner.rl_step(samples, advantages, rl, max_tokens=env.completion_tokens(rl.max_new_tokens))["pg_loss"]
+    assert one_turn != 0 and episodes == pytest.approx(one_turn / 3, rel=1e-4)
