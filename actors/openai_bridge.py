@@ -4,8 +4,15 @@ An aiohttp server on its own thread answers `POST /v1/chat/completions` and `GET
 model is the policy). Each request's prompt joins the worker's continuous decode batch (`admit`,
 called by the worker loop between steps) and its completions come back through `collect`; replies
 carry their token ids and weight versions. Requests with an `X-Episode-Id` header grow one token
-sequence per episode (`episodes.py`); `POST /v1/episodes/{id}/finish` with `{"group", "row"}`
+sequence per episode (`bridge_episodes.py`); `POST /v1/episodes/{id}/finish` with `{"group", "row"}`
 turns it into a `Sample` for the reward queue, like any rollout.
+
+Finished episodes are counted with the worker's generated samples and tokens (the policy's rollout
+stats), so the job's balance (generated = trained + dropped + unused) holds with them. They are not
+gated: the agent, not the worker, decides when an episode starts and which prompt it answers, so its
+group claims no staleness-gate capacity and takes no prompt from the ledger (there is no data position
+to re-issue). The staleness bound still holds where the learner takes batches: a group whose tokens
+are too old is dropped and counted as stale, and gives back no capacity, having claimed none.
 """
 
 from __future__ import annotations
@@ -237,12 +244,14 @@ class OpenAIBridge:
 
 
 def serve_worker(engine: TransformersEngine, config: OpenAIBridgeConfig, rl: RLConfig, policy: str, index: int,
-                 chat_template: str, reward_queue: RewardQueue) -> Optional[OpenAIBridge]:
+                 chat_template: str, reward_queue: RewardQueue, counters: str) -> Optional[OpenAIBridge]:
     """Rollout worker `index`'s endpoint when `config` enables it, on port `config.port + index`; its URL
-    is printed and shown by `rlp status` until it stops."""
+    is printed and shown by `rlp status` until it stops. Finished episodes are counted in `counters`
+    (the policy's rollout stats) as they enter the reward queue."""
     if not config.enabled:
         return None
-    bridge = OpenAIBridge(engine, policy, chat_template, rl.temperature, rl.max_new_tokens, reward_queue.submit)
+    bridge = OpenAIBridge(engine, policy, chat_template, rl.temperature, rl.max_new_tokens,
+                          lambda samples: reward_queue.submit(samples, counters=counters))
     port = bridge.start(config.host, config.port + index if config.port else 0)
     host = ray.util.get_node_ip_address() if config.host in ("0.0.0.0", "::") else config.host
     bridge.announce(reward_queue, f"openai_bridge/{policy}/{index}", f"http://{host}:{port}/v1")

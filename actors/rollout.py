@@ -130,7 +130,7 @@ class RolloutWorker:
         open_groups: Dict[str, _OpenGroup] = {}
         in_flight = self.rollout.weight_swap == "in_flight"
         bridge = serve_worker(self.engine, self.rollout.openai_bridge, self.rl, self.policy, self.index,
-                              self.chat_template, self.queue)
+                              self.chat_template, self.queue, self.keys.rollout_stats)
         while not self.queue.stop_requested():
             self.heartbeats.beat(self.label)
             if in_flight or not batch:

@@ -147,9 +147,9 @@ class PolicyRun:
             return False
         batch = self.buffer.take(self.rl.batch_prompts, self.version, self.rl.max_staleness,
                                  self.rl.filter_zero_advantage)
-        _count_dropped(batch, self.counters, self.ledger)
+        claimed = _count_dropped(batch, self.counters, self.ledger)
         self.queue.results.delete(batch.dropped_ids())
-        self.workers.gate.release(batch.dropped_groups)  # dropped groups will never be trained: free their claims
+        self.workers.gate.release(claimed)  # dropped groups will never be trained: free their claims
         if not batch.groups:
             self.monitor.idle(self.version)
             return False
@@ -378,15 +378,19 @@ def _count_scored(scored: ResultMeta, counters: RLCounters) -> None:
     counters.reward_reasons.update(f"{label}/{reason}" for label, reason in scored.reasons.items())
 
 
-def _count_dropped(batch: Batch, counters: RLCounters, ledger: PromptLedger) -> None:
+def _count_dropped(batch: Batch, counters: RLCounters, ledger: PromptLedger) -> int:
+    """Count the batch's dropped samples and close their groups on the ledger; returns how many of those
+    groups were open there, the ones that claimed gate capacity (the OpenAI bridge's groups claimed none)."""
     counters.samples_dropped_stale += sum(len(g) for g in batch.dropped_stale)
     counters.samples_dropped_error += sum(len(g) for g in batch.dropped_errors)
     counters.samples_dropped_zero_advantage += sum(len(g) for g in batch.dropped_zero_advantage)
     counters.samples_dropped_invalid += len(batch.dropped_invalid)
+    claimed = 0
     for outcome, groups in (("dropped_stale", batch.dropped_stale), ("dropped_error", batch.dropped_errors),
                             ("dropped_zero_advantage", batch.dropped_zero_advantage)):
         for group in groups:
-            ledger.close(group[0].group_id, outcome)
+            claimed += ledger.close(group[0].group_id, outcome) is not None
+    return claimed
 
 
 def _unused_at_end(runs: Dict[str, "PolicyRun"], queue: RewardQueue) -> Dict[str, Dict[str, int]]:

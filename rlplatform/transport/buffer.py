@@ -30,11 +30,6 @@ class Batch:
     def samples(self) -> List[ResultMeta]:
         return [s for group in self.groups for s in group]
 
-    @property
-    def dropped_groups(self) -> int:
-        """Whole groups this take dropped: their gate claims can be given back."""
-        return len(self.dropped_stale) + len(self.dropped_errors) + len(self.dropped_zero_advantage)
-
     def dropped_ids(self) -> List[str]:
         """Every sample this take dropped: never trained, their stored results can go."""
         groups = self.dropped_stale + self.dropped_errors + self.dropped_zero_advantage

@@ -1,6 +1,7 @@
 """The OpenAI-compatible bridge, driven by the real `openai` client against a rollout worker's loop:
 replies record the tokens, log-probs and versions sampled; an episode's turns are one trajectory whose
-earlier replies are never re-tokenised; concurrent requests share the worker's decode batch."""
+earlier replies are never re-tokenised, and its sample is counted with the worker's generated ones;
+concurrent requests share the worker's decode batch."""
 
 from __future__ import annotations
 
@@ -138,6 +139,10 @@ def test_a_two_turn_episode_is_one_trajectory_with_exact_tokens_and_mask(served)
     assert sample.completion_mask == [1] * len(reply1) + [0] * len(observation) + [1] * len(reply2)
     assert sample.token_versions == [VERSION] * len(sample.completion_ids)
     assert sample.row == {"answer": "10"} and sample.group_id == "task-7" and sample.policy == "policy"
+    # counted with the worker's generated samples: the rollout counters match what the reward queue received
+    received, counted = queue.client.pipeline(transaction=True).xlen(queue.requests).hget(
+        worker.keys.rollout_stats, "samples").execute()
+    assert int(counted) == received
     # the model's tokens carry the log-probs the learner recomputes on the one sequence; observations 0.0
     behaviour = torch.tensor(sample.behaviour_logprobs)
     mask = torch.tensor(sample.completion_mask).bool()

@@ -1,9 +1,11 @@
 """Sample accounting at the end of an RL stage, on a real Redis: every untrained sample is counted
 where it sits (the group buffer, the results stream, the request stream, the dead letters) and
-attributed to its own policy, and samples cut from a trained group are counted as dropped."""
+attributed to its own policy, and samples cut from a trained group are counted as dropped; dropped
+groups give back gate capacity only where they claimed it (issued by the ledger, not the OpenAI bridge's)."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 from rlplatform.job.rl_loop import RLCounters, _count_dropped, _unused_at_end
@@ -45,6 +47,20 @@ def test_samples_cut_from_a_trained_group_are_counted_as_dropped(redis_client):
         buffer.add(ResultMeta.of(scored("a", "g", i, reward=float(i % 2), error="timeout" if i == 3 else None)))
     batch = buffer.take(batch_prompts=1, learner_version=0, max_staleness=1)
     counters = RLCounters()
-    _count_dropped(batch, counters, PromptLedger(redis_client, "accounting", "a"))
+    claimed = _count_dropped(batch, counters, PromptLedger(redis_client, "accounting", "a"))
     assert len(batch.samples) == 3 and counters.samples_dropped_invalid == 1
-    assert batch.dropped_groups == 0  # the group is trained: its claim is not given back
+    assert claimed == 0  # the group is trained: its claim is not given back
+
+
+def test_dropped_groups_give_back_only_the_capacity_they_claimed(redis_client):
+    ledger = PromptLedger(redis_client, f"accounting-{time.time_ns()}", "a")
+    ((issued, _),) = ledger.issue(worker=0, groups=1)  # a generated group; "task-7" an agent's, via the bridge
+    buffer = GroupBuffer(group_size=2)
+    for group in (issued, "task-7"):
+        for i in range(2):
+            buffer.add(ResultMeta.of(scored("a", group, i, reward=float(i))))
+    batch = buffer.take(batch_prompts=2, learner_version=3, max_staleness=1)  # version 0: both too stale
+    counters = RLCounters()
+    assert len(batch.dropped_stale) == 2
+    assert _count_dropped(batch, counters, ledger) == 1 and counters.samples_dropped_stale == 4
+    assert ledger.counts()["dropped_stale"] == 1 and ledger.counts()["open"] == 0
