@@ -3,8 +3,8 @@
 Each chat request of an episode is rendered as the job renders prompts (the chat template, or the
 messages' text); when it extends the previous request's prompt and the reply sampled for it, that
 reply's sampled tokens are kept exactly and only the new text is tokenised, as observation tokens.
-A finished episode becomes a `Sample`: the model's tokens carry their behaviour log-probs and
-versions (mask 1), observation tokens log-prob 0.0, the preceding model token's version and mask 0.
+A finished episode becomes a `Sample` of its `TokenTrace` (model tokens with their behaviour
+log-probs and versions, observation tokens masked out), the record environment episodes keep too.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List
 
 from rlplatform.actors.engine import Completion
+from rlplatform.actors.token_trace import TokenTrace
 from rlplatform.tokenization import uses_chat_template
 from rlplatform.transport.samples import Sample
 
@@ -53,10 +54,7 @@ class Episode:
     text: str  # the newest request's prompt text: what its reply continues
     reply_text: str = ""  # the newest reply as answered to the agent (special tokens removed)
     reply_model_text: str = ""  # the same reply with its special tokens
-    completion_ids: List[int] = field(default_factory=list)
-    logprobs: List[float] = field(default_factory=list)
-    versions: List[int] = field(default_factory=list)
-    mask: List[int] = field(default_factory=list)
+    trace: TokenTrace = field(default_factory=TokenTrace)  # every token after the first prompt
 
     @classmethod
     def start(cls, renderer: ChatRenderer, messages: List[Dict[str, str]]) -> "Episode":
@@ -66,16 +64,12 @@ class Episode:
     @property
     def ids(self) -> List[int]:
         """The whole sequence: what the next reply is sampled after."""
-        return self.prompt_ids + self.completion_ids
+        return self.prompt_ids + self.trace.ids
 
     def extend(self, renderer: ChatRenderer, messages: List[Dict[str, str]]) -> None:
         """Append the text `messages` add after the newest reply as observation tokens."""
         text = renderer.text(messages)
-        observation = renderer.observation_ids(self._observation_text(text))
-        self.completion_ids += observation
-        self.logprobs += [0.0] * len(observation)
-        self.versions += self.versions[-1:] * len(observation)
-        self.mask += [0] * len(observation)
+        self.trace.add_observation(renderer.observation_ids(self._observation_text(text)))
         self.text = text
 
     def _observation_text(self, text: str) -> str:
@@ -91,16 +85,13 @@ class Episode:
                              "episode id for another conversation")
 
     def add_reply(self, renderer: ChatRenderer, reply: Completion) -> None:
-        self.completion_ids += reply.completion_ids
-        self.logprobs += reply.logprobs
-        self.versions += reply.versions
-        self.mask += [1] * len(reply.completion_ids)
+        self.trace.add_model_tokens(reply)
         self.reply_text = reply.text
         self.reply_model_text = renderer.decode(reply.completion_ids, special_tokens=True)
 
     def sample(self, renderer: ChatRenderer, sample_id: str, group_id: str, policy: str, row: Dict,
                now: float) -> Sample:
         return Sample(sample_id=sample_id, group_id=group_id, policy=policy, prompt=self.prompt_text,
-                      completion=renderer.decode(self.completion_ids), prompt_ids=self.prompt_ids,
-                      completion_ids=self.completion_ids, behaviour_logprobs=self.logprobs,
-                      token_versions=self.versions, completion_mask=self.mask, row=row, created_at=now)
+                      completion=renderer.decode(self.trace.ids), prompt_ids=self.prompt_ids,
+                      completion_ids=self.trace.ids, behaviour_logprobs=self.trace.logprobs,
+                      token_versions=self.trace.versions, completion_mask=self.trace.mask, row=row, created_at=now)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Hashable, List, Optional, Tuple
 
 from rlplatform.actors.engine import Completion, DecodeBatch
+from rlplatform.actors.token_trace import TokenTrace
 from rlplatform.config import EnvConfig
 from rlplatform.envs.environment import Environment, Message, Reply, environment_factory
 from rlplatform.envs.rendering import Renderer
@@ -50,10 +51,7 @@ class _Episode:
     env: Environment
     prompt_ids: List[int]
     messages: List[Message]  # the conversation so far, as the chat template renders it
-    tokens: List[int] = field(default_factory=list)
-    logprobs: List[float] = field(default_factory=list)
-    versions: List[int] = field(default_factory=list)
-    mask: List[int] = field(default_factory=list)
+    trace: TokenTrace = field(default_factory=TokenTrace)  # every token after the prompt
     turns: int = 0
     tool_calls: int = 0
     malformed_calls: int = 0
@@ -112,10 +110,7 @@ class MultiTurn:
         return counts
 
     def _add_turn(self, episode: _Episode, turn: Completion) -> None:
-        episode.tokens += turn.completion_ids
-        episode.logprobs += turn.logprobs
-        episode.versions += turn.versions
-        episode.mask += [1] * len(turn.completion_ids)
+        episode.trace.add_model_tokens(turn)
         episode.turns += 1
         episode.messages.append({"role": "assistant", "content": turn.text})
 
@@ -125,7 +120,7 @@ class MultiTurn:
         episode.unknown_tool_calls += reply.unknown_tool_calls
         if reply.done:
             done.append((key, self._finish(key, episode, reply.fields, truncated=False)))
-        elif episode.turns >= self.max_turns or len(episode.tokens) >= self.max_tokens:
+        elif episode.turns >= self.max_turns or len(episode.trace.ids) >= self.max_tokens:
             done.append((key, self._finish(key, episode, reply.fields, truncated=True)))
         elif reply.tool_calls:
             self._call_tools(key, episode, reply)
@@ -143,27 +138,24 @@ class MultiTurn:
 
     def _observe(self, key: Hashable, episode: _Episode, observation: List[Message], batch: DecodeBatch) -> bool:
         """Append the observation's tokens and start the next model turn; False when the budget has no room."""
-        ids = self.renderer.observation_ids(episode.messages, episode.tokens[_last_turn_start(episode.mask):],
-                                            observation)
-        room = self.max_tokens - len(episode.tokens) - len(ids)
+        ids = self.renderer.observation_ids(episode.messages, episode.trace.last_turn(), observation)
+        room = self.max_tokens - len(episode.trace.ids) - len(ids)
         if room < 1:
             return False
-        episode.tokens += ids
-        episode.logprobs += [0.0] * len(ids)
-        episode.versions += [episode.versions[-1]] * len(ids)
-        episode.mask += [0] * len(ids)
+        episode.trace.add_observation(ids)
         episode.messages += observation
-        batch.add([episode.prompt_ids + episode.tokens], [key], max_new_tokens=min(self.max_new_tokens, room))
+        batch.add([episode.prompt_ids + episode.trace.ids], [key], max_new_tokens=min(self.max_new_tokens, room))
         return True
 
     def _finish(self, key: Hashable, episode: _Episode, fields: Dict, truncated: bool) -> Completion:
         del self.episodes[key]
         self.counts.update(episodes=1, episodes_truncated=int(truncated), turns=episode.turns,
-                           tool_calls=episode.tool_calls, observation_tokens=len(episode.mask) - sum(episode.mask),
+                           tool_calls=episode.tool_calls, observation_tokens=episode.trace.observation_tokens,
                            malformed_calls=episode.malformed_calls, unknown_tool_calls=episode.unknown_tool_calls)
-        text = self.renderer.tokenizer.decode(episode.tokens, skip_special_tokens=True)
-        return Completion(episode.prompt_ids, episode.tokens, text, episode.logprobs, episode.versions,
-                          completion_mask=episode.mask, episode={**fields, "turns": episode.turns,
+        trace = episode.trace
+        text = self.renderer.tokenizer.decode(trace.ids, skip_special_tokens=True)
+        return Completion(episode.prompt_ids, trace.ids, text, trace.logprobs, trace.versions,
+                          completion_mask=trace.mask, episode={**fields, "turns": episode.turns,
                                                                  "tool_calls": episode.tool_calls,
                                                                  "truncated": truncated})
 
@@ -194,14 +186,6 @@ class WaitOccupancy:
         """decode_steps_while_waiting, sequences_while_waiting and idle_s_while_waiting since the last call."""
         counts, self.counts = dict(self.counts), Counter()
         return counts
-
-
-def _last_turn_start(mask: List[int]) -> int:
-    """Index in `mask` where the newest run of model tokens starts."""
-    start = len(mask)
-    while start > 0 and mask[start - 1] == 1:
-        start -= 1
-    return start
 
 
 def run_episodes(episodes, batch: DecodeBatch, prompts: List[Prompt], samples_per_prompt: int,

@@ -221,7 +221,7 @@ class OpenAIBridge:
         sample = episode.sample(self.renderer, f"{group}/{episode_id}", group, self.policy, row, time.time())
         await self._loop.run_in_executor(None, self.submit, [sample])
         return web.json_response({"sample_id": sample.sample_id, "group_id": group,
-                                  "completion_tokens": len(sample.completion_ids), "model_tokens": sum(episode.mask)})
+                                  "completion_tokens": len(sample.completion_ids), "model_tokens": sum(episode.trace.mask)})
 
     def _response(self, prompt_ids: List[int], completions: List[Completion], logprobs: bool) -> Dict:
         choices = [{"index": i, "message": {"role": "assistant", "content": c.text},

@@ -36,10 +36,10 @@ def test_the_templates_end_of_turn_follows_a_reply_that_sampled_its_eos(renderer
     episode.add_reply(renderer, reply(renderer, said, version=2))
     episode.extend(renderer, user + [{"role": "assistant", "content": "46"}, {"role": "user", "content": "ok"}])
     observation = ids(renderer, "u:ok</s>a:")  # the reply's EOS is the template's end of turn: not repeated
-    assert episode.completion_ids == said + observation
-    assert episode.mask == [1, 1, 1] + [0] * len(observation)
-    assert episode.logprobs == [-0.5, -1.5, -2.5] + [0.0] * len(observation)
-    assert episode.versions == [2] * len(episode.completion_ids)
+    assert episode.trace.ids == said + observation
+    assert episode.trace.mask == [1, 1, 1] + [0] * len(observation)
+    assert episode.trace.logprobs == [-0.5, -1.5, -2.5] + [0.0] * len(observation)
+    assert episode.trace.versions == [2] * len(episode.trace.ids)
 
 
 def test_a_reply_is_kept_as_sampled_even_where_its_text_tokenises_otherwise(renderer):
@@ -52,8 +52,8 @@ def test_a_reply_is_kept_as_sampled_even_where_its_text_tokenises_otherwise(rend
     later = reply(renderer, ids(renderer, "2"), version=6)
     episode.add_reply(renderer, later)
     observation = ids(renderer, "</s>u:no</s>a:")
-    assert episode.completion_ids == said + observation + ids(renderer, "2")  # the pad stays; "46" is not re-read
-    assert episode.versions == [5] * (3 + len(observation)) + [6]
+    assert episode.trace.ids == said + observation + ids(renderer, "2")  # the pad stays; "46" is not re-read
+    assert episode.trace.versions == [5] * (3 + len(observation)) + [6]
     sample = episode.sample(renderer, "g/e", "g", "policy", {"answer": "2"}, 0.0)
     assert sample.completion_mask == [1, 1, 1] + [0] * len(observation) + [1]
     assert sample.prompt == "u:1+1=</s>a:" and sample.completion == "46u:noa:2"
@@ -63,9 +63,9 @@ def test_messages_that_rewrite_the_conversation_are_refused(renderer):
     user = [{"role": "user", "content": "1+1="}]
     episode = Episode.start(renderer, user)
     episode.add_reply(renderer, reply(renderer, ids(renderer, "2"), version=0))
-    before = list(episode.completion_ids)
+    before = list(episode.trace.ids)
     for messages in ([{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "2"}],
                      user + [{"role": "assistant", "content": "3"}, {"role": "user", "content": "ok"}]):
         with pytest.raises(ExtensionError, match="do not continue this episode"):
             episode.extend(renderer, messages)
-    assert episode.completion_ids == before
+    assert episode.trace.ids == before
