@@ -14,7 +14,9 @@ QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstar
 
 def test_short_quickstart_writes_a_valid_summary(ray_session, tmp_path, greedy_accuracy):
     config = load_config(QUICKSTART, [f"output_dir={tmp_path}", "name=e2e", "sft.steps=30", "rl.max_steps=12",
-                                      "rl.max_staleness=1", "sft.log_every=10"])
+                                      "rl.max_staleness=1", "sft.log_every=10",
+                                      "data.test_size=100",  # evaluations, and their check row by row, on 100 rows
+                                      "rl.batch_prompts=4", "rollout.prompts_per_batch=4"])
     run_job(config)
     run_dir = tmp_path / "e2e"
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -24,7 +26,7 @@ def test_short_quickstart_writes_a_valid_summary(ray_session, tmp_path, greedy_a
     assert summary["eval"]["after_rl"]["accuracy"] == greedy_accuracy(str(run_dir / "model"), config)
     rl = summary["rl"]
     assert rl["policy_versions"] == 13
-    assert rl["samples_trained"] == 12 * 16 * 8
+    assert rl["samples_trained"] == 12 * 4 * 8
     # staleness bound: nothing older than max_staleness=1 version was trained on
     assert rl["max_staleness_trained"] <= 1
     assert all(int(gap) <= 1 for gap in rl["staleness_histogram"])
@@ -49,14 +51,15 @@ def test_short_quickstart_writes_a_valid_summary(ray_session, tmp_path, greedy_a
     assert (run_dir / "checkpoints" / "step-000012" / "state.json").exists()
     assert rl["restarts"] == {"rollout": 0, "reward": 0, "evaluator": 0}
     ledger = rl["ledger"]
-    assert ledger["trained"] == 12 * 16 and balanced(ledger)
+    assert ledger["trained"] == 12 * 4 and balanced(ledger)
     assert rl["groups_expired"] == 0 and rl["samples_dropped_expired"] == 0
     assert os.path.isdir(rl["wandb_dir"]) and os.listdir(rl["wandb_dir"])
 
 
 def test_synchronous_mode_trains_only_on_fresh_samples(ray_session, tmp_path):
     config = load_config(QUICKSTART, [f"output_dir={tmp_path}", "name=sync", "sft.enabled=false",
-                                      "rl.max_steps=4", "rl.max_staleness=0", "wandb.mode=disabled"])
+                                      "rl.max_steps=4", "rl.max_staleness=0", "wandb.mode=disabled",
+                                      "data.test_size=100", "rl.batch_prompts=4", "rollout.prompts_per_batch=4"])
     summary = run_job(config)
-    assert summary["rl"]["staleness_histogram"] == {"0": 4 * 16 * 8}
+    assert summary["rl"]["staleness_histogram"] == {"0": 4 * 4 * 8}
     assert summary["rl"]["samples_dropped_stale"] == 0

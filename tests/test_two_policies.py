@@ -18,7 +18,9 @@ CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "two_policies.yam
 def test_two_policies_train_side_by_side(ray_session, tmp_path, greedy_accuracy):
     config = load_config(CONFIG, [f"output_dir={tmp_path}", "name=pair", "sft.steps=10", "rl.max_steps=4",
                                   "eval.every_steps=2", "wandb.mode=disabled", "learner.num_cpus=0.5",
-                                  "rollout.num_cpus=0.5"])  # 6.5 Ray CPUs would not fit the 4-CPU test cluster
+                                  "rollout.num_cpus=0.5",  # 6.5 Ray CPUs would not fit the 4-CPU test cluster
+                                  "data.test_size=100",  # each evaluation, and its check row by row, on 100 rows
+                                  "rl.batch_prompts=4", "rollout.prompts_per_batch=4"])
     assert [(p.name, p.model.hidden_size, p.rl.lr, p.rl.max_steps) for p in config.policy_list()] == [
         ("small", 64, 2e-4, 4), ("large", 128, 3e-4, 4)]  # entries override the shared sections
     summary = run_job(config)
@@ -26,7 +28,7 @@ def test_two_policies_train_side_by_side(ray_session, tmp_path, greedy_accuracy)
     for name in ("small", "large"):
         policy = summary["policies"][name]
         assert policy["stages"]["sft"]["steps"] == 10 and policy["rl"]["steps"] == 4
-        assert policy["rl"]["samples_trained"] == 4 * 16 * 8  # each learner got only its own samples
+        assert policy["rl"]["samples_trained"] == 4 * 4 * 8  # each learner got only its own samples
         assert policy["rl"]["max_staleness_trained"] <= 1
         model_dir = tmp_path / "pair" / name / "model"
         # each policy's evaluation scored its own saved weights, not the other policy's
