@@ -10,6 +10,7 @@ snapshots to the Ray object store and writes checkpoints and the Hugging Face mo
 
 from __future__ import annotations
 
+import importlib
 import os
 import random
 import socket
@@ -79,7 +80,7 @@ class LearnerRank:
         # DeepSpeed picks its accelerator once, at import: the rank's device, not whatever the node has.
         # Imported here, so that the import runs while the job writes the policy that `setup` loads
         os.environ["DS_ACCELERATOR"] = self.device.type
-        import deepspeed  # noqa: F401
+        importlib.import_module("deepspeed")
 
     def address(self) -> tuple:
         """(host, free port) where rank 0 listens for the rendezvous."""
