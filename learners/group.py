@@ -7,6 +7,7 @@ rank 0 provides weight snapshots. The controller only talks to this class.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, TypeVar
 
@@ -54,17 +55,24 @@ def shard_minibatches(items: Sequence[T], ranks: int, minibatches: int,
 class LearnerGroup:
     def __init__(self, config: LearnerConfig, model_path: str, seed: int, dtype: str = "float32",
                  chat_template: str = "auto", name: Optional[str] = None, transport: str = "object_store",
-                 lora: Optional[LoraConfig] = None) -> None:
+                 lora: Optional[LoraConfig] = None, set_up: bool = True) -> None:
         """`name`: the ranks become Ray actors named `<name>-<rank>`; `transport`: `weights.transport`;
-        `lora`: train adapters only."""
+        `lora`: train adapters only; `set_up` False: return once the ranks' actors are created (their
+        processes start and import torch and DeepSpeed meanwhile) and call `set_up` once `model_path` is written."""
         n = config.num_ranks
         gpus = gpus_per_actor(config.device, config.num_gpus, ray.cluster_resources().get("GPU", 0.0))
         self.ranks = [LearnerActor.options(num_cpus=config.num_cpus, num_gpus=gpus, resources=config.resources,
                                           name=name and f"{name}-{r}")
                       .remote(r, n, model_path, config, seed, dtype, chat_template, transport, lora) for r in range(n)]
+        if set_up:
+            self.set_up()
+
+    def set_up(self) -> None:
+        """Rendezvous the ranks and wrap the policy at `model_path` in DeepSpeed on each; waits for them."""
         host, port = deadline_get(self.ranks[0].address.remote(), "learner rank 0", LEARNER_TIMEOUT_S)
         deadline_get([rank.setup.remote(host, port) for rank in self.ranks], "a learner rank's setup",
                      LEARNER_TIMEOUT_S)
+        self.ready_at = time.time()  # wall clock when every rank was set up
 
     def placements(self) -> List[Dict]:
         """Each rank's `LearnerRank.placement`: device, LOCAL_RANK, backend, Ray GPU ids, dtype, precision mode."""

@@ -10,6 +10,7 @@ snapshots to the Ray object store and writes checkpoints and the Hugging Face mo
 
 from __future__ import annotations
 
+import importlib
 import os
 import random
 import socket
@@ -76,6 +77,10 @@ class LearnerRank:
         self.stage_lr = 0.0
         self.publisher = Publisher(transport)  # how rank 0 streams each new version (weights.transport)
         self.results: Optional[ResultStore] = None  # the job's scored samples on Redis
+        # DeepSpeed picks its accelerator once, at import: the rank's device, not whatever the node has.
+        # Imported here, so that the import runs while the job writes the policy that `setup` loads
+        os.environ["DS_ACCELERATOR"] = self.device.type
+        importlib.import_module("deepspeed")
 
     def address(self) -> tuple:
         """(host, free port) where rank 0 listens for the rendezvous."""
@@ -89,8 +94,6 @@ class LearnerRank:
         if self.dtype == "float16" and self.device.type == "cpu":
             raise RuntimeError("model.dtype float16 needs a GPU learner (DeepSpeed trains float16 on GPUs only) but "
                                "this rank runs on CPU; use bfloat16 or float32, or learner.device: cuda")
-        # DeepSpeed picks its accelerator once, at import: the rank's device, not whatever the node has
-        os.environ["DS_ACCELERATOR"] = self.device.type
         import deepspeed
 
         # DeepSpeed places the model on cuda:LOCAL_RANK; ours is the index of the GPU Ray assigned

@@ -3,22 +3,27 @@
 `with_adapters` wraps a loaded Hugging Face policy with the adapters `model.lora` describes (in the
 weights' own dtype, so learner and engines compute alike); `adapter_parameters` names the trainable
 tensors; `load_adapters` writes a streamed adapter state into a wrapped copy; `merged_policy` folds
-saved adapters into a fresh copy of the base, giving a plain Hugging Face model.
+saved adapters into a fresh copy of the base, giving a plain Hugging Face model. peft is imported
+on first use: a job without LoRA never loads it (its import takes seconds in every process).
 """
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import TYPE_CHECKING, Dict
 
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import PeftModel, get_peft_model, set_peft_model_state_dict
 
 from rlplatform.config import LoraConfig
 from rlplatform.policy import load_policy
 
+if TYPE_CHECKING:
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import PeftModel
+
 
 def peft_config(config: LoraConfig) -> PeftLoraConfig:
+    from peft import LoraConfig as PeftLoraConfig
+
     return PeftLoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
                           target_modules=list(config.target_modules), task_type="CAUSAL_LM")
 
@@ -26,6 +31,8 @@ def peft_config(config: LoraConfig) -> PeftLoraConfig:
 def with_adapters(model: torch.nn.Module, config: LoraConfig) -> PeftModel:
     """`model` frozen, with fresh adapters on `config.target_modules` (B = 0: the model's outputs are
     unchanged until they train); only the adapters require gradients."""
+    from peft import get_peft_model
+
     try:
         return get_peft_model(model, peft_config(config), autocast_adapter_dtype=False)
     except ValueError as err:
@@ -41,6 +48,8 @@ def adapter_parameters(model: torch.nn.Module) -> Dict[str, torch.nn.Parameter]:
 def load_adapters(model: PeftModel, state: Dict[str, torch.Tensor]) -> None:
     """Copy an adapter state (peft names, as `AdapterSnapshot` holds them) into a wrapped policy;
     every adapter tensor of the model must be in it."""
+    from peft import set_peft_model_state_dict
+
     result = set_peft_model_state_dict(model, state)
     missing = [name for name in result.missing_keys if ".lora_" in name]
     if missing or result.unexpected_keys:

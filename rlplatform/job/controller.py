@@ -50,7 +50,8 @@ def run_job(config: JobConfig, started_at: Optional[float] = None) -> Dict:
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
         f.write(to_yaml(config))
     start = time.perf_counter()
-    summary: Dict = {"status": "running", "name": config.name, "run_dir": os.path.abspath(run_dir)}
+    summary: Dict = {"status": "running", "name": config.name, "run_dir": os.path.abspath(run_dir),
+                     "startup_s": {"job_started_s": round(time.time() - started_at, 2)}}  # interpreter, config, imports
     metrics: Optional[Metrics] = None
     resume = find_resume(config)
     stop = StopSignals()
@@ -59,8 +60,9 @@ def run_job(config: JobConfig, started_at: Optional[float] = None) -> Dict:
             redis_url, embedded = _start_services(config, resources)
             stop.install()  # after ray.init, which sets its own SIGTERM handler
             resources.callback(stop.restore)
-            summary["startup_s"] = {"services_ready_s": round(time.time() - started_at, 2)}  # Redis and Ray up
+            summary["startup_s"]["services_ready_s"] = round(time.time() - started_at, 2)  # Redis and Ray up
             _record_redis_url(redis_url, run_dir)
+            learners = {p.name: _start_learner(config, p) for p in config.policy_list()}  # set up in _start_policy
             metrics = Metrics(config, run_dir, run_id=resume.state["wandb_run_id"] if resume else None)
             metrics.console.note(f"job status from anywhere: rlp status --redis \"$(cat {run_dir}/redis.url)\" "
                                  f"--job {config.name}")
@@ -69,7 +71,7 @@ def run_job(config: JobConfig, started_at: Optional[float] = None) -> Dict:
             metrics.status = JobStatus(connect(redis_url), config.name)
             summary["wandb_dir"] = metrics.wandb_dir
             try:
-                _run_stages(config, redis_url, metrics, summary, stop, resume, started_at)
+                _run_stages(config, redis_url, learners, metrics, summary, stop, resume, started_at)
                 summary["status"] = "interrupted" if stop.requested else "completed"
             finally:
                 final = summary["status"] if summary["status"] != "running" else "failed"
@@ -187,8 +189,8 @@ def _gpus_needed(config: JobConfig, cluster_gpus: float) -> float:
                for p in config.policy_list())
 
 
-def _run_stages(config: JobConfig, redis_url: str, metrics: Metrics, summary: Dict, stop: StopSignals,
-                resume: Optional[Resume], started_at: float) -> None:
+def _run_stages(config: JobConfig, redis_url: str, learners: Dict[str, LearnerGroup], metrics: Metrics,
+                summary: Dict, stop: StopSignals, resume: Optional[Resume], started_at: float) -> None:
     train_rows, test_rows = load_rows(config.data, config.seed)
     client = connect(redis_url)
     queue = _open_queue(config, client)
@@ -197,9 +199,11 @@ def _run_stages(config: JobConfig, redis_url: str, metrics: Metrics, summary: Di
     tool_actors: List = []
     try:
         for policy in config.policy_list():
-            policies.append(_start_policy(config, policy, train_rows, test_rows, redis_url, client))
+            policies.append(_start_policy(config, policy, learners[policy.name], train_rows, test_rows, redis_url,
+                                          client))
         reward_actors = _start_reward_workers(config, redis_url)  # needed from RL on
         tool_actors = _start_tool_workers(config, redis_url, client)
+        summary["startup_s"]["learners_ready_s"] = round(max(p.learner.ready_at for p in policies) - started_at, 2)
         summary["startup_s"]["workers_ready_s"] = round(time.time() - started_at, 2)  # every actor constructed
         results = resume.state["results"] if resume else \
             {p.name: {"data": p.data, "stages": {}, "eval": {}} for p in policies}
@@ -278,28 +282,29 @@ def _start_tool_workers(config: JobConfig, redis_url: str, client) -> List:
                                        config.imports) for i in range(workers.num_workers)]
 
 
-def _start_policy(config: JobConfig, policy: PolicyConfig, train_rows, test_rows, redis_url: str,
-                  client) -> PolicyWorkers:
+def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup, train_rows, test_rows,
+                  redis_url: str, client) -> PolicyWorkers:
     """A policy's initial weights on disk, its learner ranks, rollout workers and evaluator (the last
     rollout actor). Actors are named `<job>-<policy>-rollout-<i>`, `<job>-<policy>-learner-<rank>` and
     `<job>-<policy>-weights`; rollout workers find the weight store and their prompts file by name, so
     no restartable actor's constructor arguments sit in the object store.
 
-    With SFT first, the learner is set up before the rollout actors start: SFT needs only the learner,
-    and the rollout actors' start-up (their imports and model load) would otherwise share the CPUs
-    with it; they start during the first SFT steps instead. Without SFT all start at once."""
-    model_path = save_initial_policy(policy.model, config.seed,
-                                     os.path.join(config.policy_dir(policy.name), "initial_policy"))
+    `learner`'s ranks started with the services (`_start_learner`): their processes import torch and
+    DeepSpeed while W&B starts, the policy is written and the prompts encoded. With SFT first, the
+    learner is set up before the rollout actors start: SFT needs only the learner, and the rollout
+    actors' start-up (their imports and model load) would otherwise share the CPUs with it; they start
+    during the first SFT steps instead. Without SFT all start at once."""
+    model_path = save_initial_policy(policy.model, config.seed, _initial_dir(config, policy))
     train, test, data = _encode_prompts(config, model_path, train_rows, test_rows)
     prompts_path = save_prompts(train, os.path.join(config.policy_dir(policy.name), "train_prompts.jsonl"))
     store_name = f"{config.name}-{policy.name}-weights"
     store = WeightStore.options(name=store_name).remote()
     if policy.sft.enabled:
-        learner = _start_learner(config, policy, model_path)
+        learner.set_up()
         rollout = _start_rollout_actors(config, policy, model_path, prompts_path, redis_url, store_name)
     else:
         rollout = _start_rollout_actors(config, policy, model_path, prompts_path, redis_url, store_name)
-        learner = _start_learner(config, policy, model_path)
+        learner.set_up()
     learner.connect_results(redis_url, config.name)
     if policy.weights.transport == "broadcast":
         open_broadcast(learner.ranks[0], rollout, redis_url, PolicyKeys(config.name, policy.name).version,
@@ -310,11 +315,16 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, train_rows, test_rows
                          [p.row for p in train], data)
 
 
-def _start_learner(config: JobConfig, policy: PolicyConfig, model_path: str) -> LearnerGroup:
-    """The policy's learner ranks, each set up in DeepSpeed (this waits for them)."""
-    return LearnerGroup(policy.learner, model_path, config.seed, policy.model.dtype, config.data.chat_template,
+def _initial_dir(config: JobConfig, policy: PolicyConfig) -> str:
+    return os.path.join(config.policy_dir(policy.name), "initial_policy")
+
+
+def _start_learner(config: JobConfig, policy: PolicyConfig) -> LearnerGroup:
+    """The policy's learner ranks, started but not yet set up in DeepSpeed (`LearnerGroup.set_up`
+    loads the initial policy, which `_start_policy` writes first)."""
+    return LearnerGroup(policy.learner, _initial_dir(config, policy), config.seed, policy.model.dtype, config.data.chat_template,
                         name=f"{config.name}-{policy.name}-learner", transport=policy.weights.transport,
-                        lora=policy.model.lora)
+                        lora=policy.model.lora, set_up=False)
 
 
 def _start_rollout_actors(config: JobConfig, policy: PolicyConfig, model_path: str, prompts_path: str, redis_url: str,

@@ -13,7 +13,6 @@ import os
 from typing import Dict
 
 import torch
-from peft import get_peft_model_state_dict
 from safetensors.torch import save_file
 
 from rlplatform.transport.weights import from_snapshot, to_snapshot
@@ -29,6 +28,8 @@ class AdapterSnapshot(dict):
     @classmethod
     def of(cls, model, state: Dict[str, torch.Tensor]) -> "AdapterSnapshot":
         """The snapshot of a peft model's adapter `state` (tensors by their names in `model`'s state dict)."""
+        from peft import get_peft_model_state_dict  # imported on first use, as in `rlplatform.lora`
+
         adapters = get_peft_model_state_dict(model, state_dict=state)
         return cls(to_snapshot(adapters), model.peft_config["default"].to_dict())
 

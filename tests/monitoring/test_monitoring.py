@@ -42,8 +42,9 @@ def test_offline_run_holds_every_dashboard_key_and_the_samples_table(ray_session
                                       "monitoring.samples_every=3", "eval.every_steps=2", "wandb.mode=offline"])
     summary = run_job(config)
     startup = summary["startup_s"]  # each start-up milestone after the one before it
-    assert 0 < startup["services_ready_s"] <= startup["workers_ready_s"] <= startup["to_first_sft_step_s"] \
-        <= startup["to_first_rl_step_s"] < summary["wall_s"]
+    assert 0 < startup["job_started_s"] <= startup["services_ready_s"] <= startup["learners_ready_s"] \
+        <= startup["workers_ready_s"] <= startup["to_first_sft_step_s"] <= startup["to_first_rl_step_s"] \
+        < summary["wall_s"]
     logged = read_back(summary["wandb_dir"])
     assert logged["state"] == "finished" and logged["config"]["rl"]["max_steps"] == 6
     keys = set(logged["summary"])
