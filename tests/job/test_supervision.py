@@ -79,7 +79,7 @@ def test_sample_lost_to_dead_letters_expires_its_group_instead_of_deadlocking(ra
     # one reward worker, run here: the first request it reads goes to dead letters, so that
     # sample's group never completes; with max_staleness 0 the job could not go on without expiry
     config = tiny_job("lost", "rl.max_steps=3", "rl.max_staleness=0", "reward_workers.num_workers=0",
-                      "rl.group_timeout_s=15")
+                      "rl.group_timeout_s=6")
     job_over = threading.Event()
 
     def serve_rewards():
