@@ -93,7 +93,7 @@ class LearnerGroup:
                      LEARNER_TIMEOUT_S)
 
     def rl_step(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
-                sft_rows: Optional[List[Dict]] = None, step: int = 0, max_tokens: int = 0) -> Dict[str, float]:
+                sft_rows: Optional[List[Dict]] = None, step: int = 0, max_tokens: Optional[int] = None) -> Dict[str, float]:
         """RL step `step` on samples held here, each rank passed its share (`max_tokens`: as `rl_step` of a rank)."""
         n = len(self.ranks)
         weights = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
@@ -103,7 +103,7 @@ class LearnerGroup:
         return _mean(deadline_get(refs, "a learner rank's RL step", LEARNER_TIMEOUT_S))
 
     def rl_step_async(self, batch: List[TrainItem], rl: RLConfig, sft_rows: Optional[List[Dict]] = None,
-                      step: int = 0, max_tokens: int = 0) -> List[ray.ObjectRef]:
+                      step: int = 0, max_tokens: Optional[int] = None) -> List[ray.ObjectRef]:
         """Start RL step `step` on every rank with its token-balanced share of the batch's ids and
         advantages (each rank fetches its samples from Redis: `connect_results`), each publishing its
         new weights as it ends; `gather` the refs."""

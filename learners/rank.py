@@ -58,6 +58,7 @@ class Minibatch:
     parts: List[MicroBatch]
     totals: Totals
     proximal_is_current: bool  # the batch's only update: the weights trained are the proximal ones
+    max_tokens: int  # the completions' length limit "fixed_length" divides by
 
 
 class LearnerRank:
@@ -216,7 +217,8 @@ class LearnerRank:
                                    token_mask=list(masks))
 
     def rl_step(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
-                sft_rows: Optional[List[Dict]] = None, step: int = 0, max_tokens: int = 0) -> Dict[str, float]:
+                sft_rows: Optional[List[Dict]] = None, step: int = 0,
+                max_tokens: Optional[int] = None) -> Dict[str, float]:
         """`rl.ppo_epochs` passes over `rl.minibatches` minibatches of the clipped, importance-weighted
         policy gradient (plus the KL, entropy and SFT terms rl asks for), at the learning rate of RL
         step `step` (the stage's rate under `rl.lr_schedule`). The proximal policy is the weights at
@@ -226,9 +228,8 @@ class LearnerRank:
         Every rank runs the same optimizer steps and passes whatever its share of the batch (an empty
         share runs stand-in passes), and losses are normalised by the minibatch's totals over all ranks,
         so the update does not depend on the number of ranks. Metrics are averaged over all updates.
-        `max_tokens`: the completions' length limit `fixed_length` divides by (0: `rl.max_new_tokens`; for
-        multi-turn episodes, the episode's budget, `EnvConfig.completion_tokens`)."""
-        self._max_tokens = max_tokens or rl.max_new_tokens
+        `max_tokens`: the completions' length limit `fixed_length` divides by (None: `rl.max_new_tokens`;
+        for multi-turn episodes, the episode's budget, `EnvConfig.completion_tokens`)."""
         for group in self.engine.optimizer.param_groups:
             group["lr"] = self.stage_lr * lr_scale(rl, step)
         stale = sum(v != step for s in samples for v, m in zip(s.token_versions, s.model_token_mask()) if m)
@@ -236,7 +237,8 @@ class LearnerRank:
         parts = max(1, min(rl.minibatches, int(total_samples)))
         single_update = parts == 1 and rl.ppo_epochs == 1
         recompute_proximal = not single_update and stale > 0
-        minibatches = self._plan(samples, advantages, parts, single_update)
+        limit = rl.max_new_tokens if max_tokens is None else max_tokens
+        minibatches = self._plan(samples, advantages, parts, single_update, limit)
         minibatches = [self._prepare(m, rl, recompute_proximal) for m in minibatches]
         sums: Dict[str, float] = {}
         grad_norms = []
@@ -249,8 +251,8 @@ class LearnerRank:
                        tokens=self._local_tokens(minibatches))
         return metrics
 
-    def _plan(self, samples: List[Sample], advantages: List[float], parts: int,
-              single_update: bool) -> List[Minibatch]:
+    def _plan(self, samples: List[Sample], advantages: List[float], parts: int, single_update: bool,
+              max_tokens: int) -> List[Minibatch]:
         """This rank's minibatch j (its samples j::parts), each split into micro-batches of at most
         `micro_batch_tokens`, padded with stand-ins to the most micro-batches any rank has."""
         shares = [list(range(j, len(samples), parts)) for j in range(parts)]
@@ -264,7 +266,8 @@ class LearnerRank:
         for j, split in enumerate(splits):
             groups = split + [[]] * (int(counts[j]) - len(split))
             micro = [self._micro_batch([samples[i] for i in g], [advantages[i] for i in g]) for g in groups]
-            minibatches.append(Minibatch(micro, Totals(sizes[2 * j], sizes[2 * j + 1]), single_update))
+            minibatches.append(Minibatch(micro, Totals(sizes[2 * j], sizes[2 * j + 1]), single_update,
+                                         max_tokens))
         return minibatches
 
     def _micro_batch(self, samples: List[Sample], advantages: List[float]) -> MicroBatch:
@@ -320,7 +323,7 @@ class LearnerRank:
         mask, totals = scores.mask * part.live, minibatch.totals
         proximal = scores.logprobs.detach() if minibatch.proximal_is_current else part.proximal
         loss, metrics = policy_loss(scores.logprobs, proximal, part.behaviour, part.advantages, mask, rl.correction,
-                                    rl.clip_eps, rl.is_cap, rl.loss_aggregation, self._max_tokens, totals)
+                                    rl.clip_eps, rl.is_cap, rl.loss_aggregation, minibatch.max_tokens, totals)
         if part.reference is not None:
             kl = token_mean(reference_kl(scores.logprobs, part.reference), mask, totals=totals)
             loss = loss + rl.kl_coef * kl
@@ -391,8 +394,8 @@ class LearnerRank:
         self.results = ResultStore(connect(redis_url), JobKeys(job).result_prefix)
 
     def rl_step_and_publish(self, sample_ids: List[str], advantages: List[float], rl: RLConfig,
-                            sft_rows: Optional[List[Dict]] = None, step: int = 0, max_tokens: int = 0
-                            ) -> Tuple[Dict[str, float], Optional[List]]:
+                            sft_rows: Optional[List[Dict]] = None, step: int = 0,
+                            max_tokens: Optional[int] = None) -> Tuple[Dict[str, float], Optional[List]]:
         """`rl_step` on this rank's share of a batch, fetched from Redis by id, then the new weights
         streamed as version `step + 1`, in one call: no round trip between them."""
         if self.results is None:
