@@ -280,6 +280,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print("rlp: interrupted", file=sys.stderr)
         return 130
+    except BaseException as err:
+        from rlplatform.job.signals import Interrupted
+
+        if isinstance(err, Interrupted):  # a further signal while the job wrote its summary and closed W&B
+            print(f"rlp: {err}", file=sys.stderr)
+            return 128 + err.signum
+        raise
 
 
 if __name__ == "__main__":

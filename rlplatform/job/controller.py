@@ -55,11 +55,11 @@ def run_job(config: JobConfig, started_at: Optional[float] = None) -> Dict:
     metrics: Optional[Metrics] = None
     resume = find_resume(config)
     stop = StopSignals()
+    joins_ray = not ray.is_initialized()  # then the job connects to Ray and disconnects at its end
     try:
         with ExitStack() as resources:
             redis_url, embedded = _start_services(config, resources)
-            stop.install()  # after ray.init, which sets its own SIGTERM handler
-            resources.callback(stop.restore)
+            stop.install()  # after ray.init, which sets its own SIGTERM handler; kept until the summary is out
             summary["startup_s"]["services_ready_s"] = round(time.time() - started_at, 2)  # Redis and Ray up
             _record_redis_url(redis_url, run_dir)
             learners = {p.name: _start_learner(config, p) for p in config.policy_list()}  # set up in _start_policy
@@ -88,11 +88,16 @@ def run_job(config: JobConfig, started_at: Optional[float] = None) -> Dict:
         summary["wall_s"] = round(time.perf_counter() - start, 2)
         if stop.requested:
             summary["exit_code"] = stop.exit_code
-        if metrics is not None:
-            metrics.summary(_flat(summary))
-            metrics.finish(failed=summary["status"] != "completed")
-        with open(os.path.join(run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+        try:
+            with open(os.path.join(run_dir, "summary.json"), "w") as f:  # first: a further signal cannot lose it
+                json.dump(summary, f, indent=2)
+            if metrics is not None:
+                metrics.summary(_flat(summary))
+                metrics.finish(failed=summary["status"] != "completed")
+        finally:
+            if joins_ray and ray.is_initialized():
+                ray.shutdown()  # last: it resets SIGTERM to the default beneath Python's handler
+            stop.restore()  # and this sets the handlers the job found back
     return summary
 
 
@@ -120,7 +125,7 @@ def _record_redis_url(url: str, run_dir: str) -> None:
 
 def _start_services(config: JobConfig, resources: ExitStack) -> Tuple[str, Optional[EmbeddedRedis]]:
     """Reach or start Redis; join or start Ray; returns the Redis URL and the embedded server
-    (None when `redis.url` names one). Stopped on exit."""
+    (None when `redis.url` names one). Redis stops on exit; `run_job` leaves Ray last."""
     embedded = None
     if config.redis.url:
         connect(config.redis.url)  # fails early with a clear message if unreachable
@@ -135,7 +140,6 @@ def _start_services(config: JobConfig, resources: ExitStack) -> Tuple[str, Optio
         else:
             with sigterm_held():  # Ray's processes (and the workers they start) ignore a SIGTERM to the group
                 ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(needed)), include_dashboard=False)
-        resources.callback(ray.shutdown)
     _check_cluster(config, needed)
     return redis_url, embedded
 

@@ -112,8 +112,13 @@ def test_a_second_sigterm_to_the_group_ends_at_once_still_with_a_summary(tmp_pat
     job = _start(tmp_path, temp)
     code, redis_pid, _ = _signal_group(job, tmp_path, run_files, signals=2)
     log_text = (tmp_path / "log.txt").read_text()
-    assert code == 143, log_text[-3000:]
+    # 143: the job's own exit; -SIGTERM: the second signal met Ray's shutdown, the job's last act, which
+    # puts SIGTERM's default back beneath Python (the summary and Redis are done by then)
+    assert code in (143, -signal.SIGTERM), log_text[-3000:]
     summary = json.loads((tmp_path / "sigterm" / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["exit_code"] == 143
     assert not _alive(redis_pid)
-    run_files.wait_for(lambda: _session(job.pid) == [], timeout_s=30)
+    try:
+        run_files.wait_for(lambda: _session(job.pid) == [], timeout_s=30)
+    except TimeoutError:
+        raise AssertionError(f"left running: {_session(job.pid)}") from None
