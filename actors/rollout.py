@@ -159,6 +159,13 @@ class RolloutWorker:
                 self._submit(samples)
         if bridge is not None:
             bridge.stop()
+        self._flush_counts()
+
+    def _flush_counts(self) -> None:
+        """Generation time and wait counts since the last submit, which would otherwise be lost at the stop."""
+        self.occupancy.tick(0, 0)  # closes an idle stretch still open
+        self._count(busy_s=self._unreported_busy_s, **self.occupancy.take_counts())
+        self._unreported_busy_s = 0.0
 
     def _decode(self, batch: ContinuousBatch) -> List[Tuple[Hashable, Completion]]:
         """One decode step (none while the batch is empty), counted while episodes wait on tools."""

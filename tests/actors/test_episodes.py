@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Tuple
 
 import pytest
 import torch
@@ -187,7 +188,8 @@ def test_malformed_and_unknown_tool_calls_are_counted_per_episode(engine, redis_
     assert counts["malformed_calls"] == 2 and counts["unknown_tool_calls"] == 2 and counts["tool_calls"] == 0
 
 
-def test_the_worker_decodes_while_episodes_wait_on_a_slow_tool(tiny_policy, redis_server, redis_client, tmp_path):
+def slow_tool_worker(tiny_policy, redis_server, redis_client, tmp_path) -> Tuple[RolloutWorker, PolicyKeys, str]:
+    """A rollout worker of 2 groups of 2 episodes, each either calling a 1 s tool or talking 4 turns."""
     job = f"occupancy-{time.time_ns()}"
     RewardQueue(redis_client, job).create_group()
     ToolQueue(redis_client, job).create_group()
@@ -198,8 +200,12 @@ def test_the_worker_decodes_while_episodes_wait_on_a_slow_tool(tiny_policy, redi
                            str(tmp_path / "prompts.jsonl"))
     worker = RolloutWorker(0, "policy", tiny_policy, prompts, rl, rollout, redis_server, job, None, 0, env=env)
     worker.engine.version = 0  # 2 groups allowed in play: both start at once
+    return worker, PolicyKeys(job, "policy"), job
+
+
+def test_the_worker_decodes_while_episodes_wait_on_a_slow_tool(tiny_policy, redis_server, redis_client, tmp_path):
+    worker, keys, job = slow_tool_worker(tiny_policy, redis_server, redis_client, tmp_path)
     loop = threading.Thread(target=worker.run, daemon=True)
-    keys = PolicyKeys(job, "policy")
     with Serving(redis_server, tools=SLOW, job=job):
         loop.start()
         try:
@@ -217,6 +223,25 @@ def test_the_worker_decodes_while_episodes_wait_on_a_slow_tool(tiny_policy, redi
         "decode_steps_while_waiting"]
     assert stats["idle_s_while_waiting"] > 0  # then only the callers were left, waiting
     assert stats["episodes"] == 4 and stats["tool_calls"] == 2 and stats["malformed_calls"] == 0
+
+
+def test_wait_counts_after_the_last_submit_reach_redis_at_the_stop(tiny_policy, redis_server, redis_client, tmp_path):
+    worker, keys, job = slow_tool_worker(tiny_policy, redis_server, redis_client, tmp_path)
+    loop = threading.Thread(target=worker.run, daemon=True)
+    with Serving(redis_server, tools=SLOW, job=job):
+        loop.start()
+        try:
+            deadline = time.monotonic() + 120
+            while not worker.episodes.waiting:
+                assert time.monotonic() < deadline and loop.is_alive(), "no episode called its tool"
+                time.sleep(0.01)
+            time.sleep(0.3)  # within the tool's second: the talkers decode on, then the batch empties
+        finally:
+            worker.queue.request_stop()
+            loop.join(timeout=60)
+    stats = worker.queue.counters(keys.rollout_stats)
+    assert stats.get("samples", 0.0) == 0  # stopped before any group was submitted
+    assert stats["decode_steps_while_waiting"] + stats["idle_s_while_waiting"] > 0 and stats["busy_s"] > 0
 
 
 SLOW = [ToolSpec(fn="tests.envs.tools_for_tests:slow_echo", params={"delay_s": 1.0})]
