@@ -122,7 +122,8 @@ class PolicyRun:
             self.buffer.forgotten = []
 
     def watch(self) -> None:
-        """Every few seconds: expire groups past rl.group_timeout_s (their prompts are issued again)."""
+        """Every few seconds: expire groups past rl.group_timeout_s: the ledger's since their claim (their
+        prompts are issued again), agents' bridge groups since their first finished episode."""
         if time.monotonic() - self._last_watch < 2.0:
             return
         self._last_watch = time.monotonic()
@@ -132,6 +133,10 @@ class PolicyRun:
             if self.ledger.close(group_id, "expired", reissue=True) is not None:
                 self.buffer.expire(group_id)
                 self.workers.gate.release(1)
+                self.counters.groups_expired += 1
+        for group_id in self.buffer.waiting_since(self.rl.group_timeout_s):
+            if not self.ledger.is_open(group_id):  # an agent's bridge group: no prompt to issue again, no capacity
+                self.buffer.expire(group_id)
                 self.counters.groups_expired += 1
         self.counters.samples_dropped_expired = self.buffer.samples_expired
         self._forget_expired()

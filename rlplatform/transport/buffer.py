@@ -10,6 +10,7 @@ trained on; so are groups expired before they completed (a sample lost to dead l
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Set
 
@@ -48,6 +49,7 @@ class GroupBuffer:
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
         self._partial: Dict[str, Group] = {}
+        self._began: Dict[str, float] = {}  # monotonic time each partial group's first sample arrived
         self._complete: List[Group] = []
         self._completed_ids: Set[str] = set()  # groups already complete: later redeliveries are ignored
         self._expired_ids: Set[str] = set()  # groups given up on: their late results are dropped
@@ -63,12 +65,14 @@ class GroupBuffer:
         if group_id in self._completed_ids:
             return  # a redelivered result of a group already complete
         group = self._partial.setdefault(group_id, [])
+        self._began.setdefault(group_id, time.monotonic())
         if any(s.sample_id == scored.sample_id for s in group):
             return  # a redelivered result: already counted
         group.append(scored)
         if len(group) == self.group_size:
             self._completed_ids.add(group_id)
             self._complete.append(self._partial.pop(group_id))
+            del self._began[group_id]
 
     def is_complete(self, group_id: str) -> bool:
         return group_id in self._completed_ids
@@ -77,8 +81,14 @@ class GroupBuffer:
         """Give up on an incomplete group: drop what arrived of it and whatever arrives later."""
         self._expired_ids.add(group_id)
         dropped = self._partial.pop(group_id, [])
+        self._began.pop(group_id, None)
         self.samples_expired += len(dropped)
         self.forgotten += [s.sample_id for s in dropped]
+
+    def waiting_since(self, timeout_s: float) -> List[str]:
+        """Partial groups whose first sample arrived more than `timeout_s` ago."""
+        cutoff = time.monotonic() - timeout_s
+        return [group_id for group_id, began in self._began.items() if began < cutoff]
 
     def ready(self) -> int:
         return len(self._complete)

@@ -120,6 +120,10 @@ class PromptLedger:
         """A restarted worker's predecessor's unsubmitted groups: closed, their prompts queued for re-issue."""
         return int(self._abandon(keys=[self.open, self.claimed, self.counts_key, self.reissue], args=[worker]))
 
+    def is_open(self, group_id: str) -> bool:
+        """Whether the ledger issued `group_id` and it has not ended (agents' bridge groups it never issued)."""
+        return bool(self.client.hexists(self.open, group_id))
+
     def overdue(self, timeout_s: float) -> List[str]:
         """Open groups claimed more than `timeout_s` ago."""
         cutoff = time.time() - timeout_s

@@ -1,8 +1,10 @@
 """GroupBuffer: assembling scored samples into complete groups, ignoring redeliveries, and
-taking batches that drop stale and error groups and prefer the oldest policy version."""
+taking batches that drop stale and error groups and prefer the oldest policy version; partial groups
+waiting past a timeout are listed for expiry."""
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from rlplatform.transport.buffer import GroupBuffer, group_version
@@ -153,3 +155,14 @@ def test_an_expired_group_drops_what_arrived_and_what_arrives_later():
     assert buffer.samples_expired == 3 and buffer.ready() == 0 and not buffer.is_complete("lost")
     fill(buffer, "kept")
     assert buffer.ready() == 1 and buffer.is_complete("kept")
+
+
+def test_partial_groups_are_listed_once_waiting_longer_than_the_timeout():
+    buffer = GroupBuffer(group_size=2)
+    buffer.add(scored("slow", 0))
+    fill(buffer, "done")
+    assert buffer.waiting_since(60.0) == []  # just began
+    time.sleep(0.05)
+    assert buffer.waiting_since(0.01) == ["slow"]  # a complete group is never listed
+    buffer.expire("slow")
+    assert buffer.waiting_since(0.0) == [] and buffer.samples_expired == 1

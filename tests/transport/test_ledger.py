@@ -26,6 +26,8 @@ def test_groups_end_once_and_the_counts_balance(redis_client):
     counts = ledger.counts()
     assert counts["issued"] == 3 and counts["trained"] == 1 and counts["dropped_stale"] == 1
     assert counts["expired"] == 0 and counts["open"] == 1 and balanced(counts)
+    # open: issued and not ended; a group it never issued (an agent's) is not
+    assert [ledger.is_open(g) for g, _ in issued] == [False, False, True] and not ledger.is_open("agent-7")
 
 
 def test_a_restarted_worker_abandons_only_its_unsubmitted_groups_and_they_are_issued_again(redis_client):
