@@ -5,7 +5,7 @@ model is the policy). Each request's prompt joins the worker's continuous decode
 called by the worker loop between steps) and its completions come back through `collect`; replies
 carry their token ids and weight versions. Requests with an `X-Episode-Id` header grow one token
 sequence per episode (`bridge_episodes.py`); `POST /v1/episodes/{id}/finish` with `{"group", "row"}`
-turns it into a `Sample` for the reward queue, like any rollout.
+turns it into a `Sample` for the reward queue, like any rollout; `DELETE /v1/episodes/{id}` drops it.
 
 Finished episodes are counted with the worker's generated samples and tokens (the policy's rollout
 stats), so the job's balance (generated = trained + dropped + unused) holds with them. They are not
@@ -126,6 +126,7 @@ class OpenAIBridge:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/episodes/{episode_id}/finish", self._finish)
+        app.router.add_delete("/v1/episodes/{episode_id}", self._discard)
         self._runner = web.AppRunner(app, access_log=None)
         self._loop.run_until_complete(self._runner.setup())
         try:
@@ -222,6 +223,15 @@ class OpenAIBridge:
         await self._loop.run_in_executor(None, self.submit, [sample])
         return web.json_response({"sample_id": sample.sample_id, "group_id": group,
                                   "completion_tokens": len(sample.completion_ids), "model_tokens": sum(episode.trace.mask)})
+
+    async def _discard(self, request: web.Request) -> web.Response:
+        """Drop an episode the agent abandoned (its rollout failed): nothing of it is trained."""
+        episode_id = request.match_info["episode_id"]
+        if episode_id in self.busy_episodes:
+            raise RequestError(409, f"episode {episode_id} has a request in progress", "episode_busy")
+        if self.episodes.pop(episode_id, None) is None:
+            raise RequestError(404, f"no episode {episode_id} on this worker", "episode_not_found")
+        return web.json_response({"discarded": episode_id})
 
     def _response(self, prompt_ids: List[int], completions: List[Completion], logprobs: bool) -> Dict:
         choices = [{"index": i, "message": {"role": "assistant", "content": c.text},

@@ -6,7 +6,7 @@ from rlplatform.rewards.preference import preference_score
 from rlplatform.rewards.registry import register
 from rlplatform.rewards.safety import blocklist, safety_classifier
 from rlplatform.rewards.text_rewards import format_match, length_reward, regex_contains
-from rlplatform.rewards.verifiers import exact_match
+from rlplatform.rewards.verifiers import exact_match, reported_reward
 
 BUILTINS = {
     "exact_match": exact_match,  # completion == row answer
@@ -18,6 +18,7 @@ BUILTINS = {
     "preference_model": preference_score,  # a Hugging Face sequence-classification reward model
     "safety_blocklist": blocklist,  # filter: blocked words or patterns
     "safety_classifier": safety_classifier,  # filter: a Hugging Face classifier flags the text
+    "verifiers_reward": reported_reward,  # the score the agent sent in the row (`rlp verifiers` episodes)
 }
 
 for _name, _fn in BUILTINS.items():

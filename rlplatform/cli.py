@@ -184,6 +184,28 @@ def _tool_worker(args) -> int:
     return 0
 
 
+def _verifiers(args) -> int:
+    """Play a verifiers taskset's tasks through a running job's OpenAI bridge(s), as trainable episodes."""
+    import asyncio
+
+    from rlplatform.envs.verifiers_rollouts import play
+
+    print(f"rlp: playing '{args.taskset}' through {', '.join(args.url)}: {args.group_size} rollouts per task",
+          file=sys.stderr)
+    try:
+        stats = asyncio.run(play(args.taskset, args.url, args.group_size, args.num_tasks, args.epochs,
+                                 args.concurrency))
+    except (ImportError, ValueError, TypeError) as err:  # verifiers missing, a taskset that does not load
+        print(f"rlp: {err}", file=sys.stderr)
+        return 2
+    print(f"rlp: {stats.groups} tasks played, {stats.finished} episodes sent to the job (mean verifiers reward "
+          f"{stats.mean_reward:.3f}), {stats.failed} rollouts failed, {stats.discarded} bridge episodes discarded",
+          file=sys.stderr)
+    for error in stats.errors:
+        print(f"rlp: failed: {error}", file=sys.stderr)
+    return 0 if stats.finished or not stats.failed else 1
+
+
 def _status(args) -> int:
     import time
 
@@ -246,6 +268,16 @@ def build_parser() -> argparse.ArgumentParser:
     tools.add_argument("--batch-size", type=int, default=64, help="queue messages read per call")
     tools.add_argument("--name", help="consumer name (default: <job>-tool-<host>-<pid>)")
     tools.set_defaults(handler=_tool_worker)
+    verifiers = commands.add_parser("verifiers", help="play a verifiers taskset's tasks through a job's OpenAI "
+                                    "bridge as trainable episodes (the verifiers extra)")
+    verifiers.add_argument("taskset", help="an importable module exporting a verifiers Taskset (and optionally an Env)")
+    verifiers.add_argument("--url", action="append", required=True,
+                           help="a rollout worker's bridge URL, http://HOST:PORT/v1 (repeat for several)")
+    verifiers.add_argument("--group-size", type=int, required=True, help="rollouts per task: the job's rl.group_size")
+    verifiers.add_argument("--num-tasks", type=int, help="play the first N tasks (default: all; needed if infinite)")
+    verifiers.add_argument("--epochs", type=int, default=1, help="passes over the tasks")
+    verifiers.add_argument("--concurrency", type=int, default=8, help="rollouts in flight at once")
+    verifiers.set_defaults(handler=_verifiers)
     status = commands.add_parser("status", help="progress of a job running anywhere, read from its Redis")
     status.add_argument("--redis", required=True, help="the job's Redis URL (runs/<name>/redis.url for embedded)")
     status.add_argument("--job", required=True, help="the job's name")

@@ -1,0 +1,183 @@
+"""Environments of the `verifiers` library as a job's episodes, played through its OpenAI bridge.
+
+Data flow: each task of a verifiers taskset -> `group_size` rollouts, run by verifiers' own env
+machinery (its interception server records each rollout's trace; the task's stop conditions and
+rewards run as in a verifiers eval) with `BridgeChatHarness`, whose model requests reach a rollout
+worker's bridge tagged with the rollout's trace id as episode id, so each rollout is one token-exact
+trajectory there -> when a rollout ends, its bridge episode is finished as sample `<group>/<trace id>`
+with a row of the task's fields plus `verifiers_reward` (the trace's reward) and `verifiers_rewards`
+(each reward function's score) -> the job's reward queue, where the built-in reward
+`verifiers_reward` returns that value.
+
+Every model seat of an environment plays through the bridge (a simulated user too). A trace the
+environment marks untrainable, every trace of a failed rollout and those of attempts verifiers
+retried are discarded on the bridge (`DELETE /v1/episodes/<id>`) and counted: nothing is left
+half-recorded in a worker's memory. A task whose group is left short of `group_size` samples expires
+on the learner's side after `rl.group_timeout_s` and is counted in `groups_expired`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Sequence
+
+import httpx
+
+INSTALL_HINT = "the verifiers extra is not installed: pip install 'rlplatform[verifiers]'"
+
+
+@dataclass
+class PlayStats:
+    """What a run of `play` sent to the job."""
+    groups: int = 0  # tasks played (group_size rollouts each)
+    finished: int = 0  # episodes finished on the bridge: samples in the reward queue
+    failed: int = 0  # rollouts that failed; their episodes were discarded
+    discarded: int = 0  # bridge episodes discarded (failed, untrainable or retried)
+    reward_sum: float = 0.0  # of the finished episodes' verifiers rewards
+    errors: List[str] = field(default_factory=list)  # the first few failures, for the user
+
+    @property
+    def mean_reward(self) -> float:
+        return self.reward_sum / self.finished if self.finished else 0.0
+
+
+class BridgeClient:
+    """The bridge's episode endpoints on one rollout worker (`url` ends in `/v1`)."""
+
+    def __init__(self, url: str, http: httpx.AsyncClient) -> None:
+        self.url = url.rstrip("/")
+        self.http = http
+
+    async def model(self) -> str:
+        """The policy this worker serves."""
+        try:
+            reply = await self.http.get(f"{self.url}/models")
+            reply.raise_for_status()
+            return reply.json()["data"][0]["id"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError) as err:
+            raise ConnectionError(f"no OpenAI bridge answers at {self.url} ({type(err).__name__}: {err}); start "
+                                  "the job with rollout.openai_bridge.enabled and use a URL it printed") from None
+
+    async def finish(self, episode_id: str, group: str, row: Dict) -> None:
+        reply = await self.http.post(f"{self.url}/episodes/{episode_id}/finish", json={"group": group, "row": row})
+        reply.raise_for_status()
+
+    async def discard(self, episode_id: str) -> bool:
+        """Drop the episode if the worker holds it (a rollout that failed before its first reply never started one)."""
+        reply = await self.http.delete(f"{self.url}/episodes/{episode_id}")
+        if reply.status_code == 404:
+            return False
+        reply.raise_for_status()
+        return True
+
+
+def load_env(taskset_id: str):
+    """The verifiers environment of taskset `taskset_id` (an importable module exporting a `Taskset`, and
+    optionally an `Env`), every agent seat played by `BridgeChatHarness` in this process."""
+    try:
+        from verifiers.v1 import AgentConfig, EnvConfig
+    except ImportError:
+        raise ImportError(INSTALL_HINT) from None
+    from verifiers.v1.utils.generic import concrete_type
+    from verifiers.v1.utils.loaders import environment_class
+
+    from rlplatform.envs.verifiers_harness import HARNESS_ID
+
+    env_class = environment_class(taskset_id)
+    config_class = concrete_type(env_class, EnvConfig) or EnvConfig
+    seats = [name for name, spec in config_class.model_fields.items() if isinstance(spec.default, AgentConfig)]
+    seat = {"harness": {"id": HARNESS_ID}, "runtime": {"type": "subprocess"}}
+    return env_class(config_class.model_validate({"taskset": {"id": taskset_id}, **{name: seat for name in seats}}))
+
+
+def sample_row(task, trace) -> Dict:
+    """The finished episode's row: the task's fields, its verifiers reward and each reward function's score."""
+    row = task.data.model_dump(mode="json", exclude_none=True)
+    row["task"] = task.key
+    row["verifiers_reward"] = trace.reward
+    row["verifiers_rewards"] = {name: (r.score if r is not None else None) for name, r in trace.rewards.items()}
+    return row
+
+
+class Player:
+    """Plays tasks of one environment: `group_size` rollouts per task, spread over the bridge URLs."""
+
+    def __init__(self, env, bridges: Sequence[BridgeClient], models: Sequence[str], group_size: int,
+                 concurrency: int) -> None:
+        from verifiers.v1 import EvalClientConfig, ModelContext
+
+        self.env = env
+        self.group_size = group_size
+        self.run = uuid.uuid4().hex[:8]
+        self.stats = PlayStats()
+        self.episodes = asyncio.Semaphore(concurrency)
+        contexts = [ModelContext(model=model, client=EvalClientConfig(base_url=b.url, api_key_var="RLP_BRIDGE_KEY"))
+                    for b, model in zip(bridges, models)]
+        self.seats = itertools.cycle(list(zip(bridges, contexts)))
+
+    async def play_task(self, index: int, task) -> None:
+        group = f"vf-{self.run}-{index}"
+        rollouts = [self._rollout(task, group, *next(self.seats)) for _ in range(self.group_size)]
+        await asyncio.gather(*rollouts)
+        self.stats.groups += 1
+
+    async def _rollout(self, task, group: str, bridge: BridgeClient, ctx) -> None:
+        minted: List[str] = []
+        slot = self.env.slots(task, 1)[0]
+        try:
+            episode = await self.env.run_slot(slot, ctx, self.episodes, on_trace=lambda trace: minted.append(trace.id))
+            trainable = [t for t in episode.traces if t.agent.trainable]
+            if not episode.ok or len(trainable) != 1:
+                raise RuntimeError(_failure(episode, len(trainable)))
+            trace = trainable[0]
+            await bridge.finish(trace.id, group, sample_row(task, trace))
+            self.stats.finished += 1
+            self.stats.reward_sum += trace.reward
+            minted = [m for m in minted if m != trace.id]
+        except Exception as err:  # the rollout is lost, not the run: reported, its episodes discarded below
+            self.stats.failed += 1
+            if len(self.stats.errors) < 5:
+                self.stats.errors.append(f"task {task.key} ({group}): {type(err).__name__}: {err}")
+        for episode_id in minted:
+            if await bridge.discard(episode_id):
+                self.stats.discarded += 1
+
+
+def _failure(episode, trainable: int) -> str:
+    if not episode.ok:
+        errors = list(episode.errors) + [e for trace in episode.traces for e in trace.errors]
+        return "; ".join(f"{e.type}: {e.message}" for e in errors) or "the rollout did not complete"
+    return f"the episode has {trainable} trainable traces; a sample is one trainable trace"
+
+
+def _tasks(taskset, num_tasks: Optional[int], epochs: int) -> Iterator:
+    if num_tasks is None and not taskset.bounded:
+        raise ValueError("this taskset is infinite: give the number of tasks to play (--num-tasks)")
+    for _ in range(epochs):
+        yield from (taskset.take(num_tasks) if num_tasks is not None else taskset)
+
+
+async def play(taskset_id: str, urls: Sequence[str], group_size: int, num_tasks: Optional[int] = None,
+               epochs: int = 1, concurrency: int = 8) -> PlayStats:
+    """Play `epochs` passes over the taskset's tasks (the first `num_tasks`, or all), `group_size` rollouts
+    each (the job's `rl.group_size`), at most `concurrency` rollouts at once, through the bridges at `urls`."""
+    if group_size < 1 or concurrency < 1 or epochs < 1 or not urls:
+        raise ValueError("group_size, concurrency and epochs must be positive, and at least one bridge URL given")
+    env = load_env(taskset_id)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0)) as http:
+        bridges = [BridgeClient(url, http) for url in urls]
+        models = [await bridge.model() for bridge in bridges]
+        player = Player(env, bridges, models, group_size, concurrency)
+        async with env.serving():
+            pending = set()
+            for index, task in enumerate(_tasks(env.taskset, num_tasks, epochs)):
+                pending.add(asyncio.ensure_future(player.play_task(index, task)))
+                if len(pending) >= concurrency:  # enough tasks queued to keep `concurrency` rollouts going
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for played in done:
+                        played.result()  # a bridge that stopped answering ends the run here
+            await asyncio.gather(*pending)
+    return player.stats
