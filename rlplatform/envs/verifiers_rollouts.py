@@ -95,7 +95,7 @@ def load_env(taskset_id: str):
 
 def sample_row(task, trace) -> Dict:
     """The finished episode's row: the task's fields, its verifiers reward and each reward function's score."""
-    row = task.data.model_dump(mode="json", exclude_none=True)
+    row = task.data.model_dump(mode="json", exclude_none=True, exclude_defaults=True)
     row["task"] = task.key
     row["verifiers_reward"] = trace.reward
     row["verifiers_rewards"] = {name: (r.score if r is not None else None) for name, r in trace.rewards.items()}
