@@ -75,8 +75,9 @@ class BridgeClient:
 
 
 def load_env(taskset_id: str):
-    """The verifiers environment of taskset `taskset_id` (an importable module exporting a `Taskset`, and
-    optionally an `Env`), every agent seat played by `BridgeChatHarness` in this process."""
+    """The verifiers environment of taskset `taskset_id` (a top-level module, importable or in the working
+    directory, exporting a `Taskset` and optionally an `Env`), every agent seat played by `BridgeChatHarness`
+    in this process."""
     try:
         from verifiers.v1 import AgentConfig, EnvConfig
     except ImportError:
@@ -85,7 +86,9 @@ def load_env(taskset_id: str):
     from verifiers.v1.utils.loaders import environment_class
 
     from rlplatform.envs.verifiers_harness import HARNESS_ID
+    from rlplatform.rewards.registry import importable_from_cwd
 
+    importable_from_cwd()
     env_class = environment_class(taskset_id)
     config_class = concrete_type(env_class, EnvConfig) or EnvConfig
     seats = [name for name, spec in config_class.model_fields.items() if isinstance(spec.default, AgentConfig)]

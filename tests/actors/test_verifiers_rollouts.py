@@ -5,6 +5,7 @@ that the built-in `verifiers_reward` returns; failed rollouts leave nothing behi
 from __future__ import annotations
 
 import asyncio
+import sys
 import textwrap
 
 import pytest
@@ -158,6 +159,13 @@ def test_a_bridge_that_does_not_answer_is_named(taskset):
         asyncio.run(play(taskset("vf_unreached", SINGLE), ["http://127.0.0.1:9/v1"], group_size=2))
 
 
-def test_rlp_verifiers_names_a_taskset_it_cannot_load(capsys):
-    assert cli.main(["verifiers", "no_such_taskset", "--url", "http://127.0.0.1:9/v1", "--group-size", "2"]) == 2
+def test_rlp_verifiers_plays_a_taskset_module_in_the_working_directory(served, tmp_path, monkeypatch, capsys):
+    _, url, queue = served
+    (tmp_path / "vf_here.py").write_text(SINGLE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert cli.main(["verifiers", "vf_here", "--url", url, "--group-size", "2", "--num-tasks", "1"]) == 0
+    assert "1 tasks played, 2 episodes sent to the job" in capsys.readouterr().err
+    assert len(drain(queue, 2)) == 2
+    assert cli.main(["verifiers", "no_such_taskset", "--url", url, "--group-size", "2"]) == 2
     assert "taskset 'no_such_taskset' not found" in capsys.readouterr().err
