@@ -67,7 +67,11 @@ class BridgeClient:
 
     async def discard(self, episode_id: str) -> bool:
         """Drop the episode if the worker holds it (a rollout that failed before its first reply never started one)."""
-        reply = await self.http.delete(f"{self.url}/episodes/{episode_id}")
+        try:
+            reply = await self.http.delete(f"{self.url}/episodes/{episode_id}")
+        except httpx.TransportError as err:  # every failed rollout comes here: a bridge gone ends the run
+            raise ConnectionError(f"the OpenAI bridge at {self.url} stopped answering ({type(err).__name__}): the "
+                                  "job has ended, or its rollout worker is restarting") from None
         if reply.status_code == 404:
             return False
         reply.raise_for_status()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -152,6 +153,15 @@ def test_a_failed_rollout_is_reported_and_leaves_no_episode_on_the_worker(served
     assert any("this task's reward fails" in error for error in stats.errors)
     assert not sampled.bridge.episodes  # the failed rollouts' episodes were discarded, not left half-recorded
     assert sorted(s.row["answer"] for s in drain(queue, 4)) == ["11", "11", "3", "3"]
+
+
+def test_a_run_ends_with_a_clear_error_once_the_bridge_stops(served, taskset):
+    _, url, queue = served
+    stopper = threading.Thread(target=lambda: drain(queue, 1) and queue.request_stop())  # the job ends
+    stopper.start()
+    with pytest.raises(ConnectionError, match=f"the OpenAI bridge at {url} stopped answering"):
+        asyncio.run(play(taskset("vf_endless", SINGLE), [url], group_size=2, epochs=100))
+    stopper.join()
 
 
 def test_a_bridge_that_does_not_answer_is_named(taskset):
