@@ -124,6 +124,7 @@ class Player:
         contexts = [ModelContext(model=model, client=EvalClientConfig(base_url=b.url, api_key_var="RLP_BRIDGE_KEY"))
                     for b, model in zip(bridges, models)]
         self.seats = itertools.cycle(list(zip(bridges, contexts)))
+        self.lost: Optional[ConnectionError] = None  # a bridge stopped answering: no rollout starts after it
 
     async def play_task(self, index: int, task) -> None:
         group = f"vf-{self.run}-{index}"
@@ -132,10 +133,24 @@ class Player:
         self.stats.groups += 1
 
     async def _rollout(self, task, group: str, bridge: BridgeClient, ctx) -> None:
+        """One rollout; its episodes discarded unless finished. Never raises: a lost bridge is kept in `lost`."""
         minted: List[str] = []
         slot = self.env.slots(task, 1)[0]
         try:
-            episode = await self.env.run_slot(slot, ctx, self.episodes, on_trace=lambda trace: minted.append(trace.id))
+            await self._play(task, group, bridge, ctx, slot, minted)
+            for episode_id in minted:
+                if await bridge.discard(episode_id):
+                    self.stats.discarded += 1
+        except ConnectionError as err:
+            self.lost = self.lost or err
+
+    async def _play(self, task, group: str, bridge: BridgeClient, ctx, slot, minted: List[str]) -> None:
+        """Run the rollout and finish its trainable trace's episode; `minted` is left holding those to discard."""
+        async with self.episodes:
+            if self.lost is not None:
+                return
+            episode = await self.env.run_slot(slot, ctx, on_trace=lambda trace: minted.append(trace.id))
+        try:
             trainable = [t for t in episode.traces if t.agent.trainable]
             if not episode.ok or len(trainable) != 1:
                 raise RuntimeError(_failure(episode, len(trainable)))
@@ -143,14 +158,11 @@ class Player:
             await bridge.finish(trace.id, group, sample_row(task, trace))
             self.stats.finished += 1
             self.stats.reward_sum += trace.reward
-            minted = [m for m in minted if m != trace.id]
-        except Exception as err:  # the rollout is lost, not the run: reported, its episodes discarded below
+            minted.remove(trace.id)
+        except Exception as err:  # the rollout is lost, not the run: reported, its episodes discarded
             self.stats.failed += 1
             if len(self.stats.errors) < 5:
                 self.stats.errors.append(f"task {task.key} ({group}): {type(err).__name__}: {err}")
-        for episode_id in minted:
-            if await bridge.discard(episode_id):
-                self.stats.discarded += 1
 
 
 def _failure(episode, trainable: int) -> str:
@@ -181,10 +193,12 @@ async def play(taskset_id: str, urls: Sequence[str], group_size: int, num_tasks:
         async with env.serving():
             pending = set()
             for index, task in enumerate(_tasks(env.taskset, num_tasks, epochs)):
+                if player.lost is not None:
+                    break
                 pending.add(asyncio.ensure_future(player.play_task(index, task)))
                 if len(pending) >= concurrency:  # enough tasks queued to keep `concurrency` rollouts going
-                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                    for played in done:
-                        played.result()  # a bridge that stopped answering ends the run here
-            await asyncio.gather(*pending)
+                    _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.gather(*pending)  # rollouts in flight end (those after a lost bridge at once)
+    if player.lost is not None:
+        raise player.lost
     return player.stats
