@@ -1,25 +1,36 @@
-"""End to end: a shortened quickstart runs SFT then asynchronous RL and writes a valid summary.json."""
+"""End to end: a shortened quickstart runs SFT then asynchronous RL and writes a valid summary.json; its
+offline W&B run, read back with W&B's own reader, holds every metric family of the dashboard and the
+samples table."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
+import sys
 
 from rlplatform.config import load_config
 from rlplatform.job.controller import run_job
+from rlplatform.monitoring.dashboard import dashboard_layout
 from rlplatform.transport.ledger import balanced
 
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.yaml")
 
 
-def test_short_quickstart_writes_a_valid_summary(ray_session, tmp_path, greedy_accuracy):
+def test_short_quickstart_writes_a_valid_summary_and_logs_every_dashboard_key(ray_session, tmp_path, greedy_accuracy):
     config = load_config(QUICKSTART, [f"output_dir={tmp_path}", "name=e2e", "sft.steps=30", "rl.max_steps=12",
                                       "rl.max_staleness=1", "sft.log_every=10",
                                       "data.test_size=100",  # evaluations, and their check row by row, on 100 rows
-                                      "rl.batch_prompts=4", "rollout.prompts_per_batch=4"])
+                                      "rl.batch_prompts=4", "rollout.prompts_per_batch=4",
+                                      "monitoring.samples_every=3", "eval.every_steps=2", "wandb.mode=offline"])
     run_job(config)
     run_dir = tmp_path / "e2e"
     summary = json.loads((run_dir / "summary.json").read_text())
+    startup = summary["startup_s"]  # each start-up milestone after the one before it
+    assert 0 < startup["job_started_s"] <= startup["services_ready_s"] <= startup["learners_ready_s"] \
+        <= startup["workers_ready_s"] <= startup["to_first_sft_step_s"] <= startup["to_first_rl_step_s"] \
+        < summary["wall_s"]
     assert summary["status"] == "completed" and summary["name"] == "e2e"
     assert summary["stages"]["sft"]["steps"] == 30 and summary["stages"]["rl"]["steps"] == 12
     # the evaluator scored the weights that were saved: plain HF generate on model/ agrees
@@ -54,6 +65,7 @@ def test_short_quickstart_writes_a_valid_summary(ray_session, tmp_path, greedy_a
     assert ledger["trained"] == 12 * 4 and balanced(ledger)
     assert rl["groups_expired"] == 0 and rl["samples_dropped_expired"] == 0
     assert os.path.isdir(rl["wandb_dir"]) and os.listdir(rl["wandb_dir"])
+    assert_dashboard_logged(summary)
 
 
 def test_synchronous_mode_trains_only_on_fresh_samples(ray_session, tmp_path):
@@ -63,3 +75,31 @@ def test_synchronous_mode_trains_only_on_fresh_samples(ray_session, tmp_path):
     summary = run_job(config)
     assert summary["rl"]["staleness_histogram"] == {"0": 4 * 4 * 8}
     assert summary["rl"]["samples_dropped_stale"] == 0
+
+
+def assert_dashboard_logged(summary: dict) -> None:
+    """Every key of the dashboard's panels, the samples table and the last in-run evaluation reached W&B."""
+    logged = read_back(summary["wandb_dir"])
+    assert logged["state"] == "finished" and logged["config"]["rl"]["max_steps"] == 12
+    keys = set(logged["summary"])
+    for section, x_key, panels in dashboard_layout("policy"):
+        assert x_key in keys, section
+        for panel in panels:
+            for key in panel.metrics:
+                pattern = re.compile(key if ".*" in key else re.escape(key) + "$")
+                assert any(pattern.match(k) for k in keys), f"{section}: {key} was never logged"
+    table = logged["summary"]["policy/samples/table"]
+    assert table["_type"] == "table-file" and table["nrows"] == 16
+    assert logged["summary"]["policy/learner_step"] == 12
+    assert logged["summary"]["policy/rewards/component/exact_match"] >= 0.0
+    last = summary["rl"]["eval_history"][-1]  # with its own value and version
+    assert logged["summary"]["policy/eval/accuracy"] == last["accuracy"]
+    assert logged["summary"]["policy/eval/policy_version"] == last["version"]
+
+
+def read_back(wandb_dir: str) -> dict:
+    """The run's summary as W&B's own reader prints it (run as a module: a wandb installed outside
+    the virtual environment has no script beside its python)."""
+    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json", wandb_dir],
+                         capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(out.stdout)

@@ -1,12 +1,11 @@
-"""Monitoring: an offline W&B run of a short job read back with W&B's own reader holds every
-metric family of the dashboard and the samples table; an alert fires on a forced reward
-collapse; `rlp status` reads a job's progress from Redis."""
+"""Monitoring: an alert fires on a forced reward collapse; the progress line and trailing rates; `rlp status`
+reads a job's progress from Redis; the dashboard's layout. (That an offline W&B run holds every metric
+family of the dashboard and the samples table is checked on the end-to-end test's job.)"""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -15,9 +14,8 @@ from pathlib import Path
 import pytest
 
 from rlplatform.config import load_config
-from rlplatform.job.controller import run_job
 from rlplatform.job.rl_loop import RLCounters
-from rlplatform.monitoring.dashboard import build_workspace, dashboard_layout, render_layout
+from rlplatform.monitoring.dashboard import build_workspace, render_layout
 from rlplatform.monitoring.job_status import JobStatus
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.rl_monitor import RLMonitor, TrailingRate
@@ -27,41 +25,6 @@ from rlplatform.transport.samples import ResultMeta, Sample, ScoredSample
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
-
-
-def read_back(wandb_dir: str) -> dict:
-    """The run's summary as W&B's own reader prints it (run as a module: a wandb installed outside
-    the virtual environment has no script beside its python)."""
-    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json", wandb_dir],
-                         capture_output=True, text=True, timeout=120, check=True)
-    return json.loads(out.stdout)
-
-
-def test_offline_run_holds_every_dashboard_key_and_the_samples_table(ray_session, tmp_path):
-    config = load_config(QUICKSTART, [f"output_dir={tmp_path}", "name=monitored", "sft.steps=10", "rl.max_steps=6",
-                                      "monitoring.samples_every=3", "eval.every_steps=2", "wandb.mode=offline"])
-    summary = run_job(config)
-    startup = summary["startup_s"]  # each start-up milestone after the one before it
-    assert 0 < startup["job_started_s"] <= startup["services_ready_s"] <= startup["learners_ready_s"] \
-        <= startup["workers_ready_s"] <= startup["to_first_sft_step_s"] <= startup["to_first_rl_step_s"] \
-        < summary["wall_s"]
-    logged = read_back(summary["wandb_dir"])
-    assert logged["state"] == "finished" and logged["config"]["rl"]["max_steps"] == 6
-    keys = set(logged["summary"])
-    for section, x_key, panels in dashboard_layout("policy"):
-        assert x_key in keys, section
-        for panel in panels:
-            for key in panel.metrics:
-                pattern = re.compile(key if ".*" in key else re.escape(key) + "$")
-                assert any(pattern.match(k) for k in keys), f"{section}: {key} was never logged"
-    table = logged["summary"]["policy/samples/table"]
-    assert table["_type"] == "table-file" and table["nrows"] == 16
-    assert logged["summary"]["policy/learner_step"] == 6
-    assert logged["summary"]["policy/rewards/component/exact_match"] >= 0.0
-    # the last in-run evaluation reached W&B with its own value and version
-    last = summary["rl"]["eval_history"][-1]
-    assert logged["summary"]["policy/eval/accuracy"] == last["accuracy"]
-    assert logged["summary"]["policy/eval/policy_version"] == last["version"]
 
 
 def scored_group(group: str, reward: float, version: int) -> list:
