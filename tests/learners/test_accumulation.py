@@ -1,7 +1,8 @@
 """How an RL step is cut up must not change the update: the same batch trained by one rank at once and
 by two ranks with uneven shares (5 samples) in micro-batches under ZeRO-2 and ZeRO-3 gives the same
-weights, gradient norm and metrics (real DeepSpeed, gloo); so does an SFT step before it on 5 rows split 3 and 2 (the loss is a mean over every rank's tokens). Under
-ZeRO-3 the KL reference is sharded like the policy and gives the same KL."""
+weights, gradient norm and metrics (real DeepSpeed, gloo); so does an SFT step before it on 5 rows split
+3 and 2 (the loss is a mean over every rank's tokens). Under ZeRO-3 the KL reference is sharded like the
+policy and gives the same KL."""
 
 from __future__ import annotations
 
