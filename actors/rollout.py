@@ -36,7 +36,7 @@ from rlplatform.rewards.worker import import_modules
 from rlplatform.tokenization import Prompt, load_prompts
 from rlplatform.transport.deadlines import Heartbeats
 from rlplatform.transport.ledger import PromptLedger, prompt_row
-from rlplatform.transport.redis_server import connect
+from rlplatform.transport.redis_server import RECONNECT_S, connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.staleness import RolloutGate
@@ -67,7 +67,7 @@ class RolloutWorker:
         store = ray.get_actor(weight_store) if weight_store else None
         self.weights_in = Subscriber(transport, store, self.engine.device)  # weights.transport's worker end
         self.redis_url = redis_url
-        client = connect(redis_url)
+        client = connect(redis_url, wait_s=RECONNECT_S)  # a restart may meet the job's Redis restarting
         self.queue = RewardQueue(client, job)
         self.keys = PolicyKeys(job, policy)
         self.gate = RolloutGate(client, job, rl.max_staleness, rl.batch_prompts, policy)

@@ -26,7 +26,7 @@ from rlplatform.config import RewardSpec, RewardWorkersConfig
 from rlplatform.rewards.registry import importable_from_cwd, resolve
 from rlplatform.rewards.scoring import Scorer
 from rlplatform.transport.deadlines import Heartbeats
-from rlplatform.transport.redis_server import connect
+from rlplatform.transport.redis_server import RECONNECT_S, connect
 from rlplatform.transport.reward_queue import RewardQueue, StreamQueue
 from rlplatform.transport.samples import Sample, ScoredSample, WireFormatError, decode_sample
 
@@ -151,7 +151,7 @@ class RewardWorker(QueueWorker):
         config = config or RewardWorkersConfig()
         import_modules(imports or [])
         self.scorer = Scorer(resolve(rewards), config.concurrency)
-        queue = RewardQueue(connect(redis_url), job)
+        queue = RewardQueue(connect(redis_url, wait_s=RECONNECT_S), job)  # a restart may meet Redis restarting
         super().__init__(name, queue, queue, config, RewardStats(), Heartbeats(queue.client, job),
                          f"reward worker {name}")
 

@@ -27,7 +27,7 @@ from rlplatform.config import RewardWorkersConfig, ToolSpec
 from rlplatform.envs.tools import resolve_tools
 from rlplatform.rewards.worker import QueueStats, QueueWorker, import_modules
 from rlplatform.transport.deadlines import Heartbeats
-from rlplatform.transport.redis_server import connect
+from rlplatform.transport.redis_server import RECONNECT_S, connect
 from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.tool_queue import ToolCall, ToolQueue, ToolResult, decode_call, encode_result
 
@@ -57,7 +57,7 @@ class ToolWorker(QueueWorker):
         self.tools = resolve_tools(tools)
         self.timeouts = {spec.label: spec.timeout_s for spec in tools}
         self._pool = ThreadPoolExecutor(config.concurrency, thread_name_prefix="tool")
-        client = connect(redis_url)
+        client = connect(redis_url, wait_s=RECONNECT_S)  # a restart may meet the job's Redis restarting
         self.tool_queue = ToolQueue(client, job)
         super().__init__(name, self.tool_queue, RewardQueue(client, job), config, ToolStats(),
                          Heartbeats(client, job), f"tool worker {name}")

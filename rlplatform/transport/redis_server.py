@@ -10,6 +10,7 @@ bounded time and then raise one `RedisUnavailable` line naming the server, passw
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import secrets
@@ -226,20 +227,30 @@ class Reconnect(Retry):
                 time.sleep(min(self._backoff.compute(failures), remaining))
 
 
-def connect(url: str, reconnect_s: float = RECONNECT_S) -> redis.Redis:
+def connect(url: str, reconnect_s: float = RECONNECT_S, wait_s: float = 0.0) -> redis.Redis:
     """A client for `url` (redis://, rediss:// or unix://), checked with PING.
 
-    A connection lost later is retried with backoff for `reconnect_s`; after that the client
-    raises `RedisUnavailable` naming the server with its password hidden."""
-    probe = redis.Redis.from_url(url, socket_connect_timeout=5, retry=Retry(ExponentialBackoff(), 0))
-    try:
-        probe.ping()
-    except redis.AuthenticationError as err:
-        raise RedisUnavailable(f"Redis at {redact_url(url)} refused the password: {err}") from None
-    except (redis.ConnectionError, redis.TimeoutError) as err:
-        raise RedisUnavailable(f"cannot reach Redis at {redact_url(url)}: {err}") from None
-    finally:
-        probe.close()
+    An unreachable server is waited for up to `wait_s` (0: fail at once, as a job's start does; a
+    restarted worker passes `RECONNECT_S`, since it may come up while the job's Redis restarts). A
+    connection lost later is retried with backoff for `reconnect_s`; after that the client raises
+    `RedisUnavailable` naming the server with its password hidden."""
+    deadline = time.monotonic() + wait_s
+    backoff = ExponentialBackoff(cap=2.0, base=0.1)
+    for failures in itertools.count(1):
+        probe = redis.Redis.from_url(url, socket_connect_timeout=5, retry=Retry(ExponentialBackoff(), 0))
+        try:
+            probe.ping()
+            break
+        except redis.AuthenticationError as err:
+            raise RedisUnavailable(f"Redis at {redact_url(url)} refused the password: {err}") from None
+        except (redis.ConnectionError, redis.TimeoutError) as err:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                waited = f" (waited {wait_s:g}s)" if wait_s else ""
+                raise RedisUnavailable(f"cannot reach Redis at {redact_url(url)}{waited}: {err}") from None
+            time.sleep(min(backoff.compute(failures), remaining))
+        finally:
+            probe.close()
     return redis.Redis.from_url(url, socket_connect_timeout=5, socket_keepalive=True, health_check_interval=30,
                                 retry=Reconnect(server_name(url), reconnect_s))
 

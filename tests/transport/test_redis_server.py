@@ -75,6 +75,20 @@ def test_a_killed_server_restarted_on_its_port_loses_no_acknowledged_result(serv
     assert queue.pending() == 0
 
 
+def test_a_worker_restarting_while_the_server_restarts_waits_for_it(server):
+    os.kill(server.pid, signal.SIGKILL)
+    restart = threading.Timer(1.0, server.start)
+    restart.start()
+    start = time.monotonic()
+    with pytest.raises(RedisUnavailable, match="cannot reach Redis"):
+        connect(server.url)  # a job's start does not wait
+    assert time.monotonic() - start < 0.9
+    # a reward worker (restarted by Ray) constructed during the outage connects once the server is back
+    worker = RewardWorker("w", [RewardSpec(name="exact_match")], server.url, f"wait-{uuid.uuid4().hex[:6]}")
+    assert time.monotonic() - start >= 1.0 and worker.queue.client.ping()
+    restart.join()
+
+
 def test_a_server_that_does_not_come_back_is_one_line_within_the_timeout(server):
     queue = RewardQueue(connect(server.url, reconnect_s=2), f"gone-{uuid.uuid4().hex[:6]}", max_pending=10)
     queue.create_group()
