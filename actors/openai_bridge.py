@@ -213,12 +213,7 @@ class OpenAIBridge:
         group, row = body.get("group", episode_id), body.get("row", {})
         if not isinstance(group, str) or not isinstance(row, dict):
             raise RequestError(400, "finish takes {\"group\": a string, \"row\": an object of the row's fields}")
-        if episode_id in self.busy_episodes:
-            raise RequestError(409, f"episode {episode_id} has a request in progress", "episode_busy")
-        episode = self.episodes.pop(episode_id, None)
-        if episode is None:
-            raise RequestError(404, f"no episode {episode_id} on this worker (never started, already finished, "
-                                    "or a turn of it failed)", "episode_not_found")
+        episode = self._take(episode_id)
         sample = episode.sample(self.renderer, f"{group}/{episode_id}", group, self.policy, row, time.time())
         await self._loop.run_in_executor(None, self.submit, [sample])
         return web.json_response({"sample_id": sample.sample_id, "group_id": group,
@@ -227,11 +222,18 @@ class OpenAIBridge:
     async def _discard(self, request: web.Request) -> web.Response:
         """Drop an episode the agent abandoned (its rollout failed): nothing of it is trained."""
         episode_id = request.match_info["episode_id"]
+        self._take(episode_id)
+        return web.json_response({"discarded": episode_id})
+
+    def _take(self, episode_id: str) -> Episode:
+        """The episode, removed from those held: it ends here (finished or dropped)."""
         if episode_id in self.busy_episodes:
             raise RequestError(409, f"episode {episode_id} has a request in progress", "episode_busy")
-        if self.episodes.pop(episode_id, None) is None:
-            raise RequestError(404, f"no episode {episode_id} on this worker", "episode_not_found")
-        return web.json_response({"discarded": episode_id})
+        episode = self.episodes.pop(episode_id, None)
+        if episode is None:
+            raise RequestError(404, f"no episode {episode_id} on this worker (never started, already ended, "
+                                    "or a turn of it failed)", "episode_not_found")
+        return episode
 
     def _response(self, prompt_ids: List[int], completions: List[Completion], logprobs: bool) -> Dict:
         choices = [{"index": i, "message": {"role": "assistant", "content": c.text},

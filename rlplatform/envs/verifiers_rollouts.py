@@ -133,7 +133,7 @@ class Player:
         self.stats.groups += 1
 
     async def _rollout(self, task, group: str, bridge: BridgeClient, ctx) -> None:
-        """One rollout; its episodes discarded unless finished. Never raises: a lost bridge is kept in `lost`."""
+        """One rollout; its episodes discarded unless finished. A lost bridge is kept in `lost`, not raised."""
         minted: List[str] = []
         slot = self.env.slots(task, 1)[0]
         try:
