@@ -14,7 +14,7 @@ with peft adapters, as the learner does, and each update loads the adapters alon
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Hashable, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 from transformers import DynamicCache
@@ -189,14 +189,20 @@ class DecodeBatch:
         return done
 
     def _prefill_waiting(self) -> torch.Tensor:
-        """Run the waiting prompts through the model and merge them into the batch; their last logits."""
+        """Run the waiting prompts through the model and merge them into the batch; their last logits.
+        Each distinct prompt runs once: rows of the same prompt (a group's completions) share its cache."""
         prompts, keys, limits, temperatures = zip(*self.waiting)
         self.waiting = []
-        ids, attention = _left_padded(prompts, self.pad_id, self.device)
+        distinct: Dict[Tuple[int, ...], int] = {}
+        owner = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts], device=self.device)
+        ids, attention = _left_padded([list(p) for p in distinct], self.pad_id, self.device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         logits = self.model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
                             use_cache=True).logits[:, -1]
+        if len(distinct) < len(prompts):
+            cache = DynamicCache(ddp_cache_data=[(layer.keys[owner], layer.values[owner]) for layer in cache.layers])
+            ids, attention, positions, logits = ids[owner], attention[owner], positions[owner], logits[owner]
         new_rows = [_Row(key, row_ids[mask.bool()].tolist(), limit, temperature)
                     for key, row_ids, mask, limit, temperature in zip(keys, ids, attention, limits, temperatures)]
         if self.rows:
@@ -233,7 +239,7 @@ class DecodeBatch:
                           logprobs=row.logprobs, versions=row.versions)
 
 
-def _left_padded(prompts: Tuple[List[int], ...], pad_id: int, device: torch.device
+def _left_padded(prompts: Sequence[List[int]], pad_id: int, device: torch.device
                  ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(ids, attention mask) of token-id prompts, left-padded to the longest."""
     width = max(len(p) for p in prompts)

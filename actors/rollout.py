@@ -30,6 +30,7 @@ from rlplatform.actors.openai_bridge import serve_worker
 from rlplatform.config import EnvConfig, EvalConfig, LoraConfig, RewardSpec, RLConfig, RolloutConfig
 from rlplatform.envs.rendering import Renderer
 from rlplatform.monitoring.evaluation import evaluation_figures
+from rlplatform.priority import set_cpu_priority
 from rlplatform.rewards.registry import resolve
 from rlplatform.rewards.scoring import Scorer
 from rlplatform.rewards.worker import import_modules
@@ -56,10 +57,12 @@ class RolloutWorker:
     def __init__(self, index: int, policy: str, model_path: str, prompts_path: str, rl: RLConfig,
                  rollout: RolloutConfig, redis_url: str, job: str, weight_store: Optional[str], seed: int,
                  dtype: str = "float32", transport: str = "object_store", lora: Optional[LoraConfig] = None,
-                 chat_template: str = "auto", env: Optional[EnvConfig] = None) -> None:
+                 chat_template: str = "auto", env: Optional[EnvConfig] = None, priority: str = "normal") -> None:
         """`prompts_path`: the policy's encoded prompts file; `weight_store`: the weight store actor's name
-        (None: evaluation only)."""
+        (None: evaluation only); `priority`: the process's CPU priority (`rollout.priority`, or the
+        evaluator's `eval.priority`)."""
         torch.set_num_threads(rollout.num_threads)
+        set_cpu_priority(priority)
         torch.manual_seed(seed + 1000 * (index + 1))
         self.index, self.policy, self.rl, self.rollout = index, policy, rl, rollout
         self.prompts = load_prompts(prompts_path)

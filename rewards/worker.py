@@ -23,6 +23,7 @@ from typing import List, Optional, Tuple
 import ray
 
 from rlplatform.config import RewardSpec, RewardWorkersConfig
+from rlplatform.priority import set_cpu_priority
 from rlplatform.rewards.registry import importable_from_cwd, resolve
 from rlplatform.rewards.scoring import Scorer
 from rlplatform.transport.deadlines import Heartbeats
@@ -73,6 +74,7 @@ class QueueWorker:
                  heartbeats: Heartbeats, label: str) -> None:
         self.name, self.queue, self.job, self.config, self.stats = name, queue, job, config, stats
         self.heartbeats, self.label = heartbeats, label
+        set_cpu_priority(config.priority)
         self.queue.create_group()
         self._last_reclaim = 0.0
         self._recovered = False  # requests an earlier process of this name held are taken back first

@@ -143,6 +143,7 @@ class RolloutConfig:
     weight_swap: str = one_of("in_flight", "finish_then_swap")  # in_flight: new weights load between decode steps; finish_then_swap: once drained
     num_threads: int = at_least(1, 1)  # torch threads per worker
     num_cpus: float = at_least(1.0, 0)  # Ray CPUs reserved per worker
+    priority: str = one_of("low", "normal", "idle")  # CPU priority beside the learner's (README: CPU priorities): low lets the learner step go first
     device: str = one_of("auto", "cpu", "cuda")  # auto: the GPU Ray assigns the worker when the cluster has GPUs, else CPU
     num_gpus: Optional[float] = at_least(None, 0)  # Ray GPUs per worker (fractions share one); unset: 1 on a GPU device, else 0
     resources: Dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker (and the evaluator), e.g. {rollout_node: 1} places them on nodes started with that resource
@@ -182,6 +183,7 @@ class RewardWorkersConfig:
     claim_idle_s: float = above(30.0, 0)  # a request unacknowledged this long is reclaimed from its (dead) worker
     max_deliveries: int = at_least(3, 1)  # a request delivered this often without a result goes to dead letters
     num_cpus: float = at_least(0.5, 0)  # Ray CPUs reserved per worker
+    priority: str = one_of("low", "normal", "idle")  # CPU priority beside the learner's (README: CPU priorities): low lets the learner step go first
     resources: Dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker, e.g. {reward_node: 1} places them on nodes started with that resource
 
 
@@ -260,6 +262,7 @@ class EvalConfig:
     greedy: bool = True  # greedy decoding; false samples at `temperature`
     temperature: float = above(1.0, 0)  # sampling temperature when greedy is false
     samples_per_prompt: int = at_least(1, 1)  # completions per prompt (pass@k for k = this; needs greedy: false when > 1)
+    priority: str = one_of("idle", "low", "normal")  # the evaluator's CPU priority: idle evaluates on CPU time training leaves
     # a completion passes when every role=reward entry scores 1, or only this reward entry (its name or fn label)
     pass_reward: Optional[str] = None
 

@@ -32,6 +32,7 @@ from rlplatform.learners.group import LearnerGroup
 from rlplatform.monitoring.job_status import JobStatus
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.policy import load_tokenizer, save_initial_policy
+from rlplatform.priority import ray_workers_at_our_niceness
 from rlplatform.tokenization import encode_prompts, save_prompts, within_limit
 from rlplatform.transport.deadlines import LEARNER_TIMEOUT_S, JobFailed, LearnerDied
 from rlplatform.transport.redis_server import EmbeddedRedis, connect
@@ -138,7 +139,8 @@ def _start_services(config: JobConfig, resources: ExitStack) -> Tuple[str, Optio
         if config.ray.address or os.environ.get("RAY_ADDRESS"):
             ray.init(address=config.ray.address, include_dashboard=False)
         else:
-            with sigterm_held():  # Ray's processes (and the workers they start) ignore a SIGTERM to the group
+            # Ray's processes (and the workers they start) ignore a SIGTERM to the group
+            with sigterm_held(), ray_workers_at_our_niceness():
                 ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(needed)), include_dashboard=False)
     _check_cluster(config, needed)
     return redis_url, embedded
@@ -341,7 +343,8 @@ def _start_rollout_actors(config: JobConfig, policy: PolicyConfig, model_path: s
     return [RolloutActor.options(num_cpus=policy.rollout.num_cpus, num_gpus=gpus, resources=policy.rollout.resources,
                                  max_restarts=MAX_RESTARTS, name=f"{config.name}-{policy.name}-rollout-{i}").remote(
         i, policy.name, model_path, prompts_path, policy.rl, policy.rollout, redis_url, config.name, store_name, config.seed,
-        policy.model.dtype, policy.weights.transport, policy.model.lora, config.data.chat_template, config.env)
+        policy.model.dtype, policy.weights.transport, policy.model.lora, config.data.chat_template, config.env,
+        policy.rollout.priority if i < policy.rollout.num_workers else config.eval.priority)
         for i in range(policy.rollout.num_workers + 1)]
 
 

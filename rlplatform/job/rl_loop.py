@@ -180,8 +180,8 @@ class PolicyRun:
         gaps = [self.version - s.version for s in batch.samples]  # versions behind the weights trained
         self.counters.staleness_trained.update(gaps)
         self.version += 1
+        self._start_step()  # the next step runs while this one is recorded and its weights published
         self._record_trained(batch)
-        self._start_step()  # the next step runs while this one's weights are published
         publish_s = publish(self.workers, self.queue.client, self.version, snapshot)
         self.counters.weight_publish_s += publish_s
         self._evaluate_in_background()

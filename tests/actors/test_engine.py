@@ -47,6 +47,31 @@ def test_rows_joining_and_leaving_decode_exactly_as_alone(tiny_policy):
     assert max(widths[3:-1]) <= len(finished["d"].prompt_ids) + 6
 
 
+def test_a_group_of_one_prompt_is_prefilled_once_and_each_row_decodes_as_alone(tiny_policy):
+    engine = TransformersEngine(tiny_policy)
+    engine.load_weights({k: v.clone() for k, v in engine.model.state_dict().items()}, version=0)
+    batch = engine.decode_batch(max_new_tokens=5, temperature=0.0)
+    batch.add(ids(engine, ["12+34="]), keys=["running"])
+    finished = dict(batch.step())
+    fed = []
+    hook = engine.model.register_forward_hook(lambda module, args, kwargs, out: fed.append(kwargs["input_ids"].shape),
+                                              with_kwargs=True)
+    prompts = {**{f"group/{i}": "5+5=" for i in range(4)}, **{f"other/{i}": "123+4=" for i in range(3)}}
+    batch.add(ids(engine, list(prompts.values())), keys=list(prompts))
+    finished.update(batch.step())
+    hook.remove()
+    # the running row's decode step, then one prefill row per distinct prompt
+    assert [shape[0] for shape in fed] == [1, 2]
+    while batch:
+        finished.update(batch.step())
+    for key, prompt in {"running": "12+34=", **prompts}.items():
+        reference = alone(engine, prompt, 5)
+        assert finished[key].prompt_ids == reference.prompt_ids
+        assert finished[key].completion_ids == reference.completion_ids
+        torch.testing.assert_close(torch.tensor(finished[key].logprobs), torch.tensor(reference.logprobs),
+                                   atol=1e-4, rtol=0)
+
+
 def test_a_finished_row_leaves_at_once_and_its_slot_can_be_refilled(tiny_policy):
     engine = TransformersEngine(tiny_policy)
     engine.load_weights({k: v.clone() for k, v in engine.model.state_dict().items()}, version=3)

@@ -1,7 +1,8 @@
 """SIGTERM to the whole process group of a real `rlp run`, as Slurm and Kubernetes send it: the job
 checkpoints, writes an `interrupted` summary and exits 143, leaving no process of its session (Ray's
 included), no embedded redis-server and no temp folder behind; a second signal ends it at once, still
-with a summary. Ray has nothing to warn about: no actor's constructor arguments sit in the object store."""
+with a summary. Ray has nothing to warn about: no actor's constructor arguments sit in the object store. While it
+trains, its actors run at the CPU priorities the config sets."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -70,12 +72,28 @@ def _start(tmp_path: Path, temp: str) -> subprocess.Popen:
                             start_new_session=True)  # its own group, as a batch system starts it
 
 
-def _signal_group(job: subprocess.Popen, tmp_path: Path, run_files, signals: int):
-    """Send SIGTERM `signals` times to the job's whole group once it trained a step; (exit code, redis pid)."""
+def _cpu_priorities(sid: int) -> dict:
+    """(niceness, scheduling policy) of each process of session `sid` by its title's actor class
+    (`ray::RolloutWorker.run` -> RolloutWorker), or `rlp` for the job's own process."""
+    found: dict = {}
+    for pid, title in _session(sid):
+        name = title.split(b"\0")[0].decode()
+        kind = "rlp" if name.endswith("/rlp") or title.split(b"\0")[1:2] == [RLP.encode()] else \
+            name[len("ray::"):].split(".")[0] if name.startswith("ray::") else None
+        if kind:
+            found.setdefault(kind, set()).add((os.getpriority(os.PRIO_PROCESS, pid), os.sched_getscheduler(pid)))
+    return found
+
+
+def _signal_group(job: subprocess.Popen, tmp_path: Path, run_files, signals: int, priorities: Optional[dict] = None):
+    """Send SIGTERM `signals` times to the job's whole group once it trained a step; (exit code, redis pid).
+    `priorities` gets the job's processes' CPU priorities (`_cpu_priorities`) just before."""
     run_dir = tmp_path / "sigterm"
     try:
         run_files.wait_for(lambda: run_files.trained_steps(str(run_dir)) >= 1, timeout_s=300)
         redis_pid, redis_dir = _redis_child(run_dir)
+        if priorities is not None:
+            priorities.update(_cpu_priorities(job.pid))
         for _ in range(signals):
             os.killpg(job.pid, signal.SIGTERM)
             time.sleep(0.5)
@@ -88,9 +106,17 @@ def _signal_group(job: subprocess.Popen, tmp_path: Path, run_files, signals: int
 def test_sigterm_to_the_group_checkpoints_summarises_and_stops_every_child(tmp_path, run_files):
     temp = tempfile.mkdtemp(prefix="t", dir="/tmp")  # short: Ray's socket paths must fit
     job = _start(tmp_path, temp)
-    code, redis_pid, redis_dir = _signal_group(job, tmp_path, run_files, signals=1)
+    priorities: dict = {}
+    code, redis_pid, redis_dir = _signal_group(job, tmp_path, run_files, signals=1, priorities=priorities)
     log_text = (tmp_path / "log.txt").read_text()
     assert code == 143, log_text[-3000:]
+    # while it trained: learner ranks at the job's own niceness (not Ray's 15), rollout and reward workers
+    # 4 levels below (rollout.priority, reward_workers.priority: low), the evaluator idle (eval.priority)
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    other, idle = os.SCHED_OTHER, os.SCHED_IDLE
+    assert priorities["rlp"] == priorities["LearnerRank"] == {(nice, other)}, priorities
+    assert priorities["RewardWorker"] == {(min(nice + 4, 19), other)}, priorities
+    assert priorities["RolloutWorker"] == {(min(nice + 4, 19), other), (nice, idle)}, priorities
     run_dir = tmp_path / "sigterm"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["exit_code"] == 143

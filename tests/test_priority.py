@@ -1,0 +1,40 @@
+"""CPU priorities: `set_cpu_priority` lowers every thread of its process (on Linux niceness and
+scheduling policy are per thread). tests/job/test_signals.py checks a real job's actors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+CHILD = """
+import json, os, sys, threading
+from rlplatform.priority import set_cpu_priority
+started = threading.Event()
+thread = threading.Thread(target=lambda: (started.set(), threading.Event().wait(30)), daemon=True)
+thread.start()
+started.wait()
+set_cpu_priority(sys.argv[1])
+tids = [threading.get_native_id(), thread.native_id]
+print(json.dumps([[os.getpriority(os.PRIO_PROCESS, t), os.sched_getscheduler(t)] for t in tids]))
+"""
+
+
+def _priorities_after(priority: str, niceness: int = 0) -> list:
+    """[niceness, scheduling policy] of a process's main thread and a thread it started before
+    calling set_cpu_priority(priority), the process started at `niceness`."""
+    out = subprocess.run(["nice", "-n", str(niceness), sys.executable, "-c", CHILD, priority], capture_output=True,
+                         text=True, check=True, timeout=60).stdout
+    return json.loads(out)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread priorities are Linux's")
+def test_low_and_idle_lower_every_thread_and_normal_none():
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert _priorities_after("normal") == [[base, os.SCHED_OTHER]] * 2
+    assert _priorities_after("low") == [[min(base + 4, 19), os.SCHED_OTHER]] * 2
+    assert _priorities_after("low", niceness=17) == [[19, os.SCHED_OTHER]] * 2  # capped at the lowest
+    assert [policy for _, policy in _priorities_after("idle")] == [os.SCHED_IDLE] * 2
