@@ -67,11 +67,16 @@ def test_a_killed_worker_counts_one_restart_and_its_loop_runs_again(ray_session)
         for _ in range(10):
             supervisor.check()
             time.sleep(0.02)
-    for _ in range(50):
+    loop = supervisor._loops[0]
+    while loop.revival is not None or not supervisor.restarts["rollout"]:  # its loop is called again
+        assert time.monotonic() < deadline
+        supervisor.check()
+        time.sleep(0.02)
+    for _ in range(50):  # and further checks count no further restart
         supervisor.check()
         time.sleep(0.02)
     assert supervisor.restarts["rollout"] == 1
-    assert not ray.wait([supervisor._loops[0].ref], timeout=0)[0]  # its loop was called again and runs
+    assert not ray.wait([loop.ref], timeout=0)[0]  # its loop was called again and runs
     ray.kill(actor, no_restart=True)
 
 
