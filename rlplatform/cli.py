@@ -59,10 +59,18 @@ def _run(args) -> int:
     config = _load(args)
     preflight.check(config, args.config)
     import psutil
+    import ray
 
+    from rlplatform.job.cluster import start_local_ray_while_loading
+
+    started_ray = start_local_ray_while_loading(config, "rlplatform.job.controller")
     from rlplatform.job.controller import run_job
 
-    summary = run_job(config, started_at=psutil.Process().create_time())
+    try:
+        summary = run_job(config, started_at=psutil.Process().create_time())
+    finally:
+        if started_ray:
+            ray.shutdown()  # after the job has written its summary and set its signal handlers back
     print(_result_line(summary))
     return summary.get("exit_code", 0)
 

@@ -9,7 +9,6 @@ writes `summary.json`, also when the job fails or a signal stops it (status `int
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import signal
@@ -23,16 +22,16 @@ from rlplatform.config import ConfigError, JobConfig, PolicyConfig, to_yaml
 from rlplatform.data import load_rows
 from rlplatform.devices import gpus_per_actor
 from rlplatform.job.checkpoint import checkpoints_dir, latest_checkpoint, read_state
+from rlplatform.job.cluster import cpus_needed, start_ray
 from rlplatform.job.rl_loop import Resume, run_rl
 from rlplatform.job.sft import run_sft
-from rlplatform.job.signals import Interrupted, StopSignals, sigterm_held
+from rlplatform.job.signals import Interrupted, StopSignals
 from rlplatform.job.supervision import MAX_RESTARTS
 from rlplatform.job.workers import Evaluator, PolicyWorkers, publish
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.monitoring.job_status import JobStatus
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.policy import load_tokenizer, save_initial_policy
-from rlplatform.priority import ray_workers_at_our_niceness
 from rlplatform.tokenization import encode_prompts, save_prompts, within_limit
 from rlplatform.transport.deadlines import LEARNER_TIMEOUT_S, JobFailed, LearnerDied
 from rlplatform.transport.redis_server import EmbeddedRedis, connect
@@ -134,15 +133,9 @@ def _start_services(config: JobConfig, resources: ExitStack) -> Tuple[str, Optio
     else:
         embedded = resources.enter_context(EmbeddedRedis(os.path.join(config.run_dir, "redis")))
         redis_url = embedded.url
-    needed = _cpus_needed(config)
-    if not ray.is_initialized():
-        if config.ray.address or os.environ.get("RAY_ADDRESS"):
-            ray.init(address=config.ray.address, include_dashboard=False)
-        else:
-            # Ray's processes (and the workers they start) ignore a SIGTERM to the group
-            with sigterm_held(), ray_workers_at_our_niceness():
-                ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(needed)), include_dashboard=False)
-    _check_cluster(config, needed)
+    if not ray.is_initialized():  # else `rlp run` started it (rlplatform.job.cluster), or the caller did
+        start_ray(config)
+    _check_cluster(config, cpus_needed(config))
     return redis_url, embedded
 
 
@@ -165,14 +158,6 @@ def _check_cluster(config: JobConfig, cpus: float) -> None:
                            f"(learner.num_gpus per rank, rollout.num_gpus per rollout worker and evaluator; 1 each "
                            f"on a GPU device unless set); set fractions such as learner.num_gpus: 0.5 and "
                            f"rollout.num_gpus: 0.25 to share a GPU, device: cpu, or give the cluster more GPUs")
-
-
-def _cpus_needed(config: JobConfig) -> float:
-    """Ray CPUs the job's actors reserve: reward workers, and per policy its ranks, rollout workers and evaluator."""
-    tools = config.env.tool_workers.num_workers * config.env.tool_workers.num_cpus if config.env.tools else 0.0
-    return tools + config.reward_workers.num_workers * config.reward_workers.num_cpus + sum(
-        p.learner.num_ranks * p.learner.num_cpus + (p.rollout.num_workers + 1) * p.rollout.num_cpus
-        for p in config.policy_list())
 
 
 def _custom_resources_needed(config: JobConfig) -> Dict[str, float]:

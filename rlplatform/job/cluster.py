@@ -1,0 +1,64 @@
+"""The job's Ray: joined, or started on this machine, with what the job's actors reserve.
+
+`rlp run` starts a local Ray here while another thread loads torch, transformers and the job's
+modules (`start_local_ray_while_loading`): Ray's processes start on the other cores meanwhile
+instead of after the imports. `run_job` joins a cluster, or starts Ray itself when run from Python.
+This module imports neither torch nor the job's modules.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import threading
+
+import ray
+
+from rlplatform.config import JobConfig
+from rlplatform.job.signals import sigterm_held
+from rlplatform.priority import ray_workers_at_our_niceness
+
+
+def joins_cluster(config: JobConfig) -> bool:
+    """Whether the job joins a running Ray cluster (`ray.address` or RAY_ADDRESS) rather than starting one."""
+    return bool(config.ray.address or os.environ.get("RAY_ADDRESS"))
+
+
+def start_ray(config: JobConfig) -> None:
+    """Join the job's Ray cluster, or start a local one holding at least the CPUs its actors reserve.
+    A local Ray's processes ignore a SIGTERM to the group (the job stops them after its checkpoint)
+    and start their workers at this process's niceness (rlplatform.priority)."""
+    if joins_cluster(config):
+        ray.init(address=config.ray.address, include_dashboard=False)
+        return
+    with sigterm_held(), ray_workers_at_our_niceness():
+        ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(cpus_needed(config))), include_dashboard=False)
+
+
+def start_local_ray_while_loading(config: JobConfig, module: str) -> bool:
+    """Import `module` on another thread while starting a local Ray here; whether Ray was started (not
+    when the job joins a cluster: `run_job` joins it, reporting an unreachable one in its summary)."""
+    loading = threading.Thread(target=_import, args=(module,), daemon=True)
+    loading.start()
+    started = not joins_cluster(config) and not ray.is_initialized()
+    if started:
+        start_ray(config)
+    loading.join()
+    return started
+
+
+def _import(module: str) -> None:
+    try:
+        importlib.import_module(module)
+    except BaseException:  # pragma: no cover - the caller's own import raises it again, in its thread
+        pass
+
+
+def cpus_needed(config: JobConfig) -> float:
+    """Ray CPUs the job's actors reserve: reward and tool workers, and per policy its ranks, rollout
+    workers and evaluator."""
+    tools = config.env.tool_workers.num_workers * config.env.tool_workers.num_cpus if config.env.tools else 0.0
+    return tools + config.reward_workers.num_workers * config.reward_workers.num_cpus + sum(
+        p.learner.num_ranks * p.learner.num_cpus + (p.rollout.num_workers + 1) * p.rollout.num_cpus
+        for p in config.policy_list())
