@@ -12,12 +12,14 @@ import importlib
 import math
 import os
 import threading
+from typing import Optional
 
 import ray
 
 from rlplatform.config import JobConfig
 from rlplatform.job.signals import sigterm_held
 from rlplatform.priority import ray_workers_at_our_niceness
+from rlplatform.transport.redis_server import RedisUnavailable, connect
 
 
 def joins_cluster(config: JobConfig) -> bool:
@@ -37,15 +39,27 @@ def start_ray(config: JobConfig) -> None:
 
 
 def start_local_ray_while_loading(config: JobConfig, module: str) -> bool:
-    """Import `module` on another thread while starting a local Ray here; whether Ray was started (not
-    when the job joins a cluster: `run_job` joins it, reporting an unreachable one in its summary)."""
+    """Import `module` on another thread while starting a local Ray here; whether Ray was started. It is
+    not when the job joins a cluster or its `redis.url` does not answer: `run_job` then joins the
+    cluster, or fails on Redis before any Ray starts, and reports either in its summary."""
     loading = threading.Thread(target=_import, args=(module,), daemon=True)
     loading.start()
-    started = not joins_cluster(config) and not ray.is_initialized()
+    started = not joins_cluster(config) and not ray.is_initialized() and _redis_answers(config.redis.url)
     if started:
         start_ray(config)
     loading.join()
     return started
+
+
+def _redis_answers(url: Optional[str]) -> bool:
+    """Whether the job's Redis answers (an embedded one, `url` unset, is started by the job)."""
+    if not url:
+        return True
+    try:
+        connect(url)
+        return True
+    except RedisUnavailable:
+        return False
 
 
 def _import(module: str) -> None:
