@@ -265,8 +265,8 @@ def main() -> None:
         f"{args.base_accuracy} (checked every 25 steps): {sft['accuracy']:.3f} after {sft['steps']} steps. Target: "
         f"starting accuracy + {args.gain}. Both systems: {PROMPTS} prompts x {GROUP} completions per step, lr {LR} "
         f"decaying linearly to 0, temperature 1, no KL term, held-out evaluation every {args.eval_every} steps "
-        f"(TRL's clock stops while it evaluates; rlplatform evaluates on a spare worker and dates each result when "
-        f"the evaluated version was published). Trained completions/s: TRL trains every completion it generates; "
+        f"(TRL's clock stops while it evaluates; rlplatform evaluates on a spare worker at idle CPU priority, "
+        f"`eval.priority`, and dates each result when the evaluated version was published). Trained completions/s: TRL trains every completion it generates; "
         f"rlplatform's figure counts only samples the learner trained on. End-to-end is the whole process, "
         f"start-up and evaluations included.", "",
         f"![held-out accuracy against training time]({os.path.basename(image)})", "", *sections])
