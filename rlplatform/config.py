@@ -262,7 +262,7 @@ class EvalConfig:
     greedy: bool = True  # greedy decoding; false samples at `temperature`
     temperature: float = above(1.0, 0)  # sampling temperature when greedy is false
     samples_per_prompt: int = at_least(1, 1)  # completions per prompt (pass@k for k = this; needs greedy: false when > 1)
-    priority: str = one_of("idle", "low", "normal")  # the evaluator's CPU priority: idle evaluates on CPU time training leaves
+    priority: str = one_of("idle", "low", "normal")  # the evaluator's CPU priority: idle (niceness 19) evaluates on CPU time training leaves
     # a completion passes when every role=reward entry scores 1, or only this reward entry (its name or fn label)
     pass_reward: Optional[str] = None
 

@@ -5,13 +5,13 @@ process at one niceness: a Ray the job starts itself, at the controller's (`ray_
 Ray's own default, 15, would put the learner below the controller and Redis and leave little room
 under it). Each producer calls `set_cpu_priority` with its `priority` setting as it starts: "low"
 (rollout, reward and tool workers by default) runs a few niceness levels below the learner, "idle"
-(the evaluator by default) only on CPU time nothing else wants, "normal" as the learner does.
+(the evaluator by default) at the lowest niceness, on what CPU time the rest leaves, "normal" as the
+learner does.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from contextlib import contextmanager
 from typing import Iterator, List
 
@@ -21,18 +21,17 @@ RAY_WORKER_NICENESS = "RAY_worker_niceness"  # read by the raylet Ray starts, fo
 
 
 def set_cpu_priority(priority: str) -> None:
-    """Lower this process's CPU priority to `priority` ("normal", "low" or "idle") on every thread: on
-    Linux niceness and scheduling policy are per thread (inherited by the threads each one starts).
-    "idle" is Linux's SCHED_IDLE, and "low" where that is missing."""
+    """Lower this process's CPU priority to `priority` on every thread (on Linux niceness is per thread,
+    inherited by the threads each one starts): "low" adds LOW_LEVELS niceness levels, "idle" takes 19,
+    the lowest niceness, "normal" leaves it. Neither can be undone without privileges; a process at 19
+    still gets a small share of a busy CPU, so an evaluation the job waits for never stalls."""
     if priority == "normal":
         return
     for thread in _threads():
         try:
-            if priority == "idle" and sys.platform == "linux":
-                os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
-            else:
-                niceness = os.getpriority(os.PRIO_PROCESS, thread)
-                os.setpriority(os.PRIO_PROCESS, thread, min(MAX_NICE, niceness + LOW_LEVELS))
+            niceness = os.getpriority(os.PRIO_PROCESS, thread)
+            wanted = MAX_NICE if priority == "idle" else niceness + LOW_LEVELS
+            os.setpriority(os.PRIO_PROCESS, thread, min(MAX_NICE, max(niceness, wanted)))
         except ProcessLookupError:  # the thread ended meanwhile
             pass
 

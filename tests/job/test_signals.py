@@ -111,12 +111,12 @@ def test_sigterm_to_the_group_checkpoints_summarises_and_stops_every_child(tmp_p
     log_text = (tmp_path / "log.txt").read_text()
     assert code == 143, log_text[-3000:]
     # while it trained: learner ranks at the job's own niceness (not Ray's 15), rollout and reward workers
-    # 4 levels below (rollout.priority, reward_workers.priority: low), the evaluator idle (eval.priority)
+    # 4 levels below (rollout.priority, reward_workers.priority: low), the evaluator at 19 (eval.priority: idle)
     nice = os.getpriority(os.PRIO_PROCESS, 0)
-    other, idle = os.SCHED_OTHER, os.SCHED_IDLE
+    other = os.SCHED_OTHER
     assert priorities["rlp"] == priorities["LearnerRank"] == {(nice, other)}, priorities
     assert priorities["RewardWorker"] == {(min(nice + 4, 19), other)}, priorities
-    assert priorities["RolloutWorker"] == {(min(nice + 4, 19), other), (nice, idle)}, priorities
+    assert priorities["RolloutWorker"] == {(min(nice + 4, 19), other), (19, other)}, priorities
     run_dir = tmp_path / "sigterm"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["exit_code"] == 143
