@@ -266,8 +266,9 @@ def main() -> None:
         f"starting accuracy + {args.gain}. Both systems: {PROMPTS} prompts x {GROUP} completions per step, lr {LR} "
         f"decaying linearly to 0, temperature 1, no KL term, held-out evaluation every {args.eval_every} steps "
         f"(TRL's clock stops while it evaluates; rlplatform evaluates on a spare worker at idle CPU priority, "
-        f"`eval.priority`, and dates each result when the evaluated version was published). Trained completions/s: TRL trains every completion it generates; "
-        f"rlplatform's figure counts only samples the learner trained on. End-to-end is the whole process, "
+        f"`eval.priority`, and dates each result when the evaluated version was published). Trained completions/s: "
+        f"TRL trains every completion it generates; rlplatform's figure counts only samples the learner trained on. "
+        f"End-to-end is the whole process, "
         f"start-up and evaluations included.", "",
         f"![held-out accuracy against training time]({os.path.basename(image)})", "", *sections])
     print(report)

@@ -29,9 +29,8 @@ def set_cpu_priority(priority: str) -> None:
         return
     for thread in _threads():
         try:
-            niceness = os.getpriority(os.PRIO_PROCESS, thread)
-            wanted = MAX_NICE if priority == "idle" else niceness + LOW_LEVELS
-            os.setpriority(os.PRIO_PROCESS, thread, min(MAX_NICE, max(niceness, wanted)))
+            lowered = MAX_NICE if priority == "idle" else os.getpriority(os.PRIO_PROCESS, thread) + LOW_LEVELS
+            os.setpriority(os.PRIO_PROCESS, thread, min(MAX_NICE, lowered))
         except ProcessLookupError:  # the thread ended meanwhile
             pass
 

@@ -65,7 +65,7 @@ def _redis_answers(url: Optional[str]) -> bool:
 def _import(module: str) -> None:
     try:
         importlib.import_module(module)
-    except BaseException:  # pragma: no cover - the caller's own import raises it again, in its thread
+    except BaseException:  # the caller's own import of `module` raises it again, in the caller's thread
         pass
 
 

@@ -73,15 +73,15 @@ def _start(tmp_path: Path, temp: str) -> subprocess.Popen:
 
 
 def _cpu_priorities(sid: int) -> dict:
-    """(niceness, scheduling policy) of each process of session `sid` by its title's actor class
+    """The nicenesses of the processes of session `sid`, by their title's actor class
     (`ray::RolloutWorker.run` -> RolloutWorker), or `rlp` for the job's own process."""
     found: dict = {}
-    for pid, title in _session(sid):
-        name = title.split(b"\0")[0].decode()
-        kind = "rlp" if name.endswith("/rlp") or title.split(b"\0")[1:2] == [RLP.encode()] else \
-            name[len("ray::"):].split(".")[0] if name.startswith("ray::") else None
+    for pid, _ in _session(sid):
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        kind = "rlp" if RLP.encode() in argv[:2] else \
+            argv[0].decode()[len("ray::"):].split(".")[0] if argv[0].startswith(b"ray::") else None
         if kind:
-            found.setdefault(kind, set()).add((os.getpriority(os.PRIO_PROCESS, pid), os.sched_getscheduler(pid)))
+            found.setdefault(kind, set()).add(os.getpriority(os.PRIO_PROCESS, pid))
     return found
 
 
@@ -113,10 +113,9 @@ def test_sigterm_to_the_group_checkpoints_summarises_and_stops_every_child(tmp_p
     # while it trained: learner ranks at the job's own niceness (not Ray's 15), rollout and reward workers
     # 4 levels below (rollout.priority, reward_workers.priority: low), the evaluator at 19 (eval.priority: idle)
     nice = os.getpriority(os.PRIO_PROCESS, 0)
-    other = os.SCHED_OTHER
-    assert priorities["rlp"] == priorities["LearnerRank"] == {(nice, other)}, priorities
-    assert priorities["RewardWorker"] == {(min(nice + 4, 19), other)}, priorities
-    assert priorities["RolloutWorker"] == {(min(nice + 4, 19), other), (19, other)}, priorities
+    assert priorities["rlp"] == priorities["LearnerRank"] == {nice}, priorities
+    assert priorities["RewardWorker"] == {min(nice + 4, 19)}, priorities
+    assert priorities["RolloutWorker"] == {min(nice + 4, 19), 19}, priorities
     run_dir = tmp_path / "sigterm"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["exit_code"] == 143
