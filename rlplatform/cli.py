@@ -59,18 +59,15 @@ def _run(args) -> int:
     config = _load(args)
     preflight.check(config, args.config)
     import psutil
-    import ray
 
     from rlplatform.job.cluster import start_local_ray_while_loading
 
-    started_ray = start_local_ray_while_loading(config, "rlplatform.job.controller")
+    start_local_ray_while_loading(config, "rlplatform.job.controller")
     from rlplatform.job.controller import run_job
 
-    try:
-        summary = run_job(config, started_at=psutil.Process().create_time())
-    finally:
-        if started_ray:
-            ray.shutdown()  # after the job has written its summary and set its signal handlers back
+    # the job shuts down the Ray started here too: before it sets back the signal handlers it found, which are
+    # Ray's own (a SIGTERM there would exit 15 without a word)
+    summary = run_job(config, started_at=psutil.Process().create_time(), shutdown_ray=True)
     print(_result_line(summary))
     return summary.get("exit_code", 0)
 

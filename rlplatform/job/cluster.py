@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import signal
 import threading
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import ray
 
@@ -30,25 +32,37 @@ def joins_cluster(config: JobConfig) -> bool:
 def start_ray(config: JobConfig) -> None:
     """Join the job's Ray cluster, or start a local one holding at least the CPUs its actors reserve.
     A local Ray's processes ignore a SIGTERM to the group (the job stops them after its checkpoint)
-    and start their workers at this process's niceness (rlplatform.priority)."""
+    and start their workers at this process's niceness (rlplatform.priority). The SIGTERM handler
+    stays the caller's (`ray.init` would put in one that exits with status 15)."""
     if joins_cluster(config):
-        ray.init(address=config.ray.address, include_dashboard=False)
+        with _sigterm_handler_kept():
+            ray.init(address=config.ray.address, include_dashboard=False)
         return
-    with sigterm_held(), ray_workers_at_our_niceness():
+    with _sigterm_handler_kept(), sigterm_held(), ray_workers_at_our_niceness():
         ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(cpus_needed(config))), include_dashboard=False)
 
 
-def start_local_ray_while_loading(config: JobConfig, module: str) -> bool:
-    """Import `module` on another thread while starting a local Ray here; whether Ray was started. It is
-    not when the job joins a cluster or its `redis.url` does not answer: `run_job` then joins the
-    cluster, or fails on Redis before any Ray starts, and reports either in its summary."""
+def start_local_ray_while_loading(config: JobConfig, module: str) -> None:
+    """Import `module` on another thread while starting a local Ray here. No Ray starts when the job
+    joins a cluster or its `redis.url` does not answer: `run_job` then joins the cluster, or fails on
+    Redis before any Ray starts, and reports either in its summary."""
     loading = threading.Thread(target=_import, args=(module,), daemon=True)
     loading.start()
-    started = not joins_cluster(config) and not ray.is_initialized() and _redis_answers(config.redis.url)
-    if started:
+    if not joins_cluster(config) and not ray.is_initialized() and _redis_answers(config.redis.url):
         start_ray(config)
     loading.join()
-    return started
+
+
+@contextmanager
+def _sigterm_handler_kept() -> Iterator[None]:
+    """The SIGTERM handler found on entry is set back on exit (handlers belong to the main thread)."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _redis_answers(url: Optional[str]) -> bool:

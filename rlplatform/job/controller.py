@@ -41,9 +41,11 @@ from rlplatform.transport.weight_store import WeightStore
 from rlplatform.transport.weight_streams import open_broadcast
 
 
-def run_job(config: JobConfig, started_at: Optional[float] = None) -> Dict:
+def run_job(config: JobConfig, started_at: Optional[float] = None, shutdown_ray: Optional[bool] = None) -> Dict:
     """Run the whole job; returns the summary that is also written to summary.json. `started_at`
-    (wall clock, default now) is when start-up began: `rlp run` passes its process's start."""
+    (wall clock, default now) is when start-up began: `rlp run` passes its process's start.
+    `shutdown_ray`: whether the job disconnects from Ray at its very end, while its signal handlers still
+    hold (default: when Ray was not initialized before, so the job starts or joins it itself)."""
     started_at = started_at or time.time()
     run_dir = config.run_dir
     os.makedirs(run_dir, exist_ok=True)
@@ -55,11 +57,12 @@ def run_job(config: JobConfig, started_at: Optional[float] = None) -> Dict:
     metrics: Optional[Metrics] = None
     resume = find_resume(config)
     stop = StopSignals()
-    joins_ray = not ray.is_initialized()  # then the job connects to Ray and disconnects at its end
+    if shutdown_ray is None:
+        shutdown_ray = not ray.is_initialized()
     try:
+        stop.install()  # kept until the summary is out and Ray is left
         with ExitStack() as resources:
             redis_url, embedded = _start_services(config, resources)
-            stop.install()  # after ray.init, which sets its own SIGTERM handler; kept until the summary is out
             summary["startup_s"]["services_ready_s"] = round(time.time() - started_at, 2)  # Redis and Ray up
             _record_redis_url(redis_url, run_dir)
             learners = {p.name: _start_learner(config, p) for p in config.policy_list()}  # set up in _start_policy
@@ -95,7 +98,7 @@ def run_job(config: JobConfig, started_at: Optional[float] = None) -> Dict:
                 metrics.summary(_flat(summary))
                 metrics.finish(failed=summary["status"] != "completed")
         finally:
-            if joins_ray and ray.is_initialized():
+            if shutdown_ray and ray.is_initialized():
                 ray.shutdown()  # last: it resets SIGTERM to the default beneath Python's handler
             stop.restore()  # and this sets the handlers the job found back
     return summary

@@ -1,10 +1,14 @@
 """StopSignals without a job: while polled the first signal only asks for a stop, a second one
-(or any signal outside the RL loop) raises `Interrupted`; exit codes follow 128 + signal."""
+(or any signal outside the RL loop) raises `Interrupted`; exit codes follow 128 + signal. Starting Ray
+leaves the caller's SIGTERM handler in place."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import tempfile
 
 import pytest
 
@@ -36,3 +40,25 @@ def test_a_signal_outside_the_rl_loop_raises_at_once_and_handlers_are_restored()
     finally:
         stop.restore()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_starting_ray_keeps_the_callers_sigterm_handler(tmp_path):
+    """`ray.init` puts in a SIGTERM handler that exits with status 15; a job's own handler (and, after the
+    job, the one it found) must stay, else a signal while Ray shuts down ends the job with 15."""
+    script = """
+import signal, sys, ray
+from rlplatform.config import load_config
+from rlplatform.job.cluster import start_ray
+
+def caller(signum, frame):
+    pass
+
+signal.signal(signal.SIGTERM, caller)
+start_ray(load_config())
+kept = signal.getsignal(signal.SIGTERM) is caller
+ray.shutdown()
+sys.exit(0 if kept else 3)
+"""
+    env = {**os.environ, "RAY_ADDRESS": "", "TMPDIR": tempfile.mkdtemp(prefix="t", dir="/tmp")}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
