@@ -7,6 +7,7 @@ config fails in a second with one line naming the file and key, and exit code 2.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from typing import List, Optional
@@ -57,12 +58,16 @@ def _run(args) -> int:
     elif args.config is None:
         raise ConfigError("rlp run: give a job YAML, or --resume runs/<name>")
     config = _load(args)
-    preflight.check(config, args.config)
+    preflight.check_without_models(config, args.config)
     import psutil
 
-    from rlplatform.job.cluster import start_local_ray_while_loading
+    from rlplatform.job.cluster import start_local_ray_while
 
-    start_local_ray_while_loading(config, "rlplatform.job.controller")
+    def load() -> None:  # what imports torch and transformers, on another thread while Ray starts
+        preflight.check_models(config, args.config)
+        importlib.import_module("rlplatform.job.controller")
+
+    start_local_ray_while(config, load)
     from rlplatform.job.controller import run_job
 
     # the job shuts down the Ray started here too: before it sets back the signal handlers it found, which are

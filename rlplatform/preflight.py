@@ -22,13 +22,23 @@ SLOW_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "vocab.txt")  # what a 
 
 def check(config: JobConfig, source: str) -> None:
     """Every pre-start check; raises `ConfigError` on the first problem."""
+    check_without_models(config, source)
+    check_models(config, source)
+
+
+def check_without_models(config: JobConfig, source: str) -> None:
+    """The checks that load no model config, so import neither torch nor transformers (but for vLLM)."""
     check_data(config, source)
+    check_engines(config, source)
+    check_ray_address(config, source)
+
+
+def check_models(config: JobConfig, source: str) -> None:
+    """Each pretrained policy's folder (`check_model`); imports transformers, and so torch."""
     for i, policy in enumerate(config.policy_list()):
         if policy.model.kind == "pretrained":
             prefix = f"policies[{i}]." if config.policies else ""
             check_model(policy.model.path, f"{prefix}model.path", source)
-    check_engines(config, source)
-    check_ray_address(config, source)
 
 
 def check_engines(config: JobConfig, source: str) -> None:

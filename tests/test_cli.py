@@ -167,6 +167,20 @@ def test_a_model_folder_that_cannot_load_is_named(tmp_path, tiny_policy, broken,
     assert_stopped_before_start(result, tmp_path, "'model.path'", expected)
 
 
+def test_run_checks_the_model_folder_while_ray_starts_and_stops_before_the_job(tmp_path, tiny_policy):
+    """`rlp run` loads the model config on another thread while Ray starts; a folder that does not load
+    still ends it with exit 2 and the config error last, before any run directory."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_policy, model)
+    (model / "config.json").write_text(json.dumps({"model_type": "no-such-model"}))
+    result = rlp("run", str(REPO / "configs" / "quickstart.yaml"), "model.kind=pretrained", f"model.path={model}",
+                 f"output_dir={tmp_path / 'runs'}", cwd=tmp_path)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    last = stderr_lines(result)[-1]
+    assert last.startswith("rlp: config error: ") and "'model.path'" in last and "the config at" in last, last
+    assert "Traceback" not in result.stderr and not (tmp_path / "runs").exists()
+
+
 def test_a_job_failure_is_one_line_without_a_traceback(monkeypatch, capsys):
     from rlplatform import cli
     from rlplatform.transport.deadlines import JobFailed

@@ -1,20 +1,19 @@
 """The job's Ray: joined, or started on this machine, with what the job's actors reserve.
 
 `rlp run` starts a local Ray here while another thread loads torch, transformers and the job's
-modules (`start_local_ray_while_loading`): Ray's processes start on the other cores meanwhile
-instead of after the imports. `run_job` joins a cluster, or starts Ray itself when run from Python.
+modules and checks its model folders (`start_local_ray_while`): Ray's processes start on the other
+cores meanwhile instead of after the imports. `run_job` joins a cluster, or starts Ray itself when run from Python.
 This module imports neither torch nor the job's modules.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import signal
 import threading
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Callable, Iterator, List, Optional
 
 import ray
 
@@ -42,15 +41,29 @@ def start_ray(config: JobConfig) -> None:
         ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(cpus_needed(config))), include_dashboard=False)
 
 
-def start_local_ray_while_loading(config: JobConfig, module: str) -> None:
-    """Import `module` on another thread while starting a local Ray here. No Ray starts when the job
-    joins a cluster or its `redis.url` does not answer: `run_job` then joins the cluster, or fails on
-    Redis before any Ray starts, and reports either in its summary."""
-    loading = threading.Thread(target=_import, args=(module,), daemon=True)
-    loading.start()
-    if not joins_cluster(config) and not ray.is_initialized() and _redis_answers(config.redis.url):
+def start_local_ray_while(config: JobConfig, work: Callable[[], None]) -> None:
+    """Run `work` on another thread while starting a local Ray here. No Ray starts when the job joins
+    a cluster or its `redis.url` does not answer: `run_job` then joins the cluster, or fails on Redis
+    before any Ray starts, and reports either in its summary. When `work` raises, the Ray started here
+    is shut down and its error raised here."""
+    failed: List[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as err:
+            failed.append(err)
+
+    working = threading.Thread(target=run, daemon=True)
+    working.start()
+    started = not joins_cluster(config) and not ray.is_initialized() and _redis_answers(config.redis.url)
+    if started:
         start_ray(config)
-    loading.join()
+    working.join()
+    if failed:
+        if started:
+            ray.shutdown()
+        raise failed[0]
 
 
 @contextmanager
@@ -74,13 +87,6 @@ def _redis_answers(url: Optional[str]) -> bool:
         return True
     except RedisUnavailable:
         return False
-
-
-def _import(module: str) -> None:
-    try:
-        importlib.import_module(module)
-    except BaseException:  # the caller's own import of `module` raises it again, in the caller's thread
-        pass
 
 
 def cpus_needed(config: JobConfig) -> float:

@@ -14,6 +14,7 @@ import shutil
 import signal
 import time
 from contextlib import ExitStack
+from functools import partial
 from typing import Dict, List, Optional, Tuple
 
 import ray
@@ -279,9 +280,9 @@ def _start_tool_workers(config: JobConfig, redis_url: str, client) -> List:
 def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup, train_rows, test_rows,
                   redis_url: str, client) -> PolicyWorkers:
     """A policy's initial weights on disk, its learner ranks, rollout workers and evaluator (the last
-    rollout actor). Actors are named `<job>-<policy>-rollout-<i>`, `<job>-<policy>-learner-<rank>` and
-    `<job>-<policy>-weights`; rollout workers find the weight store and their prompts file by name, so
-    no restartable actor's constructor arguments sit in the object store.
+    rollout actor, started on first use: `Evaluator`). Actors are named `<job>-<policy>-rollout-<i>`,
+    `<job>-<policy>-learner-<rank>` and `<job>-<policy>-weights`; rollout workers find the weight store
+    and their prompts file by name, so no restartable actor's constructor arguments sit in the object store.
 
     `learner`'s ranks started with the services (`_start_learner`): their processes import torch and
     DeepSpeed while W&B starts, the policy is written and the prompts encoded. With SFT first, the
@@ -293,18 +294,20 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup
     prompts_path = save_prompts(train, os.path.join(config.policy_dir(policy.name), "train_prompts.jsonl"))
     store_name = f"{config.name}-{policy.name}-weights"
     store = WeightStore.options(name=store_name).remote()
+    start_rollout = partial(_start_rollout_actor, config, policy, model_path, prompts_path, redis_url, store_name)
     if policy.sft.enabled:
         learner.set_up()
-        rollout = _start_rollout_actors(config, policy, model_path, prompts_path, redis_url, store_name)
+        rollout = [start_rollout(i, policy.rollout.priority) for i in range(policy.rollout.num_workers)]
     else:
-        rollout = _start_rollout_actors(config, policy, model_path, prompts_path, redis_url, store_name)
+        rollout = [start_rollout(i, policy.rollout.priority) for i in range(policy.rollout.num_workers)]
         learner.set_up()
     learner.connect_results(redis_url, config.name)
     if policy.weights.transport == "broadcast":
         open_broadcast(learner.ranks[0], rollout, redis_url, PolicyKeys(config.name, policy.name).version,
                        policy.weights.bucket_mb, LEARNER_TIMEOUT_S)
     gate = RolloutGate(client, config.name, policy.rl.max_staleness, policy.rl.batch_prompts, policy.name)
-    evaluator = Evaluator(rollout.pop(), test, config.eval, config.rewards, config.imports)
+    evaluator = Evaluator(partial(start_rollout, policy.rollout.num_workers, config.eval.priority), test, config.eval,
+                          config.rewards, config.imports)
     return PolicyWorkers(policy, learner, rollout, store, gate, evaluator, PolicyKeys(config.name, policy.name),
                          [p.row for p in train], data)
 
@@ -321,19 +324,18 @@ def _start_learner(config: JobConfig, policy: PolicyConfig) -> LearnerGroup:
                         lora=policy.model.lora, set_up=False)
 
 
-def _start_rollout_actors(config: JobConfig, policy: PolicyConfig, model_path: str, prompts_path: str, redis_url: str,
-                          store_name: str) -> List:
-    """The policy's rollout workers and, last, its evaluator: `rollout.num_workers` + 1 actors, which
-    read their prompts from `prompts_path` and find the weight store by `store_name`."""
+def _start_rollout_actor(config: JobConfig, policy: PolicyConfig, model_path: str, prompts_path: str, redis_url: str,
+                         store_name: str, index: int, priority: str):
+    """Rollout actor `index` of the policy (its evaluator is index `rollout.num_workers`): it reads its
+    prompts from `prompts_path` and finds the weight store by `store_name`."""
     from rlplatform.actors.rollout import RolloutActor
 
     gpus = gpus_per_actor(policy.rollout.device, policy.rollout.num_gpus, ray.cluster_resources().get("GPU", 0.0))
-    return [RolloutActor.options(num_cpus=policy.rollout.num_cpus, num_gpus=gpus, resources=policy.rollout.resources,
-                                 max_restarts=MAX_RESTARTS, name=f"{config.name}-{policy.name}-rollout-{i}").remote(
-        i, policy.name, model_path, prompts_path, policy.rl, policy.rollout, redis_url, config.name, store_name, config.seed,
-        policy.model.dtype, policy.weights.transport, policy.model.lora, config.data.chat_template, config.env,
-        policy.rollout.priority if i < policy.rollout.num_workers else config.eval.priority)
-        for i in range(policy.rollout.num_workers + 1)]
+    return RolloutActor.options(num_cpus=policy.rollout.num_cpus, num_gpus=gpus, resources=policy.rollout.resources,
+                                max_restarts=MAX_RESTARTS, name=f"{config.name}-{policy.name}-rollout-{index}").remote(
+        index, policy.name, model_path, prompts_path, policy.rl, policy.rollout, redis_url, config.name, store_name,
+        config.seed, policy.model.dtype, policy.weights.transport, policy.model.lora, config.data.chat_template,
+        config.env, priority)
 
 
 def _encode_prompts(config: JobConfig, model_path: str, train_rows, test_rows):
@@ -351,14 +353,19 @@ def _encode_prompts(config: JobConfig, model_path: str, train_rows, test_rows):
 
 def _supervised_stage(config: JobConfig, workers: PolicyWorkers, train_rows, metrics: Metrics, client,
                       result: Dict) -> None:
-    """SFT (when enabled), then version 0 published and evaluated."""
+    """SFT (when enabled), then version 0 published and evaluated (in the background when RL follows)."""
     if workers.config.sft.enabled:
         stage = "sft" if not config.policies else f"{workers.name}/sft"
         result["stages"]["sft"] = run_sft(workers.config.sft, workers.learner, workers.sft_rows, metrics,
                                           config.seed, stage,
                                           lambda: workers.evaluator.score(workers.learner.publish_weights()))
     publish(workers, client, 0)
-    result["eval"]["after_sft"] = _evaluate(workers, metrics, "after_sft")
+    if workers.config.rl.enabled and not workers.config.sft.enabled:  # the evaluator is not started yet: it
+        # evaluates version 0 while RL runs, and the RL stage waits for the figures at its end
+        workers.evaluator.start_baseline(workers.learner.publish_weights(), lambda figures: result["eval"].update(
+            after_sft=_report(workers, metrics, "after_sft", 0, figures)))
+    else:
+        result["eval"]["after_sft"] = _evaluate(workers, metrics, "after_sft")
 
 
 def _rl_stage(config: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, reward_actors: List,
@@ -370,6 +377,7 @@ def _rl_stage(config: JobConfig, policies: List[PolicyWorkers], queue: RewardQue
         results[workers.name]["stages"]["rl"] = {"steps": rl["steps"], "wall_s": rl["wall_s"]}
         results[workers.name]["rl"] = {**rl, "wandb_dir": metrics.wandb_dir}
         if not stop.requested:
+            workers.evaluator.finish_baseline()
             results[workers.name]["eval"]["after_rl"] = _evaluate(workers, metrics, "after_rl")
 
 
@@ -377,14 +385,19 @@ def _stop(policies: List[PolicyWorkers], reward_actors: List) -> None:
     for actor in reward_actors:
         ray.kill(actor)
     for workers in policies:
-        for actor in workers.rollout + [workers.evaluator.actor, workers.weight_store]:
-            ray.kill(actor)
+        for actor in workers.rollout + [workers.evaluator.started_actor, workers.weight_store]:
+            if actor is not None:
+                ray.kill(actor)
         workers.learner.shutdown()
 
 
 def _evaluate(workers: PolicyWorkers, metrics: Metrics, label: str) -> Dict:
     """The policy's newest published weights on the held-out prompts, scored by the job's rewards."""
-    version, figures = workers.evaluator.run_now()
+    return _report(workers, metrics, label, *workers.evaluator.run_now())
+
+
+def _report(workers: PolicyWorkers, metrics: Metrics, label: str, version: int, figures: Dict) -> Dict:
+    """An evaluation's console line; its figures with the version evaluated."""
     config = workers.evaluator.config
     how = "greedy" if config.greedy else f"{config.samples_per_prompt} sampled per prompt"
     metrics.console.note(f"eval {workers.name} {label}: pass@1 {figures['pass_at_1']:.3f}, reward "

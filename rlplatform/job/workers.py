@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import ray
 from ray.exceptions import RayActorError
@@ -26,40 +26,79 @@ class Evaluator:
     """A spare rollout worker that evaluates held-out prompts, scored by the job's rewards, without
     stopping training. Results are the figures of `rlplatform.monitoring.evaluation`.
 
-    Ray restarts its actor when its process dies; the evaluation it was running starts again once
-    the actor answers."""
+    Its actor starts on first use (`start_actor`): a job without SFT first needs it after its first
+    RL step, so the evaluator's process loads torch and the model while RL runs, not while the
+    workers the first step waits for start. It then evaluates the starting weights in the
+    background (`start_baseline`). Ray restarts the actor when its process dies; the evaluation it
+    was running starts again once the actor answers."""
 
-    def __init__(self, actor, prompts: List[Prompt], config: EvalConfig, rewards: List[RewardSpec],
-                 imports: List[str]) -> None:
-        self.actor, self.prompts, self.config = actor, prompts, config
-        self.rewards, self.imports = rewards, imports
-        self._pending = None
+    def __init__(self, start_actor: Callable[[], Any], prompts: List[Prompt], config: EvalConfig,
+                 rewards: List[RewardSpec], imports: List[str]) -> None:
+        self._start_actor, self._actor = start_actor, None
+        self.prompts, self.config, self.rewards, self.imports = prompts, config, rewards, imports
+        self._pending: Optional[ray.ObjectRef] = None  # a background evaluation of the newest weights
+        self._baseline: Optional[Tuple[ray.ObjectRef, Callable[[Dict], None]]] = None  # (weights, their callback)
+        self._baseline_pending: Optional[ray.ObjectRef] = None  # its evaluation, ahead of `_pending` on the actor
         self._revival: Optional[Revival] = None  # the actor died: it is restarting
         self.last_accuracy: Optional[float] = None  # pass@1 of the newest finished evaluation
         self.restarts = 0
 
+    @property
+    def actor(self):
+        """The evaluator's rollout actor, started on first use."""
+        if self._actor is None:
+            self._actor = self._start_actor()
+        return self._actor
+
+    @property
+    def started_actor(self):
+        """The actor if it was started, else None."""
+        return self._actor
+
     def _call(self):
         return self.actor.evaluate_latest.remote(self.prompts, self.config, self.rewards, self.imports)
 
-    def run_now(self) -> Tuple[int, Dict]:
+    def _call_on(self, snapshot: ray.ObjectRef):
+        return self.actor.evaluate_snapshot.remote(snapshot, self.prompts, self.config, self.rewards, self.imports)
+
+    def _get(self, call: Callable[[], ray.ObjectRef], made: Optional[ray.ObjectRef] = None):
+        """The result of `call` (or of `made`, a call already made), made again after each restart."""
         if self._revival is not None:  # died during a background evaluation
             self._revival.wait()
-            self._revival = None
+            self._revival, made = None, None
+        ref = made if made is not None else call()
         while True:
             try:
-                version, figures = deadline_get(self._call(), "the evaluator", EVAL_TIMEOUT_S)
-                self.last_accuracy = figures["accuracy"]
-                return version, figures
+                return deadline_get(ref, "the evaluator", EVAL_TIMEOUT_S)
             except RayActorError:
                 self._restarted()
                 self._revival.wait()
-                self._revival = None
+                self._revival, ref = None, call()
+
+    def run_now(self) -> Tuple[int, Dict]:
+        """(version, figures) of the newest published weights, evaluated now."""
+        version, figures = self._get(self._call)
+        self.last_accuracy = figures["accuracy"]
+        return version, figures
 
     def score(self, snapshot: ray.ObjectRef) -> float:
         """Held-out pass@1 of weights not published as a version (an SFT stage in progress)."""
-        figures = deadline_get(self.actor.evaluate_snapshot.remote(snapshot, self.prompts, self.config, self.rewards,
-                                                                   self.imports), "the evaluator", EVAL_TIMEOUT_S)
-        return figures["accuracy"]
+        return self._get(lambda: self._call_on(snapshot))["accuracy"]
+
+    def start_baseline(self, snapshot: ray.ObjectRef, done: Callable[[Dict], None]) -> None:
+        """Evaluate `snapshot`, the weights RL starts from, in the background from the next `poll` on
+        (the first comes after the first RL step), ahead of any `start`; `poll` hands its figures to
+        `done`, or `finish_baseline` waits for them."""
+        self._baseline = (snapshot, done)
+
+    def finish_baseline(self) -> None:
+        """Wait for the baseline's figures (none when none was started, or they are in)."""
+        if self._baseline is None:
+            return
+        snapshot, done = self._baseline
+        figures = self._get(lambda: self._call_on(snapshot), self._baseline_pending)
+        self._baseline, self._baseline_pending = None, None
+        done(figures)
 
     def start(self) -> None:
         """Begin evaluating the newest weights in the background, unless one is under way."""
@@ -67,19 +106,28 @@ class Evaluator:
             self._pending = self._call()
 
     def poll(self) -> Optional[Tuple[int, Dict]]:
-        """(version, figures) of a finished background evaluation, else None."""
-        if self._revival is not None and self._revival.ready():
-            self._revival, self._pending = None, self._call()
-        if self._pending is None or not ray.wait([self._pending], timeout=0)[0]:
-            return None
+        """(version, figures) of a finished background evaluation of the newest weights, else None. The
+        baseline's figures go to its callback."""
+        if self._revival is not None:
+            if not self._revival.ready():
+                return None
+            self._revival = None
+        if self._baseline is not None and self._baseline_pending is None:
+            self._baseline_pending = self._call_on(self._baseline[0])
         try:
+            if self._baseline_pending is not None and ray.wait([self._baseline_pending], timeout=0)[0]:
+                figures, done = ray.get(self._baseline_pending), self._baseline[1]
+                self._baseline, self._baseline_pending = None, None
+                done(figures)
+            if self._pending is None or not ray.wait([self._pending], timeout=0)[0]:
+                return None
             version, figures = ray.get(self._pending)
-        except RayActorError:
+        except RayActorError:  # both calls are lost; the baseline's is made again once the actor answers
             self._restarted()
-            self._pending = None
+            self._pending = self._baseline_pending = None
             return None
-        self.last_accuracy = figures["accuracy"]
         self._pending = None
+        self.last_accuracy = figures["accuracy"]
         return version, figures
 
     def _restarted(self) -> None:

@@ -92,7 +92,8 @@ def _signal_group(job: subprocess.Popen, tmp_path: Path, run_files, signals: int
     try:
         run_files.wait_for(lambda: run_files.trained_steps(str(run_dir)) >= 1, timeout_s=300)
         redis_pid, redis_dir = _redis_child(run_dir)
-        if priorities is not None:
+        if priorities is not None:  # once the evaluator, started after the first step, has evaluated the start
+            run_files.wait_for(lambda: "eval policy after_sft" in (tmp_path / "log.txt").read_text(), timeout_s=120)
             priorities.update(_cpu_priorities(job.pid))
         for _ in range(signals):
             os.killpg(job.pid, signal.SIGTERM)
