@@ -280,7 +280,7 @@ def _start_tool_workers(config: JobConfig, redis_url: str, client) -> List:
 def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup, train_rows, test_rows,
                   redis_url: str, client) -> PolicyWorkers:
     """A policy's initial weights on disk, its learner ranks, rollout workers and evaluator (the last
-    rollout actor, started on first use: `Evaluator`). Actors are named `<job>-<policy>-rollout-<i>`,
+    rollout actor, started last: `Evaluator`). Actors are named `<job>-<policy>-rollout-<i>`,
     `<job>-<policy>-learner-<rank>` and `<job>-<policy>-weights`; rollout workers find the weight store
     and their prompts file by name, so no restartable actor's constructor arguments sit in the object store.
 
@@ -301,13 +301,13 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup
     else:
         rollout = [start_rollout(i, policy.rollout.priority) for i in range(policy.rollout.num_workers)]
         learner.set_up()
+    evaluator = Evaluator(start_rollout(policy.rollout.num_workers, config.eval.priority), test, config.eval,
+                          config.rewards, config.imports)  # after the learner's set-up (`Evaluator`)
     learner.connect_results(redis_url, config.name)
     if policy.weights.transport == "broadcast":
-        open_broadcast(learner.ranks[0], rollout, redis_url, PolicyKeys(config.name, policy.name).version,
-                       policy.weights.bucket_mb, LEARNER_TIMEOUT_S)
+        open_broadcast(learner.ranks[0], rollout + [evaluator.actor], redis_url,
+                       PolicyKeys(config.name, policy.name).version, policy.weights.bucket_mb, LEARNER_TIMEOUT_S)
     gate = RolloutGate(client, config.name, policy.rl.max_staleness, policy.rl.batch_prompts, policy.name)
-    evaluator = Evaluator(partial(start_rollout, policy.rollout.num_workers, config.eval.priority), test, config.eval,
-                          config.rewards, config.imports)
     return PolicyWorkers(policy, learner, rollout, store, gate, evaluator, PolicyKeys(config.name, policy.name),
                          [p.row for p in train], data)
 
@@ -360,7 +360,7 @@ def _supervised_stage(config: JobConfig, workers: PolicyWorkers, train_rows, met
                                           config.seed, stage,
                                           lambda: workers.evaluator.score(workers.learner.publish_weights()))
     publish(workers, client, 0)
-    if workers.config.rl.enabled and not workers.config.sft.enabled:  # the evaluator is not started yet: it
+    if workers.config.rl.enabled and not workers.config.sft.enabled:  # the evaluator is still starting: it
         # evaluates version 0 while RL runs, and the RL stage waits for the figures at its end
         workers.evaluator.start_baseline(workers.learner.publish_weights(), lambda figures: result["eval"].update(
             after_sft=_report(workers, metrics, "after_sft", 0, figures)))
@@ -385,9 +385,8 @@ def _stop(policies: List[PolicyWorkers], reward_actors: List) -> None:
     for actor in reward_actors:
         ray.kill(actor)
     for workers in policies:
-        for actor in workers.rollout + [workers.evaluator.started_actor, workers.weight_store]:
-            if actor is not None:
-                ray.kill(actor)
+        for actor in workers.rollout + [workers.evaluator.actor, workers.weight_store]:
+            ray.kill(actor)
         workers.learner.shutdown()
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import ray
 from ray.exceptions import RayActorError
@@ -26,34 +26,20 @@ class Evaluator:
     """A spare rollout worker that evaluates held-out prompts, scored by the job's rewards, without
     stopping training. Results are the figures of `rlplatform.monitoring.evaluation`.
 
-    Its actor starts on first use (`start_actor`): a job without SFT first needs it after its first
-    RL step, so the evaluator's process loads torch and the model while RL runs, not while the
-    workers the first step waits for start. It then evaluates the starting weights in the
-    background (`start_baseline`). Ray restarts the actor when its process dies; the evaluation it
-    was running starts again once the actor answers."""
+    Without SFT it is started once the learner is set up, so its start-up (torch, the model) runs
+    beside the first RL step rather than beside the workers that step waits for, and it evaluates the
+    starting weights in the background (`start_baseline`). Ray restarts the actor when its process
+    dies; the evaluation it was running starts again once the actor answers."""
 
-    def __init__(self, start_actor: Callable[[], Any], prompts: List[Prompt], config: EvalConfig,
-                 rewards: List[RewardSpec], imports: List[str]) -> None:
-        self._start_actor, self._actor = start_actor, None
-        self.prompts, self.config, self.rewards, self.imports = prompts, config, rewards, imports
+    def __init__(self, actor, prompts: List[Prompt], config: EvalConfig, rewards: List[RewardSpec],
+                 imports: List[str]) -> None:
+        self.actor, self.prompts, self.config, self.rewards, self.imports = actor, prompts, config, rewards, imports
         self._pending: Optional[ray.ObjectRef] = None  # a background evaluation of the newest weights
         self._baseline: Optional[Tuple[ray.ObjectRef, Callable[[Dict], None]]] = None  # (weights, their callback)
-        self._baseline_pending: Optional[ray.ObjectRef] = None  # its evaluation, ahead of `_pending` on the actor
+        self._baseline_pending: Optional[ray.ObjectRef] = None  # its evaluation, on the actor behind `_pending`
         self._revival: Optional[Revival] = None  # the actor died: it is restarting
         self.last_accuracy: Optional[float] = None  # pass@1 of the newest finished evaluation
         self.restarts = 0
-
-    @property
-    def actor(self):
-        """The evaluator's rollout actor, started on first use."""
-        if self._actor is None:
-            self._actor = self._start_actor()
-        return self._actor
-
-    @property
-    def started_actor(self):
-        """The actor if it was started, else None."""
-        return self._actor
 
     def _call(self):
         return self.actor.evaluate_latest.remote(self.prompts, self.config, self.rewards, self.imports)
@@ -86,9 +72,9 @@ class Evaluator:
         return self._get(lambda: self._call_on(snapshot))["accuracy"]
 
     def start_baseline(self, snapshot: ray.ObjectRef, done: Callable[[Dict], None]) -> None:
-        """Evaluate `snapshot`, the weights RL starts from, in the background from the next `poll` on
-        (the first comes after the first RL step), ahead of any `start`; `poll` hands its figures to
-        `done`, or `finish_baseline` waits for them."""
+        """Evaluate `snapshot`, the weights RL starts from, in the background: behind the first evaluation
+        `start` begins (at once when `eval.every_steps` is 0), so the in-run curve is not held up. `poll`
+        hands its figures to `done`, or `finish_baseline` waits for them."""
         self._baseline = (snapshot, done)
 
     def finish_baseline(self) -> None:
@@ -104,6 +90,11 @@ class Evaluator:
         """Begin evaluating the newest weights in the background, unless one is under way."""
         if self._pending is None and self._revival is None:
             self._pending = self._call()
+            self._start_baseline_call()
+
+    def _start_baseline_call(self) -> None:
+        if self._baseline is not None and self._baseline_pending is None:
+            self._baseline_pending = self._call_on(self._baseline[0])
 
     def poll(self) -> Optional[Tuple[int, Dict]]:
         """(version, figures) of a finished background evaluation of the newest weights, else None. The
@@ -112,8 +103,8 @@ class Evaluator:
             if not self._revival.ready():
                 return None
             self._revival = None
-        if self._baseline is not None and self._baseline_pending is None:
-            self._baseline_pending = self._call_on(self._baseline[0])
+        if not self.config.every_steps:
+            self._start_baseline_call()
         try:
             if self._baseline_pending is not None and ray.wait([self._baseline_pending], timeout=0)[0]:
                 figures, done = ray.get(self._baseline_pending), self._baseline[1]
@@ -122,7 +113,7 @@ class Evaluator:
             if self._pending is None or not ray.wait([self._pending], timeout=0)[0]:
                 return None
             version, figures = ray.get(self._pending)
-        except RayActorError:  # both calls are lost; the baseline's is made again once the actor answers
+        except RayActorError:  # both calls are lost; the baseline's is made again with the next `start`
             self._restarted()
             self._pending = self._baseline_pending = None
             return None
