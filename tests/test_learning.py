@@ -52,7 +52,9 @@ def rl_from(checkpoint, tmp_path, *overrides: str):
     model_path = checkpoint[0]
     return run_job(load_config(QUICKSTART, TASK + [
         f"output_dir={tmp_path}", "name=rl", "sft.enabled=false", "model.kind=pretrained", f"model.path={model_path}",
-        f"rl.max_steps={RL_STEPS}", "eval.every_steps=10", *overrides]))
+        f"rl.max_steps={RL_STEPS}", "eval.every_steps=10",
+        "eval.priority=normal",  # its in-run evaluations within 40 steps, beside the other tests on 2 cores
+        *overrides]))
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "rloo"])

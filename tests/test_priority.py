@@ -1,5 +1,6 @@
 """CPU priorities: `set_cpu_priority` lowers every thread of its process (on Linux niceness is per
-thread). tests/job/test_signals.py checks a real job's actors."""
+thread), and the evaluator's process takes its priority before loading torch. tests/job/test_signals.py checks
+a real job's actors."""
 
 from __future__ import annotations
 
@@ -38,3 +39,32 @@ def test_low_and_idle_lower_every_thread_and_normal_none():
     assert _priorities_after("low") == [min(base + 4, 19)] * 2
     assert _priorities_after("low", niceness=17) == [19] * 2  # capped at the lowest
     assert _priorities_after("idle") == [19] * 2
+
+
+EVALUATOR_CHILD = """
+import json, os, sys
+seen = {}
+
+class Watch:  # notes this process's niceness when torch is first imported
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            seen.setdefault("torch", os.getpriority(os.PRIO_PROCESS, 0))
+        return None
+
+sys.meta_path.insert(0, Watch())
+from rlplatform.actors.evaluator import EvaluatorWorker
+seen["module"] = "torch" in sys.modules
+try:
+    EvaluatorWorker("idle")  # no rollout worker arguments: it fails once the worker's module is loaded
+except TypeError:
+    pass
+print(json.dumps(seen))
+"""
+
+
+def test_the_evaluator_takes_its_priority_before_it_loads_torch():
+    """Ray imports an actor's module before its constructor runs: the evaluator's module loads no torch, and
+    its constructor lowers the process before it loads the rollout worker's module, which loads torch."""
+    out = subprocess.run([sys.executable, "-c", EVALUATOR_CHILD], capture_output=True, text=True, check=True,
+                         timeout=120).stdout
+    assert json.loads(out) == {"module": False, "torch": 19}

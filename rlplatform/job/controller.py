@@ -297,11 +297,11 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup
     start_rollout = partial(_start_rollout_actor, config, policy, model_path, prompts_path, redis_url, store_name)
     if policy.sft.enabled:
         learner.set_up()
-        rollout = [start_rollout(i, policy.rollout.priority) for i in range(policy.rollout.num_workers)]
+        rollout = [start_rollout(i) for i in range(policy.rollout.num_workers)]
     else:
-        rollout = [start_rollout(i, policy.rollout.priority) for i in range(policy.rollout.num_workers)]
+        rollout = [start_rollout(i) for i in range(policy.rollout.num_workers)]
         learner.set_up()
-    evaluator = Evaluator(start_rollout(policy.rollout.num_workers, config.eval.priority), test, config.eval,
+    evaluator = Evaluator(start_rollout(policy.rollout.num_workers), test, config.eval,
                           config.rewards, config.imports)  # after the learner's set-up (`Evaluator`)
     learner.connect_results(redis_url, config.name)
     if policy.weights.transport == "broadcast":
@@ -325,17 +325,22 @@ def _start_learner(config: JobConfig, policy: PolicyConfig) -> LearnerGroup:
 
 
 def _start_rollout_actor(config: JobConfig, policy: PolicyConfig, model_path: str, prompts_path: str, redis_url: str,
-                         store_name: str, index: int, priority: str):
-    """Rollout actor `index` of the policy (its evaluator is index `rollout.num_workers`): it reads its
-    prompts from `prompts_path` and finds the weight store by `store_name`."""
+                         store_name: str, index: int):
+    """Rollout actor `index` of the policy, or its evaluator at index `rollout.num_workers` (an
+    `EvaluatorActor`, at `eval.priority` from its first import): it reads its prompts from `prompts_path`
+    and finds the weight store by `store_name`."""
+    from rlplatform.actors.evaluator import EvaluatorActor
     from rlplatform.actors.rollout import RolloutActor
 
     gpus = gpus_per_actor(policy.rollout.device, policy.rollout.num_gpus, ray.cluster_resources().get("GPU", 0.0))
-    return RolloutActor.options(num_cpus=policy.rollout.num_cpus, num_gpus=gpus, resources=policy.rollout.resources,
-                                max_restarts=MAX_RESTARTS, name=f"{config.name}-{policy.name}-rollout-{index}").remote(
-        index, policy.name, model_path, prompts_path, policy.rl, policy.rollout, redis_url, config.name, store_name,
-        config.seed, policy.model.dtype, policy.weights.transport, policy.model.lora, config.data.chat_template,
-        config.env, priority)
+    options = dict(num_cpus=policy.rollout.num_cpus, num_gpus=gpus, resources=policy.rollout.resources,
+                   max_restarts=MAX_RESTARTS, name=f"{config.name}-{policy.name}-rollout-{index}")
+    args = (index, policy.name, model_path, prompts_path, policy.rl, policy.rollout, redis_url, config.name, store_name,
+            config.seed, policy.model.dtype, policy.weights.transport, policy.model.lora, config.data.chat_template,
+            config.env)
+    if index == policy.rollout.num_workers:
+        return EvaluatorActor.options(**options).remote(config.eval.priority, *args)
+    return RolloutActor.options(**options).remote(*args, policy.rollout.priority)
 
 
 def _encode_prompts(config: JobConfig, model_path: str, train_rows, test_rows):

@@ -92,7 +92,7 @@ def _signal_group(job: subprocess.Popen, tmp_path: Path, run_files, signals: int
     try:
         run_files.wait_for(lambda: run_files.trained_steps(str(run_dir)) >= 1, timeout_s=300)
         redis_pid, redis_dir = _redis_child(run_dir)
-        if priorities is not None:  # once the evaluator, started after the first step, has evaluated the start
+        if priorities is not None:  # once the evaluator, started after the learner, has evaluated the start
             run_files.wait_for(lambda: "eval policy after_sft" in (tmp_path / "log.txt").read_text(), timeout_s=120)
             priorities.update(_cpu_priorities(job.pid))
         for _ in range(signals):
@@ -116,7 +116,8 @@ def test_sigterm_to_the_group_checkpoints_summarises_and_stops_every_child(tmp_p
     nice = os.getpriority(os.PRIO_PROCESS, 0)
     assert priorities["rlp"] == priorities["LearnerRank"] == {nice}, priorities
     assert priorities["RewardWorker"] == {min(nice + 4, 19)}, priorities
-    assert priorities["RolloutWorker"] == {min(nice + 4, 19), 19}, priorities
+    assert priorities["RolloutWorker"] == {min(nice + 4, 19)}, priorities
+    assert priorities["EvaluatorWorker"] == {19}, priorities
     run_dir = tmp_path / "sigterm"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["exit_code"] == 143

@@ -1,0 +1,40 @@
+"""The evaluator's Ray actor: the job's spare rollout worker, which scores held-out prompts, in a
+process that takes its CPU priority (`eval.priority`) before it loads anything.
+
+Ray imports an actor's module before its constructor runs, and the rollout worker's module loads
+torch and transformers: seconds of CPU at the priority the process started with. This module loads
+neither; its constructor lowers the process's priority first, then imports and builds the rollout
+worker. At `eval.priority: idle` the evaluator's whole start-up so runs on the CPU time the rest of
+the job leaves, beside RL's first steps.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import ray
+
+from rlplatform.priority import set_cpu_priority
+
+
+class EvaluatorWorker:
+    """A `RolloutWorker` built after the process took `priority`; it serves what the job asks of its evaluator."""
+
+    def __init__(self, priority: str, *worker_args) -> None:
+        """`worker_args`: the `RolloutWorker`'s positional arguments."""
+        set_cpu_priority(priority)
+        from rlplatform.actors.rollout import RolloutWorker
+
+        self.worker = RolloutWorker(*worker_args)
+
+    def open_broadcast(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
+        self.worker.open_broadcast(host, port, rank, world_size, backend)
+
+    def evaluate_snapshot(self, snapshot: Dict, prompts: List, config, rewards: List, imports: List[str]) -> Dict:
+        return self.worker.evaluate_snapshot(snapshot, prompts, config, rewards, imports)
+
+    def evaluate_latest(self, prompts: List, config, rewards: List, imports: List[str]) -> Tuple[int, Dict]:
+        return self.worker.evaluate_latest(prompts, config, rewards, imports)
+
+
+EvaluatorActor = ray.remote(EvaluatorWorker)
