@@ -38,11 +38,11 @@ def set_cpu_priority(priority: str) -> None:
 @contextmanager
 def ray_workers_at_our_niceness() -> Iterator[None]:
     """A Ray started inside starts its worker processes at this process's niceness, unless
-    RAY_worker_niceness (Ray's setting, 15 by default) is set."""
+    RAY_worker_niceness is set: Ray adds it (15 by default) to the niceness its processes inherit from this one."""
     if RAY_WORKER_NICENESS in os.environ:
         yield
         return
-    os.environ[RAY_WORKER_NICENESS] = str(os.getpriority(os.PRIO_PROCESS, 0))
+    os.environ[RAY_WORKER_NICENESS] = "0"
     try:
         yield
     finally:

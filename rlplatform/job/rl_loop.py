@@ -205,6 +205,12 @@ class PolicyRun:
         if every and self.version % every == 0 and self.version < self.rl.max_steps:
             self.workers.evaluator.start()
 
+    def finish_evaluation(self) -> None:
+        """Wait for the in-run evaluation under way, if any, and record it (`eval_history`)."""
+        finished = self.workers.evaluator.finish_pending()
+        if finished:
+            self.monitor.evaluation(*finished)
+
     def summary(self, unused: Dict[str, int]) -> Dict:
         """The stage's figures once every worker has stopped; worker counters come from Redis alone."""
         rollout = self.queue.counters(self.workers.keys.rollout_stats)
@@ -276,6 +282,9 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
         figures[name]["checkpoint"] = checkpoints.latest
         figures[name]["results_held_at_end"] = held  # all policies'
         figures[name]["controller_cpu_s"] = round(time.process_time() - controller_cpu_start, 3)  # all policies'
+    if not stop.requested:  # an in-run evaluation still under way joins each curve, after the stage's figures
+        for run in runs.values():
+            run.finish_evaluation()
     return figures
 
 

@@ -96,6 +96,16 @@ class Evaluator:
         if self._baseline is not None and self._baseline_pending is None:
             self._baseline_pending = self._call_on(self._baseline[0])
 
+    def finish_pending(self) -> Optional[Tuple[int, Dict]]:
+        """(version, figures) of the background evaluation of the newest weights under way, waited for;
+        None when none is."""
+        if self._pending is None:
+            return None
+        pending, self._pending = self._pending, None
+        version, figures = self._get(self._call, pending)
+        self.last_accuracy = figures["accuracy"]
+        return version, figures
+
     def poll(self) -> Optional[Tuple[int, Dict]]:
         """(version, figures) of a finished background evaluation of the newest weights, else None. The
         baseline's figures go to its callback."""

@@ -64,12 +64,13 @@ def _session(sid: int) -> list:
     return found
 
 
-def _start(tmp_path: Path, temp: str) -> subprocess.Popen:
+def _start(tmp_path: Path, temp: str, niceness: int = 0) -> subprocess.Popen:
     (tmp_path / "job.yaml").write_text(yaml.safe_dump({**TINY, "output_dir": str(tmp_path)}))
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "TMPDIR": temp, "RAY_ADDRESS": ""}
     log = open(tmp_path / "log.txt", "w")
-    return subprocess.Popen([RLP, "run", str(tmp_path / "job.yaml")], stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)  # its own group, as a batch system starts it
+    return subprocess.Popen(["nice", "-n", str(niceness), RLP, "run", str(tmp_path / "job.yaml")], stdout=log,
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)  # its own group, as a batch
+    # system starts it; `nice` execs rlp, so the job's process is the group leader
 
 
 def _cpu_priorities(sid: int) -> dict:
@@ -106,14 +107,14 @@ def _signal_group(job: subprocess.Popen, tmp_path: Path, run_files, signals: int
 
 def test_sigterm_to_the_group_checkpoints_summarises_and_stops_every_child(tmp_path, run_files):
     temp = tempfile.mkdtemp(prefix="t", dir="/tmp")  # short: Ray's socket paths must fit
-    job = _start(tmp_path, temp)
+    job = _start(tmp_path, temp, niceness=2)  # a job started below the default priority, as `nice rlp run`
     priorities: dict = {}
     code, redis_pid, redis_dir = _signal_group(job, tmp_path, run_files, signals=1, priorities=priorities)
     log_text = (tmp_path / "log.txt").read_text()
     assert code == 143, log_text[-3000:]
     # while it trained: learner ranks at the job's own niceness (not Ray's 15), rollout and reward workers
     # 4 levels below (rollout.priority, reward_workers.priority: low), the evaluator at 19 (eval.priority: idle)
-    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    nice = min(os.getpriority(os.PRIO_PROCESS, 0) + 2, 19)
     assert priorities["rlp"] == priorities["LearnerRank"] == {nice}, priorities
     assert priorities["RewardWorker"] == {min(nice + 4, 19)}, priorities
     assert priorities["RolloutWorker"] == {min(nice + 4, 19)}, priorities
