@@ -26,9 +26,9 @@ class Evaluator:
     """A spare rollout worker that evaluates held-out prompts, scored by the job's rewards, without
     stopping training. Results are the figures of `rlplatform.monitoring.evaluation`.
 
-    Without SFT it is started once the learner is set up, so its start-up (torch, the model) runs
-    beside the first RL step rather than beside the workers that step waits for, and it evaluates the
-    starting weights in the background (`start_baseline`). Ray restarts the actor when its process
+    Its actor is started once the learner is set up, so its start-up (torch, the model) runs beside
+    the first steps rather than beside the workers the first step waits for; without SFT it evaluates
+    the starting weights in the background (`start_baseline`). Ray restarts the actor when its process
     dies; the evaluation it was running starts again once the actor answers."""
 
     def __init__(self, actor, prompts: List[Prompt], config: EvalConfig, rewards: List[RewardSpec],
