@@ -268,8 +268,7 @@ def main() -> None:
         f"(TRL's clock stops while it evaluates; rlplatform evaluates on a spare worker at idle CPU priority, "
         f"`eval.priority`, and dates each result when the evaluated version was published). Trained completions/s: "
         f"TRL trains every completion it generates; rlplatform's figure counts only samples the learner trained on. "
-        f"End-to-end is the whole process, "
-        f"start-up and evaluations included.", "",
+        f"End-to-end is the whole process, start-up and evaluations included.", "",
         f"![held-out accuracy against training time]({os.path.basename(image)})", "", *sections])
     print(report)
     with open(args.out, "w") as f:
