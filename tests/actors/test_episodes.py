@@ -116,7 +116,7 @@ def test_episode_is_one_token_sequence_with_observations_masked(engine, redis_cl
 
 def test_other_episodes_decode_while_one_waits_on_a_tool(engine, redis_client, redis_server):
     episodes = runner(engine, redis_client)
-    batch = engine.decode_batch(4, 1.0)
+    batch = engine.decode_batch(4, 0.0)  # greedy: no first turn ends early, the tool is called before a and b end
     episodes.start(batch, ["waits"], prompt(engine, "1+1=", tool="wait_for_gate", arguments=""))
     episodes.start(batch, ["a", "b"], prompt(engine, "2+2="))
     ended = {}
@@ -189,7 +189,7 @@ def test_malformed_and_unknown_tool_calls_are_counted_per_episode(engine, redis_
 
 
 def slow_tool_worker(tiny_policy, redis_server, redis_client, tmp_path) -> Tuple[RolloutWorker, PolicyKeys, str]:
-    """A rollout worker of 2 groups of 2 episodes, each either calling a 1 s tool or talking 4 turns."""
+    """A rollout worker of 2 groups of 2 episodes, each either calling a 3 s tool or talking 4 turns."""
     job = f"occupancy-{time.time_ns()}"
     RewardQueue(redis_client, job).create_group()
     ToolQueue(redis_client, job).create_group()
@@ -217,7 +217,7 @@ def test_the_worker_decodes_while_episodes_wait_on_a_slow_tool(tiny_policy, redi
             worker.queue.request_stop()
             loop.join(timeout=60)
     stats = worker.queue.counters(keys.rollout_stats)
-    # a caller waited a second on its tool while its group's talker decoded 3 more turns: 0 were the loop to
+    # a caller waited 3 s on its tool while its group's talker decoded 3 more turns: 0 were the loop to
     # block on tool results
     assert stats["decode_steps_while_waiting"] >= 2 and stats["sequences_while_waiting"] >= stats[
         "decode_steps_while_waiting"]
@@ -235,13 +235,13 @@ def test_wait_counts_after_the_last_submit_reach_redis_at_the_stop(tiny_policy, 
             while not worker.episodes.waiting:
                 assert time.monotonic() < deadline and loop.is_alive(), "no episode called its tool"
                 time.sleep(0.01)
-            time.sleep(0.3)  # within the tool's second: the talkers decode on, then the batch empties
+            time.sleep(1.0)  # within the tool's 3 s: the talkers decode on, then the batch empties
         finally:
             worker.queue.request_stop()
             loop.join(timeout=60)
     stats = worker.queue.counters(keys.rollout_stats)
     assert stats.get("samples", 0.0) == 0  # stopped before any group was submitted
-    assert stats["decode_steps_while_waiting"] + stats["idle_s_while_waiting"] > 0 and stats["busy_s"] > 0
+    assert stats.get("decode_steps_while_waiting", 0) + stats.get("idle_s_while_waiting", 0) > 0 and stats["busy_s"] > 0
 
 
-SLOW = [ToolSpec(fn="tests.envs.tools_for_tests:slow_echo", params={"delay_s": 1.0})]
+SLOW = [ToolSpec(fn="tests.envs.tools_for_tests:slow_echo", params={"delay_s": 3.0})]

@@ -160,7 +160,7 @@ def test_concurrent_requests_are_served_from_one_batch(served, monkeypatch):
     admit, step, rows_per_step = OpenAIBridge.admit, DecodeBatch.step, []
     monkeypatch.setattr(OpenAIBridge, "admit", lambda self, batch: admit(self, batch)
                         if self._pending.qsize() >= 6 else None)
-    monkeypatch.setattr(DecodeBatch, "step", lambda self: rows_per_step.append(len(self.rows)) or step(self))
+    monkeypatch.setattr(DecodeBatch, "step", lambda self: rows_per_step.append(len(self)) or step(self))
 
     def ask(i: int):
         return api.chat.completions.create(model="policy", messages=[{"role": "user", "content": f"{i}+{i}="}],
@@ -168,8 +168,8 @@ def test_concurrent_requests_are_served_from_one_batch(served, monkeypatch):
 
     with ThreadPoolExecutor(6) as pool:
         replies = list(pool.map(ask, range(6)))
-    # all joined at one step; request 0 (one token) ended there, the other five's choices decoded together
-    assert max(rows_per_step) >= 10
+    # all twelve choices joined at one step (rows decoding and rows joining it are counted)
+    assert max(rows_per_step) == 12
     for i, reply in enumerate(replies):
         assert len(reply.choices) == 2
         for choice in reply.choices:  # each request its own length limit

@@ -125,7 +125,9 @@ def test_each_rollout_is_one_exact_episode_grouped_by_task_with_its_verifiers_re
         groups.setdefault(sample.group_id, []).append(sample)
         # the bridge's sampled tokens as they were sampled, the reward verifiers computed on that reply
         assert model_runs(sample) == [sample.completion_ids] and sample.completion_ids in sampled
-        assert sample.row["verifiers_reward"] == len(sample.completion) == sample.row["verifiers_rewards"]["length"]
+        # (verifiers strips the reply it hands to rewards: a sampled reply may start or end with a space)
+        assert sample.row["verifiers_reward"] == len(sample.completion.strip()) == sample.row["verifiers_rewards"][
+            "length"]
         assert reported_reward(sample) == sample.row["verifiers_reward"]
         assert sample.sample_id.startswith(sample.group_id + "/")
     assert sorted(len(g) for g in groups.values()) == [2, 2, 2]  # group_size rollouts per task, one group each

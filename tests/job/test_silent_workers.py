@@ -32,7 +32,7 @@ def _silent_alerts(run_dir: str) -> list:
 
 
 def test_a_stopped_standalone_reward_worker_is_named_in_an_alert_and_rlp_status(ray_session, tiny_job, run_files):
-    config = tiny_job("quiet", "rl.max_steps=400", "reward_workers.claim_idle_s=2", "monitoring.worker_silent_s=4")
+    config = tiny_job("quiet", "rl.max_steps=100000", "reward_workers.claim_idle_s=2", "monitoring.worker_silent_s=4")
     stuck = "reward worker outside"
     seen = {}
 

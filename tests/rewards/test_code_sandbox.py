@@ -125,9 +125,9 @@ def test_leaving_early_is_not_a_pass():
 
 def test_runs_from_several_threads_are_independent():
     # the reward worker scores per-sample rewards on a thread pool
-    codes = ["def add(a, b):\n    return a + b"] * 3 + ["while True:\n    pass"]
-    with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda code: run(code, ADD_TESTS, timeout_s=1.0), codes))
+    codes = [("def add(a, b):\n    return a + b", 10.0)] * 3 + [("while True:\n    pass", 1.0)]
+    with ThreadPoolExecutor(4) as pool:  # (room for four interpreters starting at once on a loaded machine)
+        results = list(pool.map(lambda code: run(code[0], ADD_TESTS, timeout_s=code[1]), codes))
     assert [r.reason for r in results] == ["passed"] * 3 + ["timeout: still running after 1 s"]
     assert len({r.isolation for r in results}) == 4 or os.geteuid() != 0  # a uid of its own per run
 
@@ -219,7 +219,7 @@ def test_why_a_sample_scored_zero_reaches_the_summary_counted_per_reason(redis_s
     job = f"reasons-{uuid.uuid4().hex[:8]}"
     queue = RewardQueue(redis_client, job)
     queue.create_group()
-    worker = RewardWorker("w", [RewardSpec(name="code_tests", params={"timeout_s": 1.0})], redis_server, job)
+    worker = RewardWorker("w", [RewardSpec(name="code_tests", params={"timeout_s": 3.0})], redis_server, job)
     completions = ["def add(a, b):\n    return a + b", "def add(a, b):\n    return a * b",
                    "def add(a, b):\n    while True: pass", "import socket\nsocket.socket().connect(('1.1.1.1', 80))"]
     queue.submit([replace(make_sample(c, tests=ADD_TESTS), sample_id=f"g0/{i}") for i, c in enumerate(completions)])

@@ -258,7 +258,10 @@ def test_submit_counts_samples_and_tokens_as_the_stream_takes_each_part(redis_se
     counters = f"rlp:{job}:policy:p:rollout-stats"
     done = threading.Thread(target=queue.submit, args=([make_sample(i, "85") for i in range(5)], counters))
     done.start()  # parts of 3 and 2: the second waits at the bound
-    time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while not queue.counters(counters) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # (time enough to count the second part, were it counted before the stream took it)
     assert queue.counters(counters) == {"samples": 3.0, "tokens": 6.0}  # only what the stream holds
     worker_for(redis_server, job, batch_size=3).step(block_ms=50)
     done.join(timeout=5)
