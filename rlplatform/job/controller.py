@@ -154,7 +154,8 @@ def _check_cluster(config: JobConfig, cpus: float) -> None:
     for name, amount in _custom_resources_needed(config).items():
         if cluster.get(name, 0.0) < amount:
             raise RuntimeError(f"the Ray cluster has {cluster.get(name, 0.0):g} of resource '{name}' but the job's "
-                               f"actors reserve {amount:g} (learner.resources, rollout.resources, reward_workers.resources); start nodes "
+                               f"actors reserve {amount:g} (learner.resources, rollout.resources, "
+                               f"reward_workers.resources); start nodes "
                                f"with `ray start --resources '{{\"{name}\": {amount:g}}}'` or change those keys")
     gpus = _gpus_needed(config, have_gpus)
     if have_gpus < gpus:
@@ -319,9 +320,9 @@ def _initial_dir(config: JobConfig, policy: PolicyConfig) -> str:
 def _start_learner(config: JobConfig, policy: PolicyConfig) -> LearnerGroup:
     """The policy's learner ranks, started but not yet set up in DeepSpeed (`LearnerGroup.set_up`
     loads the initial policy, which `_start_policy` writes first)."""
-    return LearnerGroup(policy.learner, _initial_dir(config, policy), config.seed, policy.model.dtype, config.data.chat_template,
-                        name=f"{config.name}-{policy.name}-learner", transport=policy.weights.transport,
-                        lora=policy.model.lora, set_up=False)
+    return LearnerGroup(policy.learner, _initial_dir(config, policy), config.seed, policy.model.dtype,
+                        config.data.chat_template, name=f"{config.name}-{policy.name}-learner",
+                        transport=policy.weights.transport, lora=policy.model.lora, set_up=False)
 
 
 def _start_rollout_actor(config: JobConfig, policy: PolicyConfig, model_path: str, prompts_path: str, redis_url: str,
@@ -364,13 +365,22 @@ def _supervised_stage(config: JobConfig, workers: PolicyWorkers, train_rows, met
         result["stages"]["sft"] = run_sft(workers.config.sft, workers.learner, workers.sft_rows, metrics,
                                           config.seed, stage,
                                           lambda: workers.evaluator.score(workers.learner.publish_weights()))
-    publish(workers, client, 0)
+    streamed = workers.learner.stream_weights(0)
+    publish(workers, client, 0, streamed)
     if workers.config.rl.enabled and not workers.config.sft.enabled:  # the evaluator is still starting: it
         # evaluates version 0 while RL runs, and the RL stage waits for the figures at its end
-        workers.evaluator.start_baseline(workers.learner.publish_weights(), lambda figures: result["eval"].update(
+        workers.evaluator.start_baseline(_baseline_snapshot(workers, streamed), lambda figures: result["eval"].update(
             after_sft=_report(workers, metrics, "after_sft", 0, figures)))
     else:
         result["eval"]["after_sft"] = _evaluate(workers, metrics, "after_sft")
+
+
+def _baseline_snapshot(workers: PolicyWorkers, streamed) -> ray.ObjectRef:
+    """A snapshot of version 0 for the background evaluation: the one the object store already holds
+    when version 0 went there as full weights, else a snapshot of the learner's weights."""
+    if workers.config.weights.transport == "object_store" and not workers.config.model.lora.enabled:
+        return streamed
+    return workers.learner.publish_weights()
 
 
 def _rl_stage(config: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, reward_actors: List,
