@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from rlplatform.config import LoraConfig, RolloutConfig
 from rlplatform.devices import resolve_device
 from rlplatform.lora import load_adapters, with_adapters
-from rlplatform.policy import load_policy
+from rlplatform.policy import kv_cache_keyword, load_policy
 from rlplatform.tokenization import stop_token_ids
 from rlplatform.transport.weights import load_weights
 
@@ -105,6 +105,7 @@ class TransformersEngine(BatchGenerate):
         if self.adapters:
             self.model = with_adapters(self.model, lora)
         self.model.to(self.device).eval()
+        self.cache_keyword = kv_cache_keyword(self.model)
         self.version = -1
 
     def load_weights(self, state_dict: Dict[str, torch.Tensor], version: int) -> None:
@@ -170,7 +171,7 @@ class DecodeBatch:
         logits = []
         if self.rows:
             out = self.model(input_ids=self.last_tokens[:, None], attention_mask=self.attention,
-                             position_ids=self.positions, past_key_values=self.cache, use_cache=True)
+                             position_ids=self.positions, use_cache=True, **{self.engine.cache_keyword: self.cache})
             logits.append(out.logits[:, -1])
         if self.waiting:
             logits.append(self._prefill_waiting())
@@ -198,8 +199,8 @@ class DecodeBatch:
         ids, attention = _left_padded([list(p) for p in distinct], self.pad_id, self.device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        logits = self.model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
-                            use_cache=True).logits[:, -1]
+        logits = self.model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True,
+                            **{self.engine.cache_keyword: cache}).logits[:, -1]
         if len(distinct) < len(prompts):
             cache = DynamicCache(ddp_cache_data=[(layer.keys[owner], layer.values[owner]) for layer in cache.layers])
             ids, attention, positions, logits = ids[owner], attention[owner], positions[owner], logits[owner]

@@ -19,6 +19,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
+from rlplatform.policy import kv_cache_keyword
+
 ROW_TOKENS = 64  # packed row length, unless one sequence is longer
 
 
@@ -232,9 +234,9 @@ def _shared_prompt_forward(model, prompts: List[List[int]], completions: List[Li
     prompt_mask = torch.tensor([[0] * (prompt_len - len(p)) + [1] * len(p) for p in distinct])
     owner, prompt_ids, prompt_mask = owner.to(device), prompt_ids.to(device), prompt_mask.to(device)
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache()
+    cache, cache_keyword = DynamicCache(), kv_cache_keyword(model)
     prompt_hidden = _final_hidden(model, input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
-                                  past_key_values=cache, use_cache=True)[:, -1]
+                                  use_cache=True, **{cache_keyword: cache})[:, -1]
     cache = DynamicCache(ddp_cache_data=[(layer.keys[owner], layer.values[owner]) for layer in cache.layers])
     targets = torch.tensor([list(c) + [pad_id] * (completion_len - len(c)) for c in completions])
     index = _spans(torch.arange(len(prompts)) * completion_len, _lengths(prompts) - 1, _lengths(completions),
@@ -243,7 +245,7 @@ def _shared_prompt_forward(model, prompts: List[List[int]], completions: List[Li
     attention = torch.cat([prompt_mask[owner], torch.ones_like(targets)], dim=1)
     completion_hidden = _final_hidden(model, input_ids=targets, attention_mask=attention,
                                       position_ids=positions[owner, -1:] + 1 + torch.arange(completion_len, device=device),
-                                      past_key_values=cache, use_cache=True)[:, :-1]
+                                      use_cache=True, **{cache_keyword: cache})[:, :-1]
     return torch.cat([prompt_hidden[owner].unsqueeze(1), completion_hidden], dim=1), targets, index
 
 

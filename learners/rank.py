@@ -27,7 +27,7 @@ from rlplatform.learners.batching import TokenScores, align_per_token, completio
 from rlplatform.learners.lora import AdaptersOff, adapter_state, copy_head_weight_per_call, save_adapters
 from rlplatform.learners.losses import reference_kl, sft_loss
 from rlplatform.lora import with_adapters
-from rlplatform.policy import load_policy
+from rlplatform.policy import enable_activation_checkpointing, load_policy
 from rlplatform.tokenization import encode_sft
 from rlplatform.transport.adapters import AdapterSnapshot
 from rlplatform.transport.redis_server import connect
@@ -106,7 +106,7 @@ class LearnerRank:
                                    auto_mpi_discovery=False)
         model, self.tokenizer = load_policy(self.model_path, self.dtype)
         if self.config.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(model)
             model.train()  # Hugging Face layers checkpoint only in training mode
         if self.lora.enabled:
             model = with_adapters(model, self.lora)

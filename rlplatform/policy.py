@@ -7,14 +7,15 @@ from `ModelConfig`; the controller saves the initial policy once in Hugging Face
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Tuple
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 import transformers
-from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel,
-                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen2ForCausalLM)
 
 from rlplatform.config import ModelConfig
 from rlplatform.devices import torch_dtype
@@ -80,3 +81,19 @@ def load_policy(path: str, dtype: str = "float32") -> Tuple[PreTrainedModel, Pre
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def kv_cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword the causal LM in `model` (bare, or inside DeepSpeed or peft) takes its KV cache by:
+    `cache` from transformers 5.24, `past_key_values` before it and in models that kept that name."""
+    language_model = next(m for m in model.modules() if isinstance(m, PreTrainedModel))
+    return "cache" if "cache" in inspect.signature(language_model.forward).parameters else "past_key_values"
+
+
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each layer's activations in the backward pass (non-reentrant checkpointing); the call was
+    renamed in transformers 5.24 (`gradient_checkpointing_enable` before)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

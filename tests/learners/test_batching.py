@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlplatform.learners.batching import _shared_prompt_tokens, completion_logprobs
-from rlplatform.policy import load_policy
+from rlplatform.policy import enable_activation_checkpointing, load_policy
 
 GROUPS = {
     "packed": ([[5, 6, 7, 8, 9], [6, 7], [8], [9, 10, 11]], [[10], [11, 12, 13], [5, 5, 5, 5], [7, 8]]),
@@ -76,7 +76,7 @@ def test_activation_checkpointing_scores_shared_prompt_groups_correctly(tiny_pol
     def scored(checkpointing):
         model, _ = load_policy(tiny_policy)
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(model)
             model.train()
         scores = completion_logprobs(model, prompts, completions, pad_id=0)
         return scores.logprobs.detach(), gradient(model, (scores.logprobs * scores.mask).sum())
