@@ -234,7 +234,7 @@ def _shared_prompt_forward(model, prompts: List[List[int]], completions: List[Li
     prompt_mask = torch.tensor([[0] * (prompt_len - len(p)) + [1] * len(p) for p in distinct])
     owner, prompt_ids, prompt_mask = owner.to(device), prompt_ids.to(device), prompt_mask.to(device)
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-    cache, cache_keyword = DynamicCache(), kv_cache_keyword(model)
+    cache, cache_keyword = DynamicCache(), kv_cache_keyword(_unwrap(model))
     prompt_hidden = _final_hidden(model, input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
                                   use_cache=True, **{cache_keyword: cache})[:, -1]
     cache = DynamicCache(ddp_cache_data=[(layer.keys[owner], layer.values[owner]) for layer in cache.layers])
