@@ -3,6 +3,8 @@
 The demo policy is a small Qwen2 causal LM with a character-level tokenizer, built offline
 from `ModelConfig`; the controller saves the initial policy once in Hugging Face format, in
 `model.dtype`, and every learner rank and rollout worker loads it from that directory in that dtype.
+The engine and the learner call a model's forward and its activation checkpointing through the
+names the installed transformers uses (`kv_cache_keyword`, `enable_activation_checkpointing`).
 """
 
 from __future__ import annotations
