@@ -9,6 +9,7 @@ names the installed transformers uses (`kv_cache_keyword`, `enable_activation_ch
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from typing import Tuple
@@ -89,7 +90,13 @@ def kv_cache_keyword(model: torch.nn.Module) -> str:
     """The keyword the causal LM in `model` (bare, or inside DeepSpeed or peft) takes its KV cache by:
     `cache` from transformers 5.24, `past_key_values` before it and in models that kept that name."""
     language_model = next(m for m in model.modules() if isinstance(m, PreTrainedModel))
-    return "cache" if "cache" in inspect.signature(language_model.forward).parameters else "past_key_values"
+    return _cache_keyword(type(language_model))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(model_class: type) -> str:
+    """(Read once per model class: the learner asks at every scoring pass.)"""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:

@@ -63,9 +63,12 @@ class Evaluator:
 
     def run_now(self) -> Tuple[int, Dict]:
         """(version, figures) of the newest published weights, evaluated now."""
-        version, figures = self._get(self._call)
-        self.last_accuracy = figures["accuracy"]
-        return version, figures
+        return self._newest_done(self._get(self._call))
+
+    def _newest_done(self, result: Tuple[int, Dict]) -> Tuple[int, Dict]:
+        """`result`, (version, figures) of the newest weights, recorded as the latest accuracy."""
+        self.last_accuracy = result[1]["accuracy"]
+        return result
 
     def score(self, snapshot: ray.ObjectRef) -> float:
         """Held-out pass@1 of weights not published as a version (an SFT stage in progress)."""
@@ -81,8 +84,11 @@ class Evaluator:
         """Wait for the baseline's figures (none when none was started, or they are in)."""
         if self._baseline is None:
             return
-        snapshot, done = self._baseline
-        figures = self._get(lambda: self._call_on(snapshot), self._baseline_pending)
+        snapshot = self._baseline[0]
+        self._baseline_done(self._get(lambda: self._call_on(snapshot), self._baseline_pending))
+
+    def _baseline_done(self, figures: Dict) -> None:
+        done = self._baseline[1]
         self._baseline, self._baseline_pending = None, None
         done(figures)
 
@@ -102,9 +108,7 @@ class Evaluator:
         if self._pending is None:
             return None
         pending, self._pending = self._pending, None
-        version, figures = self._get(self._call, pending)
-        self.last_accuracy = figures["accuracy"]
-        return version, figures
+        return self._newest_done(self._get(self._call, pending))
 
     def poll(self) -> Optional[Tuple[int, Dict]]:
         """(version, figures) of a finished background evaluation of the newest weights, else None. The
@@ -117,19 +121,16 @@ class Evaluator:
             self._start_baseline_call()
         try:
             if self._baseline_pending is not None and ray.wait([self._baseline_pending], timeout=0)[0]:
-                figures, done = ray.get(self._baseline_pending), self._baseline[1]
-                self._baseline, self._baseline_pending = None, None
-                done(figures)
+                self._baseline_done(ray.get(self._baseline_pending))
             if self._pending is None or not ray.wait([self._pending], timeout=0)[0]:
                 return None
-            version, figures = ray.get(self._pending)
+            result = ray.get(self._pending)
         except RayActorError:  # both calls are lost; the baseline's is made again with the next `start`
             self._restarted()
             self._pending = self._baseline_pending = None
             return None
         self._pending = None
-        self.last_accuracy = figures["accuracy"]
-        return version, figures
+        return self._newest_done(result)
 
     def _restarted(self) -> None:
         self.restarts += 1
