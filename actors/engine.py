@@ -23,6 +23,7 @@ from rlplatform.config import LoraConfig, RolloutConfig
 from rlplatform.devices import resolve_device
 from rlplatform.lora import load_adapters, with_adapters
 from rlplatform.policy import kv_cache_keyword, load_policy
+from rlplatform.token_budget import micro_batches
 from rlplatform.tokenization import stop_token_ids
 from rlplatform.transport.weights import load_weights
 
@@ -67,7 +68,7 @@ def build_engine(rollout: RolloutConfig, model_path: str, dtype: str, seed: int,
         from rlplatform.actors.vllm_engine import VLLMEngine
 
         return VLLMEngine(model_path, dtype, rollout.gpu_memory_utilization, seed, lora)
-    return TransformersEngine(model_path, rollout.device, dtype, lora)
+    return TransformersEngine(model_path, rollout.device, dtype, lora, rollout.prefill_tokens)
 
 
 class BatchGenerate:
@@ -97,8 +98,9 @@ class TransformersEngine(BatchGenerate):
     adapters (unmerged, computed as in the learner, so log-probs match) and weight updates are adapter states."""
 
     def __init__(self, model_path: str, device: str = "auto", dtype: str = "float32",
-                 lora: Optional[LoraConfig] = None) -> None:
+                 lora: Optional[LoraConfig] = None, prefill_tokens: int = RolloutConfig.prefill_tokens) -> None:
         self.device = resolve_device(device)
+        self.prefill_tokens = prefill_tokens  # padded prompt tokens one prefill forward runs at most
         self.model, self.tokenizer = load_policy(model_path, dtype)
         self.stop_ids = stop_token_ids(self.tokenizer, self.model.generation_config)
         self.adapters = lora is not None and lora.enabled
@@ -196,20 +198,17 @@ class DecodeBatch:
         self.waiting = []
         distinct: Dict[Tuple[int, ...], int] = {}
         owner = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts], device=self.device)
-        ids, attention = _left_padded([list(p) for p in distinct], self.pad_id, self.device)
+        cache, attention, logits = self._prefill([list(p) for p in distinct])
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        logits = self.model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True,
-                            **{self.engine.cache_keyword: cache}).logits[:, -1]
         if len(distinct) < len(prompts):
             cache = DynamicCache(ddp_cache_data=[(layer.keys[owner], layer.values[owner]) for layer in cache.layers])
-            ids, attention, positions, logits = ids[owner], attention[owner], positions[owner], logits[owner]
-        new_rows = [_Row(key, row_ids[mask.bool()].tolist(), limit, temperature)
-                    for key, row_ids, mask, limit, temperature in zip(keys, ids, attention, limits, temperatures)]
+            attention, positions, logits = attention[owner], positions[owner], logits[owner]
+        new_rows = [_Row(key, list(prompt), limit, temperature)
+                    for key, prompt, limit, temperature in zip(keys, prompts, limits, temperatures)]
         if self.rows:
             # the old rows' newest tokens are in their cache now; both parts are `width` columns long, left-padded
             width = max(attention.shape[1], self.attention.shape[1])
-            cache = _merge_caches(self.cache, cache, width)
+            cache = _merge_caches([self.cache, cache], width)
             attention = torch.cat([_pad_left(self.attention, width), _pad_left(attention, width)])
             positions = torch.cat([self.positions, positions[:, -1:]])
         else:
@@ -217,6 +216,26 @@ class DecodeBatch:
         self.cache, self.attention, self.positions = cache, attention, positions
         self.rows += new_rows
         return logits
+
+    def _prefill(self, prompts: List[List[int]]) -> Tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+        """(KV cache, attention mask, last-position logits) of prompts left-padded to the longest, computed
+        in chunks of consecutive prompts of at most the engine's `prefill_tokens` padded tokens each (a longer
+        prompt alone), so no forward holds more; only the last position goes through the output head."""
+        chunks = micro_batches([len(p) for p in prompts], self.engine.prefill_tokens, padded=True)
+        caches, masks, logits = [], [], []
+        for chunk in chunks:
+            ids, attention = _left_padded([prompts[i] for i in chunk], self.pad_id, self.device)
+            cache = DynamicCache()
+            logits.append(self.model(input_ids=ids, attention_mask=attention, use_cache=True, logits_to_keep=1,
+                                     position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
+                                     **{self.engine.cache_keyword: cache}).logits[:, -1])
+            caches.append(cache)
+            masks.append(attention)
+        if len(chunks) == 1:
+            return caches[0], masks[0], logits[0]
+        width = max(mask.shape[1] for mask in masks)
+        return (_merge_caches(caches, width), torch.cat([_pad_left(mask, width) for mask in masks]),
+                torch.cat(logits))
 
     def _keep(self, keep: torch.Tensor, token: torch.Tensor) -> None:
         """Drop finished rows, and columns no remaining row attends to; the rest get their new token."""
@@ -257,13 +276,12 @@ def _pad_left(tensor: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(tensor, (width - tensor.shape[1], 0))
 
 
-def _merge_caches(old: DynamicCache, new: DynamicCache, width: int) -> DynamicCache:
-    """One cache holding `old`'s rows then `new`'s, each left-padded with zeros to `width` positions."""
-    layers = []
-    for a, b in zip(old.layers, new.layers):
-        pad = lambda t: torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0))  # noqa: E731
-        layers.append((torch.cat([pad(a.keys), pad(b.keys)]), torch.cat([pad(a.values), pad(b.values)])))
-    return DynamicCache(ddp_cache_data=layers)
+def _merge_caches(caches: List[DynamicCache], width: int) -> DynamicCache:
+    """One cache holding each cache's rows in turn, each left-padded with zeros to `width` positions."""
+    pad = lambda t: torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0))  # noqa: E731
+    return DynamicCache(ddp_cache_data=[(torch.cat([pad(layer.keys) for layer in layers]),
+                                         torch.cat([pad(layer.values) for layer in layers]))
+                                        for layers in zip(*(cache.layers for cache in caches))])
 
 
 def _sample(logits: torch.Tensor, temperatures: torch.Tensor):

@@ -158,20 +158,6 @@ def _can_share_prompts(model) -> bool:
     return not (module.training and any(getattr(m, "gradient_checkpointing", False) for m in module.modules()))
 
 
-def micro_batches(lengths: List[int], max_tokens: int) -> List[List[int]]:
-    """Consecutive indices grouped so that each group's lengths sum to at most `max_tokens` (a longer
-    single item gets a group of its own); `max_tokens` 0 keeps everything in one group."""
-    groups: List[List[int]] = []
-    load = 0
-    for i, length in enumerate(lengths):
-        if not groups or (max_tokens and load + length > max_tokens):
-            groups.append([])
-            load = 0
-        groups[-1].append(i)
-        load += length
-    return groups
-
-
 def _unwrap(model) -> torch.nn.Module:
     """The Hugging Face model inside a DeepSpeed engine, or the model itself."""
     return getattr(model, "module", model)

@@ -149,8 +149,9 @@ class LearnerGroup:
 
 
 def _mean(per_rank: List[Dict[str, float]]) -> Dict[str, float]:
-    """Rank-averaged metrics; maxima stay maxima; `tokens_total` sums every rank's tokens."""
-    merged = {k: (max if k.endswith("_max") else _average)([m[k] for m in per_rank]) for k in per_rank[0]}
+    """Rank-averaged metrics; maxima stay maxima; rates (`_per_s`) add up; `tokens_total` sums every rank's tokens."""
+    merged = {k: (max if k.endswith("_max") else sum if k.endswith("_per_s") else _average)([m[k] for m in per_rank])
+              for k in per_rank[0]}
     merged["tokens_total"] = sum(m.get("tokens", 0.0) for m in per_rank)
     return merged
 

@@ -35,16 +35,16 @@ class AdaptersOff:
             return self.engine(**inputs)
 
 
-def adapter_state(engine, zero_stage: int, wanted: bool) -> Optional[Dict[str, torch.Tensor]]:
-    """Copies of the engine's adapter tensors (by their names in its state dict) when `wanted`; every
-    rank must call under ZeRO-3, where each holds a shard."""
+def adapter_state(engine, zero_stage: int, wanted: bool, dtype: torch.dtype) -> Optional[Dict[str, torch.Tensor]]:
+    """Copies of the engine's adapter tensors in `dtype` (by their names in its state dict) when `wanted`;
+    every rank must call under ZeRO-3, where each holds a shard."""
     params = adapter_parameters(engine.module)
     if zero_stage != 3:
-        return {name: p.detach().clone() for name, p in params.items()} if wanted else None
+        return {name: p.detach().to(dtype, copy=True) for name, p in params.items()} if wanted else None
     import deepspeed
 
     with deepspeed.zero.GatheredParameters(list(params.values())):
-        return {name: p.detach().clone() for name, p in params.items()} if wanted else None
+        return {name: p.detach().to(dtype, copy=True) for name, p in params.items()} if wanted else None
 
 
 def save_adapters(snapshot: AdapterSnapshot, adapter_dir: str, merged_dir: Optional[str], tokenizer, base_path: str,

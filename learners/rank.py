@@ -2,18 +2,23 @@
 
 Ranks of a group rendezvous over torch.distributed (gloo on CPU, nccl on the GPU Ray assigned
 each rank) and DeepSpeed averages their gradients; during RL each fetches its shard of a batch from
-Redis by sample id; ZeRO stage 0-3 and the weights' dtype (DeepSpeed's
-bf16/fp16 modes, with float32 master weights) come from config. Rank 0 publishes full weight
-snapshots to the Ray object store and writes checkpoints and the Hugging Face model; with
+Redis by sample id; ZeRO stage 0-3 and precision come from config. `model.dtype: bfloat16` trains
+float32 weights with bfloat16 matmuls (DeepSpeed's torch_autocast: the residual stream, norms,
+gradients and optimizer stay float32, as in float32 training), float16 uses DeepSpeed's fp16 mode
+(float16 weights, float32 master copy, loss scaling); either way rank 0 serves the weights in
+`model.dtype`. Rank 0 publishes full weight snapshots to the Ray object store and writes
+checkpoints and the Hugging Face model; with
 `model.lora` the ranks train adapters only and those alone are published and saved (`learners/lora.py`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import random
 import socket
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -21,13 +26,16 @@ import ray
 import torch
 
 from rlplatform.config import LearnerConfig, LoraConfig, RLConfig
-from rlplatform.devices import resolve_device
+from rlplatform.devices import resolve_device, torch_dtype
 from rlplatform.learners.algorithms import Totals, entropy_bonus, policy_loss, sft_auxiliary_loss, token_mean
-from rlplatform.learners.batching import TokenScores, align_per_token, completion_logprobs, micro_batches
+from rlplatform.learners.batching import TokenScores, align_per_token, completion_logprobs
+from rlplatform.learners.budget import free_device_bytes, micro_batch_tokens
+from rlplatform.learners.flops import mfu, peak_flops
 from rlplatform.learners.lora import AdaptersOff, adapter_state, copy_head_weight_per_call, save_adapters
 from rlplatform.learners.losses import reference_kl, sft_loss
 from rlplatform.lora import with_adapters
 from rlplatform.policy import enable_activation_checkpointing, load_policy
+from rlplatform.token_budget import micro_batches
 from rlplatform.tokenization import encode_sft
 from rlplatform.transport.adapters import AdapterSnapshot
 from rlplatform.transport.redis_server import connect
@@ -35,7 +43,7 @@ from rlplatform.transport.results import ResultStore
 from rlplatform.transport.reward_queue import JobKeys
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.weight_streams import Publisher
-from rlplatform.transport.weights import from_snapshot, to_snapshot
+from rlplatform.transport.weights import cast_weights, from_snapshot, to_snapshot
 
 
 @dataclass
@@ -49,6 +57,15 @@ class MicroBatch:
     reference: Optional[torch.Tensor]  # (batch, T-1) under the frozen reference, when kept
     live: bool  # False: a stand-in so every rank runs the same passes; its loss counts 0
     token_mask: Optional[List[List[int]]] = None  # per completion token 1 trained, 0 an observation; None: all trained
+
+
+@dataclass
+class SFTPart:
+    """One micro-batch of SFT rows, encoded (`encode_sft`)."""
+    prompts: List[List[int]]
+    targets: List[List[int]]
+    masks: List[List[int]]  # 1 on the target tokens trained
+    live: bool  # False: a stand-in so every rank runs the same passes; its loss counts 0
 
 
 @dataclass
@@ -68,12 +85,17 @@ class LearnerRank:
         torch.set_num_threads(config.num_threads)
         torch.manual_seed(seed)
         self.rank, self.world_size, self.config = rank, world_size, config
-        self.model_path, self.dtype = model_path, dtype
+        self.model_path, self.dtype = model_path, dtype  # model.dtype: what engines and the saved model get
+        # the trained weights' dtype: float32 under bfloat16 autocast (float16 mode keeps float16 weights)
+        self.weights_dtype = "float16" if dtype == "float16" else "float32"
         self.device = resolve_device(config.device)
         self.chat_template = chat_template  # data.chat_template: how SFT rows are encoded
         self.lora = lora or LoraConfig()  # model.lora: train adapters on the frozen model
         self.engine = None
         self.tokenizer = None
+        self.micro_batch_tokens = 0  # tokens per forward/backward: learner.micro_batch_tokens, or from memory at setup
+        self.params = 0  # the model's parameters, for MFU (6 x params x tokens)
+        self.peak_flops = 0.0  # the device's peak FLOP/s in the compute dtype
         self.reference = None  # frozen policy for KL, kept during RL when asked
         self.stage_lr = 0.0
         self.publisher = Publisher(transport)  # how rank 0 streams each new version (weights.transport)
@@ -104,26 +126,34 @@ class LearnerRank:
             torch.cuda.set_device(self.device)
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo",
                                    auto_mpi_discovery=False)
-        model, self.tokenizer = load_policy(self.model_path, self.dtype)
+        # with LoRA the frozen base needs no float32 copy: it stays in model.dtype, the adapters train in float32
+        model, self.tokenizer = load_policy(self.model_path, self.dtype if self.lora.enabled else self.weights_dtype)
         if self.config.activation_checkpointing:
             enable_activation_checkpointing(model)
             model.train()  # Hugging Face layers checkpoint only in training mode
         if self.lora.enabled:
-            model = with_adapters(model, self.lora)
+            model = with_adapters(model, self.lora, adapter_dtype=torch_dtype(self.weights_dtype))
             if self.config.zero_stage == 3:
                 copy_head_weight_per_call(model)
         trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters alone
         optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=self._deepspeed_config())
+        self.params = sum(p.numel() for p in model.parameters())
+        self.peak_flops = peak_flops(self.device, torch.bfloat16 if self.dtype == "bfloat16" else torch_dtype(self.weights_dtype))
+        self.micro_batch_tokens = self.config.micro_batch_tokens or micro_batch_tokens(
+            free_device_bytes(self.device, self.world_size, self.config.num_gpus), sum(p.numel() for p in trainable),
+            model.config, torch_dtype(self.dtype).itemsize, self.config.activation_checkpointing)
 
     def placement(self) -> Dict:
         """Where and how this rank computes: device, LOCAL_RANK, process-group backend, the GPU ids Ray
-        assigned, the weights' dtype and DeepSpeed's precision mode (bf16/fp16 keep float32 master weights)."""
-        mode = "bf16" if self.engine.bfloat16_enabled() else "fp16" if self.engine.fp16_enabled() else "fp32"
+        assigned, the trained weights' dtype and the precision mode (bf16: autocast on float32 weights; fp16:
+        float16 weights with float32 master weights)."""
+        mode = "bf16" if self.engine.torch_autocast_enabled() else "fp16" if self.engine.fp16_enabled() else "fp32"
         return {"device": str(self.engine.device), "local_rank": int(os.environ["LOCAL_RANK"]),
                 "backend": torch.distributed.get_backend(), "ray_gpu_ids": [str(i) for i in ray.get_gpu_ids()],
                 "dtype": str(next(self.engine.module.parameters()).dtype).removeprefix("torch."), "mode": mode,
-                "reference_elements": self._reference_elements()}
+                "reference_elements": self._reference_elements(), "micro_batch_tokens": self.micro_batch_tokens,
+                "params": self.params, "peak_flops": self.peak_flops}
 
     def _reference_elements(self) -> Optional[int]:
         """Reference weights this rank holds (its ZeRO-3 shard, or the whole model); None without one."""
@@ -134,7 +164,7 @@ class LearnerRank:
         return sum(getattr(p, "ds_tensor", p).numel() for p in self._reference_module().parameters())
 
     def _deepspeed_config(self) -> Dict:
-        """ZeRO stage and clipping from config; bf16/fp16 mode for those dtypes (float32 master weights)."""
+        """ZeRO stage and clipping from config; bfloat16 autocast or fp16 mode for those dtypes."""
         config = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
@@ -143,7 +173,7 @@ class LearnerRank:
             "steps_per_print": 10 ** 9,
         }
         if self.dtype == "bfloat16":
-            config["bf16"] = {"enabled": True}
+            config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
         elif self.dtype == "float16":
             config["fp16"] = {"enabled": True}
         return config
@@ -167,7 +197,7 @@ class LearnerRank:
         With LoRA, the policy itself with its adapters switched off: no copy."""
         if self.lora.enabled:
             return AdaptersOff(self.engine)
-        reference, _ = load_policy(self.model_path, self.dtype)
+        reference, _ = load_policy(self.model_path, self.weights_dtype)
         reference.load_state_dict(self._full_state_dict(every_rank=True))
         dtype = next(self.engine.module.parameters()).dtype
         reference.to(self.engine.device, dtype).eval().requires_grad_(False)  # as the policy
@@ -204,17 +234,52 @@ class LearnerRank:
 
     def sft_step(self, rows: List[Dict]) -> Dict[str, float]:
         """One optimizer step on prompt -> answer+EOS, loss on the answer tokens only: the mean over
-        every rank's tokens (DeepSpeed averages the ranks' gradients, hence the rank count)."""
-        scores = self._sft_scores(rows)
-        (tokens,) = self._all_reduce([scores.mask.sum().item()])
-        loss, metrics = sft_loss(scores.logprobs, scores.mask, max(tokens, 1.0) / self.world_size)
-        return self._step(loss, metrics)
+        every rank's tokens (DeepSpeed averages the ranks' gradients, hence the rank count), gradients
+        accumulated over micro-batches of at most `micro_batch_tokens`."""
+        started = time.perf_counter()
+        parts, tokens = self._sft_parts(rows)
+        sums: Dict[str, float] = {}
+        for k, part in enumerate(parts):
+            self.engine.set_gradient_accumulation_boundary(k == len(parts) - 1)
+            scores = self._sft_scores(part)
+            loss, metrics = sft_loss(scores.logprobs, scores.mask * part.live, max(tokens, 1.0) / self.world_size)
+            self.engine.backward(loss * part.live, scale_wrt_gas=False)
+            _accumulate(sums, metrics)
+        self.engine.step()
+        sums["grad_norm"] = self._grad_norm()
+        sums["lr"] = self.engine.optimizer.param_groups[0]["lr"]
+        return self._throughput(sums, sum(len(p) + len(t) for part in parts if part.live
+                                          for p, t in zip(part.prompts, part.targets)), started)
 
-    def _sft_scores(self, rows: List[Dict]) -> TokenScores:
+    def _throughput(self, metrics: Dict[str, float], model_tokens: float, started: float) -> Dict[str, float]:
+        """`metrics` with this rank's step time, the tokens it trained through the model (prompt and completion,
+        once per update), their rate and the step's MFU."""
+        seconds = time.perf_counter() - started
+        metrics.update(compute_s=seconds, model_tokens=float(model_tokens), model_tokens_per_s=model_tokens / seconds,
+                       mfu=mfu(self.params, model_tokens, seconds, self.peak_flops))
+        return metrics
+
+    def _sft_parts(self, rows: List[Dict]) -> Tuple[List["SFTPart"], float]:
+        """(this rank's rows encoded in micro-batches of at most `micro_batch_tokens`, padded with stand-ins to
+        the most micro-batches any rank has; the trained tokens of every rank's rows)."""
+        encoded = [encode_sft(self.tokenizer, r, self.chat_template) for r in rows]
+        groups = micro_batches([len(p) + len(t) for p, t, _ in encoded], self.micro_batch_tokens) if encoded else []
+        tokens, = self._all_reduce([sum(sum(mask) for *_, mask in encoded)])
+        count, = self._all_reduce([len(groups)], op="max")
+        pad = [self.tokenizer.pad_token_id]
+        parts = [SFTPart(*(list(x) for x in zip(*(encoded[i] for i in g))), live=True) for g in groups]
+        parts += [SFTPart([pad], [pad], [[1]], live=False)] * (int(count) - len(groups))
+        return parts, tokens
+
+    def _sft_scores(self, part: "SFTPart") -> TokenScores:
         """Log-probs of each row's target, masked to the trained tokens (`encode_sft`)."""
-        prompts, targets, masks = zip(*(encode_sft(self.tokenizer, r, self.chat_template) for r in rows))
-        return completion_logprobs(self.engine, list(prompts), list(targets), self.tokenizer.pad_token_id,
-                                   token_mask=list(masks))
+        return self._scores(self.engine, part.prompts, part.targets, token_mask=part.masks)
+
+    def _scores(self, model, prompts: List[List[int]], completions: List[List[int]], **options) -> TokenScores:
+        """`completion_logprobs` under `model` in the rank's compute precision: bfloat16 autocast covers the
+        output head and a reference outside the DeepSpeed engine as well as the engine's own forward."""
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.dtype == "bfloat16"):
+            return completion_logprobs(model, prompts, completions, self.tokenizer.pad_token_id, **options)
 
     def rl_step(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
                 sft_rows: Optional[List[Dict]] = None, step: int = 0,
@@ -230,6 +295,7 @@ class LearnerRank:
         so the update does not depend on the number of ranks. Metrics are averaged over all updates.
         `max_tokens`: the completions' length limit `fixed_length` divides by (None: `rl.max_new_tokens`;
         for multi-turn episodes, the episode's budget, `EnvConfig.completion_tokens`)."""
+        started = time.perf_counter()
         for group in self.engine.optimizer.param_groups:
             group["lr"] = self.stage_lr * lr_scale(rl, step)
         stale = sum(v != step for s in samples for v, m in zip(s.token_versions, s.model_token_mask()) if m)
@@ -249,7 +315,9 @@ class LearnerRank:
         metrics = self._global_mean(sums, rl.ppo_epochs * len(minibatches))
         metrics.update(grad_norm=sum(grad_norms) / len(grad_norms), lr=self.engine.optimizer.param_groups[0]["lr"],
                        tokens=self._local_tokens(minibatches))
-        return metrics
+        model_tokens = rl.ppo_epochs * sum(len(p) + len(c) for m in minibatches for part in m.parts if part.live
+                                           for p, c in zip(part.prompts, part.completions))
+        return self._throughput(metrics, model_tokens, started)
 
     def _plan(self, samples: List[Sample], advantages: List[float], parts: int, single_update: bool,
               max_tokens: int) -> List[Minibatch]:
@@ -258,7 +326,7 @@ class LearnerRank:
         shares = [list(range(j, len(samples), parts)) for j in range(parts)]
         splits = [[[share[k] for k in group] for group in micro_batches(
             [len(samples[i].prompt_ids) + len(samples[i].completion_ids) for i in share],
-            self.config.micro_batch_tokens)] if share else [] for share in shares]
+            self.micro_batch_tokens)] if share else [] for share in shares]
         counts = self._all_reduce([len(split) for split in splits], op="max")
         sizes = self._all_reduce([x for share in shares for x in (
             sum(samples[i].trained_tokens for i in share), len(share))])
@@ -290,27 +358,27 @@ class LearnerRank:
     @torch.no_grad()
     def _prepare(self, minibatch: Minibatch, rl: RLConfig, recompute_proximal: bool) -> Minibatch:
         """Proximal (recomputed at entry, or the behaviour log-probs) and reference log-probs per micro-batch."""
-        pad_id = self.tokenizer.pad_token_id
         for part in minibatch.parts:
             if not minibatch.proximal_is_current:
-                part.proximal = completion_logprobs(self.engine, part.prompts, part.completions, pad_id,
-                                                    rl.temperature, token_mask=part.token_mask
-                                                    ).logprobs if recompute_proximal else part.behaviour
+                part.proximal = self._scores(self.engine, part.prompts, part.completions, temperature=rl.temperature,
+                                             token_mask=part.token_mask
+                                             ).logprobs if recompute_proximal else part.behaviour
             if self.reference is not None:
-                part.reference = completion_logprobs(self.reference, part.prompts, part.completions, pad_id,
-                                                     rl.temperature, token_mask=part.token_mask).logprobs
+                part.reference = self._scores(self.reference, part.prompts, part.completions,
+                                              temperature=rl.temperature, token_mask=part.token_mask).logprobs
         return minibatch
 
     def _policy_update(self, minibatch: Minibatch, rl: RLConfig, sft_rows: Optional[List[Dict]]) -> Dict[str, float]:
-        """One optimizer step: gradients accumulated over the micro-batches (and the SFT rows), each
-        loss already its share of the minibatch's, times the ranks DeepSpeed averages over."""
+        """One optimizer step: gradients accumulated over the micro-batches (and the SFT rows' micro-batches),
+        each loss already its share of the minibatch's, times the ranks DeepSpeed averages over."""
         sums: Dict[str, float] = {}
-        passes = [(self._rl_loss, part) for part in minibatch.parts]
+        passes = [functools.partial(self._rl_loss, part, minibatch, rl) for part in minibatch.parts]
         if sft_rows is not None and rl.sft_coef:
-            passes.append((self._sft_term, sft_rows))
-        for k, (loss_of, part) in enumerate(passes):
+            sft_parts, sft_tokens = self._sft_parts(sft_rows)
+            passes += [functools.partial(self._sft_term, part, sft_tokens, len(sft_rows), rl) for part in sft_parts]
+        for k, loss_of in enumerate(passes):
             self.engine.set_gradient_accumulation_boundary(k == len(passes) - 1)
-            loss, metrics = loss_of(part, minibatch, rl)
+            loss, metrics = loss_of()
             self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
             metrics["loss"] = loss.item()
             _accumulate(sums, metrics)
@@ -318,8 +386,8 @@ class LearnerRank:
         return sums
 
     def _rl_loss(self, part: MicroBatch, minibatch: Minibatch, rl: RLConfig) -> Tuple[torch.Tensor, Dict[str, float]]:
-        scores = completion_logprobs(self.engine, part.prompts, part.completions, self.tokenizer.pad_token_id,
-                                     rl.temperature, entropy_grad=rl.entropy_coef > 0, token_mask=part.token_mask)
+        scores = self._scores(self.engine, part.prompts, part.completions, temperature=rl.temperature,
+                              entropy_grad=rl.entropy_coef > 0, token_mask=part.token_mask)
         mask, totals = scores.mask * part.live, minibatch.totals
         proximal = scores.logprobs.detach() if minibatch.proximal_is_current else part.proximal
         loss, metrics = policy_loss(scores.logprobs, proximal, part.behaviour, part.advantages, mask, rl.correction,
@@ -334,22 +402,11 @@ class LearnerRank:
         # a stand-in's loss keeps its graph (every parameter gets a gradient, as on other ranks) but counts 0
         return loss * part.live, metrics
 
-    def _sft_term(self, rows: List[Dict], minibatch: Minibatch, rl: RLConfig) -> Tuple[torch.Tensor, Dict[str, float]]:
-        """The SFT auxiliary loss on this rank's rows, normalised by every rank's SFT tokens."""
-        live = bool(rows)
-        scores = self._sft_scores(rows) if live else completion_logprobs(
-            self.engine, [[self.tokenizer.pad_token_id]], [[self.tokenizer.pad_token_id]], self.tokenizer.pad_token_id)
-        mask = scores.mask * live
-        (tokens,) = self._all_reduce([mask.sum().item()])
-        term = sft_auxiliary_loss(scores.logprobs, mask, rl.sft_coef, Totals(tokens, len(rows)))
-        return term * live, {"sft_loss": term.item() / rl.sft_coef}
-
-    def _step(self, loss: torch.Tensor, metrics: Dict[str, float]) -> Dict[str, float]:
-        self.engine.backward(loss)
-        self.engine.step()
-        metrics["grad_norm"] = self._grad_norm()
-        metrics["lr"] = self.engine.optimizer.param_groups[0]["lr"]
-        return metrics
+    def _sft_term(self, part: "SFTPart", tokens: float, rows: int, rl: RLConfig) -> Tuple[torch.Tensor, Dict[str, float]]:
+        """The SFT auxiliary loss on one micro-batch of this rank's rows, normalised by every rank's SFT tokens."""
+        scores = self._sft_scores(part)
+        term = sft_auxiliary_loss(scores.logprobs, scores.mask * part.live, rl.sft_coef, Totals(tokens, rows))
+        return term * part.live, {"sft_loss": term.item() / rl.sft_coef}
 
     def _grad_norm(self) -> float:
         grad_norm = self.engine.get_global_grad_norm()
@@ -378,17 +435,19 @@ class LearnerRank:
         return float(sum(sum(mask) for m in minibatches for part in m.parts if part.live
                          for mask in (part.token_mask or [[1] * len(c) for c in part.completions])))
 
-    def _full_state_dict(self, every_rank: bool = False) -> Optional[Dict[str, torch.Tensor]]:
-        """The whole model's weights (gathered under ZeRO-3) on rank 0, or on every rank."""
+    def _full_state_dict(self, every_rank: bool = False, served: bool = False) -> Optional[Dict[str, torch.Tensor]]:
+        """The whole model's weights (gathered under ZeRO-3) on rank 0, or on every rank; `served`: in
+        model.dtype, as engines and the saved model get them (else in the trained weights' dtype)."""
         import deepspeed
 
         module = self.engine.module
         wanted = every_rank or self.rank == 0
+        dtype = torch_dtype(self.dtype if served else self.weights_dtype)
         if self.config.zero_stage == 3:
             with deepspeed.zero.GatheredParameters(list(module.parameters())):
                 # the gathered storage is freed on exit: copy out what is needed
-                return {k: v.detach().clone() for k, v in module.state_dict().items()} if wanted else None
-        return module.state_dict() if wanted else None
+                return cast_weights(module.state_dict(), dtype, copy=True) if wanted else None
+        return cast_weights(module.state_dict(), dtype) if wanted else None
 
     def connect_results(self, redis_url: str, job: str) -> None:
         self.results = ResultStore(connect(redis_url), JobKeys(job).result_prefix)
@@ -417,7 +476,7 @@ class LearnerRank:
         if self.lora.enabled:
             snapshot = self._adapter_snapshot()
             return None if snapshot is None else from_snapshot(snapshot)
-        return self._full_state_dict()
+        return self._full_state_dict(served=True)
 
     def broadcast_backend(self) -> str:
         """The weight broadcast group's backend: nccl when this rank computes on a GPU, else gloo."""
@@ -439,14 +498,14 @@ class LearnerRank:
         if self.lora.enabled:
             snapshot = self._adapter_snapshot()
             return None if snapshot is None else [ray.put(snapshot)]
-        state = self._full_state_dict()
+        state = self._full_state_dict(served=True)
         if state is None:
             return None
         return [ray.put(to_snapshot(state))]
 
     def _adapter_snapshot(self) -> Optional[AdapterSnapshot]:
         """The adapters' snapshot on rank 0 (None elsewhere); every rank must call under ZeRO-3."""
-        state = adapter_state(self.engine, self.config.zero_stage, self.rank == 0)
+        state = adapter_state(self.engine, self.config.zero_stage, self.rank == 0, torch_dtype(self.dtype))
         return None if state is None else AdapterSnapshot.of(self.engine.module, state)
 
     def save(self, checkpoint_dir: str, model_dir: Optional[str] = None, client_state: Optional[Dict] = None,
@@ -468,9 +527,11 @@ class LearnerRank:
             reference = self._reference_state()
             if self.rank == 0:
                 torch.save(reference, os.path.join(checkpoint_dir, "reference.pt"))
-        state = self._full_state_dict()
+        state = self._full_state_dict(served=True)
         if state is not None and model_dir is not None:
             self.engine.module.save_pretrained(model_dir, state_dict=state)
+            self.engine.module.config.dtype = self.dtype  # save_pretrained records the module's own dtype
+            self.engine.module.config.save_pretrained(model_dir)
             self.tokenizer.save_pretrained(model_dir)
 
     def load_checkpoint(self, checkpoint_dir: str) -> Dict:

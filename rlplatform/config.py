@@ -64,7 +64,7 @@ class ModelConfig:
     intermediate_size: int = at_least(384, 1)  # demo MLP width
     max_positions: int = at_least(64, 1)  # demo context length
     extra_chars: str = ""  # characters the demo tokenizer knows beyond its default alphabet (e.g. "<>/" for tool tags)
-    dtype: str = one_of("float32", "bfloat16", "float16")  # weights' precision in learners, rollout workers and the saved model
+    dtype: str = one_of("auto", "float32", "bfloat16", "float16")  # precision: auto is bfloat16 when the learner computes on a GPU, else float32; bfloat16 trains float32 weights under bfloat16 autocast and serves bfloat16 to rollout workers and the saved model
     lora: LoraConfig = field(default_factory=LoraConfig)  # train adapters only; weight syncs and checkpoints carry them alone
 
 
@@ -148,6 +148,7 @@ class RolloutConfig:
     num_gpus: Optional[float] = at_least(None, 0)  # Ray GPUs per worker (fractions share one); unset: 1 on a GPU device, else 0
     resources: Dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker (and the evaluator), e.g. {rollout_node: 1} places them on nodes started with that resource
     engine: str = one_of("transformers", "vllm")  # transformers: CPU or GPU; vllm: vLLM on the worker's GPU (the vllm extra)
+    prefill_tokens: int = at_least(8192, 1)  # transformers engine: padded prompt tokens per prefill forward; more waiting prompts prefill in chunks
     gpu_memory_utilization: float = above(0.5, 0)  # vllm: fraction of the GPU's memory vLLM takes for weights and KV cache
     openai_bridge: OpenAIBridgeConfig = field(default_factory=OpenAIBridgeConfig)  # agents sample trainable episodes over HTTP
 
@@ -231,7 +232,7 @@ class LearnerConfig:
     device: str = one_of("auto", "cpu", "cuda")  # auto: the GPU Ray assigns the rank when the cluster has GPUs, else CPU
     num_gpus: Optional[float] = at_least(None, 0)  # Ray GPUs per rank (a fraction shares one); unset: 1 on a GPU device, else 0
     resources: Dict[str, float] = field(default_factory=dict)  # custom Ray resources per rank, e.g. {learner_node: 1} places ranks on nodes started with that resource
-    micro_batch_tokens: int = at_least(0, 0)  # prompt+completion tokens per forward/backward; a larger minibatch accumulates over several (0: all at once)
+    micro_batch_tokens: Optional[int] = at_least(None, 1)  # prompt+completion tokens per forward/backward (every pass: update, proximal, reference, SFT); a larger minibatch accumulates over several; unset: from the device's free memory (learners/budget.py)
     activation_checkpointing: bool = False  # recompute each layer's activations in backward: less memory, about a third more compute
 
 

@@ -31,6 +31,13 @@ def gpus_per_actor(device: str, num_gpus: Optional[float], cluster_gpus: float) 
     return 1.0 if device == "cuda" else 0.0
 
 
+def resolve_dtype(dtype: str, learner_gpus: float) -> str:
+    """`model.dtype` as a concrete dtype: `auto` is bfloat16 when the learner ranks reserve GPUs, else float32."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if learner_gpus > 0 else "float32"
+
+
 def resolve_device(device: str) -> torch.device:
     """The torch device an actor computes on. `auto` is the GPU Ray assigned to this actor (outside
     a Ray actor: any visible GPU), else the CPU; `cuda` without a visible GPU is an error."""

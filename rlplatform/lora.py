@@ -1,7 +1,7 @@
 """LoRA adapters on a policy (peft): the learner trains them, rollout engines apply them.
 
 `with_adapters` wraps a loaded Hugging Face policy with the adapters `model.lora` describes (in the
-weights' own dtype, so learner and engines compute alike); `adapter_parameters` names the trainable
+weights' own dtype in engines, in float32 in the learner); `adapter_parameters` names the trainable
 tensors; `load_adapters` writes a streamed adapter state into a wrapped copy; `merged_policy` folds
 saved adapters into a fresh copy of the base, giving a plain Hugging Face model. peft is imported
 on first use: a job without LoRA never loads it (its import takes seconds in every process).
@@ -9,7 +9,7 @@ on first use: a job without LoRA never loads it (its import takes seconds in eve
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict
+from typing import TYPE_CHECKING, Dict, Optional
 
 import torch
 
@@ -28,16 +28,20 @@ def peft_config(config: LoraConfig) -> PeftLoraConfig:
                           target_modules=list(config.target_modules), task_type="CAUSAL_LM")
 
 
-def with_adapters(model: torch.nn.Module, config: LoraConfig) -> PeftModel:
+def with_adapters(model: torch.nn.Module, config: LoraConfig, adapter_dtype: Optional[torch.dtype] = None) -> PeftModel:
     """`model` frozen, with fresh adapters on `config.target_modules` (B = 0: the model's outputs are
-    unchanged until they train); only the adapters require gradients."""
+    unchanged until they train) in `adapter_dtype` (None: the weights' own); only the adapters require gradients."""
     from peft import get_peft_model
 
     try:
-        return get_peft_model(model, peft_config(config), autocast_adapter_dtype=False)
+        wrapped = get_peft_model(model, peft_config(config), autocast_adapter_dtype=False)
     except ValueError as err:
         raise ValueError(f"model.lora.target_modules {list(config.target_modules)} do not fit the model: {err}; "
                          f"name modules it has (e.g. q_proj, v_proj for Llama/Qwen-style models)") from None
+    if adapter_dtype is not None:
+        for param in adapter_parameters(wrapped).values():
+            param.data = param.data.to(adapter_dtype)
+    return wrapped
 
 
 def adapter_parameters(model: torch.nn.Module) -> Dict[str, torch.nn.Parameter]:

@@ -21,7 +21,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, 
                           Qwen2ForCausalLM)
 
 from rlplatform.config import ModelConfig
-from rlplatform.devices import torch_dtype
+from rlplatform.devices import resolve_dtype, torch_dtype
 
 transformers.logging.set_verbosity_error()
 transformers.logging.disable_progress_bar()
@@ -51,15 +51,18 @@ def build_demo_policy(config: ModelConfig, seed: int) -> Tuple[PreTrainedModel, 
         max_position_embeddings=config.max_positions, tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id)
-    return Qwen2ForCausalLM(model_config).to(torch_dtype(config.dtype)), tokenizer
+    return Qwen2ForCausalLM(model_config), tokenizer
 
 
 def save_initial_policy(config: ModelConfig, seed: int, out_dir: str) -> str:
-    """Write the job's starting policy, in `config.dtype`, to `out_dir` and return the directory to load from."""
+    """Write the job's starting policy, in `config.dtype`, to `out_dir` and return the directory to load from
+    (a job resolves `auto` by its learner's device first; here it is bfloat16 when this process sees a GPU)."""
+    dtype = resolve_dtype(config.dtype, torch.cuda.device_count())
     if config.kind == "pretrained":
-        model, tokenizer = load_policy(config.path, config.dtype)
+        model, tokenizer = load_policy(config.path, dtype)
     else:
         model, tokenizer = build_demo_policy(config, seed)
+        model.to(torch_dtype(dtype))
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir

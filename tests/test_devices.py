@@ -9,8 +9,8 @@ import torch
 
 from rlplatform.actors.engine import TransformersEngine
 from rlplatform.config import ConfigError, JobConfig, LearnerConfig, load_config
-from rlplatform.devices import assigned_gpu, gpus_per_actor, resolve_device
-from rlplatform.job.controller import _check_cluster, _gpus_needed
+from rlplatform.devices import assigned_gpu, gpus_per_actor, resolve_device, resolve_dtype
+from rlplatform.job.controller import _check_cluster, _gpus_needed, _resolve_dtypes
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.tokenization import encode_prompts
 from rlplatform.transport.weights import from_snapshot, to_snapshot
@@ -30,6 +30,20 @@ def test_gpus_per_actor_defaults_follow_the_device_and_the_cluster():
     assert gpus_per_actor("cuda", None, 0) == 1 and gpus_per_actor("cpu", None, 8) == 0
     assert gpus_per_actor("auto", None, 8) == 1 and gpus_per_actor("auto", None, 0) == 0
     assert gpus_per_actor("auto", 0.25, 8) == 0.25 and gpus_per_actor("cuda", 0, 8) == 0
+
+
+def test_model_dtype_auto_is_bfloat16_where_the_learner_computes_on_a_gpu():
+    assert JobConfig().model.dtype == "auto"  # the default
+    assert resolve_dtype("auto", 0) == "float32" and resolve_dtype("auto", 0.5) == "bfloat16"
+    assert resolve_dtype("float32", 1) == "float32" and resolve_dtype("bfloat16", 0) == "bfloat16"
+    for cluster_gpus, device, expected in ((0, "auto", "float32"), (8, "auto", "bfloat16"), (8, "cpu", "float32"),
+                                           (8, "cuda", "bfloat16")):
+        config = load_config(overrides=[f"learner.device={device}"])
+        _resolve_dtypes(config, cluster_gpus)
+        assert config.model.dtype == expected, (cluster_gpus, device)
+    config = load_config(overrides=["model.dtype=float32"])
+    _resolve_dtypes(config, 8)
+    assert config.model.dtype == "float32"  # set by the user: kept
 
 
 def test_gpus_needed_counts_ranks_rollout_workers_and_the_evaluator():
@@ -110,7 +124,7 @@ def test_learner_rank_trains_on_its_ray_assigned_gpu_with_nccl(ray_session, tiny
         (placement,) = learner.placements()
         assert placement["device"] == "cuda:0" and placement["local_rank"] == 0
         assert placement["backend"] == "nccl" and len(placement["ray_gpu_ids"]) == 1
-        assert (placement["dtype"], placement["mode"]) == ("bfloat16", "bf16")
+        assert (placement["dtype"], placement["mode"]) == ("float32", "bf16")  # bfloat16 autocast, float32 weights
         learner.start_stage(lr=1e-2)
         first = learner.sft_step(ROWS)
         assert learner.sft_step(ROWS)["loss"] < first["loss"]

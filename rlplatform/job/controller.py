@@ -21,7 +21,7 @@ import ray
 
 from rlplatform.config import ConfigError, JobConfig, PolicyConfig, to_yaml
 from rlplatform.data import load_rows
-from rlplatform.devices import gpus_per_actor
+from rlplatform.devices import gpus_per_actor, resolve_dtype
 from rlplatform.job.checkpoint import checkpoints_dir, latest_checkpoint, read_state
 from rlplatform.job.cluster import cpus_needed, start_ray
 from rlplatform.job.rl_loop import Resume, run_rl
@@ -140,7 +140,15 @@ def _start_services(config: JobConfig, resources: ExitStack) -> Tuple[str, Optio
     if not ray.is_initialized():  # else `rlp run` started it (rlplatform.job.cluster), or the caller did
         start_ray(config)
     _check_cluster(config, cpus_needed(config))
+    _resolve_dtypes(config, ray.cluster_resources().get("GPU", 0.0))
     return redis_url, embedded
+
+
+def _resolve_dtypes(config: JobConfig, cluster_gpus: float) -> None:
+    """Each policy's `model.dtype: auto` made concrete for this cluster, before anything loads the model."""
+    for policy in config.policy_list():
+        policy.model.dtype = resolve_dtype(policy.model.dtype, gpus_per_actor(
+            policy.learner.device, policy.learner.num_gpus, cluster_gpus))
 
 
 def _check_cluster(config: JobConfig, cpus: float) -> None:

@@ -53,6 +53,9 @@ class RLCounters:
     staleness_trained: Counter = field(default_factory=Counter)  # version gap -> samples
     learner_busy_s: float = 0.0
     weight_publish_s: float = 0.0
+    learner_compute_s: float = 0.0  # the ranks' own step time (their mean), waits for batches left out
+    learner_model_tokens: float = 0.0  # prompt and completion tokens the ranks trained through the model
+    learner_mfu_s: float = 0.0  # each step's MFU times its compute seconds (summary: their time-weighted mean)
 
     def state(self) -> Dict:
         return {**asdict(self), "staleness_trained": {str(k): v for k, v in self.staleness_trained.items()}}
@@ -175,6 +178,9 @@ class PolicyRun:
         step_metrics, snapshot = self.workers.learner.gather(refs)
         self._step = None
         self.counters.learner_busy_s += time.perf_counter() - started
+        self.counters.learner_compute_s += step_metrics["compute_s"]
+        self.counters.learner_model_tokens += step_metrics["model_tokens_per_s"] * step_metrics["compute_s"]
+        self.counters.learner_mfu_s += step_metrics["mfu"] * step_metrics["compute_s"]
         self.first_step_at = self.first_step_at or time.time()
         self.counters.samples_trained += len(batch.samples)
         gaps = [self.version - s.version for s in batch.samples]  # versions behind the weights trained
@@ -459,6 +465,8 @@ def _stage_summary(counters: RLCounters, rollout: Dict[str, float], rollout_work
         "samples_per_s": round(generated / wall, 2),
         "trained_per_s": round(counters.samples_trained / wall, 2),
         "learner_busy_fraction": round(counters.learner_busy_s / wall, 3),
+        "learner_model_tokens_per_s": round(counters.learner_model_tokens / max(counters.learner_compute_s, 1e-9), 1),
+        "learner_mfu": round(counters.learner_mfu_s / max(counters.learner_compute_s, 1e-9), 5),
         "rollout_busy_fraction": round(rollout.get("busy_s", 0.0) / wall / max(rollout_workers, 1), 3),
         "weight_publish_s": round(counters.weight_publish_s, 3),
         "weight_syncs": syncs,

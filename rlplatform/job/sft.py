@@ -26,10 +26,14 @@ def run_sft(config: SFTConfig, learner: LearnerGroup, rows: List[Dict], metrics:
     step_metrics: Dict[str, float] = {}
     checks: List[Dict] = []
     tokens, step, first_step_at = 0.0, 0, None
+    compute_s = model_tokens = mfu_s = 0.0  # the ranks' own step time, tokens through the model, MFU x seconds
     while step < config.steps and not _reached(checks, config.stop_at_accuracy):
         step += 1
         step_metrics = learner.sft_step(rng.sample(rows, min(config.batch_size, len(rows))))
         tokens += step_metrics["tokens_total"]
+        compute_s += step_metrics["compute_s"]
+        model_tokens += step_metrics["model_tokens_per_s"] * step_metrics["compute_s"]
+        mfu_s += step_metrics["mfu"] * step_metrics["compute_s"]
         first_step_at = first_step_at or time.time()
         if config.stop_at_accuracy and accuracy is not None and step % config.eval_every == 0:
             checks.append({"step": step, "accuracy": accuracy()})
@@ -42,7 +46,9 @@ def run_sft(config: SFTConfig, learner: LearnerGroup, rows: List[Dict], metrics:
                               "accuracy": f"{checks[-1]['accuracy']:.3f}" if checks else "-",
                               "eta_s": elapsed / step * (config.steps - step)})
     return {"steps": step, "wall_s": round(time.perf_counter() - start, 2), "final_loss": step_metrics.get("loss"),
-            "accuracy_checks": checks, "first_step_at": first_step_at}
+            "accuracy_checks": checks, "first_step_at": first_step_at,
+            "learner_model_tokens_per_s": round(model_tokens / max(compute_s, 1e-9), 1),
+            "learner_mfu": round(mfu_s / max(compute_s, 1e-9), 5)}
 
 
 def _reached(checks: List[Dict], threshold: float) -> bool:

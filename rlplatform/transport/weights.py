@@ -24,11 +24,29 @@ def to_snapshot(state_dict: Dict[str, torch.Tensor]) -> Dict[str, np.ndarray]:
     snapshot: Dict[str, np.ndarray] = {}
     seen = set()
     for name, tensor in state_dict.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        key = _storage_key(tensor)
         if key not in seen:
             seen.add(key)
             snapshot[name] = _to_array(tensor.detach().to("cpu"))
     return snapshot
+
+
+def cast_weights(state_dict: Dict[str, torch.Tensor], dtype: torch.dtype, copy: bool = False) -> Dict[str, torch.Tensor]:
+    """The weights in `dtype`, each storage converted once, so weights tied to each other stay tied;
+    with `copy`, new tensors even where the dtype already matches (else those are the same tensors)."""
+    converted: Dict[tuple, torch.Tensor] = {}
+    out = {}
+    for name, tensor in state_dict.items():
+        key = _storage_key(tensor)
+        if key not in converted:
+            converted[key] = tensor.detach().to(dtype, copy=copy)
+        out[name] = converted[key]
+    return out
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple:
+    """What two tensors share exactly when one is tied to the other."""
+    return tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape)
 
 
 def snapshot_bytes(snapshot: Dict[str, np.ndarray]) -> int:

@@ -106,3 +106,24 @@ def test_rows_with_their_own_temperature_and_limit_share_steps(tiny_policy):
                                      pad_id=0, temperature=t) for t in (temperature, other)}
         assert torch.allclose(recorded, at[temperature].logprobs[0][at[temperature].mask[0].bool()], atol=1e-4)
         assert not torch.allclose(recorded, at[other].logprobs[0][at[other].mask[0].bool()], atol=1e-3)
+
+
+def test_prefill_runs_in_chunks_of_the_token_budget_and_decodes_as_in_one(tiny_policy):
+    whole = TransformersEngine(tiny_policy)
+    chunked = TransformersEngine(tiny_policy, prefill_tokens=12)
+    prompts = ["12+34=", "5+5=", "123+456+789+1000=", "7=", "40+2=", "9+9+9="]
+    fed = []
+    hook = chunked.model.register_forward_hook(
+        lambda module, args, kwargs, out: fed.append((tuple(kwargs["input_ids"].shape), out.logits.shape[1])),
+        with_kwargs=True)
+    got = chunked.generate(ids(chunked, prompts), 2, 5, 0.0)
+    hook.remove()
+    prefills = [(shape, kept) for shape, kept in fed if shape[1] > 1]
+    # each chunk holds at most 12 padded tokens (the 17-token prompt alone), and projects one position per row
+    assert len(prefills) > 1 and all(rows * width <= 12 or rows == 1 for (rows, width), _ in prefills)
+    assert all(kept == 1 for _, kept in prefills)
+    assert sum(rows for (rows, _), _ in prefills) == len(prompts)
+    for a, b in zip(got, whole.generate(ids(whole, prompts), 2, 5, 0.0)):
+        for x, y in zip(a, b):
+            assert x.prompt_ids == y.prompt_ids and x.completion_ids == y.completion_ids
+            torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=0)

@@ -11,14 +11,14 @@ import pytest
 import ray
 
 from rlplatform.config import LearnerConfig, RLConfig
-from rlplatform.learners.batching import micro_batches
+from rlplatform.token_budget import micro_batches
 from rlplatform.learners.group import LearnerGroup, shard_minibatches
 from tests.learners.test_learner import ROWS, rl_batch
 
 # 2 minibatches per step: the second optimizer step's AdamW update depends on the gradients' scale
 RL = RLConfig(minibatches=2, entropy_coef=0.01, kl_coef=0.1, sft_coef=0.5)
 SETTINGS = {  # name: (ranks, zero stage, micro_batch_tokens)
-    "one_rank_whole": (1, 1, 0),
+    "one_rank_whole": (1, 1, 10 ** 6),
     "two_ranks_zero2_micro": (2, 2, 12),
     "two_ranks_zero3_micro": (2, 3, 12),
 }

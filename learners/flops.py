@@ -1,0 +1,54 @@
+"""Model FLOPs utilisation of a learner step: 6 x parameters x tokens trained per second (forward and
+backward through every parameter, the usual count that leaves attention's own products out) over the
+device's peak. GPU peaks come from the vendors' data sheets (dense, no sparsity); an unknown GPU and
+the CPU get a measured matrix-multiply peak instead."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+# dense peak TFLOP/s: (bfloat16/float16 tensor cores, float32 without TF32); the first name the GPU's contains wins
+PEAK_TFLOPS = {"H100 PCIe": (756.0, 51.0), "H200": (989.0, 67.0), "H100": (989.0, 67.0), "A100": (312.0, 19.5),
+               "L40S": (362.0, 91.6)}
+
+
+def table_peak_flops(gpu_name: str, dtype: torch.dtype) -> Optional[float]:
+    """The data-sheet peak FLOP/s of a GPU (by `torch.cuda.get_device_name`) in `dtype`; None if not listed."""
+    for key, (half, single) in PEAK_TFLOPS.items():
+        if key in gpu_name:
+            return (single if dtype == torch.float32 else half) * 1e12
+    return None
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """The peak this device computes `dtype` matmuls at: its data sheet's, else measured."""
+    if device.type == "cuda":
+        listed = table_peak_flops(torch.cuda.get_device_name(device), dtype)
+        if listed is not None:
+            return listed
+    return measured_matmul_flops(device, dtype)
+
+
+def measured_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 512, reps: int = 8) -> float:
+    """FLOP/s of back-to-back `size`-square matmuls in `dtype` on `device` (with the process's torch threads)."""
+    a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
+    a @ b  # warm-up: kernel choice, thread pool
+    _synchronize(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    _synchronize(device)
+    return 2 * size ** 3 * reps / (time.perf_counter() - start)
+
+
+def mfu(params: int, tokens: float, seconds: float, peak: float) -> float:
+    """The fraction of `peak` FLOP/s that training `tokens` through `params` parameters in `seconds` used."""
+    return 6 * params * tokens / max(seconds, 1e-9) / peak
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
