@@ -1,8 +1,10 @@
 """Accelerator figures for a small real-architecture policy: generation tokens/s (rlplatform's
 transformers engine, and its vLLM engine when vllm is installed and CUDA is present), seconds per weight
 sync for each `weights.transport` (learner rank 0's weights loaded into an engine in another process:
-object_store, broadcast, cuda_ipc), and learner tokens/s (one DeepSpeed learner rank, in this process,
-running the RL step the jobs run).
+object_store, broadcast, cuda_ipc), and learner tokens/s and MFU (one DeepSpeed learner rank, in this
+process, running the RL step the jobs run). Everything runs in `model.dtype: auto` (bfloat16 on CUDA,
+float32 on CPU) with the default memory settings: the learner's micro-batch budget comes from the
+device's free memory, nothing is set by hand.
 
 The policy is a Qwen2-architecture model built from config with random weights (`--size 0.5b`:
 Qwen2-0.5B's shapes, 151,936-token vocabulary) and a word-level tokenizer over the same ids, so
@@ -35,6 +37,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from rlplatform.actors.engine import TransformersEngine
 from rlplatform.config import LearnerConfig, RLConfig
+from rlplatform.devices import resolve_dtype
 from rlplatform.learners.algorithms import grpo_advantages
 from rlplatform.learners.rank import LearnerRank
 from rlplatform.transport.redis_server import EmbeddedRedis, connect
@@ -90,10 +93,10 @@ def engine_generation(engine: TransformersEngine, prompts: List[str], group: int
 class VLLMGeneration:
     """rlplatform's vLLM engine in its own process (its GPU memory is freed when the actor goes)."""
 
-    def run(self, model_dir: str, prompts: List[List[int]], group: int, new_tokens: int) -> Dict:
+    def run(self, model_dir: str, dtype: str, prompts: List[List[int]], group: int, new_tokens: int) -> Dict:
         from rlplatform.actors.vllm_engine import VLLMEngine
 
-        engine = VLLMEngine(model_dir, "float32", gpu_memory_utilization=0.4, seed=0)
+        engine = VLLMEngine(model_dir, dtype, gpu_memory_utilization=0.4, seed=0)
         engine.version = 0
         engine.generate(prompts[:2], 1, 4, 1.0)  # warm-up
         start = time.perf_counter()
@@ -102,11 +105,11 @@ class VLLMGeneration:
         return {"tokens": sum(len(c.completion_ids) for g in groups for c in g), "seconds": seconds}
 
 
-def vllm_generation(model_dir: str, prompts: List[List[int]], group: int, new_tokens: int) -> Dict:
+def vllm_generation(model_dir: str, dtype: str, prompts: List[List[int]], group: int, new_tokens: int) -> Dict:
     """The vLLM engine on the same weights and prompts (a random model's EOS is rare); needs CUDA."""
     actor = VLLMGeneration.options(num_gpus=0.5).remote()
     try:
-        return ray.get(actor.run.remote(model_dir, prompts, group, new_tokens))
+        return ray.get(actor.run.remote(model_dir, dtype, prompts, group, new_tokens))
     finally:
         ray.kill(actor)
 
@@ -115,8 +118,8 @@ def vllm_generation(model_dir: str, prompts: List[List[int]], group: int, new_to
 class SyncTarget:
     """An engine in another process that takes each version through one transport, as a rollout worker does."""
 
-    def __init__(self, model_dir: str, device: str, transport: str, store) -> None:
-        self.engine = TransformersEngine(model_dir, device)
+    def __init__(self, model_dir: str, device: str, dtype: str, transport: str, store) -> None:
+        self.engine = TransformersEngine(model_dir, device, dtype)
         self.subscriber = Subscriber(transport, store, self.engine.device)
 
     def open_broadcast(self, host: str, port: int, backend: str, redis_url: str, version_key: str) -> None:
@@ -134,7 +137,7 @@ class SyncTarget:
 def weight_sync(learner: LearnerRank, model_dir: str, transport: str, redis_url: str, repeats: int = 5) -> Dict:
     """Seconds from learner rank 0's weights to an engine in another process holding them, per transport."""
     store = WeightStore.remote()
-    target = _sync_target(model_dir, transport, store)
+    target = _sync_target(model_dir, learner.dtype, transport, store)
     learner.publisher = Publisher(transport)
     if transport == "broadcast":
         key = f"bench-{transport}:version"
@@ -159,13 +162,13 @@ def weight_sync(learner: LearnerRank, model_dir: str, transport: str, redis_url:
     return {"best_s": seconds[0], "median_s": seconds[len(seconds) // 2]}
 
 
-def _sync_target(model_dir: str, transport: str, store):
+def _sync_target(model_dir: str, dtype: str, transport: str, store):
     """The receiving engine: on the learner's GPU for cuda_ipc, on another GPU for broadcast (NCCL)."""
     if not torch.cuda.is_available():
-        return SyncTarget.remote(model_dir, "cpu", transport, store)
+        return SyncTarget.remote(model_dir, "cpu", dtype, transport, store)
     gpu = "0" if transport != "broadcast" else str(torch.cuda.device_count() - 1)
     env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "CUDA_VISIBLE_DEVICES": gpu}
-    return SyncTarget.options(runtime_env={"env_vars": env}).remote(model_dir, "cuda", transport, store)
+    return SyncTarget.options(runtime_env={"env_vars": env}).remote(model_dir, "cuda", dtype, transport, store)
 
 
 def sync_row(learner: LearnerRank, model_dir: str, transport: str, redis_url: str, megabytes: float):
@@ -195,12 +198,11 @@ def learner_steps(learner: LearnerRank, groups, steps: int) -> Dict:
     learner.rl_step(samples, advantages, rl)  # warm-up
     _synchronize()
     start = time.perf_counter()
-    for step in range(steps):
-        learner.rl_step(samples, advantages, rl, step=step)
+    mfu = [learner.rl_step(samples, advantages, rl, step=step)["mfu"] for step in range(steps)]
     _synchronize()
     seconds = time.perf_counter() - start
     tokens = steps * sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
-    return {"tokens": tokens, "seconds": seconds}
+    return {"tokens": tokens, "seconds": seconds, "mfu": sum(mfu) / len(mfu)}
 
 
 def _synchronize() -> None:
@@ -224,32 +226,37 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu.md"))
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = resolve_dtype("auto", torch.cuda.device_count())
     model_dir = build_policy(args.size, tempfile.mkdtemp())
     prompts = random_prompts(args.prompts, SIZES[args.size]["vocab_size"])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    engine = TransformersEngine(model_dir, device)
+    engine = TransformersEngine(model_dir, device, dtype)
     engine.version = 0
     generated = engine_generation(engine, prompts, args.group, args.new_tokens)
     vllm, vllm_note = None, "not measured: needs CUDA" if device != "cuda" else "not measured: vllm is not installed"
     if device == "cuda" and importlib.util.find_spec("vllm") is not None:
-        vllm = vllm_generation(model_dir, engine.tokenizer(prompts)["input_ids"], args.group, args.new_tokens)
-    learner = LearnerRank(0, 1, model_dir, LearnerConfig(zero_stage=1, num_threads=torch.get_num_threads()), seed=0)
+        vllm = vllm_generation(model_dir, dtype, engine.tokenizer(prompts)["input_ids"], args.group, args.new_tokens)
+    learner = LearnerRank(0, 1, model_dir, LearnerConfig(num_threads=torch.get_num_threads()), seed=0, dtype=dtype)
     learner.setup("127.0.0.1", _free_port())
     learner.start_stage(lr=1e-6)
-    megabytes = sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 1e6
+    megabytes = sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 1e6  # as served
     with EmbeddedRedis() as redis:
         syncs = {t: sync_row(learner, model_dir, t, redis.url, megabytes) for t in TRANSPORTS}
     trained = learner_steps(learner, generated["groups"], args.learner_steps)
     params = sum(p.numel() for p in engine.model.parameters())
     name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({os.cpu_count()} cores)"
-    rows = [("generation, rlplatform transformers engine (float32)",
+    rows = [(f"generation, rlplatform transformers engine ({dtype})",
              f"{generated['tokens'] / generated['seconds']:.0f} tokens/s",
              f"{args.prompts} prompts x {args.group}, up to {args.new_tokens} new tokens"),
-            ("generation, vLLM (float32)", f"{vllm['tokens'] / vllm['seconds']:.0f} tokens/s" if vllm else vllm_note,
+            (f"generation, vLLM ({dtype})", f"{vllm['tokens'] / vllm['seconds']:.0f} tokens/s" if vllm else vllm_note,
              "rlplatform's vLLM engine, same prompts (continuous batching, log-probs and versions recorded)"),
             *[(f"weight sync, {t}", *syncs[t]) for t in TRANSPORTS],
-            ("learner (DeepSpeed ZeRO-1, one rank)", f"{trained['tokens'] / trained['seconds']:.0f} tokens/s",
-             f"{args.learner_steps} RL steps on the generated groups")]
+            (f"learner (DeepSpeed ZeRO-1, one rank, {dtype})", f"{trained['tokens'] / trained['seconds']:.0f} tokens/s",
+             f"{args.learner_steps} RL steps on the generated groups; micro-batches of {learner.micro_batch_tokens} "
+             f"tokens (the default: from free memory)"),
+            ("learner MFU", f"{trained['mfu']:.1%}",
+             f"6 x {params / 1e6:.1f}M parameters x tokens/s over the device's peak ({learner.peak_flops / 1e12:.1f} "
+             f"TFLOP/s{'' if device == 'cuda' else ', a measured matmul peak'})")]
     report = "\n".join([
         "# Accelerator figures", "",
         f"{date.today()}, {platform.node()}: {name}, torch {torch.__version__}, "

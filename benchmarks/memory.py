@@ -1,8 +1,9 @@
 """Peak learner memory of one RL step against completion length: a Qwen2-architecture policy with the
 151,936-token vocabulary and a small body, 128 completions (16 prompts x 8) of 128, 256 and 512 tokens,
-scored with chunked output-head log-probs and `learner.micro_batch_tokens` (`--prompts` sets the groups). Each setting runs in a fresh
-process (one DeepSpeed ZeRO-1 rank, no Ray) whose peak RSS (on CUDA: max allocated) is its figure.
-Writes results/memory.md.
+scored with chunked output-head log-probs and the default `learner.micro_batch_tokens` (a budget from
+the device's free memory; `--micro-batch-tokens` sets one instead; `--prompts` sets the groups). Each
+setting runs in a fresh process (one DeepSpeed ZeRO-1 rank, no Ray) whose peak RSS (on CUDA: max
+allocated) is its figure, beside the memory the budget allows its step. Writes results/memory.md.
 
     python benchmarks/memory.py                       # 128, 256, 512 completion tokens
 """
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 VOCAB = 151_936
 GROUP, PROMPT_TOKENS = 8, 32
@@ -48,11 +49,12 @@ def rss_mb() -> float:
         return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
 
 
-def one_step(policy: str, prompts: int, completion_tokens: int, micro_batch_tokens: int, threads: int) -> Dict:
+def one_step(policy: str, prompts: int, completion_tokens: int, micro_batch_tokens: Optional[int], threads: int) -> Dict:
     """Child process: set up one learner rank, run one RL step, report its memory."""
     import torch
 
     from rlplatform.config import LearnerConfig, RLConfig
+    from rlplatform.learners.budget import MEMORY_FRACTION, free_device_bytes
     from rlplatform.learners.rank import LearnerRank
     from rlplatform.transport.samples import Sample
 
@@ -61,6 +63,7 @@ def one_step(policy: str, prompts: int, completion_tokens: int, micro_batch_toke
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     rank.setup("127.0.0.1", port)
+    free = free_device_bytes(rank.device, 1, None)
     rank.start_stage(lr=1e-5)
     rng = random.Random(0)
     samples, advantages = [], []
@@ -77,6 +80,9 @@ def one_step(policy: str, prompts: int, completion_tokens: int, micro_batch_toke
     start = time.perf_counter()
     metrics = rank.rl_step(samples, advantages, RLConfig(kl_coef=0.0, track_reference_kl=False))
     result = {"completion_tokens": completion_tokens, "rss_before_step_mb": round(before),
+              "micro_batch_tokens": rank.micro_batch_tokens, "micro_batches": len(rank._plan(
+                  samples, advantages, 1, True, completion_tokens)[0].parts),
+              "step_allowance_mb": round(MEMORY_FRACTION * free / 2 ** 20),
               "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
               "step_s": round(time.perf_counter() - start, 1), "loss": metrics["loss"]}
     if torch.cuda.is_available():
@@ -94,19 +100,27 @@ def write_table(rows: List[Dict], args: argparse.Namespace, command: str) -> str
         "",
         f"Policy: Qwen2 architecture, vocabulary {VOCAB:,}, hidden {args.hidden}, 2 layers, tied embeddings, float32. "
         f"Batch: {args.prompts} prompts x {GROUP} completions = {args.prompts * GROUP} completions, prompts of {PROMPT_TOKENS} "
-        f"tokens; one optimizer step (1 minibatch, 1 epoch), `learner.micro_batch_tokens: {args.micro_batch_tokens}`, "
+        f"tokens; one optimizer step (1 minibatch, 1 epoch), `learner.micro_batch_tokens: "
+        f"{args.micro_batch_tokens or 'unset (the default: from free memory)'}`, "
         "log-probs through the output head in chunks (`learners/batching.py`, LOGIT_CHUNK_ELEMENTS). "
         "Each setting runs in a fresh process; peak RSS is that process's `ru_maxrss` (everything: Python, torch, "
         "DeepSpeed, the model and its AdamW state, the step).",
         "",
-        "| completion tokens | RSS before the step (MB) | peak RSS (MB) | ratio to the previous row | step (s) |",
-        "|---|---|---|---|---|",
+        "The budget gives one micro-batch's activations at most half the memory free after set-up "
+        "(`learners/budget.py`); the allowance column is that half, the growth column what the step took beyond "
+        "the memory held before it.",
+        "",
+        "| completion tokens | micro-batch tokens | micro-batches | RSS before the step (MB) | peak RSS (MB) "
+        "| step growth (MB) | allowance (MB) | within it | ratio to the previous row | step (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     previous = None
     for row in rows:
         ratio = f"{row['peak_rss_mb'] / previous:.2f}" if previous else "-"
-        lines.append(f"| {row['completion_tokens']} | {row['rss_before_step_mb']} | {row['peak_rss_mb']} | {ratio} "
-                     f"| {row['step_s']} |")
+        growth = row["peak_rss_mb"] - row["rss_before_step_mb"]
+        lines.append(f"| {row['completion_tokens']} | {row['micro_batch_tokens']} | {row['micro_batches']} "
+                     f"| {row['rss_before_step_mb']} | {row['peak_rss_mb']} | {growth} | {row['step_allowance_mb']} "
+                     f"| {'yes' if growth <= row['step_allowance_mb'] else 'NO'} | {ratio} | {row['step_s']} |")
         previous = row["peak_rss_mb"]
     if "cuda_peak_allocated_mb" in rows[0]:
         lines += ["", "CUDA max allocated (MB): " + ", ".join(
@@ -126,7 +140,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 256, 512])
     parser.add_argument("--prompts", type=int, default=16, help="groups of 8 completions")
-    parser.add_argument("--micro-batch-tokens", type=int, default=8192)
+    parser.add_argument("--micro-batch-tokens", type=int, default=None, help="default: unset, the learner's budget")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -139,9 +153,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         policy = build_policy(tmp, args.hidden)
         for tokens in args.tokens:
+            budget = ["--micro-batch-tokens", str(args.micro_batch_tokens)] if args.micro_batch_tokens else []
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps([policy, tokens]),
-                                  "--prompts", str(args.prompts), "--micro-batch-tokens", str(args.micro_batch_tokens),
-                                  "--hidden", str(args.hidden),
+                                  "--prompts", str(args.prompts), *budget, "--hidden", str(args.hidden),
                                   "--threads", str(args.threads)], capture_output=True, text=True, check=True)
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(rows[-1], flush=True)

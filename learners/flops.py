@@ -34,7 +34,8 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
 
 def measured_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 512, reps: int = 8) -> float:
     """FLOP/s of back-to-back `size`-square matmuls in `dtype` on `device` (with the process's torch threads)."""
-    a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
+    generator = torch.Generator(device).manual_seed(0)  # the training's random stream stays untouched
+    a, b = (torch.randn(size, size, device=device, generator=generator).to(dtype) for _ in range(2))
     a @ b  # warm-up: kernel choice, thread pool
     _synchronize(device)
     start = time.perf_counter()

@@ -65,7 +65,13 @@ class SFTPart:
     prompts: List[List[int]]
     targets: List[List[int]]
     masks: List[List[int]]  # 1 on the target tokens trained
-    live: bool  # False: a stand-in so every rank runs the same passes; its loss counts 0
+    live: bool = True  # False: a stand-in so every rank runs the same passes; its loss counts 0
+
+    @classmethod
+    def of(cls, encoded: List[Tuple[List[int], List[int], List[int]]]) -> "SFTPart":
+        """The part holding rows encoded by `encode_sft`."""
+        prompts, targets, masks = zip(*encoded)
+        return cls(list(prompts), list(targets), list(masks))
 
 
 @dataclass
@@ -267,7 +273,7 @@ class LearnerRank:
         tokens, = self._all_reduce([sum(sum(mask) for *_, mask in encoded)])
         count, = self._all_reduce([len(groups)], op="max")
         pad = [self.tokenizer.pad_token_id]
-        parts = [SFTPart(*(list(x) for x in zip(*(encoded[i] for i in g))), live=True) for g in groups]
+        parts = [SFTPart.of([encoded[i] for i in g]) for g in groups]
         parts += [SFTPart([pad], [pad], [[1]], live=False)] * (int(count) - len(groups))
         return parts, tokens
 

@@ -21,7 +21,8 @@ def test_gpu_benchmark_measures_generation_weight_sync_and_learner(tmp_path):
                    capture_output=True, timeout=300)
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1] for line in out.read_text().splitlines()
             if line.startswith("| ") and not line.startswith("| measure")}
-    assert float(rows["generation, rlplatform transformers engine (float32)"].split()[0]) > 0
+    dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # model.dtype: auto
+    assert float(rows[f"generation, rlplatform transformers engine ({dtype})"].split()[0]) > 0
     gpus = torch.cuda.device_count()
     measured = ["object_store"] + (["broadcast"] if gpus != 1 else []) + (["cuda_ipc"] if gpus else [])
     for transport in measured:
@@ -31,8 +32,9 @@ def test_gpu_benchmark_measures_generation_weight_sync_and_learner(tmp_path):
         assert rows["weight sync, cuda_ipc"] == "not measured: needs CUDA"
     if gpus == 1:
         assert rows["weight sync, broadcast"] == "not measured: NCCL needs a second GPU"
-    assert float(rows["learner (DeepSpeed ZeRO-1, one rank)"].split()[0]) > 0
-    vllm = rows["generation, vLLM (float32)"]
+    assert float(rows[f"learner (DeepSpeed ZeRO-1, one rank, {dtype})"].split()[0]) > 0
+    assert 0 < float(rows["learner MFU"].rstrip("%")) <= 100
+    vllm = rows[f"generation, vLLM ({dtype})"]
     if torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None:
         assert vllm.endswith("tokens/s") and float(vllm.split()[0]) > 0
     else:  # a row with a figure here would be one nobody measured

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from safetensors import safe_open
 
 from rlplatform.actors.engine import TransformersEngine
 from rlplatform.config import LearnerConfig, ModelConfig, RLConfig
+from rlplatform.data.addition import addition_rows
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.policy import load_policy, save_initial_policy
 from rlplatform.tokenization import encode_prompts
@@ -94,3 +96,30 @@ def test_bfloat16_train_publish_generate_and_save(ray_session, bf16_policy, tmp_
                 assert np.array_equal(param.view(torch.int16).numpy(), after[name].view(np.int16))
     finally:
         learner.shutdown()
+
+
+TRACK_STEPS, TRACK_WINDOW = 120, 60
+# at 1e-4 (an RL fine-tuning rate) an update is below bfloat16's resolution for most weights: only float32
+# master weights keep it. Measured |bfloat16 - float32| of the late mean: 0.0004 with them (autocast,
+# ZeRO-1), 0.09 without (bfloat16 weights and optimizer, ZeRO-0)
+TRACK_LR, TRACK_TOLERANCE = 1e-4, 0.03
+
+
+def sft_curve(policy: str, dtype: str, rows, steps: int):
+    learner = LearnerGroup(LearnerConfig(num_cpus=0.5), policy, 0, dtype=dtype)
+    try:
+        learner.start_stage(lr=TRACK_LR)
+        rng = random.Random(0)
+        return [learner.sft_step(rng.sample(rows, 64))["loss"] for _ in range(steps)]
+    finally:
+        learner.shutdown()
+
+
+def test_bfloat16_sft_tracks_float32(ray_session, tmp_path):
+    # the quickstart's model and task, the same initial weights, batches and seed; only the precision differs
+    rows = addition_rows(5000, random.Random(1))
+    curves = {dtype: sft_curve(save_initial_policy(ModelConfig(dtype=dtype), 0, str(tmp_path / dtype)), dtype, rows,
+                               TRACK_STEPS) for dtype in ("float32", "bfloat16")}
+    late = {dtype: sum(curve[-TRACK_WINDOW:]) / TRACK_WINDOW for dtype, curve in curves.items()}
+    assert late["float32"] < curves["float32"][0] - 0.3  # it learns: no comparison of two flat lines
+    assert abs(late["bfloat16"] - late["float32"]) < TRACK_TOLERANCE, late

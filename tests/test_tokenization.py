@@ -12,7 +12,7 @@ from transformers import GenerationConfig
 
 from rlplatform.actors.engine import TransformersEngine
 from rlplatform.config import LearnerConfig
-from rlplatform.learners.rank import LearnerRank
+from rlplatform.learners.rank import LearnerRank, SFTPart
 from rlplatform.policy import load_policy, load_tokenizer
 from rlplatform.tokenization import encode_prompts, encode_sft, stop_token_ids, within_limit
 
@@ -56,7 +56,7 @@ def test_bos_tokenizer_gives_sft_rollout_and_learner_the_same_prompt_ids(tiny_po
     engine = TransformersEngine(path)
     completion = engine.generate([prompt.ids], 1, 3, 0.0)[0][0]
     assert completion.prompt_ids == prompt.ids  # the engine decodes from these ids, not re-tokenised text
-    scores = learner_on(path)._sft_scores([row])
+    scores = learner_on(path)._sft_scores(SFTPart.of([(sft_prompt, target, mask)]))
     # the learner's loss covers exactly the target, placed after the BOS-prefixed prompt
     assert scores.mask.shape[1] == len(prompt.ids) + len(target) - 1
     assert scores.mask[0].nonzero().squeeze(-1).tolist() == list(range(len(prompt.ids) - 1, scores.mask.shape[1]))
@@ -80,8 +80,8 @@ def test_chat_rows_train_on_every_assistant_turn_only(tiny_policy, tmp_path):
     prompt_ids, target, mask = encode_sft(tokenizer, {"prompt": "3+4", "answer": "7"}, "auto")
     assert tokenizer.decode(prompt_ids) == "u:3+4</s>a:" and tokenizer.decode(target) == "7</s>" and all(mask)
     # the learner's loss mask is the completion mask times the assistant-token mask
-    scores = learner_on(path)._sft_scores([{"messages": messages}])
     full_prompt, full_target, full_mask = encode_sft(tokenizer, {"messages": messages}, "auto")
+    scores = learner_on(path)._sft_scores(SFTPart.of([(full_prompt, full_target, full_mask)]))
     expected = torch.zeros(len(full_prompt) + len(full_target) - 1)
     expected[len(full_prompt) - 1:] = torch.tensor(full_mask, dtype=torch.float32)
     assert torch.equal(scores.mask[0], expected)

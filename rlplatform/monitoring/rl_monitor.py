@@ -90,8 +90,8 @@ class RLMonitor:
         step_s = counters.learner_busy_s - self._learner_busy_s
         self._learner_busy_s = counters.learner_busy_s
         families["async"]["learner_tokens_per_s"] = learner_metrics.get("tokens_total", 0.0) / max(step_s, 1e-9)
-        families["async"]["learner_model_tokens_per_s"] = learner_metrics["model_tokens_per_s"]  # the ranks' own time
-        families["async"]["learner_mfu"] = learner_metrics["mfu"]
+        families["async"]["learner_model_tokens_per_s"] = learner_metrics.get("model_tokens_per_s", 0.0)  # ranks' own time
+        families["async"]["learner_mfu"] = learner_metrics.get("mfu", 0.0)
         if self.config.env.multi_turn:
             families["tools"] = self._tools()
         if self.config.monitoring.samples_every and version % self.config.monitoring.samples_every == 0:
