@@ -42,7 +42,7 @@ from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.staleness import RolloutGate
 from rlplatform.transport.tool_queue import ToolQueue
-from rlplatform.transport.weight_streams import Subscriber, receiver
+from rlplatform.transport.weight_transports import ObjectStoreTransport, WeightTransport
 from rlplatform.transport.weights import from_snapshot
 
 
@@ -56,7 +56,8 @@ class _OpenGroup:
 class RolloutWorker:
     def __init__(self, index: int, policy: str, model_path: str, prompts_path: str, rl: RLConfig,
                  rollout: RolloutConfig, redis_url: str, job: str, weight_store: Optional[str], seed: int,
-                 dtype: str = "float32", transport: str = "object_store", lora: Optional[LoraConfig] = None,
+                 dtype: str = "float32", transport: WeightTransport = ObjectStoreTransport(),
+                 lora: Optional[LoraConfig] = None,
                  chat_template: str = "auto", env: Optional[EnvConfig] = None, priority: str = "normal") -> None:
         """`prompts_path`: the policy's encoded prompts file; `weight_store`: the weight store actor's name
         (None: evaluation only); `priority`: the process's CPU priority (`rollout.priority`, or the
@@ -68,7 +69,7 @@ class RolloutWorker:
         self.prompts = load_prompts(prompts_path)
         self.engine = build_engine(rollout, model_path, dtype, seed + index, lora)
         store = ray.get_actor(weight_store) if weight_store else None
-        self.weights_in = Subscriber(transport, store, self.engine.device)  # weights.transport's worker end
+        self.weights_in = transport.receiver(store, self.engine.device)  # weights.transport's worker end
         self.redis_url = redis_url
         client = connect(redis_url, wait_s=RECONNECT_S)  # a restart may meet the job's Redis restarting
         self.queue = RewardQueue(client, job)
@@ -117,8 +118,8 @@ class RolloutWorker:
 
     def open_broadcast(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
         """Join the policy's weight broadcast group as `rank`; rounds arrive on a background thread."""
-        self.weights_in.receiver = receiver(host, port, rank, world_size, backend, connect(self.redis_url),
-                                            self.keys.version, self.engine.device)
+        self.weights_in.open_receiver(host, port, rank, world_size, backend, connect(self.redis_url),
+                                      self.keys.version)
 
     def run(self) -> None:
         """Generate and submit until the job's stop flag is set.

@@ -43,7 +43,7 @@ from rlplatform.learners.rank import LearnerRank
 from rlplatform.transport.redis_server import EmbeddedRedis, connect
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.weight_store import WeightStore
-from rlplatform.transport.weight_streams import Publisher, Subscriber, receiver
+from rlplatform.transport.weight_transports import BroadcastTransport, CudaIpcTransport, ObjectStoreTransport, WeightTransport
 
 SIZES = {  # Qwen2Config fields
     "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
@@ -52,8 +52,7 @@ SIZES = {  # Qwen2Config fields
                  num_attention_heads=14, num_key_value_heads=2),
 }
 PROMPT_TOKENS = 32
-TRANSPORTS = ("object_store", "broadcast", "cuda_ipc")
-BUCKET_MB = 256.0  # the weights.bucket_mb default
+TRANSPORTS = (ObjectStoreTransport(), BroadcastTransport(), CudaIpcTransport())  # broadcast in 256 MB buckets
 
 
 def build_policy(size: str, out: str) -> str:
@@ -118,32 +117,32 @@ def vllm_generation(model_dir: str, dtype: str, prompts: List[List[int]], group:
 class SyncTarget:
     """An engine in another process that takes each version through one transport, as a rollout worker does."""
 
-    def __init__(self, model_dir: str, device: str, dtype: str, transport: str, store) -> None:
+    def __init__(self, model_dir: str, device: str, dtype: str, transport: WeightTransport, store) -> None:
         self.engine = TransformersEngine(model_dir, device, dtype)
-        self.subscriber = Subscriber(transport, store, self.engine.device)
+        self.receiver = transport.receiver(store, self.engine.device)
 
     def open_broadcast(self, host: str, port: int, backend: str, redis_url: str, version_key: str) -> None:
-        self.subscriber.receiver = receiver(host, port, 1, 2, backend, connect(redis_url), version_key,
-                                            self.engine.device)
+        self.receiver.open_receiver(host, port, 1, 2, backend, connect(redis_url), version_key)
 
     def load(self, version: int) -> int:
-        while (newer := self.subscriber.newer(version - 1)) is None:
+        while (newer := self.receiver.newer(version - 1)) is None:
             time.sleep(0.0005)
         self.engine.load_weights(newer[1], newer[0])
         _synchronize()
         return newer[0]
 
 
-def weight_sync(learner: LearnerRank, model_dir: str, transport: str, redis_url: str, repeats: int = 5) -> Dict:
+def weight_sync(learner: LearnerRank, model_dir: str, transport: WeightTransport, redis_url: str,
+                repeats: int = 5) -> Dict:
     """Seconds from learner rank 0's weights to an engine in another process holding them, per transport."""
     store = WeightStore.remote()
     target = _sync_target(model_dir, learner.dtype, transport, store)
-    learner.publisher = Publisher(transport)
-    if transport == "broadcast":
-        key = f"bench-{transport}:version"
+    learner.transport, learner.weights_out = transport, transport.sender()
+    if isinstance(transport, BroadcastTransport):
+        key = f"bench-{transport.name}:version"
         host, port = learner.address()
         joined = target.open_broadcast.remote(host, port, learner.broadcast_backend(), redis_url, key)
-        learner.open_broadcast(host, port, 2, learner.broadcast_backend(), redis_url, key, int(BUCKET_MB * 2 ** 20))
+        learner.open_broadcast(host, port, 2, learner.broadcast_backend(), redis_url, key)
         ray.get(joined)
     seconds = []
     try:
@@ -162,26 +161,26 @@ def weight_sync(learner: LearnerRank, model_dir: str, transport: str, redis_url:
     return {"best_s": seconds[0], "median_s": seconds[len(seconds) // 2]}
 
 
-def _sync_target(model_dir: str, dtype: str, transport: str, store):
+def _sync_target(model_dir: str, dtype: str, transport: WeightTransport, store):
     """The receiving engine: on the learner's GPU for cuda_ipc, on another GPU for broadcast (NCCL)."""
     if not torch.cuda.is_available():
         return SyncTarget.remote(model_dir, "cpu", dtype, transport, store)
-    gpu = "0" if transport != "broadcast" else str(torch.cuda.device_count() - 1)
+    gpu = str(torch.cuda.device_count() - 1) if isinstance(transport, BroadcastTransport) else "0"
     env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "CUDA_VISIBLE_DEVICES": gpu}
     return SyncTarget.options(runtime_env={"env_vars": env}).remote(model_dir, "cuda", dtype, transport, store)
 
 
-def sync_row(learner: LearnerRank, model_dir: str, transport: str, redis_url: str, megabytes: float):
+def sync_row(learner: LearnerRank, model_dir: str, transport: WeightTransport, redis_url: str, megabytes: float):
     """(figure, how) for one transport, or why it was not measured here."""
     gpu = torch.cuda.is_available()
-    if transport == "cuda_ipc" and not gpu:
+    if isinstance(transport, CudaIpcTransport) and not gpu:
         return "not measured: needs CUDA", "learner and engine on one GPU"
-    if transport == "broadcast" and gpu and torch.cuda.device_count() < 2:
+    if isinstance(transport, BroadcastTransport) and gpu and torch.cuda.device_count() < 2:
         return "not measured: NCCL needs a second GPU", "learner rank 0 -> engine, one GPU each"
     sync = weight_sync(learner, model_dir, transport, redis_url)
     how = {"object_store": "snapshot -> Ray object store -> engine",
-           "broadcast": f"{'nccl' if gpu else 'gloo'} broadcast in {BUCKET_MB:.0f} MB buckets -> engine",
-           "cuda_ipc": "one IPC handle of a packed GPU copy -> engine"}[transport]
+           "broadcast": f"{'nccl' if gpu else 'gloo'} broadcast in {TRANSPORTS[1].bucket_mb:.0f} MB buckets -> engine",
+           "cuda_ipc": "one IPC handle of a packed GPU copy -> engine"}[transport.name]
     return f"{sync['best_s']:.3f} s per sync", f"{megabytes:.1f} MB, {how}, best of 5 (median {sync['median_s']:.3f} s)"
 
 
@@ -241,7 +240,7 @@ def main() -> None:
     learner.start_stage(lr=1e-6)
     megabytes = sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 1e6  # as served
     with EmbeddedRedis() as redis:
-        syncs = {t: sync_row(learner, model_dir, t, redis.url, megabytes) for t in TRANSPORTS}
+        syncs = {t.name: sync_row(learner, model_dir, t, redis.url, megabytes) for t in TRANSPORTS}
     trained = learner_steps(learner, generated["groups"], args.learner_steps)
     params = sum(p.numel() for p in engine.model.parameters())
     name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({os.cpu_count()} cores)"
@@ -250,7 +249,7 @@ def main() -> None:
              f"{args.prompts} prompts x {args.group}, up to {args.new_tokens} new tokens"),
             (f"generation, vLLM ({dtype})", f"{vllm['tokens'] / vllm['seconds']:.0f} tokens/s" if vllm else vllm_note,
              "rlplatform's vLLM engine, same prompts (continuous batching, log-probs and versions recorded)"),
-            *[(f"weight sync, {t}", *syncs[t]) for t in TRANSPORTS],
+            *[(f"weight sync, {name}", *row) for name, row in syncs.items()],
             (f"learner (DeepSpeed ZeRO-1, one rank, {dtype})", f"{trained['tokens'] / trained['seconds']:.0f} tokens/s",
              f"{args.learner_steps} RL steps on the generated groups; micro-batches of {learner.micro_batch_tokens} "
              f"tokens (the default: from free memory)"),

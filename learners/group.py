@@ -18,6 +18,7 @@ from rlplatform.devices import gpus_per_actor
 from rlplatform.learners.rank import LearnerActor
 from rlplatform.transport.deadlines import LEARNER_TIMEOUT_S, deadline_get
 from rlplatform.transport.samples import Sample
+from rlplatform.transport.weight_transports import ObjectStoreTransport, WeightTransport
 
 T = TypeVar("T")
 
@@ -54,7 +55,8 @@ def shard_minibatches(items: Sequence[T], ranks: int, minibatches: int,
 
 class LearnerGroup:
     def __init__(self, config: LearnerConfig, model_path: str, seed: int, dtype: str = "float32",
-                 chat_template: str = "auto", name: Optional[str] = None, transport: str = "object_store",
+                 chat_template: str = "auto", name: Optional[str] = None,
+                 transport: WeightTransport = ObjectStoreTransport(),
                  lora: Optional[LoraConfig] = None, set_up: bool = True) -> None:
         """`name`: the ranks become Ray actors named `<name>-<rank>`; `transport`: `weights.transport`;
         `lora`: train adapters only; `set_up` False: return once the ranks' actors are created (their
@@ -108,7 +110,7 @@ class LearnerGroup:
         advantages (each rank fetches its samples from Redis: `connect_results`), each publishing its
         new weights as it ends; `gather` the refs."""
         shares = shard_minibatches(batch, len(self.ranks), rl.minibatches, [item.tokens for item in batch])
-        return [rank.rl_step_and_publish.remote([i.sample_id for i in share], [i.advantage for i in share], rl,
+        return [rank.rl_step_and_stream.remote([i.sample_id for i in share], [i.advantage for i in share], rl,
                                                 rows, step, max_tokens)
                 for rank, share, rows in zip(self.ranks, shares, self._sft_parts(sft_rows))]
 
@@ -121,8 +123,8 @@ class LearnerGroup:
         results = deadline_get(refs, "a learner rank's RL step", LEARNER_TIMEOUT_S)
         return _mean([metrics for metrics, _ in results]), results[0][1][0]
 
-    def publish_weights(self) -> ray.ObjectRef:
-        refs = deadline_get([rank.publish_weights.remote() for rank in self.ranks], "a learner rank's weights",
+    def snapshot_weights(self) -> ray.ObjectRef:
+        refs = deadline_get([rank.snapshot_weights.remote() for rank in self.ranks], "a learner rank's weights",
                             LEARNER_TIMEOUT_S)
         return refs[0][0]
 

@@ -42,7 +42,7 @@ from rlplatform.transport.redis_server import connect
 from rlplatform.transport.results import ResultStore
 from rlplatform.transport.reward_queue import JobKeys
 from rlplatform.transport.samples import Sample
-from rlplatform.transport.weight_streams import Publisher
+from rlplatform.transport.weight_transports import ObjectStoreTransport, WeightTransport
 from rlplatform.transport.weights import cast_weights, from_snapshot, to_snapshot
 
 
@@ -86,7 +86,8 @@ class Minibatch:
 
 class LearnerRank:
     def __init__(self, rank: int, world_size: int, model_path: str, config: LearnerConfig, seed: int,
-                 dtype: str = "float32", chat_template: str = "auto", transport: str = "object_store",
+                 dtype: str = "float32", chat_template: str = "auto",
+                 transport: WeightTransport = ObjectStoreTransport(),
                  lora: Optional[LoraConfig] = None) -> None:
         torch.set_num_threads(config.num_threads)
         torch.manual_seed(seed)
@@ -104,7 +105,8 @@ class LearnerRank:
         self.peak_flops = 0.0  # the device's peak FLOP/s in the compute dtype
         self.reference = None  # frozen policy for KL, kept during RL when asked
         self.stage_lr = 0.0
-        self.publisher = Publisher(transport)  # how rank 0 streams each new version (weights.transport)
+        self.transport = transport  # weights.transport's strategy
+        self.weights_out = transport.sender()  # how rank 0 streams each new version
         self.results: Optional[ResultStore] = None  # the job's scored samples on Redis
         # DeepSpeed picks its accelerator once, at import: the rank's device, not whatever the node has.
         # Imported here, so that the import runs while the job writes the policy that `setup` loads
@@ -458,7 +460,7 @@ class LearnerRank:
     def connect_results(self, redis_url: str, job: str) -> None:
         self.results = ResultStore(connect(redis_url), JobKeys(job).result_prefix)
 
-    def rl_step_and_publish(self, sample_ids: List[str], advantages: List[float], rl: RLConfig,
+    def rl_step_and_stream(self, sample_ids: List[str], advantages: List[float], rl: RLConfig,
                             sft_rows: Optional[List[Dict]] = None, step: int = 0,
                             max_tokens: Optional[int] = None) -> Tuple[Dict[str, float], Optional[List]]:
         """`rl_step` on this rank's share of a batch, fetched from Redis by id, then the new weights
@@ -474,7 +476,7 @@ class LearnerRank:
         state = self._streamed_state()
         if state is None:
             return None
-        return [self.publisher.publish(state, version)]
+        return [self.weights_out.send(state, version)]
 
     def _streamed_state(self) -> Optional[Dict[str, torch.Tensor]]:
         """What each version sends (rank 0; None elsewhere): the full weights, or with LoRA the adapters
@@ -489,17 +491,14 @@ class LearnerRank:
         return "nccl" if self.device.type == "cuda" else "gloo"
 
     def open_broadcast(self, host: str, port: int, world_size: int, backend: str, redis_url: str,
-                       version_key: str, bucket_bytes: int) -> None:
-        """Join the weight broadcast group as its rank 0 (learner rank 0 only)."""
-        from rlplatform.transport.redis_server import connect
-        from rlplatform.transport.weight_streams import sender
-
+                       version_key: str) -> None:
+        """Join the weight broadcast group as its rank 0 (learner rank 0 only; `BroadcastTransport.connect`)."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.publisher.sender = sender(host, port, world_size, backend, connect(redis_url), version_key,
-                                       bucket_bytes)
+        self.weights_out.open_sender(host, port, world_size, backend, connect(redis_url), version_key,
+                                     self.transport.bucket_bytes)
 
-    def publish_weights(self) -> Optional[List[ray.ObjectRef]]:
+    def snapshot_weights(self) -> Optional[List[ray.ObjectRef]]:
         """[ref] to a snapshot of the current weights (with LoRA, of the adapters) in the object store (rank 0)."""
         if self.lora.enabled:
             snapshot = self._adapter_snapshot()

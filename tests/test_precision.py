@@ -69,7 +69,7 @@ def test_bfloat16_train_publish_generate_and_save(ray_session, bf16_policy, tmp_
         first = learner.sft_step(ROWS)
         assert learner.sft_step(ROWS)["loss"] < first["loss"]
 
-        snapshot = ray.get(learner.publish_weights())
+        snapshot = ray.get(learner.snapshot_weights())
         assert {a.dtype for a in snapshot.values()} == {BFLOAT16}
         engine = TransformersEngine(bf16_policy, "cpu", "bfloat16")
         engine.load_weights(from_snapshot(snapshot), 1)
@@ -90,7 +90,7 @@ def test_bfloat16_train_publish_generate_and_save(ray_session, bf16_policy, tmp_
         assert saved_dtypes(model_dir) == {"BF16"}
         assert saved_bytes(model_dir) == pytest.approx(saved_bytes(bf16_policy), rel=0.01)
         saved, _ = load_policy(model_dir, "bfloat16")
-        after = ray.get(learner.publish_weights())
+        after = ray.get(learner.snapshot_weights())
         for name, param in saved.state_dict().items():
             if name in after:
                 assert np.array_equal(param.view(torch.int16).numpy(), after[name].view(np.int16))

@@ -39,7 +39,7 @@ from rlplatform.transport.redis_server import EmbeddedRedis, connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.staleness import RolloutGate
 from rlplatform.transport.weight_store import WeightStore
-from rlplatform.transport.weight_streams import open_broadcast
+from rlplatform.transport.weight_transports import weight_transport
 
 
 def run_job(config: JobConfig, started_at: Optional[float] = None, shutdown_ray: Optional[bool] = None) -> Dict:
@@ -313,9 +313,8 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup
     evaluator = Evaluator(start_rollout(policy.rollout.num_workers), test, config.eval,
                           config.rewards, config.imports)  # after the learner's set-up (`Evaluator`)
     learner.connect_results(redis_url, config.name)
-    if policy.weights.transport == "broadcast":
-        open_broadcast(learner.ranks[0], rollout + [evaluator.actor], redis_url,
-                       PolicyKeys(config.name, policy.name).version, policy.weights.bucket_mb, LEARNER_TIMEOUT_S)
+    weight_transport(policy.weights).connect(learner.ranks[0], rollout + [evaluator.actor], redis_url,
+                                             PolicyKeys(config.name, policy.name).version, LEARNER_TIMEOUT_S)
     gate = RolloutGate(client, config.name, policy.rl.max_staleness, policy.rl.batch_prompts, policy.name)
     return PolicyWorkers(policy, learner, rollout, store, gate, evaluator, PolicyKeys(config.name, policy.name),
                          [p.row for p in train], data)
@@ -330,7 +329,7 @@ def _start_learner(config: JobConfig, policy: PolicyConfig) -> LearnerGroup:
     loads the initial policy, which `_start_policy` writes first)."""
     return LearnerGroup(policy.learner, _initial_dir(config, policy), config.seed, policy.model.dtype,
                         config.data.chat_template, name=f"{config.name}-{policy.name}-learner",
-                        transport=policy.weights.transport, lora=policy.model.lora, set_up=False)
+                        transport=weight_transport(policy.weights), lora=policy.model.lora, set_up=False)
 
 
 def _start_rollout_actor(config: JobConfig, policy: PolicyConfig, model_path: str, prompts_path: str, redis_url: str,
@@ -345,7 +344,7 @@ def _start_rollout_actor(config: JobConfig, policy: PolicyConfig, model_path: st
     options = dict(num_cpus=policy.rollout.num_cpus, num_gpus=gpus, resources=policy.rollout.resources,
                    max_restarts=MAX_RESTARTS, name=f"{config.name}-{policy.name}-rollout-{index}")
     args = (index, policy.name, model_path, prompts_path, policy.rl, policy.rollout, redis_url, config.name, store_name,
-            config.seed, policy.model.dtype, policy.weights.transport, policy.model.lora, config.data.chat_template,
+            config.seed, policy.model.dtype, weight_transport(policy.weights), policy.model.lora, config.data.chat_template,
             config.env)
     if index == policy.rollout.num_workers:
         return EvaluatorActor.options(**options).remote(config.eval.priority, *args)
@@ -372,7 +371,7 @@ def _supervised_stage(config: JobConfig, workers: PolicyWorkers, train_rows, met
         stage = "sft" if not config.policies else f"{workers.name}/sft"
         result["stages"]["sft"] = run_sft(workers.config.sft, workers.learner, workers.sft_rows, metrics,
                                           config.seed, stage,
-                                          lambda: workers.evaluator.score(workers.learner.publish_weights()))
+                                          lambda: workers.evaluator.score(workers.learner.snapshot_weights()))
     streamed = workers.learner.stream_weights(0)
     publish(workers, client, 0, streamed)
     if workers.config.rl.enabled and not workers.config.sft.enabled:  # the evaluator is still starting: it
@@ -386,9 +385,9 @@ def _supervised_stage(config: JobConfig, workers: PolicyWorkers, train_rows, met
 def _baseline_snapshot(workers: PolicyWorkers, streamed) -> ray.ObjectRef:
     """A snapshot of version 0 for the background evaluation: the one the object store already holds
     when version 0 went there as full weights, else a snapshot of the learner's weights."""
-    if workers.config.weights.transport == "object_store" and not workers.config.model.lora.enabled:
+    if weight_transport(workers.config.weights).snapshots_in_store and not workers.config.model.lora.enabled:
         return streamed
-    return workers.learner.publish_weights()
+    return workers.learner.snapshot_weights()
 
 
 def _rl_stage(config: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, reward_actors: List,

@@ -20,7 +20,7 @@ KEEP_VERSIONS = 2  # a worker may still be mapping the previous version while th
 DEVICE_ARG = 6  # position of the device index in the arguments of torch's rebuild_cuda_tensor
 
 
-class IpcPublisher:
+class IpcSender:
     """Learner rank 0's end: the IPC handle of a private packed GPU copy of each version."""
 
     def __init__(self) -> None:
@@ -40,7 +40,7 @@ class IpcPublisher:
 
 
 def open_handles(message: Dict, device: torch.device) -> Dict[str, torch.Tensor]:
-    """The weights behind `IpcPublisher.handles`, mapped on `device` (the same physical GPU)."""
+    """The weights behind `IpcSender.handles`, mapped on `device` (the same physical GPU)."""
     if device.type != "cuda" or _uuid(device) != message["gpu"]:
         raise RuntimeError(f"weights.transport: cuda_ipc needs each rollout worker on learner rank 0's GPU, but "
                            f"this worker runs on {device}; give both the same GPU (fractional num_gpus on one-GPU "

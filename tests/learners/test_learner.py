@@ -16,7 +16,7 @@ ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in [(1, 2), (13, 
 
 
 def snapshot(learner: LearnerGroup) -> dict:
-    return ray.get(learner.publish_weights())
+    return ray.get(learner.snapshot_weights())
 
 
 def max_change(before: dict, after: dict) -> float:

@@ -60,7 +60,7 @@ def test_sft_and_rl_steps_train_the_adapters_alone_against_the_base(lora_learner
 
 
 def test_snapshot_holds_the_adapters_under_peft_names(lora_learner, tiny_policy):
-    snapshot = ray.get(lora_learner.publish_weights())
+    snapshot = ray.get(lora_learner.snapshot_weights())
     assert isinstance(snapshot, AdapterSnapshot)
     assert snapshot.config["r"] == 1 and snapshot.config["lora_alpha"] == 2.0
     assert all(".lora_A.weight" in k or ".lora_B.weight" in k for k in snapshot)
@@ -68,7 +68,7 @@ def test_snapshot_holds_the_adapters_under_peft_names(lora_learner, tiny_policy)
 
 
 def adapters(learner: LearnerGroup) -> dict:
-    return dict(ray.get(learner.publish_weights()))
+    return dict(ray.get(learner.snapshot_weights()))
 
 
 @pytest.mark.parametrize("zero_stage", [1, 3])

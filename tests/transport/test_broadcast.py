@@ -17,9 +17,9 @@ from rlplatform.tokenization import save_prompts
 from rlplatform.transport.broadcast import ALIGN, inbox, plan_buckets
 from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import PolicyKeys
-from rlplatform.transport.weight_streams import open_broadcast, receiver
+from rlplatform.transport.weight_transports import BroadcastTransport
 
-BUCKET_MB = 0.02  # about 20 KB: the tiny policy's weights need several buckets
+TRANSPORT = BroadcastTransport(bucket_mb=0.02)  # about 20 KB: the tiny policy's weights need several buckets
 LORA = LoraConfig(enabled=True, rank=2, alpha=4.0, target_modules=["q_proj", "v_proj"])
 
 
@@ -45,11 +45,11 @@ class Probe:
         self.redis_url, self.version_key = redis_url, version_key
 
     def open_broadcast(self, host, port, rank, world_size, backend):
-        self.receiver = receiver(host, port, rank, world_size, backend, connect(self.redis_url), self.version_key,
-                                 torch.device("cpu"))
+        self.receiver = TRANSPORT.receiver(None, torch.device("cpu"))
+        self.receiver.open_receiver(host, port, rank, world_size, backend, connect(self.redis_url), self.version_key)
 
     def take(self):
-        return self.receiver.take()
+        return self.receiver.receiver.take()
 
 
 @pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
@@ -61,16 +61,16 @@ def test_learner_broadcasts_each_version_to_every_worker_exactly(ray_session, re
     keys = PolicyKeys(job, "policy")
     worker = RolloutActor.options(num_cpus=0).remote(  # starts while the learner does
         0, "policy", tiny_policy, save_prompts([], str(tmp_path / "prompts.jsonl")), RLConfig(),
-        RolloutConfig(num_cpus=0), redis_server, job, None, 0, "float32", "broadcast", lora)
-    learner = LearnerGroup(LearnerConfig(num_cpus=0), tiny_policy, seed=0, transport="broadcast", lora=lora)
+        RolloutConfig(num_cpus=0), redis_server, job, None, 0, "float32", TRANSPORT, lora)
+    learner = LearnerGroup(LearnerConfig(num_cpus=0), tiny_policy, seed=0, transport=TRANSPORT, lora=lora)
     probe = Probe.remote(redis_server, keys.version)
     try:
-        open_broadcast(learner.ranks[0], [worker, probe], redis_server, keys.version, BUCKET_MB, 120)
+        TRANSPORT.connect(learner.ranks[0], [worker, probe], redis_server, keys.version, 120)
         learner.start_stage(lr=1e-2)
         expected = {}
         for version in (0, 1):
             assert learner.stream_weights(version) == version  # broadcast: the version comes back, no ref
-            expected[version] = ray.get(learner.publish_weights())  # the same weights through the object store
+            expected[version] = ray.get(learner.snapshot_weights())  # the same weights through the object store
             redis_client.set(keys.version, version)
             received = _wait_for(probe, version)
             assert sorted(received) == sorted(expected[version])  # every weight once (the tied head left out)

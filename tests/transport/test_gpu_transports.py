@@ -10,7 +10,7 @@ import pytest
 import ray
 import torch
 
-from rlplatform.transport.weight_streams import Publisher, Subscriber, receiver
+from rlplatform.transport.weight_transports import BroadcastTransport, CudaIpcTransport
 
 
 def _weights():
@@ -24,11 +24,11 @@ class Side:
     """One process on the shared GPU: publishes or receives a version of `_weights()`."""
 
     def publish_ipc(self):
-        self.publisher = Publisher("cuda_ipc")  # kept: its GPU buffers must outlive the reader's copy
-        return self.publisher.publish({k: v.cuda() for k, v in _weights().items()}, 3)
+        self.sender = CudaIpcTransport().sender()  # kept: its GPU buffers must outlive the reader's copy
+        return self.sender.send({k: v.cuda() for k, v in _weights().items()}, 3)
 
     def read_ipc(self, store):
-        version, weights = Subscriber("cuda_ipc", store, torch.device("cuda", 0)).newer(-1)
+        version, weights = CudaIpcTransport().receiver(store, torch.device("cuda", 0)).newer(-1)
         return version, {k: v.clone().cpu() for k, v in weights.items()}
 
     def address(self):
@@ -38,9 +38,9 @@ class Side:
 
     def open_sender(self, host, port, world, redis_url, version_key):
         from rlplatform.transport.redis_server import connect
-        from rlplatform.transport.weight_streams import sender
 
-        self.sender = sender(host, port, world, "nccl", connect(redis_url), version_key, bucket_bytes=4096)
+        self.sender = BroadcastTransport().sender()
+        self.sender.open_sender(host, port, world, "nccl", connect(redis_url), version_key, bucket_bytes=4096)
 
     def send(self, version):
         self.sender.send({k: v.cuda() for k, v in _weights().items()}, version)
@@ -48,11 +48,11 @@ class Side:
     def open_receiver(self, host, port, rank, world, redis_url, version_key):
         from rlplatform.transport.redis_server import connect
 
-        self.receiver = receiver(host, port, rank, world, "nccl", connect(redis_url), version_key,
-                                 torch.device("cuda", 0))
+        self.receiver = BroadcastTransport().receiver(None, torch.device("cuda", 0))
+        self.receiver.open_receiver(host, port, rank, world, "nccl", connect(redis_url), version_key)
 
     def take(self):
-        taken = self.receiver.take()
+        taken = self.receiver.receiver.take()
         return None if taken is None else (taken[0], {k: v.cpu() for k, v in taken[1].items()})
 
 

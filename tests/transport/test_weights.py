@@ -1,5 +1,5 @@
 """Weight snapshots keep each tensor's dtype through the Ray object store, bfloat16 included (numpy
-has none: its raw bits travel and come back unchanged)."""
+has none: its raw bits travel and come back unchanged); the config picks one transport strategy."""
 
 from __future__ import annotations
 
@@ -39,3 +39,20 @@ def test_bfloat16_snapshot_is_half_the_bytes_and_loads_into_a_bfloat16_model():
     target = torch.nn.Linear(8, 4).to(torch.bfloat16)
     target.load_state_dict(from_snapshot(snapshot))
     assert torch.equal(target.weight, model.weight) and torch.equal(target.bias, model.bias)
+
+
+def test_the_config_picks_one_transport_strategy_with_its_settings():
+    import pickle
+
+    from rlplatform.config import WeightsConfig
+    from rlplatform.transport.weight_transports import (BroadcastTransport, CudaIpcTransport, ObjectStoreTransport,
+                                                        weight_transport)
+
+    picked = {name: weight_transport(WeightsConfig(transport=name, bucket_mb=8.0))
+              for name in ("object_store", "broadcast", "cuda_ipc")}
+    assert picked == {"object_store": ObjectStoreTransport(), "broadcast": BroadcastTransport(8.0),
+                      "cuda_ipc": CudaIpcTransport()}
+    assert picked["broadcast"].bucket_bytes == 8 * 2 ** 20
+    # only the object store holds each version as a snapshot the evaluator can read as it is
+    assert [name for name, t in picked.items() if t.snapshots_in_store] == ["object_store"]
+    assert all(pickle.loads(pickle.dumps(t)) == t for t in picked.values())  # they travel to the actors

@@ -1,0 +1,167 @@
+"""How one policy's weights travel from learner rank 0 to its rollout engines: one strategy per
+`weights.transport`, picked once by `weight_transport(config.weights)`; nothing else names a transport.
+
+A strategy is a small frozen value that travels to the learner and rollout actors, where it builds its
+two ends: the sender on learner rank 0 (`send(weights, version)` returns what the driver hands the
+weight store: an object ref, or the version once the weights are already at the engines) and a
+receiver in each engine (`newer(version)`: (version, weights) once newer weights arrived).
+
+- object_store: a snapshot put in the Ray object store, its ref held by the `WeightStore`;
+- cuda_ipc: the store holds IPC handles of rank 0's packed GPU copy (`cuda_ipc`);
+- broadcast: rank 0 sends the weights itself over a process group joining it and every engine
+  (`broadcast`), which `connect` opens once before version 0; the version alone reaches the driver.
+Either way the driver then announces the version on Redis, which is how workers learn there is news.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Dict, List, Optional, Tuple
+
+import ray
+import torch
+
+from rlplatform.config import WeightsConfig
+from rlplatform.transport.broadcast import BroadcastReceiver, BroadcastSender, open_group
+from rlplatform.transport.cuda_ipc import IpcSender, open_handles
+from rlplatform.transport.weights import from_snapshot, to_snapshot
+
+Weights = Dict[str, torch.Tensor]
+
+
+class WeightTransport:
+    """The strategy's interface: its two ends, and what the driver does once to join them."""
+    name: ClassVar[str]
+    # whether a version travels as a full snapshot in the object store that the evaluator can read as it is
+    snapshots_in_store: ClassVar[bool] = False
+
+    def sender(self):
+        """Learner rank 0's end: `send(weights, version)`."""
+        raise NotImplementedError
+
+    def receiver(self, weight_store, device: torch.device):
+        """An engine's end: `newer(version)`; `weight_store` is the policy's `WeightStore` actor (None: none)."""
+        raise NotImplementedError
+
+    def connect(self, sender_rank, receivers: List, redis_url: str, version_key: str, timeout_s: float) -> None:
+        """Join learner rank 0 (a LearnerActor) and the engines' actors, once, before version 0 (none needed)."""
+
+    @classmethod
+    def from_config(cls, config: WeightsConfig) -> "WeightTransport":
+        return cls()
+
+
+@dataclass(frozen=True)
+class ObjectStoreTransport(WeightTransport):
+    name: ClassVar[str] = "object_store"
+    snapshots_in_store: ClassVar[bool] = True
+
+    def sender(self) -> "StoreSender":
+        return StoreSender(lambda weights: to_snapshot(weights))
+
+    def receiver(self, weight_store, device: torch.device) -> "StoreReceiver":
+        return StoreReceiver(weight_store, from_snapshot)
+
+
+@dataclass(frozen=True)
+class CudaIpcTransport(WeightTransport):
+    name: ClassVar[str] = "cuda_ipc"
+
+    def sender(self) -> "StoreSender":
+        return StoreSender(IpcSender().handles)
+
+    def receiver(self, weight_store, device: torch.device) -> "StoreReceiver":
+        return StoreReceiver(weight_store, lambda payload: open_handles(payload, device))
+
+
+@dataclass(frozen=True)
+class BroadcastTransport(WeightTransport):
+    name: ClassVar[str] = "broadcast"
+    bucket_mb: float = WeightsConfig.bucket_mb  # weights go in buckets of at most this many MB
+
+    def sender(self) -> "GroupEnd":
+        return GroupEnd()
+
+    def receiver(self, weight_store, device: torch.device) -> "GroupEnd":
+        return GroupEnd(device)
+
+    def connect(self, sender_rank, receivers: List, redis_url: str, version_key: str, timeout_s: float) -> None:
+        """Open the group on the backend of rank 0's device; returns once rank 0 and every receiver joined."""
+        from rlplatform.transport.deadlines import deadline_get
+
+        host, port = deadline_get(sender_rank.address.remote(), "learner rank 0", timeout_s)
+        backend = deadline_get(sender_rank.broadcast_backend.remote(), "learner rank 0", timeout_s)
+        world = 1 + len(receivers)
+        joins = [sender_rank.open_broadcast.remote(host, port, world, backend, redis_url, version_key)]
+        joins += [actor.open_broadcast.remote(host, port, rank, world, backend) for rank, actor in
+                  enumerate(receivers, start=1)]
+        deadline_get(joins, "the weight broadcast group's set-up", timeout_s)
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * 2 ** 20)
+
+    @classmethod
+    def from_config(cls, config: WeightsConfig) -> "BroadcastTransport":
+        return cls(config.bucket_mb)
+
+
+TRANSPORTS = {cls.name: cls for cls in (ObjectStoreTransport, BroadcastTransport, CudaIpcTransport)}
+
+
+def weight_transport(config: WeightsConfig) -> WeightTransport:
+    """The strategy `weights.transport` names, with its settings."""
+    return TRANSPORTS[config.transport].from_config(config)
+
+
+class StoreSender:
+    """Rank 0's end of a transport through the weight store: each version put in the object store as
+    `pack(weights)` (a snapshot, or IPC handles); the driver hands the ref to the store."""
+
+    def __init__(self, pack) -> None:
+        self.pack = pack
+
+    def send(self, weights: Weights, version: int) -> ray.ObjectRef:
+        return ray.put(self.pack(weights))
+
+
+class StoreReceiver:
+    """An engine's end of a transport through the weight store: the newest version's payload, `unpack`ed."""
+
+    def __init__(self, weight_store, unpack) -> None:
+        self.weight_store, self.unpack = weight_store, unpack
+
+    def newer(self, version: int) -> Optional[Tuple[int, Weights]]:
+        newer = ray.get(self.weight_store.newer_than.remote(version))
+        if newer is None:
+            return None
+        version, (ref,) = newer
+        return version, self.unpack(ray.get(ref))
+
+
+class GroupEnd:
+    """Either end of the broadcast group, open once `open_sender` or `open_receiver` ran (`BroadcastTransport.connect`)."""
+
+    def __init__(self, device: Optional[torch.device] = None) -> None:
+        self.device = device
+        self.sender: Optional[BroadcastSender] = None
+        self.receiver: Optional[BroadcastReceiver] = None
+
+    def open_sender(self, host: str, port: int, world: int, backend: str, client, version_key: str,
+                    bucket_bytes: int) -> None:
+        self.sender = BroadcastSender(open_group(host, port, 0, world, backend), client, version_key, bucket_bytes)
+
+    def open_receiver(self, host: str, port: int, rank: int, world: int, backend: str, client,
+                      version_key: str) -> None:
+        self.receiver = BroadcastReceiver(open_group(host, port, rank, world, backend), client, version_key,
+                                          self.device)
+
+    def send(self, weights: Weights, version: int) -> int:
+        if self.sender is None:
+            raise RuntimeError("weights.transport: broadcast, but the broadcast group was never opened")
+        self.sender.send(weights, version)
+        return version
+
+    def newer(self, version: int) -> Optional[Tuple[int, Weights]]:
+        latest = self.receiver.take() if self.receiver is not None else None
+        return latest if latest is not None and latest[0] > version else None
