@@ -15,7 +15,7 @@ import os
 import random
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Dict, List, Optional, Tuple
 
 import ray
@@ -58,7 +58,11 @@ class RLCounters:
     learner_mfu_s: float = 0.0  # each step's MFU times its compute seconds (summary: their time-weighted mean)
 
     def state(self) -> Dict:
-        return {**asdict(self), "staleness_trained": {str(k): v for k, v in self.staleness_trained.items()}}
+        """The counters as JSON values: each Counter a plain dict with string keys (`asdict` would rebuild a
+        Counter from its (key, count) pairs, counting the pairs themselves)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {**values, "staleness_trained": {str(k): v for k, v in self.staleness_trained.items()},
+                "reward_reasons": dict(self.reward_reasons)}
 
     @classmethod
     def from_state(cls, state: Dict) -> "RLCounters":

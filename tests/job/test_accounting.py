@@ -64,3 +64,17 @@ def test_dropped_groups_give_back_only_the_capacity_they_claimed(redis_client):
     assert len(batch.dropped_stale) == 2
     assert _count_dropped(batch, counters, ledger) == 1 and counters.samples_dropped_stale == 4
     assert ledger.counts()["dropped_stale"] == 1 and ledger.counts()["open"] == 0
+
+
+def test_counters_with_reward_reasons_round_trip_through_a_checkpoint(tmp_path):
+    from collections import Counter
+
+    from rlplatform.job.checkpoint import read_state, write_checkpoint
+
+    counters = RLCounters(samples_trained=24, reward_errors=3)
+    counters.reward_reasons.update(["code_tests/failed"] * 17 + ["code_tests/error"] * 3)  # as a code-task job counts
+    counters.staleness_trained.update({0: 16, 1: 8})
+    path = write_checkpoint(str(tmp_path), 3, {"counters": counters.state()}, lambda directory: None, keep_last=2)
+    restored = RLCounters.from_state(read_state(path)["counters"])
+    assert restored == counters
+    assert restored.reward_reasons == Counter({"code_tests/failed": 17, "code_tests/error": 3})
