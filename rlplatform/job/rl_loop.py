@@ -346,7 +346,7 @@ def _turn(runs: Dict[str, PolicyRun], queue: RewardQueue) -> None:
 
 
 class Checkpoints:
-    """When to checkpoint and what: every `checkpoint.every_steps` of any policy, and at the end.
+    """When to checkpoint and what: at every multiple of `checkpoint.every_steps` of any policy, and at the end.
 
     A checkpoint is taken between learner steps: when one is due, no new step starts until
     every step in flight has ended, then all policies are saved together."""
@@ -357,12 +357,19 @@ class Checkpoints:
         self.latest: Optional[str] = latest_checkpoint(job.run_dir)
 
     def maybe_save(self) -> None:
+        """Save at each multiple of `checkpoint.every_steps`: once the step in flight reaches it, no step
+        starts past it, and the save follows when no step is in flight."""
         every = self.job.checkpoint.every_steps
-        if every and any(run.version >= self.saved[name] + every for name, run in self.runs.items()):
-            for run in self.runs.values():
+        if not every:
+            return
+        due = False
+        for name, run in self.runs.items():
+            boundary = (self.saved[name] // every + 1) * every
+            if run.version + bool(run.step_refs) >= boundary:
                 run.hold = True
-            if not any(run.step_refs for run in self.runs.values()):
-                self._save()
+                due = due or run.version >= boundary
+        if due and not any(run.step_refs for run in self.runs.values()):
+            self._save()
 
     def save_now(self) -> None:
         """Let the steps in flight end, then save (the stage's end, or a stop)."""

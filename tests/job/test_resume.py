@@ -1,7 +1,7 @@
-"""Checkpoints and resume: a job stopped by SIGTERM after a few steps (a periodic checkpoint lands
-at the first step boundary at or after it is due, so steps are counted loosely) writes a checkpoint and an
+"""Checkpoints and resume: a job stopped by SIGTERM after a few steps writes a checkpoint and an
 `interrupted` summary; resumed, it reaches the same final step, re-issues the prompts that were
-in flight, trains no sample twice, and its prompt ledger balances."""
+in flight, trains no sample twice, and its prompt ledger balances. Periodic checkpoints land at the
+multiples of `checkpoint.every_steps`, also after a resume from a step between them."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_stopped_job_resumes_to_the_same_final_step_training_nothing_twice(ray_s
     config = tiny_job("resumed", "rl.max_steps=12", "checkpoint.every_steps=2", "checkpoint.keep_last=2",
                       "resume=auto")
 
-    def stop_after_five_steps():  # periodic checkpoints at 2 or 3 and 4 or 5 before it
+    def stop_after_five_steps():  # periodic checkpoints at 2 and 4 before it
         run_files.wait_for(lambda: run_files.trained_steps(config.run_dir) >= 5)
         os.kill(os.getpid(), signal.SIGTERM)
     thread = threading.Thread(target=stop_after_five_steps, daemon=True)
@@ -47,3 +47,5 @@ def test_stopped_job_resumes_to_the_same_final_step_training_nothing_twice(ray_s
     assert second["rl"]["samples_trained"] == 12 * 2 * 4
     with open(os.path.join(config.run_dir, "summary.json")) as f:
         assert json.load(f)["status"] == "completed"
+    # after the resume the periodic checkpoints fell on multiples of 2 again; keep_last holds 10 and the end
+    assert sorted(os.listdir(os.path.dirname(checkpoint))) == ["step-000010", "step-000012"]
