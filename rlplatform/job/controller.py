@@ -71,7 +71,7 @@ def run_job(config: JobConfig, started_at: Optional[float] = None, shutdown_ray:
             metrics.console.note(f"job status from anywhere: rlp status --redis \"$(cat {run_dir}/redis.url)\" "
                                  f"--job {config.name}")
             if embedded is not None:
-                embedded.keep_alive(lambda text: metrics.event("redis_restart", text, 0))
+                embedded.keep_alive(lambda text: metrics.event("redis_restart", text))
             metrics.status = JobStatus(connect(redis_url), config.name)
             summary["wandb_dir"] = metrics.wandb_dir
             try:

@@ -323,7 +323,7 @@ class WorkerWatch:
 
 
 def _start_loops(job: JobConfig, policies: List[PolicyWorkers], reward_actors: List, metrics: Metrics) -> Supervisor:
-    supervisor = Supervisor(lambda text: metrics.event("worker_restart", text, 0))
+    supervisor = Supervisor(lambda text: metrics.event("worker_restart", text))
     for workers in policies:
         for i, actor in enumerate(workers.rollout):
             supervisor.start("rollout", f"{workers.name}-{i}", actor)

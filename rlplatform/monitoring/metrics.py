@@ -39,6 +39,7 @@ class Metrics:
         self.status: Optional[JobStatus] = None  # attached once Redis is up
         self._policies: List[str] = []
         self._stages: List[str] = []
+        self.stage, self.step = "start", 0  # where the job is, as the latest figures said: events are dated by it
         mode = wandb_mode(config.wandb.mode)
         self.online = mode == "online"
         if mode != "disabled":
@@ -54,6 +55,7 @@ class Metrics:
 
     def log(self, stage: str, step: int, values: Dict[str, float]) -> None:
         """A stage's figures as `<stage>/<name>` against its own `<stage>/step` axis."""
+        self.stage, self.step = stage, step
         if not self.run:
             return
         if stage not in self._stages:
@@ -64,6 +66,7 @@ class Metrics:
 
     def log_rl(self, policy: str, families: Dict[str, Dict[str, object]], axes: Dict[str, float]) -> None:
         """One RL step's figures: `<policy>/<family>/<name>`, plus the policy's axis values."""
+        self.stage, self.step = "rl", int(axes["learner_step"])
         if not self.run:
             return
         if policy not in self._policies:
@@ -89,11 +92,14 @@ class Metrics:
         if self.status is not None:
             self.status.write({k: _fmt(v) for k, v in fields.items()})
 
-    def event(self, kind: str, message: str, step: int) -> None:
-        """An alert or notable event: console warning, event log line, W&B alert when online."""
-        self.console.note(f"WARNING [{kind}] step {step}: {message}")
+    def event(self, kind: str, message: str, step: Optional[int] = None) -> None:
+        """An alert or notable event: console warning, event log line, W&B alert when online. Without
+        `step`, it is dated by the latest figures logged (their stage and step)."""
+        step = self.step if step is None else step
+        self.console.note(f"WARNING [{kind}] {self.stage} step {step}: {message}")
         with open(self.events_path, "a") as f:
-            f.write(json.dumps({"time": time.time(), "kind": kind, "step": step, "message": message}) + "\n")
+            f.write(json.dumps({"time": time.time(), "kind": kind, "stage": self.stage, "step": step,
+                                "message": message}) + "\n")
         if self.run and self.online:
             self.run.alert(title=f"rlplatform: {kind}", text=message, level=wandb.AlertLevel.WARN)
 

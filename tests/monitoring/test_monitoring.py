@@ -50,7 +50,19 @@ def test_alert_fires_once_on_a_forced_reward_collapse(redis_client, tmp_path, ca
     assert [e["kind"] for e in events] == ["reward_collapse"]
     # window 20, threshold 0.5 x best 1.0: the 20-step mean first drops below 0.5 at step 41
     assert events[0]["step"] == 41
-    assert "WARNING [reward_collapse] step 41" in capsys.readouterr().out
+    assert "WARNING [reward_collapse] rl step 41" in capsys.readouterr().out
+
+
+def test_events_without_a_step_are_dated_by_the_latest_figures(tmp_path):
+    config = load_config(QUICKSTART, [f"output_dir={tmp_path}", "name=dated", "wandb.mode=disabled"])
+    metrics = Metrics(config, str(tmp_path))
+    metrics.event("redis_restart", "before any figure")
+    metrics.log("sft", 300, {"loss": 0.5})
+    metrics.event("worker_restart", "during SFT")
+    metrics.log_rl("policy", {}, {"learner_step": 17, "samples_seen": 2176, "wall_time_s": 9.0})
+    metrics.event("worker_restart", "during RL")
+    events = [json.loads(line) for line in open(tmp_path / "events.jsonl")]
+    assert [(e["stage"], e["step"]) for e in events] == [("start", 0), ("sft", 300), ("rl", 17)]
 
 
 def test_trailing_rate_spans_intervals_in_which_nothing_finished():
