@@ -15,6 +15,7 @@ import redis
 from rlplatform.transport.reward_queue import JobKeys
 
 STATUS_TTL_S = 7 * 24 * 3600  # a finished job's status stays readable for a week
+KEPT_ACROSS_LINES = {"silent_workers"}  # fields set on their own (`set`), not part of a progress line
 
 
 class JobStatus:
@@ -23,9 +24,15 @@ class JobStatus:
         self.key = JobKeys(job).status
 
     def write(self, fields: Dict[str, object]) -> None:
+        """A progress line: its fields replace the previous line's, so a stage's own figures (SFT's loss)
+        do not outlive it; the fields `set` on their own stay."""
         values = {k: str(v) for k, v in fields.items()}
         values["updated_at"] = f"{time.time():.3f}"
+        stale = [k for k in map(bytes.decode, self.client.hkeys(self.key)) if k not in values and
+                 k not in KEPT_ACROSS_LINES]
         pipe = self.client.pipeline(transaction=False)
+        if stale:
+            pipe.hdel(self.key, *stale)
         pipe.hset(self.key, mapping=values)
         pipe.expire(self.key, STATUS_TTL_S)
         pipe.execute()

@@ -88,7 +88,12 @@ def test_progress_line_shows_throughput_between_steps_that_saw_no_new_samples(re
 
 
 def test_rlp_status_prints_a_jobs_progress_from_redis(redis_server, redis_client):
-    JobStatus(redis_client, "elsewhere").write({"stage": "rl", "step": "12/400", "reward": 0.5, "samples/s": 840})
+    status = JobStatus(redis_client, "elsewhere")
+    status.write({"stage": "sft", "step": "500/1500", "loss": 0.62})
+    status.set("silent_workers", "reward worker 1")
+    status.write({"stage": "rl", "step": "12/400", "reward": 0.5, "samples/s": 840})  # SFT's loss is gone
+    assert "loss" not in status.read() and status.read()["silent_workers"] == "reward worker 1"
+    status.set("silent_workers", "")
     rlp = str(Path(sys.executable).parent / "rlp")
     env = dict(os.environ, RAY_ADDRESS="")
     shown = subprocess.run([rlp, "status", "--redis", redis_server, "--job", "elsewhere"],
