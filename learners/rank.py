@@ -144,10 +144,11 @@ class LearnerRank:
             if self.config.zero_stage == 3:
                 copy_head_weight_per_call(model)
         trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters alone
-        optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0)
+        # fused: one kernel for every parameter's update on CUDA (not implemented for CPU tensors)
+        optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0, fused=self.device.type == "cuda")
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=self._deepspeed_config())
         self.params = sum(p.numel() for p in model.parameters())
-        self.peak_flops = peak_flops(self.device, torch.bfloat16 if self.dtype == "bfloat16" else torch_dtype(self.weights_dtype))
+        self.peak_flops = peak_flops(self.device, torch_dtype(self.dtype))  # the dtype the matmuls run in
         self.micro_batch_tokens = self.config.micro_batch_tokens or micro_batch_tokens(
             free_device_bytes(self.device, self.world_size, self.config.num_gpus), sum(p.numel() for p in trainable),
             model.config, torch_dtype(self.dtype).itemsize, self.config.activation_checkpointing)
