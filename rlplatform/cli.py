@@ -59,6 +59,7 @@ def _run(args) -> int:
         raise ConfigError("rlp run: give a job YAML, or --resume runs/<name>")
     config = _load(args)
     preflight.check_without_models(config, args.config)
+    _check_run_dir(config, args.fresh)
     import psutil
 
     from rlplatform.job.cluster import start_local_ray_while
@@ -72,9 +73,19 @@ def _run(args) -> int:
 
     # the job shuts down the Ray started here too: before it sets back the signal handlers it found, which are
     # Ray's own (a SIGTERM there would exit 15 without a word)
-    summary = run_job(config, started_at=psutil.Process().create_time(), shutdown_ray=True)
+    summary = run_job(config, started_at=psutil.Process().create_time(), shutdown_ray=True, fresh=args.fresh)
     print(_result_line(summary))
     return summary.get("exit_code", 0)
+
+
+def _check_run_dir(config, fresh: bool) -> None:
+    """Before Ray starts: the run directory is no live job's, and holds no earlier run's checkpoints unless
+    the run resumes them or `--fresh` moves them aside (`run_job` holds its lock from then on)."""
+    from rlplatform.job.run_dir import RunLock, check_fresh_start
+
+    with RunLock(config.run_dir):
+        if not fresh:
+            check_fresh_start(config)
 
 
 def _resume_overrides(args) -> List[str]:
@@ -255,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.choices["run"]
     run.add_argument("--resume", metavar="RUN_DIR", help="continue runs/<name> from its newest checkpoint "
                      "(its config.yaml unless a config is given)")
+    run.add_argument("--fresh", action="store_true", help="start afresh where an earlier run of this name left "
+                     "checkpoints, moving that run to runs/<name>.moved-<time> (nothing is deleted)")
     rewards = commands.add_parser("rewards", help="list rewards, or score rows with a config's rewards")
     reward_actions = rewards.add_subparsers(dest="action", required=True)
     reward_actions.add_parser("list", help="every reward that can be found, with its parameters"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import time
 from contextlib import ExitStack
@@ -22,8 +21,9 @@ import ray
 from rlplatform.config import ConfigError, JobConfig, PolicyConfig, to_yaml
 from rlplatform.data import load_rows
 from rlplatform.devices import gpus_per_actor, resolve_dtype
-from rlplatform.job.checkpoint import checkpoints_dir, latest_checkpoint, read_state
+from rlplatform.job.checkpoint import latest_checkpoint, read_state
 from rlplatform.job.cluster import cpus_needed, start_ray
+from rlplatform.job.run_dir import RunLock, check_fresh_start, move_aside
 from rlplatform.job.rl_loop import Resume, run_rl
 from rlplatform.job.sft import run_sft
 from rlplatform.job.signals import Interrupted, StopSignals
@@ -42,14 +42,23 @@ from rlplatform.transport.weight_store import WeightStore
 from rlplatform.transport.weight_transports import weight_transport
 
 
-def run_job(config: JobConfig, started_at: Optional[float] = None, shutdown_ray: Optional[bool] = None) -> Dict:
+def run_job(config: JobConfig, started_at: Optional[float] = None, shutdown_ray: Optional[bool] = None,
+            fresh: bool = False) -> Dict:
     """Run the whole job; returns the summary that is also written to summary.json. `started_at`
     (wall clock, default now) is when start-up began: `rlp run` passes its process's start.
     `shutdown_ray`: whether the job disconnects from Ray at its very end, while its signal handlers still
-    hold (default: when Ray was not initialized before, so the job starts or joins it itself)."""
-    started_at = started_at or time.time()
+    hold (default: when Ray was not initialized before, so the job starts or joins it itself).
+    The job holds its run directory's lock throughout; `fresh`: first move what an earlier run left there
+    aside (else a run directory holding checkpoints, not resumed, stops the job before it starts)."""
+    with RunLock(config.run_dir):
+        if fresh:
+            move_aside(config.run_dir)
+        check_fresh_start(config)
+        return _run_locked(config, started_at or time.time(), shutdown_ray)
+
+
+def _run_locked(config: JobConfig, started_at: float, shutdown_ray: Optional[bool]) -> Dict:
     run_dir = config.run_dir
-    os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
         f.write(to_yaml(config))
     start = time.perf_counter()
@@ -106,14 +115,12 @@ def run_job(config: JobConfig, started_at: Optional[float] = None, shutdown_ray:
 
 
 def find_resume(config: JobConfig) -> Optional[Resume]:
-    """The checkpoint this run continues from, as `resume` asks: never, auto (if any), always.
-    A run that starts afresh deletes the checkpoints an earlier run of its name left."""
+    """The checkpoint this run continues from, as `resume` asks: never, auto (if any), always."""
     checkpoint = latest_checkpoint(config.run_dir) if config.resume != "never" else None
     if checkpoint is None:
         if config.resume == "always":
             raise ConfigError(f"resume: no checkpoint under {config.run_dir}/checkpoints to resume from; "
                               f"run without --resume to start the job afresh")
-        shutil.rmtree(checkpoints_dir(config.run_dir), ignore_errors=True)
         return None
     return Resume(checkpoint, read_state(checkpoint))
 
