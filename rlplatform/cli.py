@@ -83,6 +83,8 @@ def _check_run_dir(config, fresh: bool) -> None:
     the run resumes them or `--fresh` moves them aside (`run_job` holds its lock from then on)."""
     from rlplatform.job.run_dir import RunLock, check_fresh_start
 
+    if not os.path.isdir(config.run_dir):  # no earlier run; the job makes the directory (and takes its lock)
+        return
     with RunLock(config.run_dir):
         if not fresh:
             check_fresh_start(config)
