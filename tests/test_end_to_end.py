@@ -91,7 +91,8 @@ def assert_dashboard_logged(summary: dict) -> None:
     table = logged["summary"]["policy/samples/table"]
     assert table["_type"] == "table-file" and table["nrows"] == 16
     assert logged["summary"]["policy/learner_step"] == 12
-    assert logged["summary"]["policy/rewards/component/exact_match"] >= 0.0
+    # exact_match is the job's one reward, at weight 1: its component mean is the step's mean reward
+    assert logged["summary"]["policy/rewards/component/exact_match"] == logged["summary"]["policy/rewards/total"]
     last = summary["rl"]["eval_history"][-1]  # with its own value and version
     assert logged["summary"]["policy/eval/accuracy"] == last["accuracy"]
     assert logged["summary"]["policy/eval/policy_version"] == last["version"]
