@@ -318,11 +318,12 @@ def account(config: JobConfig, faults: List[Fault]) -> Outcome:
         checks.append(f"ledger closed {counts.get('trained', 0)} groups as trained, trained.jsonl has {len(groups)}")
     if any(n != group_size for n in groups.values()):
         checks.append("a trained group did not have group_size samples")
-    unused = rl.get("samples_unused_where", {})
-    if rl and rl.get("samples_generated") != rl.get("samples_scored", 0) + unused.get("scored_unread", 0) \
-            + unused.get("unscored", 0):
-        checks.append(f"summary counts {rl.get('samples_generated')} samples generated but {rl.get('samples_scored')} "
-                      f"scored and {unused} unused: a restarted worker's counts went missing")
+    ended = ("samples_trained", "samples_dropped_stale", "samples_dropped_error", "samples_dropped_zero_advantage",
+             "samples_dropped_invalid", "samples_abandoned_at_resume", "samples_unused_at_end")
+    if rl and rl.get("samples_generated") != sum(rl.get(key, 0) for key in ended):
+        checks.append(f"summary counts {rl.get('samples_generated')} samples generated but "
+                      f"{sum(rl.get(key, 0) for key in ended)} trained, dropped, abandoned at a resume or unused: "
+                      f"a restarted worker's counts went missing")
     if sum(counts.get(k, 0) for k in counts if k not in ("issued", "reissued")) + ledger["open"] != counts["issued"]:
         checks.append("the checkpoint's ledger does not balance")
     return Outcome(config.name, summary.get("status") == "completed" and rl.get("steps") == config.rl.max_steps,

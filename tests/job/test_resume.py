@@ -1,6 +1,6 @@
 """Checkpoints and resume: a job stopped by SIGTERM after a few steps writes a checkpoint and an
 `interrupted` summary; resumed, it reaches the same final step, re-issues the prompts that were
-in flight, trains no sample twice, and its prompt ledger balances. Periodic checkpoints land at the
+in flight, trains no sample twice, and its prompt ledger and sample counts balance over both attempts. Periodic checkpoints land at the
 multiples of `checkpoint.every_steps`, also after a resume from a step between them."""
 
 from __future__ import annotations
@@ -45,7 +45,15 @@ def test_stopped_job_resumes_to_the_same_final_step_training_nothing_twice(ray_s
     assert ledger["trained"] == 12 * 2 and balanced(ledger)
     assert ledger["reissued"] >= in_flight  # what was in flight at the checkpoint was issued again
     assert second["rl"]["samples_trained"] == 12 * 2 * 4
+    # counts run over both attempts and balance; the samples in flight at the checkpoint were abandoned
+    for rl in (first["rl"], second["rl"]):
+        assert rl["samples_generated"] == (rl["samples_trained"] + rl["samples_dropped_stale"]
+                                           + rl["samples_dropped_error"] + rl["samples_dropped_zero_advantage"]
+                                           + rl["samples_dropped_invalid"] + rl["samples_abandoned_at_resume"]
+                                           + rl["samples_unused_at_end"])
+    assert second["rl"]["trained_per_s"] <= second["rl"]["samples_per_s"]  # rates of the second attempt alone
     with open(os.path.join(config.run_dir, "summary.json")) as f:
         assert json.load(f)["status"] == "completed"
-    # after the resume the periodic checkpoints fell on multiples of 2 again; keep_last holds 10 and the end
-    assert sorted(os.listdir(os.path.dirname(checkpoint))) == ["step-000010", "step-000012"]
+    # after the resume the periodic checkpoints fell on multiples of 2 again (keep_last holds the newest two)
+    kept = [int(name.split("-")[1]) for name in sorted(os.listdir(os.path.dirname(checkpoint)))]
+    assert kept[-1] == 12 and all(step % 2 == 0 for step in kept if step > stopped_at), kept
