@@ -22,7 +22,7 @@ SFT_STEPS = 60
 SFT_STOP = ["sft.stop_at_accuracy=0.3", "sft.eval_every=20"]
 RL_STEPS = 40
 LORA = ["model.lora.enabled=true", "model.lora.rank=2", "model.lora.alpha=4", "rl.lr=2e-3"]
-LORA_STEPS = 40
+LORA_STEPS = 60
 
 
 @pytest.fixture(scope="module")
