@@ -315,11 +315,13 @@ class LearnerRank:
         limit = rl.max_new_tokens if max_tokens is None else max_tokens
         minibatches = self._plan(samples, advantages, parts, single_update, limit)
         minibatches = [self._prepare(m, rl, recompute_proximal) for m in minibatches]
+        # the SFT rows, encoded and cut once for every update of the step
+        sft = self._sft_parts(sft_rows) + (len(sft_rows),) if sft_rows is not None and rl.sft_coef else None
         sums: Dict[str, float] = {}
         grad_norms = []
         for _ in range(rl.ppo_epochs):
             for minibatch in minibatches:
-                _accumulate(sums, self._policy_update(minibatch, rl, sft_rows))
+                _accumulate(sums, self._policy_update(minibatch, rl, sft))
                 grad_norms.append(self._grad_norm())
         metrics = self._global_mean(sums, rl.ppo_epochs * len(minibatches))
         metrics.update(grad_norm=sum(grad_norms) / len(grad_norms), lr=self.engine.optimizer.param_groups[0]["lr"],
@@ -377,14 +379,16 @@ class LearnerRank:
                                               temperature=rl.temperature, token_mask=part.token_mask).logprobs
         return minibatch
 
-    def _policy_update(self, minibatch: Minibatch, rl: RLConfig, sft_rows: Optional[List[Dict]]) -> Dict[str, float]:
-        """One optimizer step: gradients accumulated over the micro-batches (and the SFT rows' micro-batches),
-        each loss already its share of the minibatch's, times the ranks DeepSpeed averages over."""
+    def _policy_update(self, minibatch: Minibatch, rl: RLConfig,
+                       sft: Optional[Tuple[List["SFTPart"], float, int]]) -> Dict[str, float]:
+        """One optimizer step: gradients accumulated over the micro-batches (and, with `sft`, the SFT rows'
+        micro-batches, every rank's SFT tokens and this rank's row count), each loss already its share of the
+        minibatch's, times the ranks DeepSpeed averages over."""
         sums: Dict[str, float] = {}
         passes = [functools.partial(self._rl_loss, part, minibatch, rl) for part in minibatch.parts]
-        if sft_rows is not None and rl.sft_coef:
-            sft_parts, sft_tokens = self._sft_parts(sft_rows)
-            passes += [functools.partial(self._sft_term, part, sft_tokens, len(sft_rows), rl) for part in sft_parts]
+        if sft is not None:
+            sft_parts, sft_tokens, sft_rows = sft
+            passes += [functools.partial(self._sft_term, part, sft_tokens, sft_rows, rl) for part in sft_parts]
         for k, loss_of in enumerate(passes):
             self.engine.set_gradient_accumulation_boundary(k == len(passes) - 1)
             loss, metrics = loss_of()

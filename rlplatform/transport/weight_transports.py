@@ -57,7 +57,7 @@ class ObjectStoreTransport(WeightTransport):
     snapshots_in_store: ClassVar[bool] = True
 
     def sender(self) -> "StoreSender":
-        return StoreSender(lambda weights: to_snapshot(weights))
+        return StoreSender(to_snapshot)
 
     def receiver(self, weight_store, device: torch.device) -> "StoreReceiver":
         return StoreReceiver(weight_store, from_snapshot)
