@@ -13,7 +13,7 @@ broadcast over gloo), which is how the test suite checks this script at `--size 
 broadcast runs over NCCL, which needs a second GPU for the engine (NCCL takes one GPU per rank).
 
 Usage: python benchmarks/gpu.py [--size 0.5b|tiny] [--prompts 64] [--group 8] [--new-tokens 128]
-           [--learner-steps 3] [--out benchmarks/results/gpu.md]
+           [--learner-steps 3] [--profile] [--out benchmarks/results/gpu.md]
 """
 
 from __future__ import annotations
@@ -184,8 +184,9 @@ def sync_row(learner: LearnerRank, model_dir: str, transport: WeightTransport, r
     return f"{sync['best_s']:.3f} s per sync", f"{megabytes:.1f} MB, {how}, best of 5 (median {sync['median_s']:.3f} s)"
 
 
-def learner_steps(learner: LearnerRank, groups, steps: int) -> Dict:
-    """RL steps on the generated groups with random rewards; tokens are prompt + completion tokens fed."""
+def learner_steps(learner: LearnerRank, groups, steps: int, profile: bool = False) -> Dict:
+    """RL steps on the generated groups with random rewards; tokens are prompt + completion tokens fed.
+    With `profile`, one more step runs under torch.profiler and its table is printed."""
     rng = random.Random(0)
     samples = [Sample(sample_id=f"g{g}/{i}", group_id=f"g{g}", policy="policy", prompt="", completion=c.text,
                       prompt_ids=c.prompt_ids, completion_ids=c.completion_ids, behaviour_logprobs=c.logprobs,
@@ -201,7 +202,20 @@ def learner_steps(learner: LearnerRank, groups, steps: int) -> Dict:
     _synchronize()
     seconds = time.perf_counter() - start
     tokens = steps * sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    if profile:
+        _profile_step(learner, samples, advantages, rl)
     return {"tokens": tokens, "seconds": seconds, "mfu": sum(mfu) / len(mfu)}
+
+
+def _profile_step(learner: LearnerRank, samples, advantages, rl: RLConfig) -> None:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        learner.rl_step(samples, advantages, rl, step=-1)
+        _synchronize()
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    print(profiler.key_averages().table(sort_by=sort, row_limit=30))
 
 
 def _synchronize() -> None:
@@ -222,6 +236,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--learner-steps", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="print torch.profiler's table of one learner step")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu.md"))
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -232,6 +247,7 @@ def main() -> None:
     engine = TransformersEngine(model_dir, device, dtype)
     engine.version = 0
     generated = engine_generation(engine, prompts, args.group, args.new_tokens)
+    print(f"generation: {generated['tokens']} tokens in {generated['seconds']:.2f} s", flush=True)
     vllm, vllm_note = None, "not measured: needs CUDA" if device != "cuda" else "not measured: vllm is not installed"
     if device == "cuda" and importlib.util.find_spec("vllm") is not None:
         vllm = vllm_generation(model_dir, dtype, engine.tokenizer(prompts)["input_ids"], args.group, args.new_tokens)
@@ -241,7 +257,8 @@ def main() -> None:
     megabytes = sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 1e6  # as served
     with EmbeddedRedis() as redis:
         syncs = {t.name: sync_row(learner, model_dir, t, redis.url, megabytes) for t in TRANSPORTS}
-    trained = learner_steps(learner, generated["groups"], args.learner_steps)
+    print(f"weight syncs: {syncs}", flush=True)
+    trained = learner_steps(learner, generated["groups"], args.learner_steps, args.profile)
     params = sum(p.numel() for p in engine.model.parameters())
     name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({os.cpu_count()} cores)"
     rows = [(f"generation, rlplatform transformers engine ({dtype})",
