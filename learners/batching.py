@@ -19,6 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
+from rlplatform.learners.head_scores import HeadScores, compute_dtype, fused_head, score_chunks
 from rlplatform.policy import kv_cache_keyword
 
 ROW_TOKENS = 64  # packed row length, unless one sequence is longer
@@ -76,7 +77,8 @@ class TokenScores:
     entropy: torch.Tensor  # (batch, T-1) entropy of each next-token distribution, 0 off completion tokens
 
 
-LOGIT_CHUNK_ELEMENTS = 2 ** 25  # vocabulary logits alive at once (128 MiB in float32): tokens per chunk
+LOGIT_CHUNK_ELEMENTS = {"cuda": 2 ** 28, "cpu": 2 ** 25}  # vocabulary logits alive at once (1 GiB / 128 MiB
+# in float32): a GPU's larger chunks make fewer, fuller matmuls and fewer passes over the head's gradient
 
 
 def completion_logprobs(model, prompts: List[List[int]], completions: List[List[int]], pad_id: int,
@@ -88,7 +90,7 @@ def completion_logprobs(model, prompts: List[List[int]], completions: List[List[
 
     `model` is a Hugging Face causal LM or a DeepSpeed engine around one. Its body runs once; the
     output head then projects only the completion positions, `chunk_tokens` at a time (0: as many
-    as fit LOGIT_CHUNK_ELEMENTS), chunks recomputed in backward when there are several, so no full-vocabulary logits
+    as fit LOGIT_CHUNK_ELEMENTS for the device), recomputed in backward, so no full-vocabulary logits
     exist for the whole batch in either pass.
     """
     device = next(model.parameters()).device
@@ -107,7 +109,7 @@ def completion_logprobs(model, prompts: List[List[int]], completions: List[List[
     mask = mask.to(device)
     wanted = index[mask.bool()]  # flat positions of the completion tokens, in (batch, T-1) mask order
     head = _unwrap(model).get_output_embeddings()
-    chunk = chunk_tokens or max(1, LOGIT_CHUNK_ELEMENTS // head.out_features)
+    chunk = chunk_tokens or max(1, LOGIT_CHUNK_ELEMENTS.get(device.type, LOGIT_CHUNK_ELEMENTS["cpu"]) // head.out_features)
     row, column = wanted // targets.shape[1], wanted % targets.shape[1]
     logprobs, entropy = chunked_token_scores(head, hidden[row, column], targets[row, column], temperature,
                                              entropy_grad, chunk)
@@ -117,8 +119,15 @@ def completion_logprobs(model, prompts: List[List[int]], completions: List[List[
 def chunked_token_scores(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
                          entropy_grad: bool, chunk_tokens: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """(log-prob of each target, entropy of each distribution) for hidden states (N, H) under the output
-    head, `chunk_tokens` rows at a time; with grad and more than one chunk, each chunk's logits are
-    recomputed in backward (a single chunk keeps its logits: no more than one chunk is alive either way)."""
+    head, `chunk_tokens` rows at a time. A plain linear head goes through `HeadScores` (one autograd
+    node, logits recomputed in backward); any other (adapters on the head, a ZeRO-3 partition) through
+    the head module itself, each chunk's logits recomputed in backward when there are several."""
+    weight = fused_head(head)
+    if weight is not None:
+        dtype = compute_dtype(weight)
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            return HeadScores.apply(hidden, weight, targets, temperature, chunk_tokens, dtype, entropy_grad)
+        return score_chunks(hidden, weight, targets, temperature, chunk_tokens, dtype)[:2]
     if hidden.shape[0] <= chunk_tokens:
         return _token_scores(head, hidden, targets, temperature, entropy_grad)
     logprobs, entropies = [], []

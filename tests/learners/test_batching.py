@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rlplatform.learners.batching import _shared_prompt_tokens, completion_logprobs
+from rlplatform.learners.head_scores import HeadScores, compute_dtype, fused_head
 from rlplatform.policy import enable_activation_checkpointing, load_policy
 
 GROUPS = {
@@ -84,3 +85,62 @@ def test_activation_checkpointing_scores_shared_prompt_groups_correctly(tiny_pol
     (plain, plain_grad), (checkpointed, checkpointed_grad) = scored(False), scored(True)
     torch.testing.assert_close(checkpointed, plain, atol=1e-5, rtol=0)
     torch.testing.assert_close(checkpointed_grad, plain_grad, atol=1e-5, rtol=1e-4)
+
+
+def stock_scores(hidden, weight, targets, temperature):
+    """Autograd's stock operations on the full logits: the reference for `HeadScores`."""
+    logits = (hidden @ weight.t()).float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    all_logprobs = torch.log_softmax(logits, dim=-1)
+    entropy = -(all_logprobs.exp() * all_logprobs).sum(-1)
+    return all_logprobs.gather(-1, targets[:, None]).squeeze(-1), entropy
+
+
+@pytest.mark.parametrize("temperature,entropy_grad", [(0.7, True), (1.0, False), (0.0, True)])
+def test_fused_head_scores_equal_stock_autograd(temperature, entropy_grad):
+    """The one-node head (forward keeps log-normalisers, backward recomputes each chunk) gives the
+    stock computation's values and its gradients for the hidden states and the weight."""
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(23, 16, generator=generator, requires_grad=True)
+    weight = torch.randn(50, 16, generator=generator, requires_grad=True)
+    targets = torch.randint(0, 50, (23,), generator=generator)
+    logprob_weight, entropy_weight = torch.randn(23, generator=generator), torch.randn(23, generator=generator)
+
+    def run(scores):
+        logprobs, entropy = scores
+        objective = (logprobs * logprob_weight).sum()
+        if entropy_grad:
+            objective = objective + (entropy * entropy_weight).sum()
+        grads = torch.autograd.grad(objective, (hidden, weight))
+        return logprobs.detach(), entropy.detach(), *grads
+
+    fused = run(HeadScores.apply(hidden, weight, targets, temperature, 5, torch.float32, entropy_grad))
+    stock = run(stock_scores(hidden, weight, targets, temperature))
+    for got, want in zip(fused, stock):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_head_under_bfloat16_autocast_tracks_float32():
+    """Under bfloat16 autocast the head's matmuls run in bfloat16 and the softmax in float32: values
+    and gradients stay within bfloat16 rounding of the float32 computation."""
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(40, 32, generator=generator, requires_grad=True)
+    weight = (torch.randn(300, 32, generator=generator) * 0.1).requires_grad_()
+    targets = torch.randint(0, 300, (40,), generator=generator)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        dtype = compute_dtype(weight)
+        logprobs, _ = HeadScores.apply(hidden, weight, targets, 1.0, 16, dtype, False)
+    assert dtype == torch.bfloat16 and logprobs.dtype == torch.float32
+    grads = torch.autograd.grad(logprobs.sum(), (hidden, weight))
+    want = stock_scores(hidden, weight, targets, 1.0)[0]
+    want_grads = torch.autograd.grad(want.sum(), (hidden, weight))
+    torch.testing.assert_close(logprobs.detach(), want.detach(), atol=0.05, rtol=0.02)
+    for got, expected in zip(grads, want_grads):
+        assert grads[0].dtype == torch.float32
+        assert (got - expected).norm() / expected.norm() < 0.02
+
+
+def test_the_policy_head_takes_the_fused_path(tiny_policy):
+    model, _ = load_policy(tiny_policy)
+    assert fused_head(model.get_output_embeddings()) is model.get_output_embeddings().weight
