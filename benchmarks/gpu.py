@@ -2,7 +2,10 @@
 transformers engine, and its vLLM engine when vllm is installed and CUDA is present), seconds per weight
 sync for each `weights.transport` (learner rank 0's weights loaded into an engine in another process:
 object_store, broadcast, cuda_ipc), and learner tokens/s and MFU (one DeepSpeed learner rank, in this
-process, running the RL step the jobs run). Everything runs in `model.dtype: auto` (bfloat16 on CUDA,
+process, running the RL step the jobs run), and the whole job beside its peer: `rlp run` on the same
+policy and prompts (one learner rank and two rollout workers sharing the GPU by fractions, CUDA IPC syncs)
+in trained samples/s, and TRL's GRPOTrainer on the same device, policy, prompts, group size and completion
+limit (benchmarks/gpu_job.py). Everything runs in `model.dtype: auto` (bfloat16 on CUDA,
 float32 on CPU) with the default memory settings: the learner's micro-batch budget comes from the
 device's free memory, nothing is set by hand.
 
@@ -13,7 +16,7 @@ broadcast over gloo), which is how the test suite checks this script at `--size 
 broadcast runs over NCCL, which needs a second GPU for the engine (NCCL takes one GPU per rank).
 
 Usage: python benchmarks/gpu.py [--size 0.5b|tiny] [--prompts 64] [--group 8] [--new-tokens 128]
-           [--learner-steps 3] [--profile] [--out benchmarks/results/gpu.md]
+           [--learner-steps 3] [--job-steps 8] [--trl-steps 4] [--profile] [--out benchmarks/results/gpu.md]
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from gpu_job import job_figures, trl_figures  # benchmarks/gpu_job.py, beside this script
 from rlplatform.actors.engine import TransformersEngine
 from rlplatform.config import LearnerConfig, RLConfig
 from rlplatform.devices import resolve_dtype
@@ -218,6 +222,35 @@ def _profile_step(learner: LearnerRank, samples, advantages, rl: RLConfig) -> No
     print(profiler.key_averages().table(sort_by=sort, row_limit=30))
 
 
+def whole_job_rows(model_dir: str, prompts: List[str], args: argparse.Namespace) -> List[tuple]:
+    """The whole job and TRL's GRPOTrainer on the same policy, prompts and group size (gpu_job.py); a row
+    says why where one failed, so the other figures still come out."""
+    work_dir = tempfile.mkdtemp()
+    gpu = torch.cuda.is_available()
+    try:
+        job = job_figures(model_dir, prompts, args.group, args.new_tokens, args.job_steps, work_dir, 300, gpu)
+        job_figure = f"{job['trained_per_s']:.0f} trained samples/s"
+        job_how = (f"`rlp run`: {job['steps']} RL steps, {job['trained']} trained; learner busy "
+                   f"{job['learner_busy']:.0%}, MFU {job['mfu']:.1%}, {job['sync_s']:.3f} s per weight sync; one rank "
+                   f"{'(0.5 GPU)' if gpu else ''} and 2 rollout workers {'(0.15 GPU each)' if gpu else ''}")
+    except Exception as error:  # noqa: BLE001 (reported in the table)
+        job, job_figure, job_how = None, f"failed: {type(error).__name__}", str(error)[:200]
+    print(f"whole job: {job_figure} ({job_how})", flush=True)
+    if importlib.util.find_spec("trl") is None:
+        return [("whole job, rlplatform", job_figure, job_how),
+                ("whole job, TRL GRPOTrainer (peer)", "not measured: trl is not installed", "the bench extra has it")]
+    try:
+        trl = trl_figures(model_dir, prompts, args.group, args.new_tokens, args.trl_steps, work_dir, 300)
+        trl_figure = f"{trl['trained_per_s']:.0f} trained samples/s"
+        ratio = f"; rlplatform {job['trained_per_s'] / trl['trained_per_s']:.2f}x" if job else ""
+        trl_how = (f"GRPOTrainer {trl['steps']} steps of {args.prompts} prompts x {args.group} in {trl['wall_s']} s "
+                   f"(Hugging Face generation, {'bf16' if gpu else 'fp32'}){ratio}")
+    except Exception as error:  # noqa: BLE001 (reported in the table)
+        trl_figure, trl_how = f"failed: {type(error).__name__}", str(error)[:200]
+    print(f"TRL: {trl_figure} ({trl_how})", flush=True)
+    return [("whole job, rlplatform", job_figure, job_how), ("whole job, TRL GRPOTrainer (peer)", trl_figure, trl_how)]
+
+
 def _synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -236,6 +269,8 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--learner-steps", type=int, default=3)
+    parser.add_argument("--job-steps", type=int, default=8, help="RL steps of the whole-job row (0: no job rows)")
+    parser.add_argument("--trl-steps", type=int, default=4, help="GRPOTrainer steps of TRL's row")
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's table of one learner step")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu.md"))
     args = parser.parse_args()
@@ -243,6 +278,7 @@ def main() -> None:
     dtype = resolve_dtype("auto", torch.cuda.device_count())
     model_dir = build_policy(args.size, tempfile.mkdtemp())
     prompts = random_prompts(args.prompts, SIZES[args.size]["vocab_size"])
+    job_rows = whole_job_rows(model_dir, prompts, args) if args.job_steps else []  # first: the whole device is free
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     engine = TransformersEngine(model_dir, device, dtype)
     engine.version = 0
@@ -272,7 +308,8 @@ def main() -> None:
              f"tokens (the default: from free memory)"),
             ("learner MFU", f"{trained['mfu']:.1%}",
              f"6 x {params / 1e6:.1f}M parameters x tokens/s over the device's peak ({learner.peak_flops / 1e12:.1f} "
-             f"TFLOP/s{'' if device == 'cuda' else ', a measured matmul peak'})")]
+             f"TFLOP/s{'' if device == 'cuda' else ', a measured matmul peak'})"),
+            *job_rows]
     report = "\n".join([
         "# Accelerator figures", "",
         f"{date.today()}, {platform.node()}: {name}, torch {torch.__version__}, "

@@ -1,6 +1,6 @@
 """benchmarks/gpu.py end to end at its smallest size: on a machine without CUDA every figure but
 vLLM's and CUDA IPC's is measured on CPU, through the same engine, weight transports (the broadcast over
-gloo) and learner code a GPU runs."""
+gloo) and learner code a GPU runs, and the whole-job rows (`rlp run`, and TRL where installed) too."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_gpu_benchmark_measures_generation_weight_sync_and_learner(tmp_path):
     out = tmp_path / "gpu.md"
     subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu.py"), "--size", "tiny", "--prompts", "4",
-                    "--new-tokens", "8", "--learner-steps", "1", "--out", str(out)], check=True, cwd=REPO,
-                   capture_output=True, timeout=300)
+                    "--new-tokens", "8", "--learner-steps", "1", "--job-steps", "2", "--trl-steps", "1",
+                    "--out", str(out)], check=True, cwd=REPO,
+                   capture_output=True, timeout=420)
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1] for line in out.read_text().splitlines()
             if line.startswith("| ") and not line.startswith("| measure")}
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # model.dtype: auto
@@ -40,3 +41,10 @@ def test_gpu_benchmark_measures_generation_weight_sync_and_learner(tmp_path):
     else:  # a row with a figure here would be one nobody measured
         reason = "vllm is not installed" if torch.cuda.is_available() else "needs CUDA"
         assert vllm == f"not measured: {reason}"
+    job = rows["whole job, rlplatform"]
+    assert job.endswith("trained samples/s") and float(job.split()[0]) > 0
+    peer = rows["whole job, TRL GRPOTrainer (peer)"]
+    if importlib.util.find_spec("trl") is not None:
+        assert peer.endswith("trained samples/s") and float(peer.split()[0]) > 0
+    else:
+        assert peer == "not measured: trl is not installed"
