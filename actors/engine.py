@@ -179,16 +179,20 @@ class DecodeBatch:
             logits.append(self._prefill_waiting())
         if not logits:
             return []
-        temperatures = torch.tensor([r.temperature for r in self.rows], device=self.device)
-        token, logprob = _sample(torch.cat(logits).float(), temperatures)
-        for row, t, lp in zip(self.rows, token.tolist(), logprob.tolist()):
-            row.tokens.append(t)
+        temperatures = [r.temperature for r in self.rows]
+        token, logprob = _sample(torch.cat(logits).float(), torch.tensor(temperatures, device=self.device),
+                                 any(t > 0 for t in temperatures))
+        stopped = torch.isin(token, self.stop_ids)
+        # one transfer from the device per step: each row's token, its log-prob and whether it is a stop id
+        tokens, logprobs, stops = torch.stack([token.double(), logprob.double(), stopped.double()]).tolist()
+        finished = []
+        for row, t, lp, stop in zip(self.rows, tokens, logprobs, stops):
+            row.tokens.append(int(t))
             row.logprobs.append(lp)
             row.versions.append(self.engine.version)
-        finished = torch.isin(token, self.stop_ids) | torch.tensor(
-            [len(r.tokens) >= r.max_new_tokens for r in self.rows], device=self.device)
-        done = [(row.key, self._completion(row)) for row, f in zip(self.rows, finished.tolist()) if f]
-        self._keep(~finished, token)
+            finished.append(bool(stop) or len(row.tokens) >= row.max_new_tokens)
+        done = [(row.key, self._completion(row)) for row, f in zip(self.rows, finished) if f]
+        self._keep(finished, token)
         return done
 
     def _prefill_waiting(self) -> torch.Tensor:
@@ -237,13 +241,19 @@ class DecodeBatch:
         return (_merge_caches(caches, width), torch.cat([_pad_left(mask, width) for mask in masks]),
                 torch.cat(logits))
 
-    def _keep(self, keep: torch.Tensor, token: torch.Tensor) -> None:
-        """Drop finished rows, and columns no remaining row attends to; the rest get their new token."""
-        self.rows = [row for row, k in zip(self.rows, keep.tolist()) if k]
+    def _keep(self, finished: List[bool], token: torch.Tensor) -> None:
+        """Drop finished rows, and columns no remaining row attends to; the rest get their new token.
+        A step where no row finished touches neither the cache nor the host."""
+        if not any(finished):
+            self.attention = torch.cat([self.attention, torch.ones_like(self.attention[:, :1])], dim=1)
+            self.positions = self.positions + 1
+            self.last_tokens = token
+            return
+        self.rows = [row for row, f in zip(self.rows, finished) if not f]
         if not self.rows:
             self.cache, self.attention = None, self.attention[:0]
             return
-        index = keep.nonzero().squeeze(-1)
+        index = torch.tensor([i for i, f in enumerate(finished) if not f], device=self.device)
         attention = self.attention[index]
         first = int(attention.any(0).float().argmax())
         for layer in self.cache.layers:
@@ -284,11 +294,12 @@ def _merge_caches(caches: List[DynamicCache], width: int) -> DynamicCache:
                                         for layers in zip(*(cache.layers for cache in caches))])
 
 
-def _sample(logits: torch.Tensor, temperatures: torch.Tensor):
-    """(token, its log-prob) per row: multinomial at the row's temperature, argmax where it is 0."""
+def _sample(logits: torch.Tensor, temperatures: torch.Tensor, any_sampled: bool):
+    """(token, its log-prob) per row: multinomial at the row's temperature, argmax where it is 0.
+    `any_sampled`: whether some temperature is above 0 (known on the host, so the device is not asked)."""
     sampled = temperatures > 0
     logprobs = torch.log_softmax(logits / torch.where(sampled, temperatures, 1.0)[:, None], dim=-1)
     token = logprobs.argmax(-1)
-    if sampled.any():
+    if any_sampled:
         token = torch.where(sampled, torch.multinomial(logprobs.exp(), 1).squeeze(-1), token)
     return token, logprobs.gather(-1, token[:, None]).squeeze(-1)

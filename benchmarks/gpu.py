@@ -212,14 +212,24 @@ def learner_steps(learner: LearnerRank, groups, steps: int, profile: bool = Fals
 
 
 def _profile_step(learner: LearnerRank, samples, advantages, rl: RLConfig) -> None:
+    _profiled("one learner RL step", lambda: learner.rl_step(samples, advantages, rl, step=-1))
+
+
+def _profile_generation(engine: TransformersEngine, prompts: List[List[int]], group: int) -> None:
+    _profiled(f"the engine: {len(prompts)} prompts x {group}, 16 new tokens",
+              lambda: engine.generate(prompts, group, 16, 1.0))
+
+
+def _profiled(what: str, run) -> None:
+    """torch.profiler's table of `run()` (CUDA time where there is a GPU)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as profiler:
-        learner.rl_step(samples, advantages, rl, step=-1)
+        run()
         _synchronize()
     sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-    print(profiler.key_averages().table(sort_by=sort, row_limit=30))
+    print(f"profile of {what}:\n{profiler.key_averages().table(sort_by=sort, row_limit=25)}", flush=True)
 
 
 def whole_job_rows(model_dir: str, prompts: List[str], args: argparse.Namespace) -> List[tuple]:
@@ -271,7 +281,7 @@ def main() -> None:
     parser.add_argument("--learner-steps", type=int, default=3)
     parser.add_argument("--job-steps", type=int, default=8, help="RL steps of the whole-job row (0: no job rows)")
     parser.add_argument("--trl-steps", type=int, default=4, help="GRPOTrainer steps of TRL's row")
-    parser.add_argument("--profile", action="store_true", help="print torch.profiler's table of one learner step")
+    parser.add_argument("--profile", action="store_true", help="print torch.profiler's tables of one learner step and of a short generation")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu.md"))
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -284,6 +294,8 @@ def main() -> None:
     engine.version = 0
     generated = engine_generation(engine, prompts, args.group, args.new_tokens)
     print(f"generation: {generated['tokens']} tokens in {generated['seconds']:.2f} s", flush=True)
+    if args.profile:
+        _profile_generation(engine, engine.tokenizer(prompts)["input_ids"], args.group)
     vllm, vllm_note = None, "not measured: needs CUDA" if device != "cuda" else "not measured: vllm is not installed"
     if device == "cuda" and importlib.util.find_spec("vllm") is not None:
         vllm = vllm_generation(model_dir, dtype, engine.tokenizer(prompts)["input_ids"], args.group, args.new_tokens)
@@ -295,6 +307,7 @@ def main() -> None:
         syncs = {t.name: sync_row(learner, model_dir, t, redis.url, megabytes) for t in TRANSPORTS}
     print(f"weight syncs: {syncs}", flush=True)
     trained = learner_steps(learner, generated["groups"], args.learner_steps, args.profile)
+    print(f"learner: {trained['tokens'] / trained['seconds']:.0f} tokens/s, MFU {trained['mfu']:.1%}", flush=True)
     params = sum(p.numel() for p in engine.model.parameters())
     name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({os.cpu_count()} cores)"
     rows = [(f"generation, rlplatform transformers engine ({dtype})",

@@ -26,7 +26,7 @@ class Totals:
         return Totals(mask.sum().item(), mask.shape[0])
 
 
-Metrics = Dict[str, float]
+Metrics = Dict[str, torch.Tensor]  # detached scalars: the learner reads a step's metrics back in one transfer
 Groups = List[List[float]]  # rewards or advantages, one inner list per prompt
 Correction = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 Aggregation = Callable[[torch.Tensor, torch.Tensor, Optional[int], Optional[Totals]], torch.Tensor]
@@ -171,11 +171,11 @@ def policy_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behavio
     clipped_selected = (clipped < unclipped).detach() & masked
     mismatch = torch.where(masked, (proximal - behaviour).abs(), torch.zeros_like(proximal))
     return loss, {
-        "pg_loss": loss.item(),
-        "clip_fraction": (clipped_selected.sum() / tokens).item(),
-        "importance_weight_mean": (weight.sum() / tokens).item(),
-        "importance_weight_max": weight.max().item(),
-        "logprob_mismatch_abs": (mismatch.sum() / tokens).item(),
+        "pg_loss": loss.detach(),
+        "clip_fraction": clipped_selected.sum() / tokens,
+        "importance_weight_mean": weight.sum() / tokens,
+        "importance_weight_max": weight.max(),
+        "logprob_mismatch_abs": mismatch.sum() / tokens,
     }
 
 

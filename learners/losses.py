@@ -8,7 +8,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-Metrics = Dict[str, float]
+Metrics = Dict[str, torch.Tensor]  # detached scalars: the learner reads a step's metrics back in one transfer
 
 
 def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor, denominator: Optional[float] = None
@@ -17,7 +17,7 @@ def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor, denominator: Optional[f
     (default: those tokens, a mean)."""
     tokens = mask.sum()
     loss = -(logprobs * mask).sum() / (denominator or tokens.clamp(min=1))
-    return loss, {"loss": loss.item(), "tokens": tokens.item()}
+    return loss, {"loss": loss.detach(), "tokens": tokens}
 
 
 def reference_kl(logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Tensor:

@@ -247,7 +247,7 @@ class LearnerRank:
         accumulated over micro-batches of at most `micro_batch_tokens`."""
         started = time.perf_counter()
         parts, tokens = self._sft_parts(rows)
-        sums: Dict[str, float] = {}
+        sums: Dict[str, torch.Tensor] = {}
         for k, part in enumerate(parts):
             self.engine.set_gradient_accumulation_boundary(k == len(parts) - 1)
             scores = self._sft_scores(part)
@@ -255,6 +255,7 @@ class LearnerRank:
             self.engine.backward(loss * part.live, scale_wrt_gas=False)
             _accumulate(sums, metrics)
         self.engine.step()
+        sums = _read(sums)
         sums["grad_norm"] = self._grad_norm()
         sums["lr"] = self.engine.optimizer.param_groups[0]["lr"]
         return self._throughput(sums, sum(len(p) + len(t) for part in parts if part.live
@@ -317,7 +318,7 @@ class LearnerRank:
         minibatches = [self._prepare(m, rl, recompute_proximal) for m in minibatches]
         # the SFT rows, encoded and cut once for every update of the step
         sft = self._sft_parts(sft_rows) + (len(sft_rows),) if sft_rows is not None and rl.sft_coef else None
-        sums: Dict[str, float] = {}
+        sums: Dict[str, torch.Tensor] = {}
         grad_norms = []
         for _ in range(rl.ppo_epochs):
             for minibatch in minibatches:
@@ -380,11 +381,11 @@ class LearnerRank:
         return minibatch
 
     def _policy_update(self, minibatch: Minibatch, rl: RLConfig,
-                       sft: Optional[Tuple[List["SFTPart"], float, int]]) -> Dict[str, float]:
+                       sft: Optional[Tuple[List["SFTPart"], float, int]]) -> Dict[str, torch.Tensor]:
         """One optimizer step: gradients accumulated over the micro-batches (and, with `sft`, the SFT rows'
         micro-batches, every rank's SFT tokens and this rank's row count), each loss already its share of the
         minibatch's, times the ranks DeepSpeed averages over."""
-        sums: Dict[str, float] = {}
+        sums: Dict[str, torch.Tensor] = {}
         passes = [functools.partial(self._rl_loss, part, minibatch, rl) for part in minibatch.parts]
         if sft is not None:
             sft_parts, sft_tokens, sft_rows = sft
@@ -393,12 +394,12 @@ class LearnerRank:
             self.engine.set_gradient_accumulation_boundary(k == len(passes) - 1)
             loss, metrics = loss_of()
             self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
-            metrics["loss"] = loss.item()
+            metrics["loss"] = loss.detach()
             _accumulate(sums, metrics)
         self.engine.step()
         return sums
 
-    def _rl_loss(self, part: MicroBatch, minibatch: Minibatch, rl: RLConfig) -> Tuple[torch.Tensor, Dict[str, float]]:
+    def _rl_loss(self, part: MicroBatch, minibatch: Minibatch, rl: RLConfig) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         scores = self._scores(self.engine, part.prompts, part.completions, temperature=rl.temperature,
                               entropy_grad=rl.entropy_coef > 0, token_mask=part.token_mask)
         mask, totals = scores.mask * part.live, minibatch.totals
@@ -408,18 +409,18 @@ class LearnerRank:
         if part.reference is not None:
             kl = token_mean(reference_kl(scores.logprobs, part.reference), mask, totals=totals)
             loss = loss + rl.kl_coef * kl
-            metrics["kl_to_reference"] = kl.item()
+            metrics["kl_to_reference"] = kl.detach()
         if rl.entropy_coef:
             loss = loss + entropy_bonus(scores.entropy, mask, rl.entropy_coef, totals)
-        metrics["entropy"] = token_mean(scores.entropy.detach(), mask, totals=totals).item()
+        metrics["entropy"] = token_mean(scores.entropy.detach(), mask, totals=totals)
         # a stand-in's loss keeps its graph (every parameter gets a gradient, as on other ranks) but counts 0
         return loss * part.live, metrics
 
-    def _sft_term(self, part: "SFTPart", tokens: float, rows: int, rl: RLConfig) -> Tuple[torch.Tensor, Dict[str, float]]:
+    def _sft_term(self, part: "SFTPart", tokens: float, rows: int, rl: RLConfig) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """The SFT auxiliary loss on one micro-batch of this rank's rows, normalised by every rank's SFT tokens."""
         scores = self._sft_scores(part)
         term = sft_auxiliary_loss(scores.logprobs, scores.mask * part.live, rl.sft_coef, Totals(tokens, rows))
-        return term * part.live, {"sft_loss": term.item() / rl.sft_coef}
+        return term * part.live, {"sft_loss": term.detach() / rl.sft_coef}
 
     def _grad_norm(self) -> float:
         grad_norm = self.engine.get_global_grad_norm()
@@ -433,8 +434,9 @@ class LearnerRank:
                                          else torch.distributed.ReduceOp.SUM)
         return tensor.tolist()
 
-    def _global_mean(self, sums: Dict[str, float], updates: int) -> Dict[str, float]:
+    def _global_mean(self, sums: Dict[str, torch.Tensor], updates: int) -> Dict[str, float]:
         """Per-update averages of metric sums over every rank (maxima stay maxima)."""
+        sums = _read(sums)
         keys = sorted(sums)
         maxima = [k for k in keys if k.endswith("_max")]
         added = [k for k in keys if not k.endswith("_max")]
@@ -559,10 +561,21 @@ class LearnerRank:
         return client_state
 
 
-def _accumulate(sums: Dict[str, float], metrics: Dict[str, float]) -> None:
-    """Add `metrics` into `sums` in place; `_max` metrics keep their maximum."""
+def _accumulate(sums: Dict[str, torch.Tensor], metrics: Dict[str, torch.Tensor]) -> None:
+    """Add `metrics` (detached scalars on the device) into `sums` in place; `_max` metrics keep their maximum.
+    Nothing is read back here: a micro-batch ends without waiting for the device."""
     for key, value in metrics.items():
-        sums[key] = max(sums.get(key, value), value) if key.endswith("_max") else sums.get(key, 0.0) + value
+        if key not in sums:
+            sums[key] = value
+        else:
+            sums[key] = torch.maximum(sums[key], value) if key.endswith("_max") else sums[key] + value
+
+
+def _read(sums: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    """The step's metric tensors as floats, in one transfer from the device."""
+    keys = sorted(sums)
+    values = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64) for k in keys]).tolist() if keys else []
+    return dict(zip(keys, values))
 
 
 def lr_scale(rl: RLConfig, step: int) -> float:

@@ -125,6 +125,7 @@ def test_decoupled_ppo_weight_drops_tokens_above_cap():
 
 def test_policy_loss_on_policy_value_and_clip_fraction():
     loss, metrics = policy_loss(*loss_inputs(), correction="on_policy")
+    metrics = {k: float(v) for k, v in metrics.items()}
     # -(0.5 + 0.6 + 0.3032653 - 2.2103418 - 1.6) / 5 = 2.4070765 / 5 = 0.4814153
     assert loss.item() == pytest.approx(0.4814153, rel=1e-6)
     assert metrics["pg_loss"] == pytest.approx(0.4814153, rel=1e-6)
@@ -138,6 +139,7 @@ def test_policy_loss_on_policy_value_and_clip_fraction():
 def test_decoupled_ppo_loss_value_and_gradient():
     logprobs, *rest = loss_inputs()
     loss, metrics = policy_loss(logprobs, *rest, correction="decoupled_ppo", is_cap=math.inf)
+    metrics = {k: float(v) for k, v in metrics.items()}
     # w = exp(SHIFT) on masked tokens: [e^1, e^0.1, e^0.5, e^0.2, 1] = [2.7182818, 1.1051709, 1.6487213, 1.2214028, 1]
     # w x surrogate: 1.3591409, 0.6631026, 0.5 (= e^0.5 x 0.5 e^-0.5), -2.6997176 (= -2 e^0.3), -1.6
     # loss = -(1.3591409 + 0.6631026 + 0.5 - 2.6997176 - 1.6) / 5 = 1.7774741 / 5 = 0.3554948
@@ -159,6 +161,7 @@ def test_decoupled_ppo_loss_value_and_gradient():
 def test_decoupled_ppo_cap_drops_the_stale_token():
     logprobs, *rest = loss_inputs()
     loss, metrics = policy_loss(logprobs, *rest, correction="decoupled_ppo", is_cap=2.0)
+    metrics = {k: float(v) for k, v in metrics.items()}
     # token (0,0) has w = e > 2: dropped. loss = -(0.6631026 + 0.5 - 2.6997176 - 1.6) / 5 = 0.6273230
     assert loss.item() == pytest.approx(0.6273230, rel=1e-6)
     # weights [0, 1.1051709, 1.6487213, 1.2214028, 1]: mean 4.9752950 / 5 = 0.9950590
@@ -170,6 +173,7 @@ def test_decoupled_ppo_cap_drops_the_stale_token():
 
 def test_truncated_is_loss_truncates_the_stale_token():
     loss, metrics = policy_loss(*loss_inputs(), correction="truncated_is", is_cap=2.0)
+    metrics = {k: float(v) for k, v in metrics.items()}
     # token (0,0) weight min(e, 2) = 2: 2 x 0.5 = 1. loss = -(1 + 0.6631026 + 0.5 - 2.6997176 - 1.6) / 5 = 0.4273230
     assert loss.item() == pytest.approx(0.4273230, rel=1e-6)
     # weights [2, 1.1051709, 1.6487213, 1.2214028, 1]: mean 6.9752950 / 5 = 1.3950590, max 2

@@ -16,6 +16,7 @@ def test_sft_loss_on_a_tiny_tensor():
     logprobs = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -4.0, -100.0]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     loss, metrics = sft_loss(logprobs, mask)
+    metrics = {k: float(v) for k, v in metrics.items()}
     # masked tokens -1, -2, -0.5: loss = (1 + 2 + 0.5) / 3 = 1.1666667
     assert loss.item() == pytest.approx(3.5 / 3)
     assert metrics == {"loss": pytest.approx(3.5 / 3), "tokens": 3.0}
@@ -27,13 +28,13 @@ def test_sft_loss_on_a_tiny_tensor():
 
 def test_sft_loss_with_empty_mask_is_zero():
     loss, metrics = sft_loss(torch.tensor([[-1.0, -2.0]]), torch.zeros(1, 2))
-    assert loss.item() == 0.0 and metrics["tokens"] == 0.0  # the denominator is clamped to 1: no division by zero
+    assert loss.item() == 0.0 and float(metrics["tokens"]) == 0.0  # the denominator is clamped to 1: no division by zero
 
 
 def test_sft_loss_divides_by_a_given_denominator():
     # 2 tokens of log-probs -1 and -2 on this rank; 6 tokens over all ranks, 2 ranks: 3 / (6 / 2) = 1
     loss, metrics = sft_loss(torch.tensor([[-1.0, -2.0]]), torch.ones(1, 2), denominator=3.0)
-    assert loss.item() == pytest.approx(1.0) and metrics["tokens"] == 2.0
+    assert loss.item() == pytest.approx(1.0) and float(metrics["tokens"]) == 2.0
 
 
 def test_pack_puts_sequences_back_to_back_and_indexes_exactly_the_completion_positions():
