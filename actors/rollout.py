@@ -36,11 +36,12 @@ from rlplatform.rewards.scoring import Scorer
 from rlplatform.rewards.worker import import_modules
 from rlplatform.tokenization import Prompt, load_prompts
 from rlplatform.transport.deadlines import Heartbeats
-from rlplatform.transport.ledger import PromptLedger, prompt_row
+from rlplatform.scheduling.groups import GroupSchedule
+from rlplatform.scheduling.ledger import prompt_row
+from rlplatform.scheduling.staleness import StalenessRule
 from rlplatform.transport.redis_server import RECONNECT_S, connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.samples import Sample
-from rlplatform.transport.staleness import RolloutGate
 from rlplatform.transport.tool_queue import ToolQueue
 from rlplatform.transport.weight_transports import ObjectStoreTransport, WeightTransport
 from rlplatform.transport.weights import from_snapshot
@@ -74,9 +75,7 @@ class RolloutWorker:
         client = connect(redis_url, wait_s=RECONNECT_S)  # a restart may meet the job's Redis restarting
         self.queue = RewardQueue(client, job)
         self.keys = PolicyKeys(job, policy)
-        self.gate = RolloutGate(client, job, rl.max_staleness, rl.batch_prompts, policy)
-        self.ledger = PromptLedger(client, job, policy)
-        self.gate.release(self.ledger.abandon_worker(index))  # a restart: the groups its predecessor left
+        self.schedule = GroupSchedule(client, job, policy, StalenessRule.of(rl))
         self.seed, self.chat_template = seed, chat_template
         self.env = env or EnvConfig()
         self.episodes = self._episodes(client, job, chat_template, rl.max_new_tokens)
@@ -135,6 +134,7 @@ class RolloutWorker:
         in_flight = self.rollout.weight_swap == "in_flight"
         bridge = serve_worker(self.engine, self.rollout.openai_bridge, self.rl, self.policy, self.index,
                               self.chat_template, self.queue, self.keys.rollout_stats)
+        self.schedule.taken_over(self.index)  # after a restart: the groups a predecessor left unsubmitted
         while not self.queue.stop_requested():
             self.heartbeats.beat(self.label)
             if in_flight or not batch:
@@ -144,7 +144,7 @@ class RolloutWorker:
                 continue
             free = capacity - len(open_groups)
             if free >= max(1, capacity // 4) and (in_flight or not self._newer_published()):
-                self._admit(batch, open_groups, self.gate.claim(free, self.version))
+                self._admit(batch, open_groups, free)
             if bridge is not None and (in_flight or not self._newer_published()):
                 bridge.admit(batch)
             self.occupancy.tick(self.episodes.waiting, len(batch))
@@ -182,7 +182,7 @@ class RolloutWorker:
         """Queue complete groups for scoring; the queue counts their samples and tokens as it takes them."""
         start = time.perf_counter()
         self.queue.submit(samples, counters=self.keys.rollout_stats)
-        self.ledger.submitted(sorted({s.group_id for s in samples}))
+        self.schedule.submitted(sorted({s.group_id for s in samples}))
         self._count(busy_s=self._unreported_busy_s, submit_s=time.perf_counter() - start,
                     **self.occupancy.take_counts())
         self._unreported_busy_s = 0.0
@@ -196,9 +196,10 @@ class RolloutWorker:
         published = self.queue.client.get(self.keys.version)
         return published is not None and int(published) > self.engine.version
 
-    def _admit(self, batch: ContinuousBatch, open_groups: Dict[str, _OpenGroup], groups: int) -> None:
-        """Start `groups` claimed groups on the ledger's next prompts."""
-        for group_id, position in self.ledger.issue(self.index, groups):
+    def _admit(self, batch: ContinuousBatch, open_groups: Dict[str, _OpenGroup], wanted: int) -> None:
+        """Start as many of `wanted` groups as the staleness rule lets the weights held start, on the
+        ledger's next prompts."""
+        for group_id, position in self.schedule.issue(self.index, wanted, self.version):
             prompt = self.prompts[prompt_row(position, len(self.prompts), self.seed)]
             open_groups[group_id] = _OpenGroup(prompt, [None] * self.rl.group_size)
             self.episodes.start(batch, [(group_id, i) for i in range(self.rl.group_size)], prompt)

@@ -10,7 +10,7 @@ import pytest
 
 from rlplatform.config import ConfigError, DataConfig, load_config
 from rlplatform.data import load_rows
-from rlplatform.transport.ledger import prompt_row
+from rlplatform.scheduling.ledger import prompt_row
 
 
 def test_addition_rows_are_correct_and_reproducible():

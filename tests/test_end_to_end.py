@@ -13,7 +13,7 @@ import sys
 from rlplatform.config import load_config
 from rlplatform.job.controller import run_job
 from rlplatform.monitoring.dashboard import dashboard_layout
-from rlplatform.transport.ledger import balanced
+from rlplatform.scheduling.ledger import balanced
 
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.yaml")
 

@@ -5,7 +5,7 @@
 read (`tests`, ...). Rows come from the generated addition or tool_calc tasks, jsonl files, or a Hugging Face
 dataset (`kind: hf`); the `data.*_key` fields map a dataset's own field names onto these.
 Rollout workers draw training prompts in seeded epochs without replacement through the prompt
-ledger (`rlplatform.transport.ledger`).
+ledger (`rlplatform.scheduling.ledger`).
 """
 
 from __future__ import annotations

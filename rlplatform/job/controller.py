@@ -37,7 +37,6 @@ from rlplatform.tokenization import encode_prompts, save_prompts, within_limit
 from rlplatform.transport.deadlines import LEARNER_TIMEOUT_S, JobFailed, LearnerDied
 from rlplatform.transport.redis_server import EmbeddedRedis, connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
-from rlplatform.transport.staleness import RolloutGate
 from rlplatform.transport.weight_store import WeightStore
 from rlplatform.transport.weight_transports import weight_transport
 
@@ -322,8 +321,7 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup
     learner.connect_results(redis_url, config.name)
     weight_transport(policy.weights).connect(learner.ranks[0], rollout + [evaluator.actor], redis_url,
                                              PolicyKeys(config.name, policy.name).version, LEARNER_TIMEOUT_S)
-    gate = RolloutGate(client, config.name, policy.rl.max_staleness, policy.rl.batch_prompts, policy.name)
-    return PolicyWorkers(policy, learner, rollout, store, gate, evaluator, PolicyKeys(config.name, policy.name),
+    return PolicyWorkers(policy, learner, rollout, store, evaluator, PolicyKeys(config.name, policy.name),
                          [p.row for p in train], data)
 
 

@@ -29,9 +29,10 @@ from rlplatform.learners.algorithms import ADVANTAGE_ESTIMATORS, grpo_advantages
 from rlplatform.learners.group import TrainItem
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.rl_monitor import RLMonitor
-from rlplatform.transport.buffer import Batch, GroupBuffer
+from rlplatform.scheduling.buffer import Batch, GroupBuffer
 from rlplatform.transport.deadlines import Heartbeats, SilentWorkers
-from rlplatform.transport.ledger import PromptLedger
+from rlplatform.scheduling.groups import GroupSchedule
+from rlplatform.scheduling.staleness import StalenessRule
 from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.samples import ResultMeta
 
@@ -80,7 +81,8 @@ class PolicyRun:
         self.job, self.workers, self.queue, self.rl = job, workers, queue, workers.config.rl
         self.train_rows, self.metrics = train_rows, metrics
         self.counters, self.buffer = RLCounters(), GroupBuffer(self.rl.group_size)
-        self.ledger = PromptLedger(queue.client, job.name, workers.name)
+        self.rule = StalenessRule.of(self.rl)
+        self.schedule = GroupSchedule(queue.client, job.name, workers.name, self.rule)
         self.monitor = RLMonitor(job, self.rl, metrics, queue, workers.name, workers.keys, len(workers.rollout))
         self.monitor.last_accuracy = workers.evaluator.last_accuracy
         self.version, self.start = 0, time.perf_counter()
@@ -103,8 +105,7 @@ class PolicyRun:
         self.trained_at_start = self.counters.samples_trained
         self.monitor.samples_seen = self.counters.samples_trained
         self.monitor.eval_history = state["eval_history"]
-        self.ledger.restore(state["ledger"], attempt)
-        self.workers.gate.restore(self.version * self.rl.batch_prompts)
+        self.schedule.resume(state["ledger"], attempt, self.version)
         _keep_lines(self.trained_log, self.version)
         publish(self.workers, self.queue.client, self.version)
 
@@ -112,7 +113,7 @@ class PolicyRun:
         """What a checkpoint keeps of this policy's stage (taken with no learner step in flight); its counters
         count the samples generated so far over every attempt."""
         counters = {**self.counters.state(), "samples_generated_before": self._generated()}
-        return {"version": self.version, "counters": counters, "ledger": self.ledger.state(),
+        return {"version": self.version, "counters": counters, "ledger": self.schedule.ledger.state(),
                 "eval_history": self.monitor.eval_history}
 
     def _generated(self) -> int:
@@ -147,15 +148,14 @@ class PolicyRun:
         if time.monotonic() - self._last_watch < 2.0:
             return
         self._last_watch = time.monotonic()
-        for group_id in self.ledger.overdue(self.rl.group_timeout_s):
+        for group_id in self.schedule.ledger.overdue(self.rl.group_timeout_s):
             if self.buffer.is_complete(group_id):
                 continue
-            if self.ledger.close(group_id, "expired", reissue=True) is not None:
+            if self.schedule.expired(group_id):
                 self.buffer.expire(group_id)
-                self.workers.gate.release(1)
                 self.counters.groups_expired += 1
         for group_id in self.buffer.waiting_since(self.rl.group_timeout_s):
-            if not self.ledger.is_open(group_id):  # an agent's bridge group: no prompt to issue again, no capacity
+            if not self.schedule.ledger.is_open(group_id):  # an agent's bridge group: no prompt to issue again, no capacity
                 self.buffer.expire(group_id)
                 self.counters.groups_expired += 1
         self.counters.samples_dropped_expired = self.buffer.samples_expired
@@ -170,11 +170,9 @@ class PolicyRun:
     def _start_step(self) -> bool:
         if self.version >= self.rl.max_steps or self.hold:
             return False
-        batch = self.buffer.take(self.rl.batch_prompts, self.version, self.rl.max_staleness,
-                                 self.rl.filter_zero_advantage)
-        claimed = _count_dropped(batch, self.counters, self.ledger)
+        batch = self.buffer.take(self.version, self.rule, self.rl.filter_zero_advantage)
+        _drop(batch, self.counters, self.schedule)
         self.queue.results.delete(batch.dropped_ids())
-        self.workers.gate.release(claimed)  # dropped groups will never be trained: free their claims
         if not batch.groups:
             self.monitor.idle(self.version)
             return False
@@ -215,7 +213,7 @@ class PolicyRun:
     def _record_trained(self, batch: Batch) -> None:
         """Close the batch's groups in the ledger and append its sample ids and the groups' prompt
         positions (null for a group the ledger had already closed) to trained.jsonl."""
-        prompts = [self.ledger.close(group[0].group_id, "trained") for group in batch.groups]
+        prompts = [self.schedule.trained(group[0].group_id) for group in batch.groups]
         with open(self.trained_log, "a") as f:
             f.write(json.dumps({"step": self.version, "sample_ids": [s.sample_id for s in batch.samples],
                                 "prompts": prompts}) + "\n")
@@ -249,7 +247,7 @@ class PolicyRun:
             "learner_step_s": round(self.counters.learner_busy_s, 2),
             "weight_publish_s": summary["weight_publish_s"], "weight_sync_s": summary["weight_sync_s"]}
         summary["eval_history"] = self.monitor.eval_history
-        summary["ledger"] = self.ledger.counts()
+        summary["ledger"] = self.schedule.ledger.counts()
         summary["first_step_at"] = self.first_step_at
         if self.job.env.multi_turn:
             summary["tools"] = self.monitor.tool_totals()
@@ -422,19 +420,16 @@ def _count_scored(scored: ResultMeta, counters: RLCounters) -> None:
     counters.reward_reasons.update(f"{label}/{reason}" for label, reason in scored.reasons.items())
 
 
-def _count_dropped(batch: Batch, counters: RLCounters, ledger: PromptLedger) -> int:
-    """Count the batch's dropped samples and close their groups on the ledger; returns how many of those
-    groups were open there, the ones that claimed gate capacity (the OpenAI bridge's groups claimed none)."""
+def _drop(batch: Batch, counters: RLCounters, schedule: GroupSchedule) -> None:
+    """Count the batch's dropped samples and end their groups, each with its reason."""
     counters.samples_dropped_stale += sum(len(g) for g in batch.dropped_stale)
     counters.samples_dropped_error += sum(len(g) for g in batch.dropped_errors)
     counters.samples_dropped_zero_advantage += sum(len(g) for g in batch.dropped_zero_advantage)
     counters.samples_dropped_invalid += len(batch.dropped_invalid)
-    claimed = 0
     for outcome, groups in (("dropped_stale", batch.dropped_stale), ("dropped_error", batch.dropped_errors),
                             ("dropped_zero_advantage", batch.dropped_zero_advantage)):
         for group in groups:
-            claimed += ledger.close(group[0].group_id, outcome) is not None
-    return claimed
+            schedule.dropped(group[0].group_id, outcome)
 
 
 def _unused_at_end(runs: Dict[str, "PolicyRun"], queue: RewardQueue) -> Dict[str, Dict[str, int]]:

@@ -19,7 +19,6 @@ from rlplatform.learners.group import LearnerGroup
 from rlplatform.tokenization import Prompt
 from rlplatform.transport.deadlines import EVAL_TIMEOUT_S, WEIGHTS_TIMEOUT_S, JobFailed, deadline_get
 from rlplatform.transport.reward_queue import PolicyKeys
-from rlplatform.transport.staleness import RolloutGate
 
 
 class Evaluator:
@@ -146,7 +145,6 @@ class PolicyWorkers:
     learner: LearnerGroup
     rollout: List  # RolloutActor handles
     weight_store: object  # WeightStore handle
-    gate: RolloutGate
     evaluator: Evaluator
     keys: PolicyKeys
     sft_rows: List[Dict]  # the training rows whose prompts fit `data.max_prompt_tokens`

@@ -21,7 +21,7 @@ from rlplatform.config import JobConfig, RLConfig
 from rlplatform.monitoring.alerts import AlertRules, StepFigures
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.tool_metrics import tool_figures
-from rlplatform.transport.buffer import Batch
+from rlplatform.scheduling.buffer import Batch
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.tool_queue import ToolKeys
 

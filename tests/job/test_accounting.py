@@ -1,16 +1,17 @@
 """Sample accounting at the end of an RL stage, on a real Redis: every untrained sample is counted
 where it sits (the group buffer, the results stream, the request stream, the dead letters) and
 attributed to its own policy, and samples cut from a trained group are counted as dropped; dropped
-groups give back gate capacity only where they claimed it (issued by the ledger, not the OpenAI bridge's)."""
+groups give back staleness capacity only where they claimed it (issued by the ledger, not the OpenAI bridge's)."""
 
 from __future__ import annotations
 
 import time
 from types import SimpleNamespace
 
-from rlplatform.job.rl_loop import RLCounters, _count_dropped, _unused_at_end
-from rlplatform.transport.buffer import GroupBuffer
-from rlplatform.transport.ledger import PromptLedger
+from rlplatform.job.rl_loop import RLCounters, _drop, _unused_at_end
+from rlplatform.scheduling.buffer import GroupBuffer
+from rlplatform.scheduling.groups import GroupSchedule
+from rlplatform.scheduling.staleness import StalenessRule
 from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.samples import ResultMeta, Sample, ScoredSample
 
@@ -45,25 +46,29 @@ def test_samples_cut_from_a_trained_group_are_counted_as_dropped(redis_client):
     buffer = GroupBuffer(group_size=4)
     for i in range(4):
         buffer.add(ResultMeta.of(scored("a", "g", i, reward=float(i % 2), error="timeout" if i == 3 else None)))
-    batch = buffer.take(batch_prompts=1, learner_version=0, max_staleness=1)
+    batch = buffer.take(0, StalenessRule(max_staleness=1, batch_prompts=1))
     counters = RLCounters()
-    claimed = _count_dropped(batch, counters, PromptLedger(redis_client, "accounting", "a"))
+    schedule = GroupSchedule(redis_client, f"accounting-{time.time_ns()}", "a", StalenessRule(1, 1))
+    _drop(batch, counters, schedule)
     assert len(batch.samples) == 3 and counters.samples_dropped_invalid == 1
-    assert claimed == 0  # the group is trained: its claim is not given back
+    assert schedule.ledger.counts()["dropped_error"] == 0  # the group is trained, not ended as dropped
 
 
 def test_dropped_groups_give_back_only_the_capacity_they_claimed(redis_client):
-    ledger = PromptLedger(redis_client, f"accounting-{time.time_ns()}", "a")
-    ((issued, _),) = ledger.issue(worker=0, groups=1)  # a generated group; "task-7" an agent's, via the bridge
+    rule = StalenessRule(max_staleness=1, batch_prompts=2)
+    schedule = GroupSchedule(redis_client, f"accounting-{time.time_ns()}", "a", rule)
+    issued = [group_id for group_id, _ in schedule.issue(worker=0, wanted=4, version=0)]  # all (0 + 1 + 1) * 2
     buffer = GroupBuffer(group_size=2)
-    for group in (issued, "task-7"):
+    for group in (issued[0], "task-7"):  # a generated group; "task-7" an agent's, via the bridge
         for i in range(2):
             buffer.add(ResultMeta.of(scored("a", group, i, reward=float(i))))
-    batch = buffer.take(batch_prompts=2, learner_version=3, max_staleness=1)  # version 0: both too stale
+    batch = buffer.take(3, rule)  # version 0 at learner version 3: both too stale
     counters = RLCounters()
     assert len(batch.dropped_stale) == 2
-    assert _count_dropped(batch, counters, ledger) == 1 and counters.samples_dropped_stale == 4
-    assert ledger.counts()["dropped_stale"] == 1 and ledger.counts()["open"] == 0
+    _drop(batch, counters, schedule)
+    assert counters.samples_dropped_stale == 4
+    assert schedule.ledger.counts()["dropped_stale"] == 1 and schedule.ledger.counts()["open"] == 3
+    assert len(schedule.issue(worker=0, wanted=4, version=0)) == 1  # the issued group's capacity alone came back
 
 
 def test_counters_with_reward_reasons_round_trip_through_a_checkpoint(tmp_path):

@@ -23,7 +23,7 @@ import psutil
 import pytest
 import yaml
 
-from rlplatform.transport.ledger import balanced
+from rlplatform.scheduling.ledger import balanced
 
 RLP = str(Path(sys.executable).parent / "rlp")
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]

@@ -12,7 +12,7 @@ import threading
 
 from rlplatform.job.checkpoint import latest_checkpoint, read_state
 from rlplatform.job.controller import run_job
-from rlplatform.transport.ledger import balanced
+from rlplatform.scheduling.ledger import balanced
 
 
 def test_stopped_job_resumes_to_the_same_final_step_training_nothing_twice(ray_session, tiny_job, run_files):

@@ -18,7 +18,7 @@ from rlplatform.job.controller import run_job
 from rlplatform.job.supervision import Supervisor
 from rlplatform.rewards.worker import RewardWorker
 from rlplatform.transport.deadlines import JobFailed
-from rlplatform.transport.ledger import balanced
+from rlplatform.scheduling.ledger import balanced
 from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import RewardQueue
 

@@ -19,7 +19,7 @@ from rlplatform.monitoring.dashboard import build_workspace, render_layout
 from rlplatform.monitoring.job_status import JobStatus
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.rl_monitor import RLMonitor, TrailingRate
-from rlplatform.transport.buffer import Batch
+from rlplatform.scheduling.buffer import Batch
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.samples import ResultMeta, Sample, ScoredSample
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from rlplatform.transport.ledger import PromptLedger, balanced, prompt_row
+from rlplatform.scheduling.ledger import PromptLedger, balanced, prompt_row
 
 
 def test_each_pass_over_the_rows_is_a_fresh_shuffle_of_all_of_them():

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Set
 
+from rlplatform.scheduling.staleness import StalenessRule
 from rlplatform.transport.samples import ResultMeta
 
 Group = List[ResultMeta]
@@ -97,11 +98,11 @@ class GroupBuffer:
         """Samples waiting here: in complete groups not yet taken and in groups still filling."""
         return sum(len(g) for g in self._complete) + sum(len(g) for g in self._partial.values())
 
-    def take(self, batch_prompts: int, learner_version: int, max_staleness: int,
-             filter_zero_advantage: bool = False) -> Batch:
-        """Drop what is stale or unusable (and, if asked, groups whose rewards are all equal);
-        return `batch_prompts` groups if that many are left."""
-        oldest_allowed = learner_version - max_staleness
+    def take(self, learner_version: int, rule: StalenessRule, filter_zero_advantage: bool = False) -> Batch:
+        """Drop what the staleness rule no longer lets the learner at `learner_version` train on, or is
+        unusable (and, if asked, groups whose rewards are all equal); return the rule's `batch_prompts`
+        groups if that many are left."""
+        batch_prompts, oldest_allowed = rule.batch_prompts, rule.oldest_trainable(learner_version)
         batch = Batch(groups=[])
         usable = []
         for group in self._complete:

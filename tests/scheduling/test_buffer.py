@@ -7,7 +7,8 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from rlplatform.transport.buffer import GroupBuffer, group_version
+from rlplatform.scheduling.buffer import GroupBuffer, group_version
+from rlplatform.scheduling.staleness import StalenessRule
 from rlplatform.transport.samples import ResultMeta, Sample, ScoredSample
 
 
@@ -42,7 +43,7 @@ def test_groups_complete_only_at_group_size():
     assert buffer.ready() == 1
     buffer.add(scored("b", 2))
     assert buffer.ready() == 2
-    batch = buffer.take(batch_prompts=2, learner_version=0, max_staleness=1)
+    batch = buffer.take(0, StalenessRule(max_staleness=1, batch_prompts=2))
     assert ids(batch.groups) == ["a", "b"]
     assert [len(g) for g in batch.groups] == [3, 3]
     assert sorted(s.sample_id for s in batch.samples) == ["a/0", "a/1", "a/2", "b/0", "b/1", "b/2"]
@@ -57,7 +58,7 @@ def test_redelivered_duplicates_are_ignored():
     assert buffer.ready() == 0  # four adds, but only two distinct samples
     buffer.add(scored("a", 2))
     assert buffer.ready() == 1
-    (group,) = buffer.take(batch_prompts=1, learner_version=0, max_staleness=0).groups
+    (group,) = buffer.take(0, StalenessRule(max_staleness=0, batch_prompts=1)).groups
     assert [s.sample_id for s in group] == ["a/0", "a/1", "a/2"]
 
 
@@ -67,7 +68,7 @@ def test_redelivery_after_completion_does_not_train_a_group_twice():
     for i in range(2):  # the whole group is redelivered after it completed
         buffer.add(scored("a", i, reward=float(i % 2)))
     assert buffer.ready() == 1
-    assert ids(buffer.take(batch_prompts=1, learner_version=0, max_staleness=0).groups) == ["a"]
+    assert ids(buffer.take(0, StalenessRule(max_staleness=0, batch_prompts=1)).groups) == ["a"]
     assert buffer.ready() == 0
     fill(buffer, "a")  # and again after it was trained on
     assert buffer.ready() == 0
@@ -79,7 +80,7 @@ def test_stale_groups_are_dropped():
     fill(buffer, "v4", version=4)
     fill(buffer, "v5", version=5)
     # learner at 5 with max_staleness 1 trains on versions >= 4
-    batch = buffer.take(batch_prompts=2, learner_version=5, max_staleness=1)
+    batch = buffer.take(5, StalenessRule(max_staleness=1, batch_prompts=2))
     assert ids(batch.dropped_stale) == ["v3"]
     assert ids(batch.groups) == ["v4", "v5"]
     assert batch.dropped_errors == []
@@ -90,7 +91,7 @@ def test_group_version_is_the_oldest_token():
     buffer = GroupBuffer(group_size=2)
     buffer.add(scored("mixed", 0, version=5))
     buffer.add(scored("mixed", 1, version=3))  # tokens of versions 3 and 4
-    batch = buffer.take(batch_prompts=1, learner_version=5, max_staleness=1)
+    batch = buffer.take(5, StalenessRule(max_staleness=1, batch_prompts=1))
     assert ids(batch.dropped_stale) == ["mixed"] and batch.groups == []
     assert group_version(batch.dropped_stale[0]) == 3
 
@@ -100,7 +101,7 @@ def test_groups_with_fewer_than_two_valid_samples_are_dropped():
     fill(buffer, "two-errors", errors=2)  # one error-free sample left: dropped
     fill(buffer, "one-error", errors=1)  # two left: kept, without the failed sample
     fill(buffer, "clean")
-    batch = buffer.take(batch_prompts=2, learner_version=0, max_staleness=0)
+    batch = buffer.take(0, StalenessRule(max_staleness=0, batch_prompts=2))
     assert ids(batch.dropped_errors) == ["two-errors"]
     assert batch.dropped_stale == []
     assert sorted(ids(batch.groups)) == ["clean", "one-error"]
@@ -115,10 +116,10 @@ def test_take_returns_oldest_first_and_keeps_the_rest():
     for name, version in [("v7a", 7), ("v5", 5), ("v6", 6), ("v7b", 7), ("v5b", 5)]:
         fill(buffer, name, version=version)
     assert buffer.ready() == 5
-    batch = buffer.take(batch_prompts=3, learner_version=7, max_staleness=2)
+    batch = buffer.take(7, StalenessRule(max_staleness=2, batch_prompts=3))
     assert ids(batch.groups) == ["v5", "v5b", "v6"]  # oldest first, arrival order within a version
     assert buffer.ready() == 2
-    rest = buffer.take(batch_prompts=2, learner_version=7, max_staleness=2)
+    rest = buffer.take(7, StalenessRule(max_staleness=2, batch_prompts=2))
     assert ids(rest.groups) == ["v7a", "v7b"]
     assert buffer.ready() == 0
 
@@ -127,12 +128,12 @@ def test_take_returns_nothing_until_enough_groups():
     buffer = GroupBuffer(group_size=2)
     fill(buffer, "a", version=1)
     fill(buffer, "stale", version=0)
-    batch = buffer.take(batch_prompts=2, learner_version=2, max_staleness=1)
+    batch = buffer.take(2, StalenessRule(max_staleness=1, batch_prompts=2))
     assert batch.groups == []
     assert ids(batch.dropped_stale) == ["stale"]  # dropped even when no batch is returned
     assert buffer.ready() == 1  # "a" is kept for a later take
     fill(buffer, "b", version=2)
-    assert ids(buffer.take(batch_prompts=2, learner_version=2, max_staleness=1).groups) == ["a", "b"]
+    assert ids(buffer.take(2, StalenessRule(max_staleness=1, batch_prompts=2)).groups) == ["a", "b"]
 
 
 def test_zero_advantage_groups_are_filtered_and_counted_when_asked():
@@ -140,7 +141,7 @@ def test_zero_advantage_groups_are_filtered_and_counted_when_asked():
     for group, rewards in (("same", (1.0, 1.0)), ("mixed", (0.0, 1.0))):
         for i, reward in enumerate(rewards):
             buffer.add(scored(group, i, reward=reward))
-    batch = buffer.take(batch_prompts=1, learner_version=0, max_staleness=0, filter_zero_advantage=True)
+    batch = buffer.take(0, StalenessRule(max_staleness=0, batch_prompts=1), filter_zero_advantage=True)
     assert [g[0].group_id for g in batch.groups] == ["mixed"]
     assert [g[0].group_id for g in batch.dropped_zero_advantage] == ["same"]
 

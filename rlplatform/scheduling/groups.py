@@ -1,0 +1,90 @@
+"""A group's life from issue to its end, and the staleness capacity it holds meanwhile.
+
+A policy's rollout workers and its RL loop each hold a `GroupSchedule` over the same Redis state:
+the prompt ledger (which prompt each group answers, who holds it, how it ended) and the claim
+counter of the staleness rule (groups started, groups ended untrained). Its methods are the life's
+events: `issue` (capacity claimed, prompts taken), `submitted`, then one end: `trained`, `dropped`
+(with the reason), `expired` (prompt issued again), `taken_over` (a restarted worker's predecessor's
+groups, prompts issued again); `resume` continues from a checkpoint. Every end but `trained` gives
+the group's capacity back, once, and only if the ledger issued it (an agent's bridge group holds
+none). This module is the only one that claims or gives back capacity.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import redis
+
+from rlplatform.scheduling.ledger import PromptLedger
+from rlplatform.scheduling.staleness import StalenessRule
+from rlplatform.transport.reward_queue import PolicyKeys
+
+# KEYS: groups started, groups ended untrained. ARGV: groups wanted, groups allowed in play.
+_CLAIM = """
+local in_play = tonumber(redis.call('GET', KEYS[1]) or '0') - tonumber(redis.call('GET', KEYS[2]) or '0')
+local grant = math.min(tonumber(ARGV[1]), tonumber(ARGV[2]) - in_play)
+if grant <= 0 then return 0 end
+redis.call('INCRBY', KEYS[1], grant)
+return grant
+"""
+
+
+class GroupSchedule:
+    """One policy's groups: the ledger and the staleness capacity, changed only through these events."""
+
+    def __init__(self, client: redis.Redis, job: str, policy: str, rule: StalenessRule) -> None:
+        self.client, self.rule = client, rule
+        self.ledger = PromptLedger(client, job, policy)
+        keys = PolicyKeys(job, policy)
+        self._started, self._ended = keys.groups_started, keys.groups_dropped
+        self._claim = client.register_script(_CLAIM)
+
+    def issue(self, worker: int, wanted: int, version: int) -> List[Tuple[str, int]]:
+        """(group id, prompt position) for as many of `wanted` new groups as rollout worker `worker`, holding
+        weights of `version`, may start now."""
+        granted = int(self._claim(keys=[self._started, self._ended], args=[wanted, self.rule.groups_allowed(version)]))
+        return self.ledger.issue(worker, granted)
+
+    def submitted(self, group_ids: List[str]) -> None:
+        """These groups are in the reward queue: a restart of their worker no longer abandons them."""
+        self.ledger.submitted(group_ids)
+
+    def trained(self, group_id: str) -> Optional[int]:
+        """The learner trained on the group (its capacity stays used); its prompt position, or None
+        for a group the ledger did not hold open."""
+        return self.ledger.close(group_id, "trained")
+
+    def dropped(self, group_id: str, reason: str) -> bool:
+        """The group will never be trained (`reason`: a ledger outcome such as dropped_stale); True if it
+        was open here, its capacity given back."""
+        return self._end(group_id, reason)
+
+    def expired(self, group_id: str) -> bool:
+        """The group did not complete in time: its prompt is issued again; True if it was open here."""
+        return self._end(group_id, "expired", reissue=True)
+
+    def taken_over(self, worker: int) -> int:
+        """A restarted rollout worker takes its slot back: the groups its predecessor had not submitted
+        end as abandoned, their prompts issued again; returns how many."""
+        abandoned = self.ledger.abandon_worker(worker)
+        self._give_back(abandoned)
+        return abandoned
+
+    def resume(self, ledger_state: Dict, attempt: int, learner_version: int) -> None:
+        """Continue from a checkpoint: the ledger's state (prompts in flight then issued again first) and
+        the capacity the learner's steps have used."""
+        self.ledger.restore(ledger_state, attempt)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.set(self._started, self.rule.groups_used(learner_version))
+        pipe.set(self._ended, 0)
+        pipe.execute()
+
+    def _end(self, group_id: str, outcome: str, reissue: bool = False) -> bool:
+        closed = self.ledger.close(group_id, outcome, reissue=reissue) is not None
+        self._give_back(int(closed))
+        return closed
+
+    def _give_back(self, groups: int) -> None:
+        if groups:
+            self.client.incrby(self._ended, groups)
