@@ -292,6 +292,9 @@ class MonitoringConfig:
     samples_every: int = at_least(50, 0)  # learner steps between W&B tables of sample completions (0: never)
     samples_rows: int = at_least(16, 1)  # completions per table
     alerts: List[AlertRule] = field(default_factory=_default_alerts)
+    max_error_fraction: float = at_least(0.9, 0)  # the job stops (checkpointed, exit 1) when reward errors pass this fraction of the samples scored over an error window (1: never)
+    error_window: int = at_least(20, 1)  # learner steps in the step error window
+    error_window_s: float = above(120.0, 0)  # seconds in the time error window (it needs one batch's samples; an alert at half)
     worker_silent_s: float = above(120.0, 0)  # a rollout or reward worker whose loop has not gone round this long is named (console, alert, rlp status)
 
 

@@ -27,12 +27,13 @@ from rlplatform.job.supervision import Supervisor
 from rlplatform.job.workers import PolicyWorkers, publish
 from rlplatform.learners.algorithms import ADVANTAGE_ESTIMATORS, grpo_advantages
 from rlplatform.learners.group import TrainItem
+from rlplatform.monitoring.error_guard import RewardErrorGuard, Verdict
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.rl_monitor import RLMonitor
 from rlplatform.scheduling.buffer import Batch, GroupBuffer
-from rlplatform.transport.deadlines import Heartbeats, SilentWorkers
 from rlplatform.scheduling.groups import GroupSchedule
 from rlplatform.scheduling.staleness import StalenessRule
+from rlplatform.transport.deadlines import Heartbeats, JobFailed, SilentWorkers
 from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.samples import ResultMeta
 
@@ -87,6 +88,9 @@ class PolicyRun:
         self.monitor.last_accuracy = workers.evaluator.last_accuracy
         self.version, self.start = 0, time.perf_counter()
         self.hold = False  # no new learner step starts while set (a checkpoint or a stop is under way)
+        self.error_guard = RewardErrorGuard(job.monitoring, self.rl.batch_prompts * self.rl.group_size,
+                                            time.monotonic())
+        self.failure: Optional[str] = None  # why the job must stop (the reward error guard's verdict)
         self.first_step_at: Optional[float] = None  # wall-clock time the first learner step ended
         self._reward_counters_at_start = queue.counters(queue.keys.reward_stats)
         self._step: Optional[Tuple[list, Batch, float]] = None  # (result refs, batch, start time)
@@ -132,6 +136,7 @@ class PolicyRun:
 
     def absorb(self, scored: ResultMeta) -> None:
         self.buffer.add(scored)
+        self.error_guard.scored(scored)
         self.counters.samples_dropped_expired = self.buffer.samples_expired
         _count_scored(scored, self.counters)
         self._forget_expired()
@@ -148,6 +153,7 @@ class PolicyRun:
         if time.monotonic() - self._last_watch < 2.0:
             return
         self._last_watch = time.monotonic()
+        self._heed(self.error_guard.waiting(self._last_watch))
         for group_id in self.schedule.ledger.overdue(self.rl.group_timeout_s):
             if self.buffer.is_complete(group_id):
                 continue
@@ -201,6 +207,7 @@ class PolicyRun:
         gaps = [self.version - s.version for s in batch.samples]  # versions behind the weights trained
         self.counters.staleness_trained.update(gaps)
         self.version += 1
+        self._heed(self.error_guard.stepped())
         self._start_step()  # the next step runs while this one is recorded and its weights published
         self._record_trained(batch)
         publish_s = publish(self.workers, self.queue.client, self.version, snapshot)
@@ -209,6 +216,15 @@ class PolicyRun:
         self.monitor.step(self.version, step_metrics, batch, gaps, self.counters, publish_s)
         self.queue.results.delete(s.sample_id for s in batch.samples)
         return True
+
+    def _heed(self, verdict: Optional[Verdict]) -> None:
+        """The reward error guard's alert goes to the event log (console, W&B); a stop holds new steps and
+        is the job's failure once the stage has checkpointed."""
+        if verdict is None:
+            return
+        self.metrics.event(f"reward_errors_{verdict.kind}", verdict.message, self.version)
+        if verdict.kind == "stop" and self.failure is None:
+            self.failure, self.hold = verdict.message, True
 
     def _record_trained(self, batch: Batch) -> None:
         """Close the batch's groups in the ledger and append its sample ids and the groups' prompt
@@ -279,17 +295,21 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
             run.restore(resume.state["policies"][name], resume.path, attempt)
         else:
             _keep_lines(run.trained_log, 0)  # a fresh start: nothing trained yet
+        run.monitor.started(run.version)
     supervisor = _start_loops(job, policies, reward_actors, metrics)
     checkpoints = Checkpoints(job, runs, job_state, attempt)
     watch = WorkerWatch(SilentWorkers(Heartbeats(queue.client, job.name), job.monitoring.worker_silent_s), metrics)
     with stop.polled():
-        while not all(run.done for run in runs.values()) and not stop.requested:
+        while not all(run.done for run in runs.values()) and not stop.requested and not _failure(runs):
             _turn(runs, queue)
             supervisor.check()
             watch.check(max(run.version for run in runs.values()))
             checkpoints.maybe_save()
         checkpoints.save_now()
     watch.clear()
+    if _failure(runs):
+        raise JobFailed(f"{_failure(runs)}; fix the reward, then resume with `rlp run --resume {job.run_dir}` "
+                        f"(checkpoint {checkpoints.latest})")
     queue.request_stop()
     supervisor.wait_ended("reward", 600.0)
     supervisor.wait_ended("rollout", 600.0)
@@ -404,6 +424,15 @@ class Checkpoints:
     def _save_learners(self, directory: str) -> None:
         for name, run in self.runs.items():
             run.workers.learner.save(os.path.abspath(learner_dir(directory, name)))
+
+
+def _failure(runs: Dict[str, PolicyRun]) -> Optional[str]:
+    """Why the stage must stop (a policy's reward error guard), naming the policy in a multi-policy job."""
+    failed = [(name, run.failure) for name, run in runs.items() if run.failure]
+    if not failed:
+        return None
+    name, message = failed[0]
+    return message if len(runs) == 1 else f"policy '{name}': {message}"
 
 
 def _advantages(rl, rewards: List[List[float]]) -> List[List[float]]:

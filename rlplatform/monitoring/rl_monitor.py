@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Deque, Dict, List, Tuple
+from typing import Deque, Dict, List, Optional, Tuple
 
 import wandb
 
@@ -28,6 +28,7 @@ from rlplatform.transport.tool_queue import ToolKeys
 LEARNING_KEYS = ("loss", "pg_loss", "kl_to_reference", "entropy", "clip_fraction", "importance_weight_mean",
                  "importance_weight_max", "logprob_mismatch_abs", "grad_norm", "lr")
 STALL_CHECK_S = 5.0
+PROGRESS_EVERY_S = 30.0  # a progress line at least this often, also while no learner step ends
 RATE_WINDOW_S = 10.0  # throughput is averaged over at least this much of the recent past
 
 
@@ -56,7 +57,7 @@ class RLMonitor:
         self.keys = keys
         self.rollout_workers = rollout_workers
         self.alerts = AlertRules(config.monitoring.alerts)
-        self.start = self.last_step = self.last_stall_check = time.perf_counter()
+        self.start = self.last_step = self.last_stall_check = self.last_line = time.perf_counter()
         self.samples_seen = 0
         self.last_accuracy = None
         self.eval_history: List[Dict[str, float]] = []  # held-out accuracy by version, for the summary
@@ -71,6 +72,7 @@ class RLMonitor:
         rollout = next(p.rollout for p in config.policy_list() if p.name == policy)
         self.decode_slots = rollout.prompts_per_batch * rl.group_size  # a worker's decode batch at its fullest
         self._learner_busy_s = 0.0
+        self._first_version = 0  # the version the stage started from (a resumed one's)
 
     def _worker_counters(self) -> Dict[str, float]:
         rollout = self.queue.counters(self.keys.rollout_stats)
@@ -102,12 +104,20 @@ class RLMonitor:
                               families["async"]["queue_depth"], 0.0)
         for alert in self.alerts.check(figures):
             self.metrics.event(alert.kind, alert.message, alert.step)
-        if version % self.rl.log_every == 0 or version == self.rl.max_steps:
+        if version % self.rl.log_every == 0 or version == self.rl.max_steps or self._line_due(self.last_step):
             self._progress(version, families)
 
-    def idle(self, version: int) -> None:
-        """Between steps: check the no-progress rule every few seconds."""
-        now = time.perf_counter()
+    def started(self, version: int) -> None:
+        """The stage's first progress line, at its start (fresh or resumed), before any step ends."""
+        self._first_version = version
+        self._waiting_line(version, time.perf_counter())
+
+    def idle(self, version: int, now: Optional[float] = None) -> None:
+        """Between steps: check the no-progress rule every few seconds, and show a progress line when none
+        was shown for PROGRESS_EVERY_S (`now`: a `time.perf_counter` reading, that of the call by default)."""
+        now = time.perf_counter() if now is None else now
+        if self._line_due(now):
+            self._waiting_line(version, now)
         if now - self.last_stall_check >= STALL_CHECK_S:
             self.last_stall_check = now
             for alert in self.alerts.check_stall(version, now - self.last_step):
@@ -195,12 +205,25 @@ class RLMonitor:
                            s.reward, *[s.components.get(n) for n in names], s.error or "")
         return table
 
+    def _line_due(self, now: float) -> bool:
+        return now - self.last_line >= PROGRESS_EVERY_S
+
     def _progress(self, version: int, families: Dict[str, Dict]) -> None:
-        elapsed = time.perf_counter() - self.start
-        total = self.rl.max_steps
+        self._line(version, time.perf_counter(), families["rewards"]["total"], families["async"]["samples_per_s"],
+                   families["async"]["queue_depth"], families["async"]["staleness_max"])
+
+    def _waiting_line(self, version: int, now: float) -> None:
+        """A progress line while no step ends: the rollout workers' rate and the queue, no step figures."""
+        current = self._worker_counters()
+        rate = self._sample_rate.update(current["time"], current.get("rollout_samples", 0.0))
+        self._line(version, now, "-", rate, self.queue.pending(), "-")
+
+    def _line(self, version: int, now: float, reward, samples_per_s: float, queue: int, staleness) -> None:
+        elapsed, total = now - self.start, self.rl.max_steps
+        done = version - self._first_version
+        self.last_line = now
         self.metrics.progress({
-            "stage": f"rl {self.policy}" if self.config.policies else "rl", "step": f"{version}/{total}", "eta_s": round(elapsed / version * (total - version)),
-            "reward": families["rewards"]["total"],
+            "stage": f"rl {self.policy}" if self.config.policies else "rl", "step": f"{version}/{total}",
+            "eta_s": round(elapsed / done * (total - version)) if done > 0 else "-", "reward": reward,
             "accuracy": "-" if self.last_accuracy is None else f"{self.last_accuracy:.3f}",
-            "samples/s": families["async"]["samples_per_s"], "queue": families["async"]["queue_depth"],
-            "staleness": families["async"]["staleness_max"]})
+            "samples/s": samples_per_s, "queue": queue, "staleness": staleness})

@@ -18,7 +18,7 @@ from rlplatform.job.rl_loop import RLCounters
 from rlplatform.monitoring.dashboard import build_workspace, render_layout
 from rlplatform.monitoring.job_status import JobStatus
 from rlplatform.monitoring.metrics import Metrics
-from rlplatform.monitoring.rl_monitor import RLMonitor, TrailingRate
+from rlplatform.monitoring.rl_monitor import PROGRESS_EVERY_S, RLMonitor, TrailingRate
 from rlplatform.scheduling.buffer import Batch
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.samples import ResultMeta, Sample, ScoredSample
@@ -85,6 +85,21 @@ def test_progress_line_shows_throughput_between_steps_that_saw_no_new_samples(re
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("stage rl")]
     rates = [float(line.split("samples/s ")[1].split()[0]) for line in lines]
     assert len(rates) == 2 and all(rate > 0 for rate in rates), lines
+
+
+def test_the_rl_stage_shows_a_line_at_its_start_and_by_time_while_no_step_ends(redis_client, tmp_path, capsys):
+    config = load_config(QUICKSTART, [f"output_dir={tmp_path}", "name=rare", "wandb.mode=disabled",
+                                      "rl.log_every=1000"])
+    queue, keys = RewardQueue(redis_client, "rare"), PolicyKeys("rare", "policy")
+    monitor = RLMonitor(config, config.rl, Metrics(config, str(tmp_path)), queue, "policy", keys, rollout_workers=1)
+    monitor.started(0)
+    start = monitor.last_line
+    queue.add_counters(keys.rollout_stats, samples=640, tokens=1280, busy_s=1.0)
+    monitor.idle(0, now=start + PROGRESS_EVERY_S - 1)  # too soon for another line
+    monitor.idle(0, now=start + PROGRESS_EVERY_S)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("stage rl")]
+    assert len(lines) == 2 and all(f"step 0/{config.rl.max_steps}  eta_s -  reward -" in line for line in lines)
+    assert float(lines[1].split("samples/s ")[1].split()[0]) > 0  # the workers' rate, with no step yet
 
 
 def test_rlp_status_prints_a_jobs_progress_from_redis(redis_server, redis_client):
