@@ -14,18 +14,19 @@ from typing import Dict, List, Tuple
 
 import ray
 
+from rlplatform.actors.rollout_spec import RolloutSpec
 from rlplatform.priority import set_cpu_priority
 
 
 class EvaluatorWorker:
-    """A `RolloutWorker` built after the process took `priority`; it serves what the job asks of its evaluator."""
+    """A `RolloutWorker` built after the process took its spec's priority; it serves what the job asks of its
+    evaluator."""
 
-    def __init__(self, priority: str, *worker_args) -> None:
-        """`worker_args`: the `RolloutWorker`'s positional arguments."""
-        set_cpu_priority(priority)
+    def __init__(self, spec: RolloutSpec) -> None:
+        set_cpu_priority(spec.priority)
         from rlplatform.actors.rollout import RolloutWorker
 
-        self.worker = RolloutWorker(*worker_args)
+        self.worker = RolloutWorker(spec)
 
     def open_broadcast(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
         self.worker.open_broadcast(host, port, rank, world_size, backend)

@@ -27,7 +27,8 @@ import torch
 from rlplatform.actors.engine import Completion, ContinuousBatch, build_engine
 from rlplatform.actors.episodes import MultiTurn, SingleTurn, WaitOccupancy, run_episodes
 from rlplatform.actors.openai_bridge import serve_worker
-from rlplatform.config import EnvConfig, EvalConfig, LoraConfig, RewardSpec, RLConfig, RolloutConfig
+from rlplatform.actors.rollout_spec import RolloutSpec
+from rlplatform.config import EvalConfig, RewardSpec
 from rlplatform.envs.rendering import Renderer
 from rlplatform.monitoring.evaluation import evaluation_figures
 from rlplatform.priority import set_cpu_priority
@@ -43,7 +44,7 @@ from rlplatform.transport.redis_server import RECONNECT_S, connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.tool_queue import ToolQueue
-from rlplatform.transport.weight_transports import ObjectStoreTransport, WeightTransport
+from rlplatform.transport.weight_transports import ObjectStoreTransport
 from rlplatform.transport.weights import from_snapshot
 
 
@@ -55,30 +56,25 @@ class _OpenGroup:
 
 
 class RolloutWorker:
-    def __init__(self, index: int, policy: str, model_path: str, prompts_path: str, rl: RLConfig,
-                 rollout: RolloutConfig, redis_url: str, job: str, weight_store: Optional[str], seed: int,
-                 dtype: str = "float32", transport: WeightTransport = ObjectStoreTransport(),
-                 lora: Optional[LoraConfig] = None,
-                 chat_template: str = "auto", env: Optional[EnvConfig] = None, priority: str = "normal") -> None:
-        """`prompts_path`: the policy's encoded prompts file; `weight_store`: the weight store actor's name
-        (None: evaluation only); `priority`: the process's CPU priority (`rollout.priority`, or the
-        evaluator's `eval.priority`)."""
+    def __init__(self, spec: RolloutSpec) -> None:
+        rl, rollout, job, policy, index = spec.rl, spec.rollout, spec.job, spec.policy, spec.index
         torch.set_num_threads(rollout.num_threads)
-        set_cpu_priority(priority)
-        torch.manual_seed(seed + 1000 * (index + 1))
+        set_cpu_priority(spec.priority)
+        torch.manual_seed(spec.seed + 1000 * (index + 1))
         self.index, self.policy, self.rl, self.rollout = index, policy, rl, rollout
-        self.prompts = load_prompts(prompts_path)
-        self.engine = build_engine(rollout, model_path, dtype, seed + index, lora)
-        store = ray.get_actor(weight_store) if weight_store else None
+        self.prompts = load_prompts(spec.prompts_path)
+        self.engine = build_engine(rollout, spec.model_path, spec.dtype, spec.seed + index, spec.lora)
+        store = ray.get_actor(spec.weight_store) if spec.weight_store else None
+        transport = spec.transport or ObjectStoreTransport()
         self.weights_in = transport.receiver(store, self.engine.device)  # weights.transport's worker end
-        self.redis_url = redis_url
-        client = connect(redis_url, wait_s=RECONNECT_S)  # a restart may meet the job's Redis restarting
+        self.redis_url = spec.redis_url
+        client = connect(spec.redis_url, wait_s=RECONNECT_S)  # a restart may meet the job's Redis restarting
         self.queue = RewardQueue(client, job)
         self.keys = PolicyKeys(job, policy)
         self.schedule = GroupSchedule(client, job, policy, StalenessRule.of(rl))
-        self.seed, self.chat_template = seed, chat_template
-        self.env = env or EnvConfig()
-        self.episodes = self._episodes(client, job, chat_template, rl.max_new_tokens)
+        self.seed, self.chat_template = spec.seed, spec.chat_template
+        self.env = spec.env
+        self.episodes = self._episodes(client, job, spec.chat_template, rl.max_new_tokens)
         self.occupancy = WaitOccupancy()  # the decode batch while episodes wait on tools
         self._scorer = None  # the job's rewards, built on the first evaluation
         self._unreported_busy_s = 0.0

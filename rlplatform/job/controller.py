@@ -344,16 +344,17 @@ def _start_rollout_actor(config: JobConfig, policy: PolicyConfig, model_path: st
     and finds the weight store by `store_name`."""
     from rlplatform.actors.evaluator import EvaluatorActor
     from rlplatform.actors.rollout import RolloutActor
+    from rlplatform.actors.rollout_spec import RolloutSpec
 
     gpus = gpus_per_actor(policy.rollout.device, policy.rollout.num_gpus, ray.cluster_resources().get("GPU", 0.0))
     options = dict(num_cpus=policy.rollout.num_cpus, num_gpus=gpus, resources=policy.rollout.resources,
                    max_restarts=MAX_RESTARTS, name=f"{config.name}-{policy.name}-rollout-{index}")
-    args = (index, policy.name, model_path, prompts_path, policy.rl, policy.rollout, redis_url, config.name, store_name,
-            config.seed, policy.model.dtype, weight_transport(policy.weights), policy.model.lora, config.data.chat_template,
-            config.env)
-    if index == policy.rollout.num_workers:
-        return EvaluatorActor.options(**options).remote(config.eval.priority, *args)
-    return RolloutActor.options(**options).remote(*args, policy.rollout.priority)
+    evaluator = index == policy.rollout.num_workers
+    spec = RolloutSpec(index, policy.name, config.name, model_path, prompts_path, redis_url, policy.rl, policy.rollout,
+                       config.seed, store_name, policy.model.dtype, weight_transport(policy.weights), policy.model.lora,
+                       config.data.chat_template, config.env,
+                       config.eval.priority if evaluator else policy.rollout.priority)
+    return (EvaluatorActor if evaluator else RolloutActor).options(**options).remote(spec)
 
 
 def _encode_prompts(config: JobConfig, model_path: str, train_rows, test_rows):

@@ -20,6 +20,7 @@ import torch
 from rlplatform.actors.engine import TransformersEngine
 from rlplatform.actors.episodes import MultiTurn, run_episodes
 from rlplatform.actors.rollout import RolloutWorker
+from rlplatform.actors.rollout_spec import RolloutSpec
 from rlplatform.config import EnvConfig, RewardWorkersConfig, RLConfig, RolloutConfig, ToolSpec
 from rlplatform.envs.rendering import Renderer
 from rlplatform.envs.tool_worker import ToolWorker, job_tools_json
@@ -198,7 +199,7 @@ def slow_tool_worker(tiny_policy, redis_server, redis_client, tmp_path) -> Tuple
     env = EnvConfig(fn="tests.envs.tools_for_tests:SlowToolOrTalk", max_turns=4, max_tokens=40, tools=SLOW)
     prompts = save_prompts(encode_prompts(load_tokenizer(tiny_policy), [{"prompt": "1+1=", "answer": "2"}], "auto"),
                            str(tmp_path / "prompts.jsonl"))
-    worker = RolloutWorker(0, "policy", tiny_policy, prompts, rl, rollout, redis_server, job, None, 0, env=env)
+    worker = RolloutWorker(RolloutSpec(0, "policy", job, tiny_policy, prompts, redis_server, rl, rollout, env=env))
     worker.engine.version = 0  # 2 groups allowed in play: both start at once
     return worker, PolicyKeys(job, "policy"), job
 

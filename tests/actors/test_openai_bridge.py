@@ -19,6 +19,7 @@ import torch
 from rlplatform.actors.engine import DecodeBatch
 from rlplatform.actors.openai_bridge import OpenAIBridge
 from rlplatform.actors.rollout import RolloutWorker
+from rlplatform.actors.rollout_spec import RolloutSpec
 from rlplatform.config import OpenAIBridgeConfig, RLConfig, RolloutConfig
 from rlplatform.learners.batching import completion_logprobs
 from rlplatform.policy import load_tokenizer
@@ -51,7 +52,7 @@ def served(chat_policy, redis_server, redis_client, tmp_path):
     rollout = RolloutConfig(prompts_per_batch=2, openai_bridge=OpenAIBridgeConfig(enabled=True, port=0))
     prompts = save_prompts(encode_prompts(load_tokenizer(chat_policy), [{"prompt": "1+1=", "answer": "2"}], "auto"),
                            str(tmp_path / "prompts.jsonl"))
-    worker = RolloutWorker(0, "policy", chat_policy, prompts, rl, rollout, redis_server, job, None, 0)
+    worker = RolloutWorker(RolloutSpec(0, "policy", job, chat_policy, prompts, redis_server, rl, rollout))
     worker.engine.load_weights({k: v.clone() for k, v in worker.engine.model.state_dict().items()}, VERSION)
     loop = threading.Thread(target=worker.run, daemon=True)
     loop.start()

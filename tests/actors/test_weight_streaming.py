@@ -10,6 +10,7 @@ import torch
 
 from rlplatform.actors.engine import TransformersEngine
 from rlplatform.actors.rollout import RolloutActor
+from rlplatform.actors.rollout_spec import RolloutSpec
 from rlplatform.config import RLConfig, RolloutConfig
 from rlplatform.learners.batching import completion_logprobs
 from rlplatform.policy import load_policy, load_tokenizer
@@ -54,9 +55,9 @@ def test_worker_generates_with_each_new_version(ray_session, redis_server, redis
     store = WeightStore.options(name=f"{job}-weights").remote()
     rl = RLConfig(group_size=2, max_new_tokens=4, batch_prompts=2, max_staleness=0)
     prompts = save_prompts(encode_prompts(load_tokenizer(tiny_policy), ROWS, "auto"), str(tmp_path / "prompts.jsonl"))
-    worker = RolloutActor.options(max_restarts=1).remote(0, "policy", tiny_policy, prompts, rl,
-                                 RolloutConfig(prompts_per_batch=2, weight_swap="finish_then_swap"),
-                                 redis_server, job, f"{job}-weights", 0)
+    worker = RolloutActor.options(max_restarts=1).remote(RolloutSpec(
+        0, "policy", job, tiny_policy, prompts, redis_server, rl,
+        RolloutConfig(prompts_per_batch=2, weight_swap="finish_then_swap"), weight_store=f"{job}-weights"))
     running = worker.run.remote()
     try:
         # synchronous gate: version 1 may start (1 + 1) * 2 groups in all, version 2 two more

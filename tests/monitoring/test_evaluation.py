@@ -49,14 +49,15 @@ def test_code_completions_scored_by_the_job_rewards():
 
 def test_rollout_worker_evaluates_a_code_dataset_without_an_answer_field(redis_server, tiny_policy, tmp_path):
     from rlplatform.actors.rollout import RolloutWorker
+    from rlplatform.actors.rollout_spec import RolloutSpec
     from rlplatform.policy import load_tokenizer
     from rlplatform.tokenization import encode_prompts, save_prompts
 
     rows = [{"prompt": "1+1=", "tests": "assert True"}, {"prompt": "2+2=", "tests": "assert False"}]
     prompts = encode_prompts(load_tokenizer(tiny_policy), rows, "auto")
     prompts_path = save_prompts(prompts, str(tmp_path / "prompts.jsonl"))
-    worker = RolloutWorker(0, "policy", tiny_policy, prompts_path, RLConfig(), RolloutConfig(), redis_server,
-                           "eval-test", None, seed=0)
+    worker = RolloutWorker(RolloutSpec(0, "policy", "eval-test", tiny_policy, prompts_path, redis_server, RLConfig(),
+                                       RolloutConfig()))
     config = EvalConfig(greedy=False, samples_per_prompt=3, max_new_tokens=3, batch_size=1)
     figures = worker.evaluate(prompts, config, [RewardSpec(name="code_tests")], [])
     assert figures["rows"] == 2 and figures["completions"] == 6 and figures["reward_errors"] == 0

@@ -56,12 +56,13 @@ class Probe:
 def test_learner_broadcasts_each_version_to_every_worker_exactly(ray_session, redis_server, redis_client,
                                                                   tiny_policy, tmp_path, lora):
     from rlplatform.actors.rollout import RolloutActor
+    from rlplatform.actors.rollout_spec import RolloutSpec
 
     job = f"broadcast-test-{time.time_ns()}"
     keys = PolicyKeys(job, "policy")
-    worker = RolloutActor.options(num_cpus=0).remote(  # starts while the learner does
-        0, "policy", tiny_policy, save_prompts([], str(tmp_path / "prompts.jsonl")), RLConfig(),
-        RolloutConfig(num_cpus=0), redis_server, job, None, 0, "float32", TRANSPORT, lora)
+    worker = RolloutActor.options(num_cpus=0).remote(RolloutSpec(  # starts while the learner does
+        0, "policy", job, tiny_policy, save_prompts([], str(tmp_path / "prompts.jsonl")), redis_server, RLConfig(),
+        RolloutConfig(num_cpus=0), transport=TRANSPORT, lora=lora))
     learner = LearnerGroup(LearnerConfig(num_cpus=0), tiny_policy, seed=0, transport=TRANSPORT, lora=lora)
     probe = Probe.remote(redis_server, keys.version)
     try:

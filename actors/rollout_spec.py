@@ -1,0 +1,37 @@
+"""What a rollout worker (or the job's evaluator, a rollout worker that scores held-out prompts) is
+built from, as one frozen value the controller hands to the Ray actor.
+
+It names the worker's inputs, not its state: everything here can be sent again when Ray restarts the
+actor. This module imports nothing heavy, so the evaluator's process can take its CPU priority
+before torch loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from rlplatform.config import EnvConfig, LoraConfig, RLConfig, RolloutConfig
+
+if TYPE_CHECKING:
+    from rlplatform.transport.weight_transports import WeightTransport
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    index: int  # the worker's index among the policy's rollout workers (the evaluator: rollout.num_workers)
+    policy: str  # the policy's name
+    job: str  # the job's name (its Redis keys)
+    model_path: str  # the initial policy's Hugging Face directory
+    prompts_path: str  # the policy's encoded prompts file
+    redis_url: str
+    rl: RLConfig
+    rollout: RolloutConfig
+    seed: int = 0
+    weight_store: Optional[str] = None  # the weight store actor's name (None: evaluation only)
+    dtype: str = "float32"  # a resolved `model.dtype`
+    transport: Optional["WeightTransport"] = None  # `weights.transport`'s strategy (None: the object store)
+    lora: Optional[LoraConfig] = None
+    chat_template: str = "auto"
+    env: EnvConfig = field(default_factory=EnvConfig)
+    priority: str = "normal"  # the process's CPU priority: `rollout.priority`, or the evaluator's `eval.priority`
