@@ -315,7 +315,8 @@ class LearnerRank:
         recompute_proximal = not single_update and stale > 0
         limit = rl.max_new_tokens if max_tokens is None else max_tokens
         minibatches = self._plan(samples, advantages, parts, single_update, limit)
-        minibatches = [self._prepare(m, rl, recompute_proximal) for m in minibatches]
+        reference = self.reference is not None and (rl.kl_coef > 0 or step % rl.reference_kl_every == 0)
+        minibatches = [self._prepare(m, rl, recompute_proximal, reference) for m in minibatches]
         # the SFT rows, encoded and cut once for every update of the step
         sft = self._sft_parts(sft_rows) + (len(sft_rows),) if sft_rows is not None and rl.sft_coef else None
         sums: Dict[str, torch.Tensor] = {}
@@ -368,14 +369,15 @@ class LearnerRank:
                           align_per_token(behaviour, prompts, width).to(device), None, None, live, token_mask)
 
     @torch.no_grad()
-    def _prepare(self, minibatch: Minibatch, rl: RLConfig, recompute_proximal: bool) -> Minibatch:
-        """Proximal (recomputed at entry, or the behaviour log-probs) and reference log-probs per micro-batch."""
+    def _prepare(self, minibatch: Minibatch, rl: RLConfig, recompute_proximal: bool, reference: bool) -> Minibatch:
+        """Proximal (recomputed at entry, or the behaviour log-probs) and, with `reference`, the frozen
+        reference's log-probs per micro-batch."""
         for part in minibatch.parts:
             if not minibatch.proximal_is_current:
                 part.proximal = self._scores(self.engine, part.prompts, part.completions, temperature=rl.temperature,
                                              token_mask=part.token_mask
                                              ).logprobs if recompute_proximal else part.behaviour
-            if self.reference is not None:
+            if reference:
                 part.reference = self._scores(self.reference, part.prompts, part.completions,
                                               temperature=rl.temperature, token_mask=part.token_mask).logprobs
         return minibatch

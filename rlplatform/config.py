@@ -125,6 +125,7 @@ class RLConfig:
     filter_zero_advantage: bool = False  # skip (and count) groups whose rewards are all equal
     kl_coef: float = at_least(0.0, 0)  # weight of the KL-to-reference penalty in the loss
     track_reference_kl: bool = True  # keep the RL-start policy frozen and log KL to it
+    reference_kl_every: int = at_least(10, 1)  # with kl_coef 0, the KL to the reference is measured every this many steps (a forward pass each time); with kl_coef > 0, every step
     group_timeout_s: float = above(300.0, 0)  # a group not complete this long after its claim expires and frees its capacity
     log_every: int = at_least(5, 1)  # console/W&B interval in steps
 

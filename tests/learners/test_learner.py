@@ -69,6 +69,10 @@ def test_rl_step_changes_weights_and_lowers_loss(ray_session, tiny_policy):
         # the reference is the stage's starting weights: no KL before the update, some after
         assert first["kl_to_reference"] == pytest.approx(0.0, abs=1e-6)
         assert second["kl_to_reference"] > 1e-5
+        # without a KL term the reference is scored every reference_kl_every steps only; with one, every step
+        assert "kl_to_reference" not in learner.rl_step(samples, advantages, RLConfig(reference_kl_every=2), step=3)
+        assert learner.rl_step(samples, advantages, RLConfig(reference_kl_every=2), step=4)["kl_to_reference"] > 1e-5
+        assert "kl_to_reference" in learner.rl_step(samples, advantages, RLConfig(kl_coef=0.1), step=3)
     finally:
         learner.shutdown()
 
