@@ -13,12 +13,19 @@ gated: the agent, not the worker, decides when an episode starts and which promp
 group claims no staleness-gate capacity and takes no prompt from the ledger (there is no data position
 to re-issue). The staleness bound still holds where the learner takes batches: a group whose tokens
 are too old is dropped and counted as stale, and gives back no capacity, having claimed none.
+
+Requests are bounded (`rollout.openai_bridge`: prompt tokens, `max_tokens`, `n`; a finite temperature)
+and, when the worker's environment holds a key (`api_key_env`), must carry it as a bearer token; a
+bridge that listens beyond the loopback interface will not start without one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
+import math
+import os
 import queue
 import threading
 import time
@@ -32,6 +39,7 @@ from aiohttp import web
 from rlplatform.actors.bridge_episodes import ChatRenderer, Episode, ExtensionError
 from rlplatform.actors.engine import Completion, DecodeBatch, TransformersEngine
 from rlplatform.config import OpenAIBridgeConfig, RLConfig
+from rlplatform.preflight import is_loopback
 from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.samples import Sample
 
@@ -79,8 +87,11 @@ class OpenAIBridge:
     """The endpoint of one rollout worker's engine for policy `policy`; `submit` queues finished episodes."""
 
     def __init__(self, engine: TransformersEngine, policy: str, chat_template: str, temperature: float,
-                 max_new_tokens: int, submit: Callable[[List[Sample]], None]) -> None:
-        self.policy, self.submit = policy, submit
+                 max_new_tokens: int, submit: Callable[[List[Sample]], None],
+                 limits: OpenAIBridgeConfig = OpenAIBridgeConfig(), api_key: Optional[str] = None) -> None:
+        """`limits`: the request bounds of `rollout.openai_bridge`; `api_key`: the bearer token requests must
+        carry (None: any request is served)."""
+        self.policy, self.submit, self.limits, self.api_key = policy, submit, limits, api_key
         self.temperature, self.max_new_tokens = temperature, max_new_tokens  # the job's rl settings
         self.renderer = ChatRenderer(engine.tokenizer, chat_template)
         self.stop_ids = set(engine.stop_ids)
@@ -122,7 +133,7 @@ class OpenAIBridge:
     # the server
     def start(self, host: str, port: int) -> int:
         """Serve on `host`:`port` (0: a free port) from a background thread; returns the port."""
-        app = web.Application(middlewares=[_openai_errors])
+        app = web.Application(middlewares=[_openai_errors, self._authorised])
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/episodes/{episode_id}/finish", self._finish)
@@ -160,16 +171,27 @@ class OpenAIBridge:
                 generation.future.set_exception(RequestError(503, "the rollout worker stopped", "unavailable"))
         await self._runner.cleanup()
 
+    @web.middleware
+    async def _authorised(self, request: web.Request, handler) -> web.StreamResponse:
+        """With a key, every route answers 401 to a request that does not carry it as its bearer token."""
+        if self.api_key is not None:
+            sent = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(sent.encode(), f"Bearer {self.api_key}".encode()):
+                raise RequestError(401, "missing or wrong API key: send the key of the worker's "
+                                        f"${self.limits.api_key_env} as 'Authorization: Bearer <key>'",
+                                   "invalid_api_key")
+        return await handler(request)
+
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
             {"id": self.policy, "object": "model", "created": 0, "owned_by": "rlplatform"}]})
 
     async def _chat(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
-        params = parse_chat(body, self.policy, self.temperature, self.max_new_tokens)
+        params = parse_chat(body, self.policy, self.temperature, self.max_new_tokens, self.limits)
         episode_id = request.headers.get(EPISODE_HEADER)
         if episode_id is None:
-            prompt_ids = self.renderer.prompt_ids(self.renderer.text(params.messages))
+            prompt_ids = self._within_limit(self.renderer.prompt_ids(self.renderer.text(params.messages)))
             completions = await self._generate(prompt_ids, params)
         else:
             prompt_ids, completions = await self._episode_turn(episode_id, params)
@@ -191,7 +213,7 @@ class OpenAIBridge:
             else:
                 episode.extend(self.renderer, params.messages)
             self.episodes.pop(episode_id, None)  # an episode whose turn fails is discarded
-            prompt_ids = episode.ids
+            prompt_ids = self._within_limit(episode.ids)
             completions = await self._generate(prompt_ids, params)
             episode.add_reply(self.renderer, completions[0])
             self.episodes[episode_id] = episode
@@ -200,6 +222,13 @@ class OpenAIBridge:
             raise RequestError(400, f"episode {episode_id}: {err}", "episode_mismatch") from None
         finally:
             self.busy_episodes.discard(episode_id)
+
+    def _within_limit(self, prompt_ids: List[int]) -> List[int]:
+        if len(prompt_ids) > self.limits.max_prompt_tokens:
+            raise RequestError(400, f"the prompt is {len(prompt_ids)} tokens, more than this endpoint takes "
+                                    f"(rollout.openai_bridge.max_prompt_tokens {self.limits.max_prompt_tokens})",
+                               "context_length_exceeded")
+        return prompt_ids
 
     async def _generate(self, prompt_ids: List[int], params: ChatParams) -> List[Completion]:
         future = self._loop.create_future()
@@ -262,16 +291,21 @@ def serve_worker(engine: TransformersEngine, config: OpenAIBridgeConfig, rl: RLC
     (the policy's rollout stats) as they enter the reward queue."""
     if not config.enabled:
         return None
+    api_key = os.environ.get(config.api_key_env) or None
+    if api_key is None and not is_loopback(config.host):
+        raise RuntimeError(f"rollout.openai_bridge listens on {config.host} but ${config.api_key_env} is not set "
+                           "where the rollout workers run: set it to a secret key, or listen on 127.0.0.1")
     bridge = OpenAIBridge(engine, policy, chat_template, rl.temperature, rl.max_new_tokens,
-                          lambda samples: reward_queue.submit(samples, counters=counters))
+                          lambda samples: reward_queue.submit(samples, counters=counters), config, api_key)
     port = bridge.start(config.host, config.port + index if config.port else 0)
     host = ray.util.get_node_ip_address() if config.host in ("0.0.0.0", "::") else config.host
     bridge.announce(reward_queue, f"openai_bridge/{policy}/{index}", f"http://{host}:{port}/v1")
     return bridge
 
 
-def parse_chat(body: Dict, policy: str, temperature: float, max_new_tokens: int) -> ChatParams:
-    """A chat request's parameters, checked; unset ones take the job's rl settings."""
+def parse_chat(body: Dict, policy: str, temperature: float, max_new_tokens: int,
+               limits: OpenAIBridgeConfig = OpenAIBridgeConfig()) -> ChatParams:
+    """A chat request's parameters, checked against `limits`; unset ones take the job's rl settings."""
     if body.get("model", policy) != policy:
         raise RequestError(404, f"model '{body.get('model')}' is not served here; this worker serves '{policy}'",
                            "model_not_found")
@@ -286,8 +320,12 @@ def parse_chat(body: Dict, policy: str, temperature: float, max_new_tokens: int)
     n = _given(body, "n", 1)
     max_tokens = _given(body, "max_completion_tokens", _given(body, "max_tokens", max_new_tokens))
     temperature = _given(body, "temperature", temperature)
-    if not _whole(n) or not _whole(max_tokens) or not isinstance(temperature, (int, float)) or temperature < 0:
-        raise RequestError(400, "'n' and 'max_tokens' must be positive integers and 'temperature' a number >= 0")
+    if not _whole(n) or not _whole(max_tokens) or not isinstance(temperature, (int, float)) \
+            or isinstance(temperature, bool) or not math.isfinite(temperature) or temperature < 0:
+        raise RequestError(400, "'n' and 'max_tokens' must be positive integers and 'temperature' a finite number >= 0")
+    if n > limits.max_n or max_tokens > limits.max_tokens:
+        raise RequestError(400, f"'n' is at most {limits.max_n} and 'max_tokens' at most {limits.max_tokens} here "
+                                "(rollout.openai_bridge.max_n, max_tokens)")
     return ChatParams([{"role": m["role"], "content": m["content"]} for m in messages], n, max_tokens,
                       float(temperature), bool(body.get("logprobs")))
 

@@ -130,11 +130,18 @@ class RLConfig:
     log_every: int = at_least(5, 1)  # console/W&B interval in steps
 
 
+BRIDGE_KEY_ENV = "RLP_BRIDGE_KEY"  # where the OpenAI bridge's key is read by default (`rlp verifiers` sends it)
+
+
 @dataclass
 class OpenAIBridgeConfig:
     enabled: bool = False  # each rollout worker serves an OpenAI-compatible /v1/chat/completions from its engine
     host: str = "127.0.0.1"  # interface it listens on (0.0.0.0: reachable from other machines)
     port: int = at_least(8000, 0)  # rollout worker i listens on port + i (0: any free port); give each policy its own range
+    api_key_env: str = BRIDGE_KEY_ENV  # environment variable holding the key requests must send (Authorization: Bearer); required when host is not a loopback address
+    max_prompt_tokens: int = at_least(8192, 1)  # a request (an episode: its whole sequence) whose prompt is longer is refused (400)
+    max_tokens: int = at_least(4096, 1)  # max_tokens / max_completion_tokens above this are refused (400)
+    max_n: int = at_least(64, 1)  # n above this is refused (400)
 
 
 @dataclass

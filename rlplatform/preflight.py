@@ -1,7 +1,8 @@
 """Checks a job's files and cluster address before any service starts.
 
 `check(config, source)` runs after `load_config` and before Redis, Ray or any worker starts:
-every JSONL row parses, every pretrained model folder loads its config and tokenizer, a vLLM
+every JSONL row parses, every pretrained model folder loads its config and tokenizer, an OpenAI
+bridge reachable from other machines has its key in the environment, a vLLM
 rollout engine can run here, and the Ray cluster to join answers on its port. A failure is a
 `ConfigError` naming the file (and line) or the key, so `rlp run` and `rlp validate` stop with one
 line and exit code 2.
@@ -10,6 +11,7 @@ line and exit code 2.
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import os
 import socket
 from typing import Optional, Tuple
@@ -30,6 +32,7 @@ def check_without_models(config: JobConfig, source: str) -> None:
     """The checks that load no model config, so import neither torch nor transformers (but for vLLM)."""
     check_data(config, source)
     check_engines(config, source)
+    check_bridges(config, source)
     check_ray_address(config, source)
 
 
@@ -39,6 +42,27 @@ def check_models(config: JobConfig, source: str) -> None:
         if policy.model.kind == "pretrained":
             prefix = f"policies[{i}]." if config.policies else ""
             check_model(policy.model.path, f"{prefix}model.path", source)
+
+
+def check_bridges(config: JobConfig, source: str) -> None:
+    """An OpenAI bridge that listens beyond the loopback interface has its key in the environment."""
+    for i, policy in enumerate(config.policy_list()):
+        bridge = policy.rollout.openai_bridge
+        if bridge.enabled and not is_loopback(bridge.host) and not os.environ.get(bridge.api_key_env):
+            prefix = f"policies[{i}]." if config.policies else ""
+            raise ConfigError(f"{source}: '{prefix}rollout.openai_bridge.host' is {bridge.host}, reachable from other "
+                              f"machines, but ${bridge.api_key_env} is not set: export it (a secret key agents send "
+                              "as 'Authorization: Bearer <key>'), or listen on 127.0.0.1")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def check_engines(config: JobConfig, source: str) -> None:

@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import uuid
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence
 
 import httpx
+
+from rlplatform.config import BRIDGE_KEY_ENV
 
 INSTALL_HINT = "the verifiers extra is not installed: pip install 'rlplatform[verifiers]'"
 
@@ -121,7 +124,7 @@ class Player:
         self.run = uuid.uuid4().hex[:8]
         self.stats = PlayStats()
         self.episodes = asyncio.Semaphore(concurrency)
-        contexts = [ModelContext(model=model, client=EvalClientConfig(base_url=b.url, api_key_var="RLP_BRIDGE_KEY"))
+        contexts = [ModelContext(model=model, client=EvalClientConfig(base_url=b.url, api_key_var=BRIDGE_KEY_ENV))
                     for b, model in zip(bridges, models)]
         self.seats = itertools.cycle(list(zip(bridges, contexts)))
         self.lost: Optional[ConnectionError] = None  # a bridge stopped answering: no rollout starts after it
@@ -186,7 +189,9 @@ async def play(taskset_id: str, urls: Sequence[str], group_size: int, num_tasks:
     if group_size < 1 or concurrency < 1 or epochs < 1 or not urls:
         raise ValueError("group_size, concurrency and epochs must be positive, and at least one bridge URL given")
     env = load_env(taskset_id)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0)) as http:
+    key = os.environ.get(BRIDGE_KEY_ENV)  # the bridges' key, where they ask for one
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0),
+                                 headers={"Authorization": f"Bearer {key}"} if key else None) as http:
         bridges = [BridgeClient(url, http) for url in urls]
         models = [await bridge.model() for bridge in bridges]
         player = Player(env, bridges, models, group_size, concurrency)

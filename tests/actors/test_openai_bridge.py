@@ -20,7 +20,7 @@ from rlplatform.actors.engine import DecodeBatch
 from rlplatform.actors.openai_bridge import OpenAIBridge
 from rlplatform.actors.rollout import RolloutWorker
 from rlplatform.actors.rollout_spec import RolloutSpec
-from rlplatform.config import OpenAIBridgeConfig, RLConfig, RolloutConfig
+from rlplatform.config import BRIDGE_KEY_ENV, OpenAIBridgeConfig, RLConfig, RolloutConfig
 from rlplatform.learners.batching import completion_logprobs
 from rlplatform.policy import load_tokenizer
 from rlplatform.tokenization import encode_prompts, save_prompts
@@ -30,6 +30,8 @@ from rlplatform.transport.reward_queue import RewardQueue
 TEMPLATE = ("{% for m in messages %}{{ m['role'][0] + ':' + m['content'] + eos_token }}{% endfor %}"
             "{% if add_generation_prompt %}a:{% endif %}")
 VERSION = 3
+KEY = "test-bridge-key"
+AUTHORISED = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +45,16 @@ def chat_policy(tiny_policy, tmp_path_factory) -> str:
 
 
 @pytest.fixture
-def served(chat_policy, redis_server, redis_client, tmp_path):
-    """(worker, endpoint URL, reward queue) of a rollout worker running its loop with the bridge on."""
+def served(chat_policy, redis_server, redis_client, tmp_path, monkeypatch):
+    """(worker, endpoint URL, reward queue) of a rollout worker running its loop with the bridge on, asking
+    for KEY and refusing prompts over 200 tokens, max_tokens over 16 and n over 4."""
     job = f"bridge-{time.time_ns()}"
     queue = RewardQueue(redis_client, job)
     queue.create_group()
+    monkeypatch.setenv(BRIDGE_KEY_ENV, KEY)
     rl = RLConfig(group_size=2, batch_prompts=1, max_staleness=0, max_new_tokens=4)
-    rollout = RolloutConfig(prompts_per_batch=2, openai_bridge=OpenAIBridgeConfig(enabled=True, port=0))
+    limits = OpenAIBridgeConfig(enabled=True, port=0, max_prompt_tokens=200, max_tokens=16, max_n=4)
+    rollout = RolloutConfig(prompts_per_batch=2, openai_bridge=limits)
     prompts = save_prompts(encode_prompts(load_tokenizer(chat_policy), [{"prompt": "1+1=", "answer": "2"}], "auto"),
                            str(tmp_path / "prompts.jsonl"))
     worker = RolloutWorker(RolloutSpec(0, "policy", job, chat_policy, prompts, redis_server, rl, rollout))
@@ -68,7 +73,7 @@ def served(chat_policy, redis_server, redis_client, tmp_path):
 
 def client(url: str, episode: str = "") -> openai.OpenAI:
     headers = {"X-Episode-Id": episode} if episode else None
-    return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60, default_headers=headers)
+    return openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=60, default_headers=headers)
 
 
 def scores(worker, prompt_ids, completion_ids, temperature: float) -> torch.Tensor:
@@ -123,7 +128,7 @@ def test_a_two_turn_episode_is_one_trajectory_with_exact_tokens_and_mask(served)
         api.chat.completions.create(model="policy", messages=turn1 + [{"role": "assistant", "content": "x"}])
     with pytest.raises(openai.BadRequestError, match="rl.temperature"):  # the learner scores at the job's
         api.chat.completions.create(model="policy", messages=turn2, temperature=0.5)
-    request = urllib.request.Request(f"{url}/episodes/ep-1/finish", method="POST",
+    request = urllib.request.Request(f"{url}/episodes/ep-1/finish", method="POST", headers=AUTHORISED,
                                      data=json.dumps({"group": "task-7", "row": {"answer": "10"}}).encode())
     finished = json.loads(urllib.request.urlopen(request, timeout=30).read())
     assert finished["sample_id"] == "task-7/ep-1"
@@ -188,3 +193,44 @@ def next_sample(queue: RewardQueue, group_id: str, timeout_s: float = 30.0):
             if sample.group_id == group_id:
                 return sample
     raise AssertionError(f"no sample of group {group_id} reached the reward queue")
+
+
+def test_requests_without_the_key_or_over_the_limits_are_refused_and_the_worker_serves_on(served):
+    worker, url, _ = served
+    messages = [{"role": "user", "content": "1+1="}]
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        request = urllib.request.Request(f"{url}/models", headers=headers)
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(request, timeout=30)
+    with pytest.raises(openai.AuthenticationError, match="missing or wrong API key"):
+        openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).chat.completions.create(
+            model="policy", messages=messages)
+    api = client(url)
+    with pytest.raises(openai.BadRequestError, match="more than this endpoint takes"):  # 60,000 characters
+        api.chat.completions.create(model="policy", messages=[{"role": "user", "content": "7" * 60000}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="'n' is at most 4"):
+        api.chat.completions.create(model="policy", messages=messages, n=50000)
+    with pytest.raises(openai.BadRequestError, match="'max_tokens' at most 16"):
+        api.chat.completions.create(model="policy", messages=messages, max_tokens=17)
+    for temperature in ("NaN", "Infinity", "true"):  # JSON numbers Python's parser takes, and a boolean
+        body = '{"model": "policy", "messages": [{"role": "user", "content": "1+1="}], "temperature": %s}' % temperature
+        request = urllib.request.Request(f"{url}/chat/completions", data=body.encode(), method="POST",
+                                         headers={**AUTHORISED, "Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError, match="400"):
+            urllib.request.urlopen(request, timeout=30)
+    reply = api.chat.completions.create(model="policy", messages=messages, n=4, max_tokens=16)
+    assert len(reply.choices) == 4 and all(c.token_versions == [VERSION] * len(c.token_ids) for c in reply.choices)
+
+
+def test_a_bridge_reachable_from_other_machines_needs_its_key(monkeypatch, tmp_path):
+    from rlplatform.config import ConfigError, load_config
+    from rlplatform.preflight import check_bridges
+
+    config = load_config(None, [f"output_dir={tmp_path}", "rollout.openai_bridge.enabled=true",
+                                "rollout.openai_bridge.host=0.0.0.0"])
+    monkeypatch.delenv(BRIDGE_KEY_ENV, raising=False)
+    with pytest.raises(ConfigError, match=f"'rollout.openai_bridge.host' is 0.0.0.0.*\\${BRIDGE_KEY_ENV} is not set"):
+        check_bridges(config, "job.yaml")
+    monkeypatch.setenv(BRIDGE_KEY_ENV, KEY)
+    check_bridges(config, "job.yaml")
+    check_bridges(load_config(None, [f"output_dir={tmp_path}", "rollout.openai_bridge.enabled=true"]), "job.yaml")
