@@ -40,10 +40,10 @@ from rlplatform.actors.bridge_episodes import ChatRenderer, Episode, ExtensionEr
 from rlplatform.actors.engine import Completion, DecodeBatch, TransformersEngine
 from rlplatform.config import OpenAIBridgeConfig, RLConfig
 from rlplatform.preflight import is_loopback
+from rlplatform.transport.bridge_protocol import DISCARD_ROUTE, EPISODE_HEADER, FINISH_ROUTE
 from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.samples import Sample
 
-EPISODE_HEADER = "X-Episode-Id"
 # request fields whose effect the recorded log-probs would not reflect, with the value that means "off"
 _UNSUPPORTED = {"stream": False, "stop": None, "top_p": 1, "top_logprobs": 0, "frequency_penalty": 0,
                 "presence_penalty": 0, "logit_bias": None, "tools": None, "response_format": None}
@@ -136,8 +136,8 @@ class OpenAIBridge:
         app = web.Application(middlewares=[_openai_errors, self._authorised])
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_post("/v1/episodes/{episode_id}/finish", self._finish)
-        app.router.add_delete("/v1/episodes/{episode_id}", self._discard)
+        app.router.add_post("/v1" + FINISH_ROUTE, self._finish)
+        app.router.add_delete("/v1" + DISCARD_ROUTE, self._discard)
         self._runner = web.AppRunner(app, access_log=None)
         self._loop.run_until_complete(self._runner.setup())
         try:

@@ -34,17 +34,17 @@ from rlplatform.monitoring.evaluation import evaluation_figures
 from rlplatform.priority import set_cpu_priority
 from rlplatform.rewards.registry import resolve
 from rlplatform.rewards.scoring import Scorer
-from rlplatform.rewards.worker import import_modules
-from rlplatform.tokenization import Prompt, load_prompts
-from rlplatform.transport.deadlines import Heartbeats
 from rlplatform.scheduling.groups import GroupSchedule
 from rlplatform.scheduling.ledger import prompt_row
 from rlplatform.scheduling.staleness import StalenessRule
+from rlplatform.tokenization import Prompt, load_prompts
+from rlplatform.transport.deadlines import Heartbeats
 from rlplatform.transport.redis_server import RECONNECT_S, connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.tool_queue import ToolQueue
 from rlplatform.transport.weight_transports import ObjectStoreTransport
+from rlplatform.user_code import import_modules
 from rlplatform.transport.weights import from_snapshot
 
 

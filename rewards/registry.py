@@ -10,15 +10,12 @@ entry-point group `rlplatform.rewards`. `resolve` binds a job's reward list, che
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import os
-import sys
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from typing import Any, Callable, Dict, List, Optional
 
 from rlplatform.config import RewardSpec
+from rlplatform.user_code import entry_points_of, import_callable
 
 ENTRY_POINT_GROUP = "rlplatform.rewards"
 REQUIRED = inspect.Parameter.empty
@@ -66,18 +63,13 @@ def reward(name: str, batch: bool = False) -> Callable[[Callable], Callable]:
     return decorate
 
 
-def entry_points_of(group: str = ENTRY_POINT_GROUP) -> Dict[str, Any]:
-    """Installed plugins' entry points of `group`, by name (tools use the same mechanism)."""
-    return {ep.name: ep for ep in entry_points(group=group)}
-
-
 def find(name: str) -> RewardFunction:
     """A reward by name: registered in this process first, then installed entry points."""
     if name in REWARDS:
         return REWARDS[name]
-    point = entry_points_of().get(name)
+    point = entry_points_of(ENTRY_POINT_GROUP).get(name)
     if point is None:
-        known = sorted(set(REWARDS) | set(entry_points_of()))
+        known = sorted(set(REWARDS) | set(entry_points_of(ENTRY_POINT_GROUP)))
         raise RewardSpecError(f"unknown reward '{name}'; known: {', '.join(known)}")
     try:
         fn = point.load()
@@ -86,35 +78,15 @@ def find(name: str) -> RewardFunction:
     return RewardFunction(name, fn, bool(getattr(fn, "batch", False)), "entry point")
 
 
-def importable_from_cwd() -> None:
-    """Like `python -m`: modules in the working directory import (the `rlp` script's own
-    directory is what Python puts on sys.path otherwise)."""
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-
-
-def import_callable(path: str, kind: str = "reward", error: type = RewardSpecError) -> Callable:
-    """The callable a `package.module:attribute` path names, else `error` saying why."""
-    module_name, _, attribute = path.partition(":")
-    importable_from_cwd()
-    try:
-        fn = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as err:
-        raise error(f"cannot import {kind} '{path}': {err}") from None
-    if not callable(fn):
-        raise error(f"'{path}' is not a function")
-    return fn
-
-
 def from_import_path(path: str) -> RewardFunction:
-    fn = import_callable(path)
+    fn = import_callable(path, "reward", RewardSpecError)
     return RewardFunction(path.partition(":")[2], fn, bool(getattr(fn, "batch", False)), "import path")
 
 
 def all_rewards() -> List[RewardFunction]:
     """Every reward this process can find, for `rlp rewards list`."""
     found = dict(REWARDS)
-    for name in entry_points_of():
+    for name in entry_points_of(ENTRY_POINT_GROUP):
         if name not in found:
             found[name] = find(name)
     return [found[name] for name in sorted(found)]

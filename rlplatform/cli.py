@@ -37,7 +37,7 @@ def _resolve_environment(config: JobConfig, source: str) -> None:
 
 def _resolve_rewards(config: JobConfig, source: str):
     from rlplatform.rewards import RewardSpecError, resolve
-    from rlplatform.rewards.worker import import_modules
+    from rlplatform.user_code import import_modules
 
     try:
         import_modules(config.imports)

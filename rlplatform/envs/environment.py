@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Protocol
 
 from rlplatform.config import EnvConfig
 from rlplatform.envs.tool_calls import ParsedCall, parse_tool_calls
-from rlplatform.rewards.registry import import_callable
+from rlplatform.user_code import import_callable
 from rlplatform.tokenization import prompt_messages
 from rlplatform.transport.tool_queue import ToolResult
 

@@ -25,11 +25,12 @@ import ray
 
 from rlplatform.config import RewardWorkersConfig, ToolSpec
 from rlplatform.envs.tools import resolve_tools
-from rlplatform.rewards.worker import QueueStats, QueueWorker, import_modules
 from rlplatform.transport.deadlines import Heartbeats
+from rlplatform.transport.queue_worker import QueueStats, QueueWorker
 from rlplatform.transport.redis_server import RECONNECT_S, connect
 from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.tool_queue import ToolCall, ToolQueue, ToolResult, decode_call, encode_result
+from rlplatform.user_code import import_modules
 
 MAX_OUTPUT_CHARS = 2000  # longer tool output is cut to its end, as the model sees it
 

@@ -15,7 +15,7 @@ from typing import Callable, Dict, List
 
 from rlplatform.config import ToolSpec
 from rlplatform.rewards.code_sandbox import run_in_sandbox
-from rlplatform.rewards.registry import entry_points_of, import_callable
+from rlplatform.user_code import entry_points_of, import_callable
 from rlplatform.transport.tool_queue import Arguments
 
 ENTRY_POINT_GROUP = "rlplatform.tools"

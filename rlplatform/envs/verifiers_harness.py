@@ -24,7 +24,7 @@ import verifiers.v1 as vf
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.runtimes import ProgramResult, Runtime
 
-from rlplatform.actors.openai_bridge import EPISODE_HEADER
+from rlplatform.transport.bridge_protocol import EPISODE_HEADER
 
 HARNESS_ID = "rlplatform_bridge_chat"
 

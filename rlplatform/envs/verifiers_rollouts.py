@@ -28,6 +28,7 @@ from typing import Dict, Iterator, List, Optional, Sequence
 import httpx
 
 from rlplatform.config import BRIDGE_KEY_ENV
+from rlplatform.transport.bridge_protocol import DISCARD_ROUTE, FINISH_ROUTE
 
 INSTALL_HINT = "the verifiers extra is not installed: pip install 'rlplatform[verifiers]'"
 
@@ -65,13 +66,14 @@ class BridgeClient:
                                   "the job with rollout.openai_bridge.enabled and use a URL it printed") from None
 
     async def finish(self, episode_id: str, group: str, row: Dict) -> None:
-        reply = await self.http.post(f"{self.url}/episodes/{episode_id}/finish", json={"group": group, "row": row})
+        reply = await self.http.post(self.url + FINISH_ROUTE.format(episode_id=episode_id),
+                                     json={"group": group, "row": row})
         reply.raise_for_status()
 
     async def discard(self, episode_id: str) -> bool:
         """Drop the episode if the worker holds it (a rollout that failed before its first reply never started one)."""
         try:
-            reply = await self.http.delete(f"{self.url}/episodes/{episode_id}")
+            reply = await self.http.delete(self.url + DISCARD_ROUTE.format(episode_id=episode_id))
         except httpx.TransportError as err:  # every failed rollout comes here: a bridge gone ends the run
             raise ConnectionError(f"the OpenAI bridge at {self.url} stopped answering ({type(err).__name__}): the "
                                   "job has ended, or its rollout worker is restarting") from None
@@ -93,7 +95,7 @@ def load_env(taskset_id: str):
     from verifiers.v1.utils.loaders import environment_class
 
     from rlplatform.envs.verifiers_harness import HARNESS_ID
-    from rlplatform.rewards.registry import importable_from_cwd
+    from rlplatform.user_code import importable_from_cwd
 
     importable_from_cwd()
     env_class = environment_class(taskset_id)
