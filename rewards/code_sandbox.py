@@ -1,10 +1,10 @@
 """Code-test reward: runs a completion's Python code and the row's tests in a sandbox of two processes.
 
 Consumes a `Sample` whose row holds `tests` (Python source, usually asserts) and produces 1.0
-only when every test passes. The code runs in one isolated process (`sandbox_solution`) and the
-tests in another (`sandbox_judge`) that sees only the raw values the code returns, so nothing the
+only when every test passes. The code runs in one isolated process (`sandbox/solution.py`) and the
+tests in another (`sandbox/judge.py`) that sees only the raw values the code returns, so nothing the
 code does in its own process can change the verdict. `run_in_sandbox` does the work and says why
-a run failed; the child processes start from `sandbox_child.py`.
+a run failed; the child processes start from `sandbox/child.py`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Dict, List, Set, Tuple
 
 from rlplatform.rewards.verdict import Verdict
-from rlplatform.rewards.sandbox_jail import SANDBOX_UID_BASE
+from rlplatform.rewards.sandbox.jail import SANDBOX_UID_BASE
 
 if TYPE_CHECKING:
     from rlplatform.transport.samples import Sample
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 TAIL_BYTES = 2000  # how much of stdout and stderr a result keeps
 KILL_WAIT_S = 5.0  # how long to keep killing survivors before giving up
 REPORT_BYTES = 1 << 20  # how much of a report pipe is read
-CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox", "child.py")
 PYTHON = os.path.realpath(sys.executable)  # the base interpreter: a virtualenv's directory is not in the sandbox
 
 _FENCED = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
@@ -88,7 +88,7 @@ def run_in_sandbox(code: str, tests: str, timeout_s: float = 5.0, memory_mb: int
     after every test ran, comparing values the solution returned as exact built-in types. The
     solution's own report can only veto (an error, or an attempt the audit hook denied).
 
-    Isolation of both processes (`sandbox_jail`; `SandboxResult.isolation` lists what applied):
+    Isolation of both processes (`sandbox/jail.py`; `SandboxResult.isolation` lists what applied):
     - new mount, network (no interfaces but a down loopback), PID, IPC and UTS namespaces, and a
       user namespace when not root; the root is a read-only tmpfs holding only read-only binds of
       the system and Python directories, four devices and the run's scratch directory (writable

@@ -18,7 +18,7 @@ from rlplatform.config import RewardSpec
 from rlplatform.job.rl_loop import RLCounters, _count_scored, _stage_summary
 from rlplatform.rewards.code_sandbox import code_tests, extract_code, run_in_sandbox
 from rlplatform.rewards.worker import RewardWorker
-from rlplatform.rewards.sandbox_jail import MAX_PROCESSES
+from rlplatform.rewards.sandbox.jail import MAX_PROCESSES
 from rlplatform.transport.reward_queue import RewardQueue
 
 ADD_TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"

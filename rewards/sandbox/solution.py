@@ -1,7 +1,7 @@
 """The sandbox's solution process: runs the completion's code, then answers the judge's calls.
 
 Consumes the code (stdin) and the judge's requests (a pipe); produces replies with the raw values
-the code returned, as `sandbox_wire` values, and, on its report pipe, the audit hook's violations.
+the code returned, as `wire` values, and, on its report pipe, the audit hook's violations.
 Nothing here decides a verdict: the code runs in this process and may rewrite any of it.
 """
 
@@ -15,7 +15,7 @@ import sys
 import traceback
 from typing import Any, Callable, Dict, Optional
 
-from sandbox_wire import Channel, decode, describe, encode
+from wire import Channel, decode, describe, encode
 
 # audit events denied outright, by prefix, and the reason's kind ("socket.__new__" is allowed:
 # creating a socket is harmless, connecting or resolving is not)

@@ -1,7 +1,7 @@
 """Bootstrap of the sandbox's two child interpreters, run as a script by `code_sandbox`.
 
-`sandbox_child.py ROLE MEMORY_MB CPU_S ALLOW_WEAK REPORT_FD LINK_IN LINK_OUT`: isolates itself
-(`sandbox_jail`), reads its job from stdin (the code for the `solution` role, the tests for the
+`child.py ROLE MEMORY_MB CPU_S ALLOW_WEAK REPORT_FD LINK_IN LINK_OUT`: isolates itself
+(`jail`), reads its job from stdin (the code for the `solution` role, the tests for the
 `judge`), then plays its role; `<key> <value>` lines on REPORT_FD tell the caller the
 isolation that applied, a refusal (`unavailable`), the judge's `outcome`, and the solution's
 `error` or `violation`.
@@ -11,10 +11,10 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))  # for the modules below; taken out before any job runs
-import sandbox_jail  # noqa: E402
-import sandbox_judge  # noqa: E402
-import sandbox_solution  # noqa: E402
-from sandbox_wire import Channel  # noqa: E402
+import jail  # noqa: E402
+import judge  # noqa: E402
+import solution  # noqa: E402
+from wire import Channel  # noqa: E402
 
 del sys.path[0]
 
@@ -26,20 +26,20 @@ def main(role: str, memory_mb: int, cpu_s: int, allow_weak: int, report_fd: int,
         write(report_fd, (line.replace("\n", " ") + "\n").encode(errors="replace"))
 
     try:
-        layers = sandbox_jail.enter(os.path.realpath(os.getcwd()), role == "solution", memory_mb, cpu_s,
+        layers = jail.enter(os.path.realpath(os.getcwd()), role == "solution", memory_mb, cpu_s,
                                     bool(allow_weak))
-    except (OSError, sandbox_jail.JailUnavailable) as err:
+    except (OSError, jail.JailUnavailable) as err:
         report(f"unavailable {role}: {err}")
         exit_now(3)
     if role == "judge":
-        sandbox_jail.forbid_tracing()  # where weak isolation shares a uid, the solution cannot read it
+        jail.forbid_tracing()  # where weak isolation shares a uid, the solution cannot read it
     job, channel = sys.stdin.read(), Channel(link_in, link_out)
     if role == "judge":
         report(f"isolation {' '.join(layers)}")
-        report(f"outcome {sandbox_judge.run(job, channel)}")
+        report(f"outcome {judge.run(job, channel)}")
     else:
         report(f"isolation {' '.join(layers + ['audit'])}")
-        sandbox_solution.run(job, channel, report)
+        solution.run(job, channel, report)
     exit_now(0)
 
 

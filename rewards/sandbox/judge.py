@@ -4,7 +4,7 @@ Consumes the tests (stdin) and the solution process's messages (a pipe); produce
 "passed" or why not, on a report pipe only it holds. The solution's functions and objects are
 `Remote` stand-ins: calling one asks the solution process, and what comes back is rebuilt as
 exact built-in values, so no code of the solution ever runs here. `==` and `!=` in the tests
-compare types too (`sandbox_wire.strict_equal`).
+compare types too (`wire.strict_equal`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import traceback
 from typing import Any, Dict
 
-from sandbox_wire import Channel, decode, describe, encode, strict_equal
+from wire import Channel, decode, describe, encode, strict_equal
 
 _EQUAL = "__strict_equal__"  # the name the rewritten tests call for == and !=
 # exceptions of the solution that are re-raised as themselves; others arrive as SolutionError
