@@ -91,9 +91,6 @@ class GroupBuffer:
         cutoff = time.monotonic() - timeout_s
         return [group_id for group_id, began in self._began.items() if began < cutoff]
 
-    def ready(self) -> int:
-        return len(self._complete)
-
     def held_samples(self) -> int:
         """Samples waiting here: in complete groups not yet taken and in groups still filling."""
         return sum(len(g) for g in self._complete) + sum(len(g) for g in self._partial.values())

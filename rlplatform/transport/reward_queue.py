@@ -229,10 +229,6 @@ class RewardQueue(StreamQueue):
         self.submit_payloads([encode_sample(sample) for sample in samples], poll_s, counters,
                              [sample.trained_tokens for sample in samples])
 
-    @staticmethod
-    def decode(raw: bytes) -> Sample:
-        return decode_sample(raw)
-
     def store_results(self, done: List[Tuple[str, ScoredSample]]) -> int:
         """Store (message id, result) pairs once per sample id, each whole under its id and its
         metadata on the results stream, and acknowledge them."""

@@ -49,11 +49,6 @@ def _storage_key(tensor: torch.Tensor) -> tuple:
     return tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape)
 
 
-def snapshot_bytes(snapshot: Dict[str, np.ndarray]) -> int:
-    """The bytes a snapshot moves to each subscriber."""
-    return sum(array.nbytes for array in snapshot.values())
-
-
 def _to_array(tensor: torch.Tensor) -> np.ndarray:
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy().view(BFLOAT16)

@@ -25,6 +25,7 @@ from rlplatform.learners.batching import completion_logprobs
 from rlplatform.policy import load_tokenizer
 from rlplatform.tokenization import encode_prompts, save_prompts
 from rlplatform.transport.reward_queue import RewardQueue
+from rlplatform.transport.samples import decode_sample
 
 # a ChatML-like template in the demo tokenizer's characters: "u:" / "a:" open a turn, EOS ends it
 TEMPLATE = ("{% for m in messages %}{{ m['role'][0] + ':' + m['content'] + eos_token }}{% endfor %}"
@@ -189,7 +190,7 @@ def next_sample(queue: RewardQueue, group_id: str, timeout_s: float = 30.0):
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         for _, raw in queue.fetch("test", 10, block_ms=200):
-            sample = queue.decode(raw)
+            sample = decode_sample(raw)
             if sample.group_id == group_id:
                 return sample
     raise AssertionError(f"no sample of group {group_id} reached the reward queue")

@@ -16,6 +16,7 @@ from rlplatform.learners.batching import completion_logprobs
 from rlplatform.policy import load_policy, load_tokenizer
 from rlplatform.tokenization import encode_prompts, save_prompts
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
+from rlplatform.transport.samples import decode_sample
 from rlplatform.transport.weight_store import WeightStore
 from rlplatform.transport.weights import to_snapshot
 
@@ -43,7 +44,7 @@ def collect(queue: RewardQueue, n: int, timeout_s: float = 60.0) -> list:
     """The next `n` samples the rollout worker submits."""
     samples, deadline = [], time.time() + timeout_s
     while len(samples) < n and time.time() < deadline:
-        samples += [queue.decode(raw) for _, raw in queue.fetch("test", n - len(samples), block_ms=200)]
+        samples += [decode_sample(raw) for _, raw in queue.fetch("test", n - len(samples), block_ms=200)]
     return samples
 
 

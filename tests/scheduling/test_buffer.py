@@ -36,13 +36,13 @@ def test_groups_complete_only_at_group_size():
     buffer.add(scored("a", 0))
     buffer.add(scored("b", 0))
     buffer.add(scored("a", 1))
-    assert buffer.ready() == 0
+    assert not buffer.is_complete("a")
     buffer.add(scored("a", 2))
-    assert buffer.ready() == 1
+    assert buffer.is_complete("a") and not buffer.is_complete("b")
     buffer.add(scored("b", 1))
-    assert buffer.ready() == 1
+    assert not buffer.is_complete("b")
     buffer.add(scored("b", 2))
-    assert buffer.ready() == 2
+    assert buffer.is_complete("b")
     batch = buffer.take(0, StalenessRule(max_staleness=1, batch_prompts=2))
     assert ids(batch.groups) == ["a", "b"]
     assert [len(g) for g in batch.groups] == [3, 3]
@@ -55,9 +55,9 @@ def test_redelivered_duplicates_are_ignored():
     buffer.add(scored("a", 0))  # redelivered result
     buffer.add(scored("a", 1))
     buffer.add(scored("a", 1))
-    assert buffer.ready() == 0  # four adds, but only two distinct samples
+    assert not buffer.is_complete("a") and buffer.held_samples() == 2  # four adds, two distinct samples
     buffer.add(scored("a", 2))
-    assert buffer.ready() == 1
+    assert buffer.is_complete("a")
     (group,) = buffer.take(0, StalenessRule(max_staleness=0, batch_prompts=1)).groups
     assert [s.sample_id for s in group] == ["a/0", "a/1", "a/2"]
 
@@ -67,11 +67,11 @@ def test_redelivery_after_completion_does_not_train_a_group_twice():
     fill(buffer, "a")
     for i in range(2):  # the whole group is redelivered after it completed
         buffer.add(scored("a", i, reward=float(i % 2)))
-    assert buffer.ready() == 1
+    assert buffer.held_samples() == 2
     assert ids(buffer.take(0, StalenessRule(max_staleness=0, batch_prompts=1)).groups) == ["a"]
-    assert buffer.ready() == 0
+    assert buffer.held_samples() == 0
     fill(buffer, "a")  # and again after it was trained on
-    assert buffer.ready() == 0
+    assert buffer.held_samples() == 0 and buffer.take(0, StalenessRule(max_staleness=0, batch_prompts=1)).groups == []
 
 
 def test_stale_groups_are_dropped():
