@@ -84,7 +84,7 @@ def test_stale_groups_are_dropped():
     assert ids(batch.dropped_stale) == ["v3"]
     assert ids(batch.groups) == ["v4", "v5"]
     assert batch.dropped_errors == []
-    assert buffer.ready() == 0
+    assert buffer.held_samples() == 0
 
 
 def test_group_version_is_the_oldest_token():
@@ -115,13 +115,13 @@ def test_take_returns_oldest_first_and_keeps_the_rest():
     buffer = GroupBuffer(group_size=2)
     for name, version in [("v7a", 7), ("v5", 5), ("v6", 6), ("v7b", 7), ("v5b", 5)]:
         fill(buffer, name, version=version)
-    assert buffer.ready() == 5
+    assert buffer.held_samples() == 10
     batch = buffer.take(7, StalenessRule(max_staleness=2, batch_prompts=3))
     assert ids(batch.groups) == ["v5", "v5b", "v6"]  # oldest first, arrival order within a version
-    assert buffer.ready() == 2
+    assert buffer.held_samples() == 4
     rest = buffer.take(7, StalenessRule(max_staleness=2, batch_prompts=2))
     assert ids(rest.groups) == ["v7a", "v7b"]
-    assert buffer.ready() == 0
+    assert buffer.held_samples() == 0
 
 
 def test_take_returns_nothing_until_enough_groups():
@@ -131,7 +131,7 @@ def test_take_returns_nothing_until_enough_groups():
     batch = buffer.take(2, StalenessRule(max_staleness=1, batch_prompts=2))
     assert batch.groups == []
     assert ids(batch.dropped_stale) == ["stale"]  # dropped even when no batch is returned
-    assert buffer.ready() == 1  # "a" is kept for a later take
+    assert buffer.held_samples() == 2  # "a" is kept for a later take
     fill(buffer, "b", version=2)
     assert ids(buffer.take(2, StalenessRule(max_staleness=1, batch_prompts=2)).groups) == ["a", "b"]
 
@@ -153,9 +153,9 @@ def test_an_expired_group_drops_what_arrived_and_what_arrives_later():
     buffer.expire("lost")
     assert buffer.samples_expired == 2
     buffer.add(scored("lost", 2))  # late: the group would complete now, but it expired
-    assert buffer.samples_expired == 3 and buffer.ready() == 0 and not buffer.is_complete("lost")
+    assert buffer.samples_expired == 3 and buffer.held_samples() == 0 and not buffer.is_complete("lost")
     fill(buffer, "kept")
-    assert buffer.ready() == 1 and buffer.is_complete("kept")
+    assert buffer.held_samples() == 3 and buffer.is_complete("kept")
 
 
 def test_partial_groups_are_listed_once_waiting_longer_than_the_timeout():
