@@ -21,7 +21,7 @@ from rlplatform.cli import build_parser
 from rlplatform.config import load_config
 from rlplatform.transport.redis_server import redis_binary
 from rlplatform.transport.reward_queue import RewardQueue
-from rlplatform.transport.samples import Sample, ScoredSample
+from rlplatform.transport.samples import Sample, ScoredSample, decode_sample
 
 REPO = Path(__file__).resolve().parents[1]
 INFRA = REPO / "infra"
@@ -143,7 +143,7 @@ def test_production_redis_gives_a_job_user_its_own_keys_only(production_redis, t
     sample = Sample("s/0", "s", "policy", "1+1=", "2", [4], [5], [-0.1], [0], {"answer": "2"})
     queue.submit([sample])
     (entry, raw), = queue.fetch("worker", count=1, block_ms=100)
-    queue.store_results([(entry, ScoredSample(queue.decode(raw), 1.0, {"exact_match": 1.0}))])
+    queue.store_results([(entry, ScoredSample(decode_sample(raw), 1.0, {"exact_match": 1.0}))])
     assert [r.sample_id for r in queue.read_results(block_ms=100)] == ["s/0"]
     with pytest.raises(redis.exceptions.NoPermissionError):
         client.set("rlp:cluster:status", "x")  # another job's keys

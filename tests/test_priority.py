@@ -53,10 +53,14 @@ class Watch:  # notes this process's niceness when torch is first imported
 
 sys.meta_path.insert(0, Watch())
 from rlplatform.actors.evaluator import EvaluatorWorker
+from rlplatform.actors.rollout_spec import RolloutSpec
+from rlplatform.config import RLConfig, RolloutConfig
 seen["module"] = "torch" in sys.modules
+spec = RolloutSpec(0, "policy", "job", "/missing", "/missing", "redis://127.0.0.1:1", RLConfig(), RolloutConfig(),
+                   priority="idle")
 try:
-    EvaluatorWorker("idle")  # no rollout worker arguments: it fails once the worker's module is loaded
-except TypeError:
+    EvaluatorWorker(spec)  # no prompts file: it fails once the worker's module is loaded
+except FileNotFoundError:
     pass
 print(json.dumps(seen))
 """

@@ -15,6 +15,7 @@ from rlplatform import cli
 from rlplatform.actors.openai_bridge import OpenAIBridge
 from rlplatform.rewards.verifiers import reported_reward
 from rlplatform.transport.reward_queue import RewardQueue
+from rlplatform.transport.samples import decode_sample
 from tests.actors.test_openai_bridge import chat_policy, served  # noqa: F401 (fixtures)
 
 pytest.importorskip("verifiers.v1")
@@ -95,7 +96,7 @@ def drain(queue: RewardQueue, count: int, timeout_s: float = 30.0) -> list:
     """The `count` samples of verifiers episodes that reached the reward queue (the worker's own rollouts aside)."""
     samples = []
     for _ in range(int(timeout_s / 0.2)):
-        samples += [s for s in map(queue.decode, (raw for _, raw in queue.fetch("test", 50, block_ms=200)))
+        samples += [s for s in map(decode_sample, (raw for _, raw in queue.fetch("test", 50, block_ms=200)))
                     if s.group_id.startswith("vf-")]
         if len(samples) >= count:
             break

@@ -13,7 +13,7 @@ from rlplatform.config import LearnerConfig, RLConfig
 from rlplatform.learners.group import LearnerGroup, TrainItem, shard_minibatches
 from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import RewardQueue
-from rlplatform.transport.samples import ScoredSample
+from rlplatform.transport.samples import ScoredSample, decode_sample
 from tests.learners.test_learner import rl_batch
 
 
@@ -23,7 +23,7 @@ def store_scored(queue: RewardQueue, samples, advantages) -> None:
     held = queue.fetch("reward-0", count=len(samples), block_ms=100)
     by_id = {s.sample_id: s for s in samples}
     scored = {s.sample_id: ScoredSample(s, a, {"given": a}) for s, a in zip(samples, advantages)}
-    assert queue.store_results([(msg_id, scored[queue.decode(raw).sample_id]) for msg_id, raw in held]) == len(by_id)
+    assert queue.store_results([(msg_id, scored[decode_sample(raw).sample_id]) for msg_id, raw in held]) == len(by_id)
 
 
 def gets_by_connection(redis_url: str, run) -> dict:

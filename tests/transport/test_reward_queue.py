@@ -16,7 +16,7 @@ from rlplatform.rewards import REWARDS, register
 from rlplatform.rewards.worker import RewardWorker
 from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import GROUP, RewardQueue
-from rlplatform.transport.samples import Sample, ScoredSample
+from rlplatform.transport.samples import Sample, ScoredSample, decode_sample
 
 
 def make_sample(index: int, completion: str, answer: str = "85", group: str = "g0") -> Sample:
@@ -163,7 +163,7 @@ def test_storing_the_same_result_twice_appends_once(redis_client, queue):
     sample = make_sample(0, "85")
     queue.submit([sample])
     ((msg_id, raw),) = queue.fetch("consumer-a", count=10, block_ms=50)
-    scored = ScoredSample(queue.decode(raw), 1.0, {"exact_match": 1.0})
+    scored = ScoredSample(decode_sample(raw), 1.0, {"exact_match": 1.0})
     assert queue.store_results([(msg_id, scored)]) == 1
     assert queue.store_results([(msg_id, scored)]) == 0
     assert redis_client.xlen(queue.keys.results) == 1
@@ -172,7 +172,7 @@ def test_storing_the_same_result_twice_appends_once(redis_client, queue):
     queue.submit([sample])
     ((msg_id2, raw2),) = queue.fetch("consumer-b", count=10, block_ms=50)
     assert msg_id2 != msg_id
-    assert queue.store_results([(msg_id2, ScoredSample(queue.decode(raw2), 1.0, {"exact_match": 1.0}))]) == 0
+    assert queue.store_results([(msg_id2, ScoredSample(decode_sample(raw2), 1.0, {"exact_match": 1.0}))]) == 0
     assert redis_client.xlen(queue.keys.results) == 1
     assert redis_client.xlen(queue.keys.requests) == 0  # both requests acknowledged and deleted
 
