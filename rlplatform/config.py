@@ -122,7 +122,9 @@ class RLConfig:
     clip_eps: float = above(0.2, 0)  # PPO-style clip on the policy ratio
     is_cap: float = above(2.0, 0)  # truncation of the behaviour importance weight
     std_normalize: bool = True  # divide group advantages by the group reward std
-    filter_zero_advantage: bool = False  # skip (and count) groups whose rewards are all equal
+    dynamic_sampling: bool = False  # drop (and count) groups whose rewards are all equal and train on replacements: every batch holds rl.batch_prompts groups with signal
+    dynamic_sampling_limit: int = at_least(4, 1)  # with dynamic_sampling, after this many batches' worth of groups dropped since the last step, the next batch takes groups as they come (counted)
+    overlong_buffer: int = at_least(0, 0)  # DAPO's soft overlong penalty: 0 down to -1 over the last this many completion tokens before the limit (rl.max_new_tokens, or env's episode budget); 0: off
     kl_coef: float = at_least(0.0, 0)  # weight of the KL-to-reference penalty in the loss
     track_reference_kl: bool = True  # keep the RL-start policy frozen and log KL to it
     reference_kl_every: int = at_least(10, 1)  # with kl_coef 0, the KL to the reference is measured every this many steps (a forward pass each time); with kl_coef > 0, every step
@@ -498,6 +500,12 @@ def _check_values(config: JobConfig, source: str) -> None:
     _check_data(config.data, source)
     _check_eval(config, source)
     _check_env(config.env, source)
+    for i, policy in enumerate(config.policy_list()):
+        limit = config.env.completion_tokens(policy.rl.max_new_tokens)
+        if policy.rl.overlong_buffer >= limit:
+            prefix = f"policies[{i}]." if config.policies else ""
+            raise ConfigError(f"{source}: '{prefix}rl.overlong_buffer' is {policy.rl.overlong_buffer}; it must be below "
+                              f"the completion limit it ends at ({limit} tokens)")
 
 
 def _check_env(env: EnvConfig, source: str) -> None:

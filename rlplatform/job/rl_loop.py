@@ -15,7 +15,7 @@ import os
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Dict, List, Optional, Tuple
 
 import ray
@@ -28,6 +28,7 @@ from rlplatform.job.workers import PolicyWorkers, publish
 from rlplatform.learners.algorithms import ADVANTAGE_ESTIMATORS, grpo_advantages
 from rlplatform.learners.group import TrainItem
 from rlplatform.monitoring.error_guard import RewardErrorGuard, Verdict
+from rlplatform.rewards.shaping import overlong_penalty
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.rl_monitor import RLMonitor
 from rlplatform.scheduling.buffer import Batch, GroupBuffer
@@ -45,6 +46,8 @@ class RLCounters:
     samples_dropped_stale: int = 0
     samples_dropped_error: int = 0
     samples_dropped_zero_advantage: int = 0
+    groups_in_batches: int = 0  # groups the learner was given
+    groups_with_signal: int = 0  # of those, groups whose rewards were not all equal
     samples_dropped_expired: int = 0  # samples of groups that did not complete within rl.group_timeout_s
     groups_expired: int = 0
     samples_dropped_invalid: int = 0  # reward error or drop flag, in a group trained without them
@@ -91,6 +94,7 @@ class PolicyRun:
         self.error_guard = RewardErrorGuard(job.monitoring, self.rl.batch_prompts * self.rl.group_size,
                                             time.monotonic())
         self.failure: Optional[str] = None  # why the job must stop (the reward error guard's verdict)
+        self._signal_drops = 0  # zero-advantage groups dynamic sampling dropped since the last batch
         self.first_step_at: Optional[float] = None  # wall-clock time the first learner step ended
         self._reward_counters_at_start = queue.counters(queue.keys.reward_stats)
         self._step: Optional[Tuple[list, Batch, float]] = None  # (result refs, batch, start time)
@@ -135,6 +139,8 @@ class PolicyRun:
         return self._step[0] if self._step is not None else []
 
     def absorb(self, scored: ResultMeta) -> None:
+        if self.rl.overlong_buffer:
+            scored = _shaped(scored, self.job.env.completion_tokens(self.rl.max_new_tokens), self.rl.overlong_buffer)
         self.buffer.add(scored)
         self.error_guard.scored(scored)
         self.counters.samples_dropped_expired = self.buffer.samples_expired
@@ -176,12 +182,18 @@ class PolicyRun:
     def _start_step(self) -> bool:
         if self.version >= self.rl.max_steps or self.hold:
             return False
-        batch = self.buffer.take(self.version, self.rule, self.rl.filter_zero_advantage)
+        sampling = self.rl.dynamic_sampling and \
+            self._signal_drops < self.rl.dynamic_sampling_limit * self.rl.batch_prompts
+        batch = self.buffer.take(self.version, self.rule, filter_zero_advantage=sampling)
+        self._signal_drops += len(batch.dropped_zero_advantage)
         _drop(batch, self.counters, self.schedule)
         self.queue.results.delete(batch.dropped_ids())
         if not batch.groups:
             self.monitor.idle(self.version)
             return False
+        batch.signal_drops, self._signal_drops = self._signal_drops, 0
+        self.counters.groups_in_batches += len(batch.groups)
+        self.counters.groups_with_signal += sum(len({s.reward for s in group}) > 1 for group in batch.groups)
         rewards = [[s.reward for s in group] for group in batch.groups]
         advantages = [a for group in _advantages(self.rl, rewards) for a in group]
         sft_rows = random.Random(self.version).sample(self.train_rows, self.rl.batch_prompts) \
@@ -426,6 +438,12 @@ class Checkpoints:
             run.workers.learner.save(os.path.abspath(learner_dir(directory, name)))
 
 
+def _shaped(scored: ResultMeta, max_tokens: int, buffer: int) -> ResultMeta:
+    """`scored` with DAPO's overlong penalty added to its reward, and as its `overlong_penalty` component."""
+    penalty = overlong_penalty(scored.completion_tokens, max_tokens, buffer)
+    return replace(scored, reward=scored.reward + penalty, components={**scored.components, "overlong_penalty": penalty})
+
+
 def _failure(runs: Dict[str, PolicyRun]) -> Optional[str]:
     """Why the stage must stop (a policy's reward error guard), naming the policy in a multi-policy job."""
     failed = [(name, run.failure) for name, run in runs.items() if run.failure]
@@ -507,6 +525,7 @@ def _stage_summary(counters: RLCounters, rollout: Dict[str, float], rollout_work
         "samples_dropped_stale": counters.samples_dropped_stale,
         "samples_dropped_error": counters.samples_dropped_error,
         "samples_dropped_zero_advantage": counters.samples_dropped_zero_advantage,
+        "signal_group_fraction": round(counters.groups_with_signal / max(counters.groups_in_batches, 1), 4),
         "samples_dropped_expired": counters.samples_dropped_expired,
         "groups_expired": counters.groups_expired,
         "samples_dropped_invalid": counters.samples_dropped_invalid,

@@ -152,7 +152,7 @@ class RLMonitor:
                   "error_fraction": errors / max(scored, 1), "timeout_fraction": timeouts / max(scored, 1),
                   "filtered_fraction": filtered / max(scored, 1),
                   "zero_advantage_group_fraction": sum(len({s.reward for s in g}) == 1 for g in batch.groups)
-                  / len(batch.groups)}
+                  / len(batch.groups), "groups_dropped_no_signal": float(batch.signal_drops)}
         for name in samples[0].components:
             values[f"component/{name}"] = sum(s.components.get(name, 0.0) for s in samples) / len(samples)
         values.update({f"reason/{name}": float(count) for name, count in counters.reward_reasons.items()})

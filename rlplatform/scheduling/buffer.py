@@ -27,6 +27,7 @@ class Batch:
     dropped_errors: List[Group] = field(default_factory=list)
     dropped_zero_advantage: List[Group] = field(default_factory=list)  # all rewards equal: nothing to learn
     dropped_invalid: List[ResultMeta] = field(default_factory=list)  # error or drop-flagged samples of trained groups
+    signal_drops: int = 0  # zero-advantage groups dynamic sampling dropped while this batch filled (set by the RL loop)
 
     @property
     def samples(self) -> List[ResultMeta]:
