@@ -13,7 +13,7 @@ import sys
 from typing import List, Optional
 
 from rlplatform import preflight
-from rlplatform.config import ConfigError, JobConfig, load_config
+from rlplatform.config import REDIS_URL_ENV, ConfigError, JobConfig, load_config, redact_url
 
 
 def _load(args) -> JobConfig:
@@ -167,10 +167,10 @@ def _reward_worker(args) -> int:
     from rlplatform.transport.redis_server import connect
     from rlplatform.transport.reward_queue import RewardQueue
 
-    queue = RewardQueue(connect(args.redis), args.job)
+    queue = RewardQueue(connect(_redis(args)), args.job)
     rewards, imports = job_rewards_from_json(_published(queue.rewards_json, f"job '{args.job}' to start"))
     config = RewardWorkersConfig(concurrency=args.concurrency, batch_size=args.batch_size)
-    worker = RewardWorker(args.name or default_worker_name(args.job), rewards, args.redis, args.job, config, imports)
+    worker = RewardWorker(args.name or default_worker_name(args.job), rewards, _redis(args), args.job, config, imports)
     print(f"rlp: reward worker {worker.name} serving job '{args.job}'", file=sys.stderr)
     stats = worker.run()
     print(f"rlp: job '{args.job}' stopped; scored {stats.scored} samples, {stats.errors} errors, "
@@ -195,11 +195,11 @@ def _tool_worker(args) -> int:
     from rlplatform.transport.redis_server import connect
     from rlplatform.transport.tool_queue import ToolKeys
 
-    client = connect(args.redis)
+    client = connect(_redis(args))
     specs = _published(lambda: client.get(ToolKeys(args.job).specs), f"job '{args.job}' to start (with env.tools)")
     tools, imports = job_tools_from_json(specs.decode())
     config = RewardWorkersConfig(concurrency=args.concurrency, batch_size=args.batch_size)
-    worker = ToolWorker(args.name or default_tool_worker_name(args.job), tools, args.redis, args.job, config, imports)
+    worker = ToolWorker(args.name or default_tool_worker_name(args.job), tools, _redis(args), args.job, config, imports)
     print(f"rlp: tool worker {worker.name} serving job '{args.job}'", file=sys.stderr)
     stats = worker.run()
     print(f"rlp: job '{args.job}' stopped; {stats.calls} tool calls, {stats.errors} errors, "
@@ -235,7 +235,7 @@ def _status(args) -> int:
     from rlplatform.monitoring.job_status import JobStatus, format_status
     from rlplatform.transport.redis_server import connect
 
-    fields = JobStatus(connect(args.redis), args.job).read()
+    fields = JobStatus(connect(_redis(args)), args.job).read()
     if not fields:
         print(f"rlp: no status for job '{args.job}' on this Redis (not started, or expired)", file=sys.stderr)
         return 1
@@ -254,6 +254,34 @@ def _dashboard(args) -> int:
     workspace.save()
     print(f"created workspace '{args.name}': {workspace.url}")
     return 0
+
+
+REDIS_HELP = (f"the job's Redis URL, or @FILE to read it from a file (runs/<name>/redis.url for an embedded one); "
+              f"unset: ${REDIS_URL_ENV}. A URL given here is visible to other users in `ps`")
+
+
+def _redis(args) -> str:
+    """The Redis URL of `--redis` (read from the file `@FILE` names), else of $RLP_REDIS_URL."""
+    value = args.redis or os.environ.get(REDIS_URL_ENV)
+    if not value:
+        raise ConfigError(f"rlp {args.command}: give --redis URL, --redis @runs/<name>/redis.url, or set {REDIS_URL_ENV}")
+    if value.startswith("@"):
+        try:
+            with open(value[1:]) as f:
+                return f.read().strip()
+        except OSError as err:
+            raise ConfigError(f"rlp {args.command}: --redis {value}: {err.strerror}") from None
+    return value
+
+
+def _redact_argv(argv: List[str]) -> List[str]:
+    """The command line with every Redis URL's password hidden: what the process records of itself (the W&B
+    run's metadata reads sys.argv)."""
+    redacted = []
+    for arg in argv:
+        key, sep, value = arg.partition("=") if "=" in arg.split("://")[0] else ("", "", arg)  # key=value, or a value
+        redacted.append(key + sep + (redact_url(value) if "://" in value else value))
+    return redacted
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -280,14 +308,14 @@ def build_parser() -> argparse.ArgumentParser:
     test.add_argument("--input", required=True, help="jsonl rows with prompt, completion and the data fields")
     test.set_defaults(handler=_rewards_test)
     worker = commands.add_parser("reward-worker", help="serve a running job's reward queue from this machine")
-    worker.add_argument("--redis", required=True, help="the job's Redis URL")
+    worker.add_argument("--redis", help=REDIS_HELP)
     worker.add_argument("--job", required=True, help="the job's name")
     worker.add_argument("--concurrency", type=int, default=8, help="samples scored at once")
     worker.add_argument("--batch-size", type=int, default=64, help="queue messages read per call")
     worker.add_argument("--name", help="consumer name (default: <job>-reward-<host>-<pid>)")
     worker.set_defaults(handler=_reward_worker)
     tools = commands.add_parser("tool-worker", help="serve a running job's tool calls from this machine")
-    tools.add_argument("--redis", required=True, help="the job's Redis URL")
+    tools.add_argument("--redis", help=REDIS_HELP)
     tools.add_argument("--job", required=True, help="the job's name")
     tools.add_argument("--concurrency", type=int, default=8, help="tool calls run at once")
     tools.add_argument("--batch-size", type=int, default=64, help="queue messages read per call")
@@ -304,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     verifiers.add_argument("--concurrency", type=int, default=8, help="rollouts in flight at once")
     verifiers.set_defaults(handler=_verifiers)
     status = commands.add_parser("status", help="progress of a job running anywhere, read from its Redis")
-    status.add_argument("--redis", required=True, help="the job's Redis URL (runs/<name>/redis.url for embedded)")
+    status.add_argument("--redis", help=REDIS_HELP)
     status.add_argument("--job", required=True, help="the job's name")
     status.set_defaults(handler=_status)
     dashboard = commands.add_parser("dashboard", help="W&B dashboards")
@@ -321,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    sys.argv[:] = _redact_argv(sys.argv)
     try:
         return args.handler(args)
     except ConfigError as err:

@@ -132,6 +132,7 @@ class RLConfig:
     log_every: int = at_least(5, 1)  # console/W&B interval in steps
 
 
+REDIS_URL_ENV = "RLP_REDIS_URL"  # a job's Redis URL, password included, where configs and command lines leave it out
 BRIDGE_KEY_ENV = "RLP_BRIDGE_KEY"  # where the OpenAI bridge's key is read by default (`rlp verifiers` sends it)
 
 
@@ -248,7 +249,7 @@ class LearnerConfig:
 
 @dataclass
 class RedisConfig:
-    url: Optional[str] = None  # redis://, rediss:// or unix:// URL; unset: an embedded server for the job
+    url: Optional[str] = None  # redis://, rediss:// or unix:// URL; unset: $RLP_REDIS_URL when set (the way to keep a password out of configs), else an embedded server for the job
     max_stream_len: int = at_least(10000, 1)  # unscored reward requests at most; producers wait at this bound
 
 
@@ -383,8 +384,23 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     if policy_entries:
         merged.policies = _expand_policies(merged, policy_entries, source)
     config: JobConfig = OmegaConf.to_object(merged)
+    config.redis.url = redis_url_with_secret(config.redis.url, source)
     _check_values(config, source if not overrides else f"{source} with overrides {' '.join(overrides)}")
     return config
+
+
+def redis_url_with_secret(url: Optional[str], source: str) -> Optional[str]:
+    """The job's Redis URL: `redis.url`, or `$RLP_REDIS_URL` where `redis.url` is unset or was saved with
+    its password hidden (a run directory's config.yaml), so the password never sits in a config."""
+    hidden = url is not None and "***" in url and url == redact_url(url)
+    if url is None or hidden:
+        from_env = os.environ.get(REDIS_URL_ENV)
+        if from_env:
+            return from_env
+        if hidden:
+            raise ConfigError(f"{source}: 'redis.url' was saved with its password hidden ({url}); export "
+                              f"{REDIS_URL_ENV} with the URL and its password, then run the command again")
+    return url
 
 
 def to_yaml(config: JobConfig) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from rlplatform.config import ConfigError, JobConfig, RewardSpec, load_config
 
 REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
 
 
 def write(tmp_path: Path, text: str, name: str = "job.yaml") -> str:
@@ -244,10 +246,13 @@ def test_run_records_hide_the_redis_password(url):
 def test_wandb_run_config_hides_the_redis_password(tmp_path, monkeypatch):
     import wandb
 
+    from rlplatform import cli
     from rlplatform.monitoring.metrics import Metrics
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     url = "redis://:s3cret-PASS@10.0.0.1:6379/0"
+    # the command line as `rlp` leaves it once parsed (W&B records sys.argv with the run)
+    monkeypatch.setattr(sys, "argv", cli._redact_argv(["rlp", "run", "job.yaml", f"redis.url={url}"]))
     config = load_config(None, ["name=wandb-secret", f"redis.url={url}", "wandb.mode=offline"])
     metrics = Metrics(config, str(tmp_path))
     metrics.finish()
@@ -256,6 +261,29 @@ def test_wandb_run_config_hides_the_redis_password(tmp_path, monkeypatch):
     assert b'"url":"redis://:***@10.0.0.1:6379/0"' in records.read_bytes()  # the run config's redis section
     for path in Path(tmp_path).rglob("*"):
         assert not path.is_file() or b"s3cret-PASS" not in path.read_bytes(), path
+
+
+def test_rlp_hides_redis_passwords_in_its_own_command_line(monkeypatch, capsys):
+    from rlplatform import cli
+
+    command = ["rlp", "validate", QUICKSTART, "redis.url=redis://:s3cret@10.0.0.1:6379/0?password=s3cret"]
+    monkeypatch.setattr(sys, "argv", list(command))
+    assert cli.main(command[1:]) == 0
+    assert "s3cret" not in " ".join(sys.argv) and sys.argv[-1] == "redis.url=redis://:***@10.0.0.1:6379/0?password=***"
+    assert cli._redact_argv(["--redis", "rediss://user:s3cret@host:6380", "name=a=b"]) == [
+        "--redis", "rediss://user:***@host:6380", "name=a=b"]
+
+
+def test_a_redis_password_comes_from_the_environment_where_the_config_hides_it(monkeypatch):
+    monkeypatch.delenv("RLP_REDIS_URL", raising=False)
+    saved = "redis://:***@10.0.0.1:6379/0"  # as a run directory's config.yaml records it
+    with pytest.raises(ConfigError, match="saved with its password hidden .*; export RLP_REDIS_URL"):
+        load_config(None, [f"redis.url={saved}"])
+    assert load_config(None).redis.url is None  # an embedded server
+    monkeypatch.setenv("RLP_REDIS_URL", "redis://:s3cret@10.0.0.1:6379/0")
+    assert load_config(None, [f"redis.url={saved}"]).redis.url == "redis://:s3cret@10.0.0.1:6379/0"
+    assert load_config(None).redis.url == "redis://:s3cret@10.0.0.1:6379/0"  # unset: the environment's
+    assert load_config(None, ["redis.url=redis://other:6379/0"]).redis.url == "redis://other:6379/0"  # given: it
 
 
 def test_lora_settings_are_checked_where_they_are_set():

@@ -102,7 +102,7 @@ def test_the_rl_stage_shows_a_line_at_its_start_and_by_time_while_no_step_ends(r
     assert float(lines[1].split("samples/s ")[1].split()[0]) > 0  # the workers' rate, with no step yet
 
 
-def test_rlp_status_prints_a_jobs_progress_from_redis(redis_server, redis_client):
+def test_rlp_status_prints_a_jobs_progress_from_redis(redis_server, redis_client, tmp_path):
     status = JobStatus(redis_client, "elsewhere")
     status.write({"stage": "sft", "step": "500/1500", "loss": 0.62})
     status.set("silent_workers", "reward worker 1")
@@ -118,6 +118,16 @@ def test_rlp_status_prints_a_jobs_progress_from_redis(redis_server, redis_client
     missing = subprocess.run([rlp, "status", "--redis", redis_server, "--job", "nope"],
                              capture_output=True, text=True, timeout=60, env=env)
     assert missing.returncode == 1 and "no status for job 'nope'" in missing.stderr
+    # the URL, password included, kept off the command line: read from a file, or from $RLP_REDIS_URL
+    url_file = tmp_path / "redis.url"
+    url_file.write_text(redis_server + "\n")
+    for args, environment in ((["--redis", f"@{url_file}"], env), ([], dict(env, RLP_REDIS_URL=redis_server))):
+        shown = subprocess.run([rlp, "status", *args, "--job", "elsewhere"], capture_output=True, text=True,
+                               timeout=60, env=environment)
+        assert shown.returncode == 0 and shown.stdout.startswith("elsewhere: stage rl"), shown.stderr
+    unset = subprocess.run([rlp, "status", "--job", "elsewhere"], capture_output=True, text=True, timeout=60,
+                           env={k: v for k, v in env.items() if k != "RLP_REDIS_URL"})
+    assert unset.returncode == 2 and "set RLP_REDIS_URL" in unset.stderr
 
 
 def test_dashboard_dry_run_renders_every_section():
