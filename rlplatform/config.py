@@ -81,7 +81,7 @@ class DataConfig:
     messages_key: str = "messages"  # row field holding a conversation: a list of {role, content}
     answer_key: str = "answer"  # row field holding the reference answer (optional)
     chat_template: str = one_of("auto", "none")  # auto: the tokenizer's chat template when it has one; none: plain text
-    max_prompt_tokens: int = at_least(0, 0)  # longer prompts (in tokens) are skipped and counted (0: no limit)
+    max_prompt_tokens: int = at_least(0, 0)  # longer prompts (in tokens) are skipped and counted (0: the model's context length, max_position_embeddings)
     digits: int = at_least(2, 1)  # operand digits (kind=addition)
     train_size: int = at_least(20000, 1)  # generated training rows (kind=addition)
     test_size: int = at_least(500, 1)  # generated held-out rows (kind=addition)
@@ -647,4 +647,7 @@ def _require_path(path: Optional[str], key: str, source: str, directory: bool = 
         raise ConfigError(f"{source}: '{key}' is required")
     exists = os.path.isdir(path) if directory else os.path.isfile(path)
     if not exists:
-        raise ConfigError(f"{source}: '{key}' points at {path!r}, which does not exist")
+        other = "a file" if os.path.isfile(path) else "a directory" if os.path.isdir(path) else None
+        wanted = "a directory" if directory else "a file"
+        raise ConfigError(f"{source}: '{key}' points at {path!r}, which " +
+                          (f"is {other}, not {wanted}" if other else "does not exist"))

@@ -101,18 +101,39 @@ def _check_vllm_lora(model, prefix: str, source: str) -> None:
 
 
 def check_data(config: JobConfig, source: str) -> None:
-    """Each JSONL file parses line by line into JSON objects (rows)."""
-    if config.data.kind != "jsonl":
+    """Each data file reads (a JSONL file line by line into JSON objects), holds rows, and every row has a
+    usable prompt: text under `prompt`, or `messages` of known roles with text content."""
+    if config.data.kind not in ("jsonl", "hf"):
         return
-    from rlplatform.data import read_jsonl
+    from rlplatform.data import load_rows, read_jsonl
 
-    for key, path in (("data.train_path", config.data.train_path), ("data.test_path", config.data.test_path)):
-        try:
-            rows = read_jsonl(path)
-        except ValueError as err:
-            raise ConfigError(f"{err} ('{key}' in {source})") from None
-        if not rows:
-            raise ConfigError(f"{path}: no rows ('{key}' in {source}); each line needs a JSON object with 'prompt' or 'messages'")
+    if config.data.kind == "jsonl":
+        for key, path in (("data.train_path", config.data.train_path), ("data.test_path", config.data.test_path)):
+            try:
+                rows = read_jsonl(path)
+            except (ValueError, UnicodeDecodeError) as err:
+                raise ConfigError(f"{_reason(err, path)} ('{key}' in {source})") from None
+            if not rows:
+                raise ConfigError(f"{path}: no rows ('{key}' in {source}); each line needs a JSON object with "
+                                  "'prompt' or 'messages'")
+    if config.data.kind == "hf":  # the check's output is its one line, without the library's progress bars
+        from datasets import disable_progress_bars
+
+        disable_progress_bars()
+    try:
+        load_rows(config.data, config.seed)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{_reason(err, config.data.train_path or config.data.path)} (data in {source})") from None
+    except Exception as err:  # the datasets library's own errors (a file it cannot parse)
+        raise ConfigError(f"{config.data.train_path or config.data.path}: cannot be read as data: "
+                          f"{type(err).__name__}: {str(err).splitlines()[0][:200]} (data in {source})") from None
+
+
+def _reason(err: Exception, path: str) -> str:
+    """One line saying why a data file was refused."""
+    if isinstance(err, UnicodeDecodeError):
+        return f"{path}: not UTF-8 text (byte {err.start}: {err.reason})"
+    return str(err)
 
 
 def check_model(path: str, key: str, source: str) -> None:

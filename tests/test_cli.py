@@ -191,3 +191,35 @@ def test_a_job_failure_is_one_line_without_a_traceback(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_status", fail)
     assert cli.main(["status", "--redis", "redis://127.0.0.1:1", "--job", "x"]) == 1
     assert capsys.readouterr().err == "rlp: learner rank 1 died; resume with: rlp run --resume runs/x\n"
+
+
+BAD_ROWS = {  # (file content, data.kind, what the one line says)
+    "missing prompt": (b'{"prompt": "1+1=", "answer": "2"}\n{"answer": "3"}\n', "jsonl",
+                       "row 2 has neither 'prompt' nor 'messages'"),
+    "prompt not text": (b'{"prompt": 12, "answer": "2"}\n', "jsonl", "row 1: 'prompt' must be non-empty text, got int"),
+    "unknown role": (b'{"messages": [{"role": "wizard", "content": "hi"}]}\n', "jsonl",
+                     "row 1: 'messages' has role 'wizard'"),
+    "not UTF-8, jsonl": (b'{"prompt": "caf\xe9"}\n', "jsonl", "not UTF-8 text"),
+    "not UTF-8, hf": (b'{"prompt": "caf\xe9"}\n', "hf", "rows.jsonl"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ROWS))
+def test_bad_rows_fail_validate_in_one_line(tmp_path, case):
+    content, kind, said = BAD_ROWS[case]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(content)
+    result = rlp("validate", str(REPO / "configs" / "quickstart.yaml"), f"data.kind={kind}",
+                 f"data.train_path={rows}", f"data.test_path={rows}", cwd=tmp_path)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = stderr_lines(result)
+    assert len(lines) == 1 and said in lines[0] and str(rows) in lines[0], result.stderr
+
+
+def test_a_model_path_that_is_a_file_says_so(tmp_path):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"")
+    result = rlp("validate", str(REPO / "configs" / "quickstart.yaml"), "model.kind=pretrained",
+                 f"model.path={weights}", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "is a file, not a directory" in stderr_lines(result)[0]

@@ -85,7 +85,7 @@ def test_conversation_rows_and_rows_without_a_prompt(tmp_path):
     train, _ = load_rows(DataConfig(kind="jsonl", train_path=str(path), test_path=str(path),
                                     messages_key="dialog"), seed=0)
     assert train == [{"messages": chat["dialog"], "answer": "2"}]
-    with pytest.raises(ValueError, match="row 0 has neither 'prompt' nor 'messages'"):
+    with pytest.raises(ValueError, match="row 1 has neither 'prompt' nor 'messages'"):
         load_rows(DataConfig(kind="jsonl", train_path=str(path), test_path=str(path)), seed=0)
 
 

@@ -19,6 +19,7 @@ from rlplatform.data.files import read_hf, read_jsonl
 from rlplatform.data.tool_calc import tool_calc_rows
 
 Row = Dict
+ROLES = {"system", "user", "assistant", "tool"}  # the roles chat templates render
 
 __all__ = ["Row", "addition_rows", "load_rows", "read_jsonl"]
 
@@ -49,16 +50,20 @@ def _addition(config: DataConfig, seed: int) -> Tuple[List[Row], List[Row]]:
 
 
 def _canonical(rows: List[Row], config: DataConfig, source: str) -> List[Row]:
-    """Rows with the mapped keys renamed to `prompt`, `messages` and `answer`; other fields kept."""
+    """Rows with the mapped keys renamed to `prompt`, `messages` and `answer`, other fields kept; a row
+    without a usable prompt is a ValueError naming its file and row (counted from 1, as lines are)."""
     renames = {config.prompt_key: "prompt", config.messages_key: "messages", config.answer_key: "answer"}
     out = []
-    for i, row in enumerate(rows):
+    for i, row in enumerate(rows, 1):
         row = {renames.get(key, key): value for key, value in row.items()}
         if "prompt" not in row and "messages" not in row:
             raise ValueError(f"{source}: row {i} has neither '{config.prompt_key}' nor '{config.messages_key}' "
-                             f"(fields: {sorted(rows[i])}); set data.prompt_key or data.messages_key")
+                             f"(fields: {sorted(rows[i - 1])}); set data.prompt_key or data.messages_key")
         if "messages" in row:
             _check_messages(row["messages"], source, i)
+        elif not isinstance(row["prompt"], str) or not row["prompt"]:
+            raise ValueError(f"{source}: row {i}: '{config.prompt_key}' must be non-empty text, "
+                             f"got {type(row['prompt']).__name__} {str(row['prompt'])[:40]!r}")
         out.append(row)
     return out
 
@@ -69,3 +74,6 @@ def _check_messages(messages, source: str, index: int) -> None:
             for m in messages):
         raise ValueError(f"{source}: row {index}: 'messages' must be a non-empty list of "
                          f"{{'role': str, 'content': str}}")
+    unknown = sorted({m["role"] for m in messages} - ROLES)
+    if unknown:
+        raise ValueError(f"{source}: row {index}: 'messages' has role {unknown[0]!r}; roles are {sorted(ROLES)}")

@@ -358,15 +358,22 @@ def _start_rollout_actor(config: JobConfig, policy: PolicyConfig, model_path: st
 
 def _encode_prompts(config: JobConfig, model_path: str, train_rows, test_rows):
     """(train prompts, held-out prompts, their counts) as the policy's tokenizer encodes them; prompts
-    over `data.max_prompt_tokens` are skipped and counted, then at most `eval.max_rows` are held out."""
+    over `data.max_prompt_tokens` (unset: the model's context length) are skipped and counted, then at
+    most `eval.max_rows` are held out."""
     tokenizer = load_tokenizer(model_path)
-    train, train_skipped = within_limit(encode_prompts(tokenizer, train_rows, config.data.chat_template),
-                                        config.data.max_prompt_tokens)
-    test, test_skipped = within_limit(encode_prompts(tokenizer, test_rows, config.data.chat_template),
-                                      config.data.max_prompt_tokens)
+    limit = config.data.max_prompt_tokens or _context_length(model_path)
+    train, train_skipped = within_limit(encode_prompts(tokenizer, train_rows, config.data.chat_template), limit)
+    test, test_skipped = within_limit(encode_prompts(tokenizer, test_rows, config.data.chat_template), limit)
     test = test[:config.eval.max_rows or None]
     return train, test, {"train_rows": len(train), "test_rows": len(test), "train_skipped_long_prompt":
                          train_skipped, "test_skipped_long_prompt": test_skipped}
+
+
+def _context_length(model_path: str) -> int:
+    """The positions the model was built for (0 where its config does not say)."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None) or 0
 
 
 def _supervised_stage(config: JobConfig, workers: PolicyWorkers, train_rows, metrics: Metrics, client,
