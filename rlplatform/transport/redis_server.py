@@ -10,19 +10,23 @@ bounded time and then raise one `RedisUnavailable` line naming the server, passw
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 from typing import Callable, Optional
 from urllib.parse import urlsplit
 
+import psutil
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
@@ -31,6 +35,8 @@ from rlplatform.config import redact_url
 
 RECONNECT_S = 30.0  # how long a client keeps reconnecting to a Redis that went away
 AOF_NAME = "appendonly.aof"
+PID_FILE = "redis.pid"  # in the data directory: the server's pid, for the next start to find a leftover
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when the thread that created it ends
 
 
 class RedisUnavailable(redis.ConnectionError, ConnectionError):
@@ -61,7 +67,9 @@ class EmbeddedRedis:
     Its append-only file lives in `data_dir` (created 0700; a private temporary folder when
     unset), so `start()` after the process died brings it back on the same port and password
     with the data acknowledged before; `keep_alive()` does so by itself. `stop()` ends it and
-    deletes the file.
+    deletes the file. The server ends with the thread that started it (Linux's parent-death
+    signal), so a SIGKILLed job leaves none behind; one a job left anyway (another OS, or its pid
+    file from before) is stopped when the next server starts on the same `data_dir`.
     """
 
     def __init__(self, data_dir: Optional[str] = None) -> None:
@@ -74,6 +82,7 @@ class EmbeddedRedis:
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="rlp-redis-")
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
         os.chmod(self.data_dir, 0o700)
+        stop_leftover(os.path.join(self.data_dir, PID_FILE))
         self._remove_data()  # a new server starts empty; only a restart reads the file back
 
     @property
@@ -104,7 +113,8 @@ class EmbeddedRedis:
     def _launch(self, timeout_s: float) -> bool:
         self._process = subprocess.Popen([redis_binary(), "-"], stdin=subprocess.PIPE,  # `-`: config on stdin
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                         start_new_session=True)  # a Ctrl-C to the job's group must not stop it first
+                                         start_new_session=True,  # a Ctrl-C to the job's group must not stop it first
+                                         preexec_fn=_end_with_parent)
         try:
             self._process.stdin.write(self._config().encode())
             self._process.stdin.close()
@@ -117,7 +127,8 @@ class EmbeddedRedis:
 
     def _config(self) -> str:
         lines = [f"port {self.port}", "bind 127.0.0.1", "protected-mode yes", f"requirepass {self.password}",
-                 'save ""', "appendonly yes", f"appendfilename {AOF_NAME}", f"dir {json.dumps(self.data_dir)}"]
+                 'save ""', "appendonly yes", f"appendfilename {AOF_NAME}", f"dir {json.dumps(self.data_dir)}",
+                 f"pidfile {json.dumps(os.path.join(self.data_dir, PID_FILE))}"]
         return "\n".join(lines) + "\n"
 
     def _wait_ready(self, timeout_s: float) -> bool:
@@ -185,6 +196,33 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def stop_leftover(pid_file: str) -> bool:
+    """Stop the redis-server a pid file names, if one still runs (a job killed on a system without the
+    parent-death signal left it); True if there was one."""
+    try:
+        with open(pid_file) as f:
+            pid = int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return False
+    try:
+        process = psutil.Process(pid)
+        if "redis" not in process.name() or process.cwd() != os.path.realpath(os.path.dirname(pid_file)):
+            return False  # the pid went to another process, or the server serves another directory
+        process.terminate()
+        process.wait(timeout=5)
+    except psutil.TimeoutExpired:
+        process.kill()
+    except psutil.NoSuchProcess:
+        return False
+    return True
+
+
+def _end_with_parent() -> None:
+    """In the server's process before it runs: die when the thread that started it does (Linux)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class Reconnect(Retry):

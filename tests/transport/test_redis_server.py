@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
 
+import psutil
 import pytest
 
 from rlplatform.config import RewardSpec, RewardWorkersConfig
 from rlplatform.rewards.worker import RewardWorker
-from rlplatform.transport.redis_server import EmbeddedRedis, RedisUnavailable, connect
+from rlplatform.transport.redis_server import (PID_FILE, EmbeddedRedis, RedisUnavailable, connect, redis_binary,
+                                               stop_leftover)
 from rlplatform.transport.reward_queue import GROUP, RewardQueue
 from rlplatform.transport.samples import Sample
 
@@ -105,3 +109,51 @@ def test_a_server_that_does_not_come_back_is_one_line_within_the_timeout(server)
     with pytest.raises(RedisUnavailable):  # given up: later calls fail at once, with the same line
         queue.pending()
     assert time.monotonic() - start < 0.5
+
+
+OWNER = """
+import sys, time
+from rlplatform.transport.redis_server import EmbeddedRedis
+server = EmbeddedRedis(sys.argv[1]).start()
+print(server.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _gone(pid: int, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_sigkilled_owner_takes_its_embedded_server_with_it(tmp_path):
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path / "redis")], stdout=subprocess.PIPE, text=True)
+    server = int(owner.stdout.readline())
+    assert psutil.Process(server).is_running()
+    owner.kill()  # SIGKILL: no cleanup runs in the owner
+    owner.wait()
+    assert _gone(server, 10.0), "the embedded redis-server outlived the process that started it"
+
+
+def test_a_server_left_in_the_data_directory_is_stopped_before_a_new_one_starts(tmp_path):
+    data = tmp_path / "redis"
+    data.mkdir()
+    pid_file = data / PID_FILE
+    leftover = subprocess.Popen([redis_binary(), "--port", "0", "--unixsocket", str(data / "left.sock"), "--save", "",
+                                 "--dir", str(data),
+                                 "--pidfile", str(pid_file)], stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pid_file.exists()
+        with EmbeddedRedis(str(data)) as server:  # as a resumed job's server on the same run directory
+            assert leftover.wait(timeout=10) is not None
+            assert connect(server.url).ping()
+    finally:
+        if leftover.poll() is None:
+            leftover.kill()
+    assert not stop_leftover(str(tmp_path / "missing.pid"))
