@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 from urllib.parse import urlsplit
 
@@ -67,8 +68,8 @@ class EmbeddedRedis:
     Its append-only file lives in `data_dir` (created 0700; a private temporary folder when
     unset), so `start()` after the process died brings it back on the same port and password
     with the data acknowledged before; `keep_alive()` does so by itself. `stop()` ends it and
-    deletes the file. The server ends with the thread that started it (Linux's parent-death
-    signal), so a SIGKILLed job leaves none behind; one a job left anyway (another OS, or its pid
+    deletes the file. The server ends with the process that owns this object (Linux's parent-death
+    signal, from a launcher thread that lives until `stop`), so a SIGKILLed job leaves none behind; one a job left anyway (another OS, or its pid
     file from before) is stopped when the next server starts on the same `data_dir`.
     """
 
@@ -79,6 +80,7 @@ class EmbeddedRedis:
         self._lock = threading.Lock()  # start/stop against the keep-alive thread
         self._stopping = threading.Event()
         self._keeper: Optional[threading.Thread] = None
+        self._launcher = ThreadPoolExecutor(1, thread_name_prefix="redis-launcher")  # starts every server process
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="rlp-redis-")
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
         os.chmod(self.data_dir, 0o700)
@@ -111,10 +113,13 @@ class EmbeddedRedis:
         raise RedisUnavailable(f"embedded redis-server ({redis_binary()}) did not start on 127.0.0.1:{self.port}")
 
     def _launch(self, timeout_s: float) -> bool:
-        self._process = subprocess.Popen([redis_binary(), "-"], stdin=subprocess.PIPE,  # `-`: config on stdin
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                         start_new_session=True,  # a Ctrl-C to the job's group must not stop it first
-                                         preexec_fn=_end_with_parent)
+        # from the launcher thread, which lives until `stop`: the parent-death signal follows the thread that
+        # started the server, and a caller's thread (a timer, say) may end long before the server should
+        self._process = self._launcher.submit(
+            subprocess.Popen, [redis_binary(), "-"], stdin=subprocess.PIPE,  # `-`: config on stdin
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C to the job's group must not stop it first
+            preexec_fn=_end_with_parent).result()
         try:
             self._process.stdin.write(self._config().encode())
             self._process.stdin.close()
@@ -171,6 +176,7 @@ class EmbeddedRedis:
             self._keeper.join()
         with self._lock:
             self._kill()
+        self._launcher.shutdown()
         if os.path.isdir(self.data_dir):
             self._remove_data()
             if not os.listdir(self.data_dir):
@@ -220,7 +226,7 @@ def stop_leftover(pid_file: str) -> bool:
 
 
 def _end_with_parent() -> None:
-    """In the server's process before it runs: die when the thread that started it does (Linux)."""
+    """In the server's process before it runs: die when the thread that started it ends (Linux)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
