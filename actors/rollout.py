@@ -139,7 +139,8 @@ class RolloutWorker:
                 time.sleep(0.05)
                 continue
             free = capacity - len(open_groups)
-            if free >= max(1, capacity // 4) and (in_flight or not self._newer_published()):
+            if self.rollout.source == "dataset" and free >= max(1, capacity // 4) and \
+                    (in_flight or not self._newer_published()):
                 self._admit(batch, open_groups, free)
             if bridge is not None and (in_flight or not self._newer_published()):
                 bridge.admit(batch)

@@ -128,6 +128,7 @@ class RLConfig:
     kl_coef: float = at_least(0.0, 0)  # weight of the KL-to-reference penalty in the loss
     track_reference_kl: bool = True  # keep the RL-start policy frozen and log KL to it
     reference_kl_every: int = at_least(10, 1)  # with kl_coef 0, the KL to the reference is measured every this many steps (a forward pass each time); with kl_coef > 0, every step
+    idle_timeout_s: float = at_least(0.0, 0)  # the stage ends after this many seconds without a scored sample, once no step is in flight (0: never); a bridge-only job's end when its agents stop
     group_timeout_s: float = above(300.0, 0)  # a group not complete this long after its claim expires and frees its capacity
     log_every: int = at_least(5, 1)  # console/W&B interval in steps
 
@@ -162,6 +163,7 @@ class RolloutConfig:
     prefill_tokens: int = at_least(8192, 1)  # transformers engine: padded prompt tokens per prefill forward; more waiting prompts prefill in chunks
     gpu_memory_utilization: float = above(0.5, 0)  # vllm: fraction of the GPU's memory vLLM takes for weights and KV cache
     openai_bridge: OpenAIBridgeConfig = field(default_factory=OpenAIBridgeConfig)  # agents sample trainable episodes over HTTP
+    source: str = one_of("dataset", "bridge")  # dataset: workers draw prompts from the data; bridge: they generate only what agents ask through the OpenAI bridge
 
 
 @dataclass
@@ -617,6 +619,9 @@ def _check_policy(config, prefix: str, source: str) -> None:
                           f"trains float16 on GPUs only; use bfloat16 (or float32) on CPU")
     _check_resources(config.rollout.resources, f"{prefix}rollout.resources", source)
     _check_resources(config.learner.resources, f"{prefix}learner.resources", source)
+    if config.rollout.source == "bridge" and not config.rollout.openai_bridge.enabled:
+        raise ConfigError(f"{source}: '{prefix}rollout.source' is bridge but '{prefix}rollout.openai_bridge.enabled' is "
+                          f"false: nothing would generate; enable the bridge, or use rollout.source: dataset")
     lora = config.model.lora
     if lora.enabled and (lora.dropout >= 1 or not lora.target_modules):
         raise ConfigError(f"{source}: '{prefix}model.lora' needs a dropout below 1 and at least one target module, "

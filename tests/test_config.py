@@ -314,3 +314,9 @@ def test_env_defaults_to_single_turn_and_tool_calc_loads():
 def test_bad_env_settings_are_named(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(overrides=overrides)
+
+
+def test_a_bridge_only_source_needs_the_bridge():
+    with pytest.raises(ConfigError, match="'rollout.source' is bridge but 'rollout.openai_bridge.enabled' is false"):
+        load_config(None, ["rollout.source=bridge"])
+    assert load_config(None, ["rollout.source=bridge", "rollout.openai_bridge.enabled=true"]).rollout.source == "bridge"

@@ -95,6 +95,7 @@ class PolicyRun:
                                             time.monotonic())
         self.failure: Optional[str] = None  # why the job must stop (the reward error guard's verdict)
         self._signal_drops = 0  # zero-advantage groups dynamic sampling dropped since the last batch
+        self._last_scored = time.monotonic()  # when a scored sample last arrived (the stage's start before one)
         self.first_step_at: Optional[float] = None  # wall-clock time the first learner step ended
         self._reward_counters_at_start = queue.counters(queue.keys.reward_stats)
         self._step: Optional[Tuple[list, Batch, float]] = None  # (result refs, batch, start time)
@@ -131,7 +132,12 @@ class PolicyRun:
 
     @property
     def done(self) -> bool:
-        return self.version >= self.rl.max_steps and self._step is None
+        return self._step is None and (self.version >= self.rl.max_steps or self.idle)
+
+    @property
+    def idle(self) -> bool:
+        """No sample was scored for `rl.idle_timeout_s` (when set): the stage's sources have stopped."""
+        return bool(self.rl.idle_timeout_s) and time.monotonic() - self._last_scored >= self.rl.idle_timeout_s
 
     @property
     def step_refs(self) -> List[ray.ObjectRef]:
@@ -139,6 +145,7 @@ class PolicyRun:
         return self._step[0] if self._step is not None else []
 
     def absorb(self, scored: ResultMeta) -> None:
+        self._last_scored = time.monotonic()
         if self.rl.overlong_buffer:
             scored = _shaped(scored, self.job.env.completion_tokens(self.rl.max_new_tokens), self.rl.overlong_buffer)
         self.buffer.add(scored)
@@ -277,6 +284,8 @@ class PolicyRun:
         summary["eval_history"] = self.monitor.eval_history
         summary["ledger"] = self.schedule.ledger.counts()
         summary["first_step_at"] = self.first_step_at
+        summary["ended_by"] = "max_steps" if self.version >= self.rl.max_steps else \
+            "idle_timeout" if self.idle else "stop"
         if self.job.env.multi_turn:
             summary["tools"] = self.monitor.tool_totals()
         return summary
