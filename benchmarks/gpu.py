@@ -281,7 +281,8 @@ def main() -> None:
     parser.add_argument("--learner-steps", type=int, default=3)
     parser.add_argument("--job-steps", type=int, default=8, help="RL steps of the whole-job row (0: no job rows)")
     parser.add_argument("--trl-steps", type=int, default=4, help="GRPOTrainer steps of TRL's row")
-    parser.add_argument("--profile", action="store_true", help="print torch.profiler's tables of one learner step and of a short generation")
+    parser.add_argument("--profile", action="store_true",
+                        help="print torch.profiler's tables of one learner step and of a short generation")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu.md"))
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"

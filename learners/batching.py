@@ -109,7 +109,8 @@ def completion_logprobs(model, prompts: List[List[int]], completions: List[List[
     mask = mask.to(device)
     wanted = index[mask.bool()]  # flat positions of the completion tokens, in (batch, T-1) mask order
     head = _unwrap(model).get_output_embeddings()
-    chunk = chunk_tokens or max(1, LOGIT_CHUNK_ELEMENTS.get(device.type, LOGIT_CHUNK_ELEMENTS["cpu"]) // head.out_features)
+    elements = LOGIT_CHUNK_ELEMENTS.get(device.type, LOGIT_CHUNK_ELEMENTS["cpu"])
+    chunk = chunk_tokens or max(1, elements // head.out_features)
     row, column = wanted // targets.shape[1], wanted % targets.shape[1]
     logprobs, entropy = chunked_token_scores(head, hidden[row, column], targets[row, column], temperature,
                                              entropy_grad, chunk)

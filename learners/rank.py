@@ -401,7 +401,8 @@ class LearnerRank:
         self.engine.step()
         return sums
 
-    def _rl_loss(self, part: MicroBatch, minibatch: Minibatch, rl: RLConfig) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    def _rl_loss(self, part: MicroBatch, minibatch: Minibatch,
+                 rl: RLConfig) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         scores = self._scores(self.engine, part.prompts, part.completions, temperature=rl.temperature,
                               entropy_grad=rl.entropy_coef > 0, token_mask=part.token_mask)
         mask, totals = scores.mask * part.live, minibatch.totals
@@ -418,7 +419,8 @@ class LearnerRank:
         # a stand-in's loss keeps its graph (every parameter gets a gradient, as on other ranks) but counts 0
         return loss * part.live, metrics
 
-    def _sft_term(self, part: "SFTPart", tokens: float, rows: int, rl: RLConfig) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    def _sft_term(self, part: "SFTPart", tokens: float, rows: int,
+                  rl: RLConfig) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """The SFT auxiliary loss on one micro-batch of this rank's rows, normalised by every rank's SFT tokens."""
         scores = self._sft_scores(part)
         term = sft_auxiliary_loss(scores.logprobs, scores.mask * part.live, rl.sft_coef, Totals(tokens, rows))

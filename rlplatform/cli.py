@@ -264,7 +264,8 @@ def _redis(args) -> str:
     """The Redis URL of `--redis` (read from the file `@FILE` names), else of $RLP_REDIS_URL."""
     value = args.redis or os.environ.get(REDIS_URL_ENV)
     if not value:
-        raise ConfigError(f"rlp {args.command}: give --redis URL, --redis @runs/<name>/redis.url, or set {REDIS_URL_ENV}")
+        raise ConfigError(f"rlp {args.command}: give --redis URL, --redis @runs/<name>/redis.url, "
+                          f"or set {REDIS_URL_ENV}")
     if value.startswith("@"):
         try:
             with open(value[1:]) as f:

@@ -28,9 +28,9 @@ from rlplatform.job.workers import PolicyWorkers, publish
 from rlplatform.learners.algorithms import ADVANTAGE_ESTIMATORS, grpo_advantages
 from rlplatform.learners.group import TrainItem
 from rlplatform.monitoring.error_guard import RewardErrorGuard, Verdict
-from rlplatform.rewards.shaping import overlong_penalty
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.rl_monitor import RLMonitor
+from rlplatform.rewards.shaping import overlong_penalty
 from rlplatform.scheduling.buffer import Batch, GroupBuffer
 from rlplatform.scheduling.groups import GroupSchedule
 from rlplatform.scheduling.staleness import StalenessRule
@@ -174,7 +174,7 @@ class PolicyRun:
                 self.buffer.expire(group_id)
                 self.counters.groups_expired += 1
         for group_id in self.buffer.waiting_since(self.rl.group_timeout_s):
-            if not self.schedule.ledger.is_open(group_id):  # an agent's bridge group: no prompt to issue again, no capacity
+            if not self.schedule.ledger.is_open(group_id):  # an agent's bridge group: no prompt to re-issue, no capacity
                 self.buffer.expire(group_id)
                 self.counters.groups_expired += 1
         self.counters.samples_dropped_expired = self.buffer.samples_expired
