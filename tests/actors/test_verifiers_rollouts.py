@@ -8,6 +8,7 @@ import asyncio
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -182,3 +183,20 @@ def test_rlp_verifiers_plays_a_taskset_module_in_the_working_directory(served, t
     assert len(drain(queue, 2)) == 2
     assert cli.main(["verifiers", "no_such_taskset", "--url", url, "--group-size", "2"]) == 2
     assert "taskset 'no_such_taskset' not found" in capsys.readouterr().err
+
+
+def test_the_shipped_taskset_plays_against_a_bridge_only_job_config(served, monkeypatch, capsys):
+    """examples/my_sums.py, as configs/verifiers_sums.yaml's comment runs it: its episodes carry the task's
+    answer and the verifiers score; the config loads as the bridge-only job it describes."""
+    from rlplatform.config import load_config
+
+    _, url, queue = served
+    repo = Path(__file__).resolve().parents[2]
+    config = load_config(str(repo / "configs" / "verifiers_sums.yaml"))
+    assert config.rollout.source == "bridge" and config.rollout.openai_bridge.enabled and config.rl.idle_timeout_s
+    monkeypatch.chdir(repo / "examples")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert cli.main(["verifiers", "my_sums", "--url", url, "--group-size", "2", "--num-tasks", "1"]) == 0
+    assert "1 tasks played, 2 episodes sent to the job" in capsys.readouterr().err
+    episodes = drain(queue, 2)
+    assert all(e.row["answer"] == "20" and e.row["verifiers_reward"] in (0.0, 1.0) for e in episodes)
