@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Set
+from typing import Callable, Dict, List, Set
 
 from rlplatform.scheduling.staleness import StalenessRule
 from rlplatform.transport.samples import ResultMeta
@@ -48,8 +48,9 @@ def group_version(group: Group) -> int:
 
 
 class GroupBuffer:
-    def __init__(self, group_size: int) -> None:
-        self.group_size = group_size
+    def __init__(self, group_size: int, clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: seconds, for how long partial groups have waited (tests pass their own)."""
+        self.group_size, self.clock = group_size, clock
         self._partial: Dict[str, Group] = {}
         self._began: Dict[str, float] = {}  # monotonic time each partial group's first sample arrived
         self._complete: List[Group] = []
@@ -67,7 +68,7 @@ class GroupBuffer:
         if group_id in self._completed_ids:
             return  # a redelivered result of a group already complete
         group = self._partial.setdefault(group_id, [])
-        self._began.setdefault(group_id, time.monotonic())
+        self._began.setdefault(group_id, self.clock())
         if any(s.sample_id == scored.sample_id for s in group):
             return  # a redelivered result: already counted
         group.append(scored)
@@ -89,7 +90,7 @@ class GroupBuffer:
 
     def waiting_since(self, timeout_s: float) -> List[str]:
         """Partial groups whose first sample arrived more than `timeout_s` ago."""
-        cutoff = time.monotonic() - timeout_s
+        cutoff = self.clock() - timeout_s
         return [group_id for group_id, began in self._began.items() if began < cutoff]
 
     def held_samples(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import time
 from functools import lru_cache
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import redis
 
@@ -86,8 +86,9 @@ def prompt_row(position: int, rows: int, seed: int) -> int:
 class PromptLedger:
     """One policy's ledger on Redis, shared by its rollout workers and the RL loop."""
 
-    def __init__(self, client: redis.Redis, job: str, policy: str) -> None:
-        self.client, self.policy = client, policy
+    def __init__(self, client: redis.Redis, job: str, policy: str, clock: Callable[[], float] = time.time) -> None:
+        """`clock`: wall-clock seconds, shared by every process that holds this ledger (tests pass their own)."""
+        self.client, self.policy, self.clock = client, policy, clock
         prefix = f"rlp:{job}:policy:{policy}:ledger"
         self.open, self.claimed, self.counts_key = f"{prefix}:open", f"{prefix}:claimed", f"{prefix}:counts"
         self.reissue, self.cursor, self.seq = f"{prefix}:reissue", f"{prefix}:cursor", f"{prefix}:seq"
@@ -101,7 +102,7 @@ class PromptLedger:
         if groups <= 0:
             return []
         keys = [self.reissue, self.cursor, self.seq, self.open, self.claimed, self.attempt, self.counts_key]
-        flat = self._issue(keys=keys, args=[groups, worker, f"{time.time():.3f}", self.policy])
+        flat = self._issue(keys=keys, args=[groups, worker, f"{self.clock():.3f}", self.policy])
         return [(_text(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
 
     def submitted(self, group_ids: List[str]) -> None:
@@ -126,7 +127,7 @@ class PromptLedger:
 
     def overdue(self, timeout_s: float) -> List[str]:
         """Open groups claimed more than `timeout_s` ago."""
-        cutoff = time.time() - timeout_s
+        cutoff = self.clock() - timeout_s
         return [_text(group) for group, entry in self.client.hgetall(self.open).items()
                 if float(entry.split()[1]) < cutoff]
 

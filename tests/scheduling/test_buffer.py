@@ -4,7 +4,6 @@ waiting past a timeout are listed for expiry."""
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 from rlplatform.scheduling.buffer import GroupBuffer, group_version
@@ -159,11 +158,12 @@ def test_an_expired_group_drops_what_arrived_and_what_arrives_later():
 
 
 def test_partial_groups_are_listed_once_waiting_longer_than_the_timeout():
-    buffer = GroupBuffer(group_size=2)
+    now = [50.0]
+    buffer = GroupBuffer(group_size=2, clock=lambda: now[0])
     buffer.add(scored("slow", 0))
     fill(buffer, "done")
     assert buffer.waiting_since(60.0) == []  # just began
-    time.sleep(0.05)
+    now[0] += 0.05
     assert buffer.waiting_since(0.01) == ["slow"]  # a complete group is never listed
     buffer.expire("slow")
     assert buffer.waiting_since(0.0) == [] and buffer.samples_expired == 1

@@ -4,7 +4,6 @@ restored with what was in flight issued again first."""
 
 from __future__ import annotations
 
-import time
 
 from rlplatform.scheduling.ledger import PromptLedger, balanced, prompt_row
 
@@ -43,11 +42,12 @@ def test_a_restarted_worker_abandons_only_its_unsubmitted_groups_and_they_are_is
 
 
 def test_overdue_groups_are_those_claimed_before_the_timeout(redis_client):
-    ledger = PromptLedger(redis_client, "job", "p")
+    now = [1000.0]
+    ledger = PromptLedger(redis_client, "job", "p", clock=lambda: now[0])
     (old, _), = ledger.issue(worker=0, groups=1)
-    time.sleep(0.3)
+    now[0] += 0.3
     ledger.issue(worker=0, groups=1)
-    assert ledger.overdue(0.2) == [old]
+    assert ledger.overdue(0.2) == [old] and ledger.overdue(0.4) == []
 
 
 def test_an_expired_group_s_prompt_is_issued_again(redis_client):
