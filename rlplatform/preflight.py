@@ -103,37 +103,36 @@ def _check_vllm_lora(model, prefix: str, source: str) -> None:
 def check_data(config: JobConfig, source: str) -> None:
     """Each data file reads (a JSONL file line by line into JSON objects), holds rows, and every row has a
     usable prompt: text under `prompt`, or `messages` of known roles with text content."""
-    if config.data.kind not in ("jsonl", "hf"):
+    data = config.data
+    if data.kind not in ("jsonl", "hf"):
         return
-    from rlplatform.data import load_rows, read_jsonl
+    from rlplatform.data import canonical_rows, load_rows, read_jsonl
 
-    if config.data.kind == "jsonl":
-        for key, path in (("data.train_path", config.data.train_path), ("data.test_path", config.data.test_path)):
+    keys, paths = ("data.train_path", "data.test_path"), (data.train_path or data.path, data.test_path or data.path)
+    if data.kind == "jsonl":
+        splits = []
+        for key, path in zip(keys, paths):
             try:
-                rows = read_jsonl(path)
-            except (ValueError, UnicodeDecodeError) as err:
-                raise ConfigError(f"{_reason(err, path)} ('{key}' in {source})") from None
-            if not rows:
-                raise ConfigError(f"{path}: no rows ('{key}' in {source}); each line needs a JSON object with "
-                                  "'prompt' or 'messages'")
-    if config.data.kind == "hf":  # the check's output is its one line, without the library's progress bars
+                splits.append(canonical_rows(read_jsonl(path), data, path))
+            except ValueError as err:  # naming the file and line or row
+                raise ConfigError(f"{err} ('{key}' in {source})") from None
+    else:
         from datasets import disable_progress_bars
 
-        disable_progress_bars()
-    try:
-        load_rows(config.data, config.seed)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{_reason(err, config.data.train_path or config.data.path)} (data in {source})") from None
-    except Exception as err:  # the datasets library's own errors (a file it cannot parse)
-        raise ConfigError(f"{config.data.train_path or config.data.path}: cannot be read as data: "
-                          f"{type(err).__name__}: {str(err).splitlines()[0][:200]} (data in {source})") from None
-
-
-def _reason(err: Exception, path: str) -> str:
-    """One line saying why a data file was refused."""
-    if isinstance(err, UnicodeDecodeError):
-        return f"{path}: not UTF-8 text (byte {err.start}: {err.reason})"
-    return str(err)
+        disable_progress_bars()  # the check's output is its one line
+        try:
+            splits = load_rows(data, config.seed)
+        except UnicodeDecodeError as err:  # from the datasets library's reader, which does not name the file
+            raise ConfigError(f"{paths[0]}: not UTF-8 text (byte {err.start}: {err.reason}) "
+                              f"(data in {source})") from None
+        except ValueError as err:  # the row check's, naming the file and row
+            raise ConfigError(f"{err} (data in {source})") from None
+        except Exception as err:  # the datasets library's own errors (a file it cannot parse)
+            raise ConfigError(f"{paths[0]}: cannot be read as data: {type(err).__name__}: "
+                              f"{str(err).splitlines()[0][:200]} (data in {source})") from None
+    for key, path, rows in zip(keys, paths, splits):
+        if not rows:
+            raise ConfigError(f"{path}: no rows ('{key}' in {source}); each row needs 'prompt' or 'messages'")
 
 
 def check_model(path: str, key: str, source: str) -> None:

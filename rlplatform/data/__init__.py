@@ -21,7 +21,7 @@ from rlplatform.data.tool_calc import tool_calc_rows
 Row = Dict
 ROLES = {"system", "user", "assistant", "tool"}  # the roles chat templates render
 
-__all__ = ["Row", "addition_rows", "load_rows", "read_jsonl"]
+__all__ = ["Row", "addition_rows", "canonical_rows", "load_rows", "read_jsonl"]
 
 
 def load_rows(config: DataConfig, seed: int) -> Tuple[List[Row], List[Row]]:
@@ -36,7 +36,7 @@ def load_rows(config: DataConfig, seed: int) -> Tuple[List[Row], List[Row]]:
         sources = (config.train_path, config.test_path)
     else:
         (train, test), sources = read_hf(config), (config.train_path or config.path, config.test_path or config.path)
-    return _canonical(train, config, sources[0]), _canonical(test, config, sources[1])
+    return canonical_rows(train, config, sources[0]), canonical_rows(test, config, sources[1])
 
 
 def _addition(config: DataConfig, seed: int) -> Tuple[List[Row], List[Row]]:
@@ -49,7 +49,7 @@ def _addition(config: DataConfig, seed: int) -> Tuple[List[Row], List[Row]]:
     return train, test
 
 
-def _canonical(rows: List[Row], config: DataConfig, source: str) -> List[Row]:
+def canonical_rows(rows: List[Row], config: DataConfig, source: str) -> List[Row]:
     """Rows with the mapped keys renamed to `prompt`, `messages` and `answer`, other fields kept; a row
     without a usable prompt is a ValueError naming its file and row (counted from 1, as lines are)."""
     renames = {config.prompt_key: "prompt", config.messages_key: "messages", config.answer_key: "answer"}

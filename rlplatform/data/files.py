@@ -17,9 +17,14 @@ FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv"
 
 
 def read_jsonl(path: str) -> List[Dict]:
+    """The JSON object on each non-blank line; a ValueError naming the file and line otherwise."""
     rows = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path}:{line_no}: not UTF-8 text (byte {err.start}: {err.reason})") from None
             if not line.strip():
                 continue
             try:

@@ -31,7 +31,7 @@ from rlplatform.monitoring.error_guard import RewardErrorGuard, Verdict
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.rl_monitor import RLMonitor
 from rlplatform.rewards.shaping import overlong_penalty
-from rlplatform.scheduling.buffer import Batch, GroupBuffer
+from rlplatform.scheduling.buffer import Batch, GroupBuffer, has_signal
 from rlplatform.scheduling.groups import GroupSchedule
 from rlplatform.scheduling.staleness import StalenessRule
 from rlplatform.transport.deadlines import Heartbeats, JobFailed, SilentWorkers
@@ -200,7 +200,7 @@ class PolicyRun:
             return False
         batch.signal_drops, self._signal_drops = self._signal_drops, 0
         self.counters.groups_in_batches += len(batch.groups)
-        self.counters.groups_with_signal += sum(len({s.reward for s in group}) > 1 for group in batch.groups)
+        self.counters.groups_with_signal += sum(map(has_signal, batch.groups))
         rewards = [[s.reward for s in group] for group in batch.groups]
         advantages = [a for group in _advantages(self.rl, rewards) for a in group]
         sft_rows = random.Random(self.version).sample(self.train_rows, self.rl.batch_prompts) \

@@ -21,7 +21,7 @@ from rlplatform.config import JobConfig, RLConfig
 from rlplatform.monitoring.alerts import AlertRules, StepFigures
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.tool_metrics import tool_figures
-from rlplatform.scheduling.buffer import Batch
+from rlplatform.scheduling.buffer import Batch, has_signal
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.tool_queue import ToolKeys
 
@@ -151,7 +151,7 @@ class RLMonitor:
         values = {"total": sum(s.reward for s in samples) / len(samples),
                   "error_fraction": errors / max(scored, 1), "timeout_fraction": timeouts / max(scored, 1),
                   "filtered_fraction": filtered / max(scored, 1),
-                  "zero_advantage_group_fraction": sum(len({s.reward for s in g}) == 1 for g in batch.groups)
+                  "zero_advantage_group_fraction": sum(not has_signal(g) for g in batch.groups)
                   / len(batch.groups), "groups_dropped_no_signal": float(batch.signal_drops)}
         for name in samples[0].components:
             values[f"component/{name}"] = sum(s.components.get(name, 0.0) for s in samples) / len(samples)

@@ -43,6 +43,11 @@ def _trainable(scored: ResultMeta) -> bool:
     return scored.error is None and not scored.drop
 
 
+def has_signal(group: Group) -> bool:
+    """Whether the group's rewards differ: a group whose rewards are all equal has no advantage to learn from."""
+    return len({s.reward for s in group}) > 1
+
+
 def group_version(group: Group) -> int:
     return min(s.version for s in group)
 
@@ -110,7 +115,7 @@ class GroupBuffer:
                 batch.dropped_stale.append(group)
             elif len(valid) < 2:
                 batch.dropped_errors.append(group)
-            elif filter_zero_advantage and len({s.reward for s in valid}) == 1:
+            elif filter_zero_advantage and not has_signal(valid):
                 batch.dropped_zero_advantage.append(group)
             else:
                 usable.append(group)
