@@ -9,12 +9,13 @@ log-probs and versions, observation tokens masked out), the record environment e
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Dict, List
 
 from rlplatform.actors.engine import Completion
 from rlplatform.actors.token_trace import TokenTrace
-from rlplatform.tokenization import uses_chat_template
+from rlplatform.tokenization import CONTENT_MARK, encode_marked, holds_control_text, uses_chat_template
 from rlplatform.transport.samples import Sample
 
 
@@ -23,27 +24,45 @@ class ExtensionError(ValueError):
 
 
 class ChatRenderer:
-    """Messages to prompt text and token ids, the way `encode_prompts` encodes data rows."""
+    """Messages to prompt text and token ids, the way `encode_prompts` encodes data rows. What the agent's
+    messages say is text, never control: a user, system or tool content holding a special token's text
+    (an end of turn) is rendered as a stand-in and encoded as plain tokens; without a template every
+    character is the agent's. Assistant contents are the episode's replies as answered, rendered as they are."""
 
     def __init__(self, tokenizer, chat_template: str) -> None:
         self.tokenizer = tokenizer
         self.templated = uses_chat_template(tokenizer, chat_template)
 
     def text(self, messages: List[Dict[str, str]]) -> str:
-        """The prompt a reply to `messages` continues: the rendered template, else the contents joined."""
+        """The prompt a reply to `messages` continues: the rendered template (with stand-ins), else the contents
+        joined."""
         if self.templated:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            marked = [{**m, "content": CONTENT_MARK.format(k)} if self._is_marked(m) else m
+                      for k, m in enumerate(messages)]
+            return self.tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
         return "".join(m["content"] for m in messages)
 
-    def prompt_ids(self, text: str) -> List[int]:
-        """A first prompt's ids (the tokenizer's special tokens, such as a BOS, only without a template)."""
-        return self.tokenizer(text, add_special_tokens=not self.templated)["input_ids"]
+    def plain(self, text: str, messages: List[Dict[str, str]]) -> str:
+        """`text` of `messages` with each stand-in replaced by its content."""
+        return re.sub(CONTENT_MARK.format(r"(\d+)"), lambda found: messages[int(found.group(1))]["content"], text)
 
-    def observation_ids(self, text: str) -> List[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+    def prompt_ids(self, text: str, messages: List[Dict[str, str]]) -> List[int]:
+        """A first prompt's ids (the tokenizer's special tokens, such as a BOS, only without a template)."""
+        if self.templated:
+            return encode_marked(self.tokenizer, text, [m["content"] for m in messages])
+        return self.tokenizer(text, split_special_tokens=True)["input_ids"]
+
+    def observation_ids(self, text: str, messages: List[Dict[str, str]]) -> List[int]:
+        """Ids of `text`, the part of `messages`' rendering that follows the episode's newest reply."""
+        if self.templated:
+            return encode_marked(self.tokenizer, text, [m["content"] for m in messages])
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] if text else []
 
     def decode(self, ids: List[int], special_tokens: bool = False) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=not special_tokens, clean_up_tokenization_spaces=False)
+
+    def _is_marked(self, message: Dict[str, str]) -> bool:
+        return message["role"] != "assistant" and holds_control_text(self.tokenizer, message["content"])
 
 
 @dataclass
@@ -51,7 +70,7 @@ class Episode:
     """One agent episode so far: its first prompt, then every token after it."""
     prompt_text: str  # the first request's prompt
     prompt_ids: List[int]
-    text: str  # the newest request's prompt text: what its reply continues
+    text: str  # the newest request's prompt text (with the renderer's stand-ins): what its reply continues
     reply_text: str = ""  # the newest reply as answered to the agent (special tokens removed)
     reply_model_text: str = ""  # the same reply with its special tokens
     trace: TokenTrace = field(default_factory=TokenTrace)  # every token after the first prompt
@@ -59,7 +78,8 @@ class Episode:
     @classmethod
     def start(cls, renderer: ChatRenderer, messages: List[Dict[str, str]]) -> "Episode":
         text = renderer.text(messages)
-        return cls(prompt_text=text, prompt_ids=renderer.prompt_ids(text), text=text)
+        return cls(prompt_text=renderer.plain(text, messages), prompt_ids=renderer.prompt_ids(text, messages),
+                   text=text)
 
     @property
     def ids(self) -> List[int]:
@@ -69,7 +89,7 @@ class Episode:
     def extend(self, renderer: ChatRenderer, messages: List[Dict[str, str]]) -> None:
         """Append the text `messages` add after the newest reply as observation tokens."""
         text = renderer.text(messages)
-        self.trace.add_observation(renderer.observation_ids(self._observation_text(text)))
+        self.trace.add_observation(renderer.observation_ids(self._observation_text(text), messages))
         self.text = text
 
     def _observation_text(self, text: str) -> str:

@@ -14,7 +14,8 @@ group claims no staleness-gate capacity and takes no prompt from the ledger (the
 to re-issue). The staleness bound still holds where the learner takes batches: a group whose tokens
 are too old is dropped and counted as stale, and gives back no capacity, having claimed none.
 
-Requests are bounded (`rollout.openai_bridge`: prompt tokens, `max_tokens`, `n`; a finite temperature)
+Requests are bounded (`rollout.openai_bridge`: prompt tokens, `max_tokens`, `n`, a finite temperature: 400;
+the body's size: 413; chat requests in progress at once: 429), all before any work is done,
 and, when the worker's environment holds a key (`api_key_env`), must carry it as a bearer token; a
 bridge that listens beyond the loopback interface will not start without one.
 """
@@ -104,6 +105,7 @@ class OpenAIBridge:
         self._runner: Optional[web.AppRunner] = None
         self._thread: Optional[threading.Thread] = None
         self._announced: Optional[Tuple[RewardQueue, str]] = None  # (queue, job status field) naming the URL
+        self._in_progress = 0  # chat requests being answered (server thread only)
 
     # the worker loop's side
     def admit(self, batch: DecodeBatch) -> None:
@@ -133,7 +135,8 @@ class OpenAIBridge:
     # the server
     def start(self, host: str, port: int) -> int:
         """Serve on `host`:`port` (0: a free port) from a background thread; returns the port."""
-        app = web.Application(middlewares=[_openai_errors, self._authorised])
+        app = web.Application(middlewares=[_openai_errors, self._authorised],
+                              client_max_size=self.limits.max_body_bytes)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1" + FINISH_ROUTE, self._finish)
@@ -187,11 +190,22 @@ class OpenAIBridge:
             {"id": self.policy, "object": "model", "created": 0, "owned_by": "rlplatform"}]})
 
     async def _chat(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        if self._in_progress >= self.limits.max_requests:
+            raise RequestError(429, f"{self._in_progress} requests are in progress on this worker, as many as it "
+                                    f"takes (rollout.openai_bridge.max_requests); retry later", "rate_limit_exceeded")
+        self._in_progress += 1
+        try:
+            return await self._answer(request)
+        finally:
+            self._in_progress -= 1
+
+    async def _answer(self, request: web.Request) -> web.Response:
+        body = await _json_body(request, self.limits.max_body_bytes)
         params = parse_chat(body, self.policy, self.temperature, self.max_new_tokens, self.limits)
         episode_id = request.headers.get(EPISODE_HEADER)
         if episode_id is None:
-            prompt_ids = self._within_limit(self.renderer.prompt_ids(self.renderer.text(params.messages)))
+            text = self.renderer.text(params.messages)
+            prompt_ids = self._within_limit(self.renderer.prompt_ids(text, params.messages))
             completions = await self._generate(prompt_ids, params)
         else:
             prompt_ids, completions = await self._episode_turn(episode_id, params)
@@ -238,7 +252,7 @@ class OpenAIBridge:
     async def _finish(self, request: web.Request) -> web.Response:
         """End an episode: its trajectory goes to the reward queue as sample `<group>/<episode id>`."""
         episode_id = request.match_info["episode_id"]
-        body = await _json_body(request) if request.can_read_body else {}
+        body = await _json_body(request, self.limits.max_body_bytes) if request.can_read_body else {}
         group, row = body.get("group", episode_id), body.get("row", {})
         if not isinstance(group, str) or not isinstance(row, dict):
             raise RequestError(400, "finish takes {\"group\": a string, \"row\": an object of the row's fields}")
@@ -339,11 +353,14 @@ def _whole(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-async def _json_body(request: web.Request) -> Dict:
+async def _json_body(request: web.Request, max_bytes: int) -> Dict:
     try:
         body = await request.json()
     except ValueError:
         raise RequestError(400, "the request body is not JSON") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise RequestError(413, f"the request body is larger than this endpoint takes ({max_bytes} "
+                                "bytes: rollout.openai_bridge.max_body_bytes)", "request_too_large") from None
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
     return body

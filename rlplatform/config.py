@@ -146,6 +146,8 @@ class OpenAIBridgeConfig:
     max_prompt_tokens: int = at_least(8192, 1)  # a request (an episode: its whole sequence) whose prompt is longer is refused (400)
     max_tokens: int = at_least(4096, 1)  # max_tokens / max_completion_tokens above this are refused (400)
     max_n: int = at_least(64, 1)  # n above this is refused (400)
+    max_body_bytes: int = at_least(1 << 20, 1024)  # a request body larger than this is refused (413) before it is read
+    max_requests: int = at_least(256, 1)  # chat requests in progress at once per worker; more are refused (429)
 
 
 @dataclass

@@ -6,15 +6,19 @@ Special tokens follow one rule everywhere: with a chat template (`data.chat_temp
 the tokenizer has one) the rendered template decides them; otherwise the prompt text is encoded
 with the tokenizer's own special tokens (a BOS where it adds one) and the answer ends with EOS.
 Encoded prompts are saved as JSON lines (`save_prompts`) for rollout workers to load themselves.
+What an environment or an agent says is text, never control: `encode_marked` encodes rendered text
+whose stand-ins (`CONTENT_MARK`) hold such contents with the special tokens' text split into plain tokens.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Sequence, Tuple
 
 Row = Dict
+CONTENT_MARK = "\u27e6content {}\u27e7"  # stands in for a content while a template renders around it
 
 
 @dataclass
@@ -134,3 +138,25 @@ def within_limit(prompts: List[Prompt], max_prompt_tokens: int) -> Tuple[List[Pr
         return prompts, 0
     kept = [p for p in prompts if len(p.ids) <= max_prompt_tokens]
     return kept, len(prompts) - len(kept)
+
+
+def holds_control_text(tokenizer, text: str) -> bool:
+    """Whether `text` holds the text of one of the tokenizer's special tokens."""
+    return any(token in text for token in tokenizer.all_special_tokens)
+
+
+def encode_marked(tokenizer, text: str, contents: Sequence[str]) -> List[int]:
+    """Ids of `text` (no special tokens added), where `CONTENT_MARK.format(k)` stands for `contents[k]`: the
+    text around the stand-ins keeps its special tokens, the contents are encoded as plain text."""
+    pieces = re.split(CONTENT_MARK.format(r"(\d+)"), text)  # text, then a content's index, in turns
+    ids = _text_ids(tokenizer, pieces[0], as_text=False)
+    for index, after in zip(pieces[1::2], pieces[2::2]):
+        ids += _text_ids(tokenizer, contents[int(index)], as_text=True) + _text_ids(tokenizer, after, as_text=False)
+    return ids
+
+
+def _text_ids(tokenizer, text: str, as_text: bool) -> List[int]:
+    """`text`'s ids; with `as_text`, the text of a special token in it becomes plain tokens."""
+    if not text:
+        return []
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=as_text)["input_ids"])

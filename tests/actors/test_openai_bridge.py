@@ -48,13 +48,15 @@ def chat_policy(tiny_policy, tmp_path_factory) -> str:
 @pytest.fixture
 def served(chat_policy, redis_server, redis_client, tmp_path, monkeypatch):
     """(worker, endpoint URL, reward queue) of a rollout worker running its loop with the bridge on, asking
-    for KEY and refusing prompts over 200 tokens, max_tokens over 16 and n over 4."""
+    for KEY and refusing prompts over 200 tokens, max_tokens over 16, n over 4, bodies over 64 KiB and more
+    than 6 requests at once."""
     job = f"bridge-{time.time_ns()}"
     queue = RewardQueue(redis_client, job)
     queue.create_group()
     monkeypatch.setenv(BRIDGE_KEY_ENV, KEY)
     rl = RLConfig(group_size=2, batch_prompts=1, max_staleness=0, max_new_tokens=4)
-    limits = OpenAIBridgeConfig(enabled=True, port=0, max_prompt_tokens=200, max_tokens=16, max_n=4)
+    limits = OpenAIBridgeConfig(enabled=True, port=0, max_prompt_tokens=200, max_tokens=16, max_n=4,
+                                max_body_bytes=65536, max_requests=6)
     rollout = RolloutConfig(prompts_per_batch=2, openai_bridge=limits)
     prompts = save_prompts(encode_prompts(load_tokenizer(chat_policy), [{"prompt": "1+1=", "answer": "2"}], "auto"),
                            str(tmp_path / "prompts.jsonl"))
@@ -219,8 +221,45 @@ def test_requests_without_the_key_or_over_the_limits_are_refused_and_the_worker_
                                          headers={**AUTHORISED, "Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError, match="400"):
             urllib.request.urlopen(request, timeout=30)
+    body = json.dumps({"model": "policy", "messages": [{"role": "user", "content": "7" * 70000}]}).encode()
+    request = urllib.request.Request(f"{url}/chat/completions", data=body, method="POST",
+                                     headers={**AUTHORISED, "Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError, match="413") as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert json.loads(refused.value.read())["error"]["code"] == "request_too_large"
     reply = api.chat.completions.create(model="policy", messages=messages, n=4, max_tokens=16)
     assert len(reply.choices) == 4 and all(c.token_versions == [VERSION] * len(c.token_ids) for c in reply.choices)
+
+
+def test_requests_past_the_bound_in_progress_are_refused_until_some_end(served, monkeypatch):
+    _, url, _ = served
+    held, bridges = threading.Event(), []
+    held.set()
+    admit = OpenAIBridge.admit
+
+    def admit_when_released(self, batch):
+        bridges[:] = [self]
+        if not held.is_set():
+            admit(self, batch)
+
+    monkeypatch.setattr(OpenAIBridge, "admit", admit_when_released)
+    api = client(url)
+
+    def ask(i: int):
+        return api.chat.completions.create(model="policy", messages=[{"role": "user", "content": f"{i}+1="}],
+                                           max_tokens=2)
+
+    with ThreadPoolExecutor(6) as pool:
+        waiting = [pool.submit(ask, i) for i in range(6)]
+        deadline = time.time() + 30
+        while not bridges or bridges[0]._in_progress < 6:
+            assert time.time() < deadline, "six requests never were in progress at once"
+            time.sleep(0.05)
+        with pytest.raises(openai.RateLimitError, match="6 requests are in progress"):
+            ask(6)
+        held.clear()
+        assert all(len(f.result(timeout=60).choices) == 1 for f in waiting)
+    assert len(ask(7).choices) == 1
 
 
 def test_a_bridge_reachable_from_other_machines_needs_its_key(monkeypatch, tmp_path):
