@@ -13,7 +13,7 @@ import sys
 from typing import List, Optional
 
 from rlplatform import preflight
-from rlplatform.config import REDIS_URL_ENV, ConfigError, JobConfig, load_config, redact_url
+from rlplatform.config import REDIS_URL_ENV, ConfigError, JobConfig, load_config, redact_url, redact_urls_in
 
 
 def _load(args) -> JobConfig:
@@ -79,10 +79,21 @@ def _run(args) -> int:
 
 
 def _check_run_dir(config, fresh: bool) -> None:
-    """Before Ray starts: the run directory is no live job's, and holds no earlier run's checkpoints unless
-    the run resumes them or `--fresh` moves them aside (`run_job` holds its lock from then on)."""
+    """Before Ray starts: the run directory and the job's name on a shared Redis are no live job's, and the
+    directory holds no earlier run's checkpoints unless the run resumes them or `--fresh` moves them aside
+    (`run_job` holds the directory's lock and the name's lease from then on)."""
     from rlplatform.job.run_dir import RunLock, check_fresh_start
 
+    if config.redis.url:
+        from rlplatform.transport.job_lease import live_job_message
+        from rlplatform.transport.redis_server import RedisUnavailable, connect
+
+        try:
+            refusal = live_job_message(connect(config.redis.url), config.name)
+        except RedisUnavailable:  # the job says so itself, with its summary
+            refusal = None
+        if refusal:
+            raise ConfigError(refusal)
     if not os.path.isdir(config.run_dir):  # no earlier run; the job makes the directory (and takes its lock)
         return
     with RunLock(config.run_dir):
@@ -354,14 +365,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return args.handler(args)
     except ConfigError as err:
-        print(f"rlp: config error: {err}", file=sys.stderr)
+        print(f"rlp: config error: {redact_urls_in(str(err))}", file=sys.stderr)
         return 2
     except Exception as err:
         from rlplatform.transport.deadlines import JobFailed
 
         cause = getattr(err, "cause", err)  # a failed Ray task keeps the worker's own error as `cause`
         if isinstance(err, JobFailed) or isinstance(cause, ConnectionError):  # one line, without a traceback
-            print(f"rlp: {cause}", file=sys.stderr)
+            print(f"rlp: {redact_urls_in(str(cause))}", file=sys.stderr)
             return 1
         raise
     except KeyboardInterrupt:

@@ -420,6 +420,11 @@ def to_dict(config: JobConfig) -> dict:
     return values
 
 
+def redact_urls_in(text: str) -> str:
+    """`text` with the password of every URL in it hidden (`redact_url`)."""
+    return re.sub(r"[a-z][a-z0-9+.-]*://[^\s'\"]+", lambda found: redact_url(found.group(0)), text)
+
+
 def redact_url(url: str) -> str:
     """`url` with its password hidden: in the user part (`user:PASS@`, `:PASS@`, `PASS@`) and
     in any `...password=` query parameter."""

@@ -91,6 +91,8 @@ def test_unreachable_redis_fails_fast_with_one_line_and_a_failed_summary(tmp_pat
     assert summary["status"] == "failed" and "cannot reach Redis" in summary["error"]
     recorded = (tmp_path / "noredis" / "config.yaml").read_text()  # world-readable: the password is hidden
     assert f"url: redis://:***@127.0.0.1:{port}/0" in recorded and "s3cret" not in recorded + result.stderr
+    misplaced = rlp("run", f"redis.url=redis://:s3cret@127.0.0.1:{port}/0", cwd=tmp_path)  # an override as the config
+    assert misplaced.returncode == 2 and "s3cret" not in misplaced.stderr and ":***@" in misplaced.stderr
 
 
 def closed_port() -> int:

@@ -35,6 +35,7 @@ from rlplatform.monitoring.metrics import Metrics
 from rlplatform.policy import load_tokenizer, save_initial_policy
 from rlplatform.tokenization import encode_prompts, save_prompts, within_limit
 from rlplatform.transport.deadlines import LEARNER_TIMEOUT_S, JobFailed, LearnerDied
+from rlplatform.transport.job_lease import JobLease
 from rlplatform.transport.redis_server import EmbeddedRedis, connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.weight_store import WeightStore
@@ -134,15 +135,16 @@ def _record_redis_url(url: str, run_dir: str) -> None:
 
 
 def _start_services(config: JobConfig, resources: ExitStack) -> Tuple[str, Optional[EmbeddedRedis]]:
-    """Reach or start Redis; join or start Ray; returns the Redis URL and the embedded server
-    (None when `redis.url` names one). Redis stops on exit; `run_job` leaves Ray last."""
+    """Reach or start Redis and take the job's name there (a lease held to the end); join or start Ray;
+    returns the Redis URL and the embedded server (None when `redis.url` names one). Redis stops on exit;
+    `run_job` leaves Ray last."""
     embedded = None
     if config.redis.url:
-        connect(config.redis.url)  # fails early with a clear message if unreachable
         redis_url = config.redis.url
     else:
         embedded = resources.enter_context(EmbeddedRedis(os.path.join(config.run_dir, "redis")))
         redis_url = embedded.url
+    resources.enter_context(JobLease(connect(redis_url), config.name, config.run_dir))  # connect: clear if unreachable
     if not ray.is_initialized():  # else `rlp run` started it (rlplatform.job.cluster), or the caller did
         start_ray(config)
     _check_cluster(config, cpus_needed(config))

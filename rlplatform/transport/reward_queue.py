@@ -88,6 +88,7 @@ class JobKeys:
         self.rewards = f"{self.prefix}:rewards"  # the job's reward list, read by standalone reward workers
         self.max_pending = f"{self.prefix}:max-pending"  # the job's producer bound (redis.max_stream_len)
         self.heartbeats = f"{self.prefix}:heartbeats"  # worker label -> time its loop last went round
+        self.owner = f"{self.prefix}:owner"  # the live job's lease on its name (job_lease.py)
 
 
 class PolicyKeys:
@@ -277,14 +278,15 @@ class RewardQueue(StreamQueue):
         return bool(self.client.exists(self.keys.stop))
 
     def reset(self) -> None:
-        """Before a job starts: nothing left from an earlier run of the same name, and the
-        job's producer bound recorded for every producer."""
-        self._delete_all_but({self.keys.status})
+        """Before a job starts, holding its name's lease: nothing left from an earlier run of the same name,
+        and the job's producer bound recorded for every producer."""
+        self._delete_all_but({self.keys.status, self.keys.owner})
         self.client.set(self.keys.max_pending, self.bound())
 
     def clear(self) -> None:
-        """After a job ends: its queues and counters go, its status and stop flag stay."""
-        self._delete_all_but({self.keys.status, self.keys.stop})
+        """After a job ends: its queues and counters go, its status and stop flag stay (and its lease, which
+        the job gives back last)."""
+        self._delete_all_but({self.keys.status, self.keys.stop, self.keys.owner})
 
     def _delete_all_but(self, keep: set) -> None:
         doomed = [k for k in self.client.scan_iter(match=f"{self.keys.prefix}:*", count=1000) if _text(k) not in keep]

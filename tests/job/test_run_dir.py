@@ -27,8 +27,9 @@ HOLD = "import sys, time\nfrom rlplatform.job.run_dir import RunLock\nRunLock(sy
        "print('held', flush=True)\ntime.sleep(120)\n"
 
 
-def rlp_run(tmp_path, name: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([RLP, "run", *extra, QUICKSTART, f"output_dir={tmp_path}", f"name={name}", *TINY],
+def rlp_run(tmp_path, name: str, *extra: str, overrides=()) -> subprocess.CompletedProcess:
+    return subprocess.run([RLP, "run", *extra, QUICKSTART, f"output_dir={tmp_path}", f"name={name}", *TINY,
+                           *overrides],
                           capture_output=True, text=True, timeout=120, env=dict(os.environ, RAY_ADDRESS=""))
 
 
@@ -81,3 +82,18 @@ def test_fresh_moves_the_earlier_run_aside_and_starts_anew(ray_session, tiny_job
     assert Path(moved, "summary.json").read_text() == "the earlier run's summary.json\n"
     assert not os.path.exists(checkpoint)  # the new run's own checkpoint is the only one left
     assert latest_checkpoint(config.run_dir).endswith("step-000002")
+
+
+def test_a_same_name_run_beside_a_live_job_on_a_shared_redis_refuses_in_one_line(redis_server, redis_client,
+                                                                                   tmp_path):
+    from rlplatform.transport.job_lease import JobLease
+    from rlplatform.transport.reward_queue import RewardQueue
+
+    live = RewardQueue(redis_client, "shared")
+    with JobLease(redis_client, "shared", "/elsewhere/runs/shared"):  # a live job of the name, run from elsewhere
+        live.client.xadd(live.keys.requests, {"sample": b"in flight"})
+        second = rlp_run(tmp_path, "shared", overrides=[f"redis.url={redis_server}"])
+        assert second.returncode == 2 and second.stderr.strip().count("\n") == 0
+        assert "a job named 'shared' is running on this Redis" in second.stderr and "/elsewhere" in second.stderr
+        assert redis_client.xlen(live.keys.requests) == 1  # nothing of the live job was touched
+        assert not os.path.exists(tmp_path / "shared")  # nor anything written for the refused one

@@ -1,0 +1,57 @@
+"""A job's name on a shared Redis belongs to one live job: a second job of the name refuses before it touches
+a key (the live job's queue and status stay), the lease survives the job's own reset, and a job killed
+outright frees its name within the lease's TTL."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rlplatform.config import ConfigError
+from rlplatform.transport.job_lease import JobLease, live_job_message
+from rlplatform.transport.reward_queue import RewardQueue
+
+HOLD = ("import sys, time\nfrom rlplatform.transport.job_lease import JobLease\n"
+        "from rlplatform.transport.redis_server import connect\n"
+        "JobLease(connect(sys.argv[1]), 'shared', '/runs/a', ttl_s=1.0).__enter__()\nprint('held', flush=True)\n"
+        "time.sleep(120)\n")
+
+
+def test_a_second_job_of_a_live_name_refuses_and_leaves_its_keys_alone(redis_client, tmp_path):
+    live = RewardQueue(redis_client, "shared")
+    with JobLease(redis_client, "shared", str(tmp_path / "a")):
+        live.reset()  # the live job's own reset keeps its lease
+        live.create_group()
+        live.client.xadd(live.keys.requests, {"sample": b"in flight"})
+        live.client.hset(live.keys.status, "stage", "rl")
+        assert f"{tmp_path / 'a'}" in live_job_message(redis_client, "shared")
+        with pytest.raises(ConfigError, match=f"a job named 'shared' is running on this Redis .*{tmp_path / 'a'}"):
+            with JobLease(redis_client, "shared", str(tmp_path / "b")):
+                pass
+        assert redis_client.xlen(live.keys.requests) == 1 and redis_client.hget(live.keys.status, "stage") == b"rl"
+        live.clear()  # its end keeps the lease until the job gives it back
+        assert live_job_message(redis_client, "shared") is not None
+    assert live_job_message(redis_client, "shared") is None  # given back at the end
+    with JobLease(redis_client, "shared", str(tmp_path / "b")):
+        assert live_job_message(redis_client, "other") is None  # names are leased one by one
+
+
+def test_a_job_killed_outright_frees_its_name_within_the_ttl(redis_server, redis_client, tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, redis_server], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        time.sleep(1.5)  # past one TTL: the holder's thread renews it
+        assert "/runs/a" in live_job_message(redis_client, "shared")
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    deadline = time.time() + 5
+    while live_job_message(redis_client, "shared") is not None:
+        assert time.time() < deadline, "a killed job's lease never expired"
+        time.sleep(0.1)
+    with JobLease(redis_client, "shared", str(tmp_path / "b")):
+        pass
