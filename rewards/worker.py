@@ -24,7 +24,7 @@ import ray
 from rlplatform.config import RewardSpec, RewardWorkersConfig
 from rlplatform.rewards.registry import resolve
 from rlplatform.rewards.scoring import Scorer
-from rlplatform.transport.deadlines import Heartbeats
+from rlplatform.transport.deadlines import REWARD_WORKER, Heartbeats
 from rlplatform.transport.queue_worker import QueueStats, QueueWorker
 from rlplatform.transport.redis_server import RECONNECT_S, connect
 from rlplatform.transport.reward_queue import RewardQueue
@@ -55,7 +55,7 @@ class RewardWorker(QueueWorker):
         self.scorer = Scorer(resolve(rewards), config.concurrency)
         queue = RewardQueue(connect(redis_url, wait_s=RECONNECT_S), job)  # a restart may meet Redis restarting
         super().__init__(name, queue, queue, config, RewardStats(), Heartbeats(queue.client, job),
-                         f"reward worker {name}")
+                         REWARD_WORKER + name)
 
     def decode(self, raw: bytes) -> Sample:
         return decode_sample(raw)

@@ -34,7 +34,7 @@ from rlplatform.rewards.shaping import overlong_penalty
 from rlplatform.scheduling.buffer import Batch, GroupBuffer, has_signal
 from rlplatform.scheduling.groups import GroupSchedule
 from rlplatform.scheduling.staleness import StalenessRule
-from rlplatform.transport.deadlines import Heartbeats, JobFailed, SilentWorkers
+from rlplatform.transport.deadlines import Heartbeats, JobFailed, ScoringStall, SilentWorkers
 from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.samples import ResultMeta
 
@@ -131,13 +131,18 @@ class PolicyRun:
         return self.counters.samples_generated_before + int(rollout.get("samples", 0))
 
     @property
+    def since_scored_s(self) -> float:
+        """Seconds since a scored sample last arrived (since the stage started, before one)."""
+        return time.monotonic() - self._last_scored
+
+    @property
     def done(self) -> bool:
         return self._step is None and (self.version >= self.rl.max_steps or self.idle)
 
     @property
     def idle(self) -> bool:
         """No sample was scored for `rl.idle_timeout_s` (when set): the stage's sources have stopped."""
-        return bool(self.rl.idle_timeout_s) and time.monotonic() - self._last_scored >= self.rl.idle_timeout_s
+        return bool(self.rl.idle_timeout_s) and self.since_scored_s >= self.rl.idle_timeout_s
 
     @property
     def step_refs(self) -> List[ray.ObjectRef]:
@@ -319,12 +324,14 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
         run.monitor.started(run.version)
     supervisor = _start_loops(job, policies, reward_actors, metrics)
     checkpoints = Checkpoints(job, runs, job_state, attempt)
-    watch = WorkerWatch(SilentWorkers(Heartbeats(queue.client, job.name), job.monitoring.worker_silent_s), metrics)
+    heartbeats = Heartbeats(queue.client, job.name)
+    watch = WorkerWatch(SilentWorkers(heartbeats, job.monitoring.worker_silent_s),
+                        ScoringStall(heartbeats, job.monitoring.scoring_stall_s), queue, metrics)
     with stop.polled():
         while not all(run.done for run in runs.values()) and not stop.requested and not _failure(runs):
             _turn(runs, queue)
             supervisor.check()
-            watch.check(max(run.version for run in runs.values()))
+            watch.check(max(run.version for run in runs.values()), min(run.since_scored_s for run in runs.values()))
             checkpoints.maybe_save()
         checkpoints.save_now()
     watch.clear()
@@ -351,18 +358,23 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
 
 
 class WorkerWatch:
-    """Every few seconds: names rollout and reward workers gone silent in an alert and the job status."""
+    """Every few seconds: names rollout and reward workers gone silent, and a reward queue that stalled, in an
+    alert (and the silent workers in the job status)."""
 
-    def __init__(self, silent: SilentWorkers, metrics: Metrics) -> None:
-        self.silent, self.metrics = silent, metrics
+    def __init__(self, silent: SilentWorkers, stall: ScoringStall, queue: RewardQueue, metrics: Metrics) -> None:
+        self.silent, self.stall, self.queue, self.metrics = silent, stall, queue, metrics
         self._last = time.monotonic()
 
-    def check(self, step: int) -> None:
+    def check(self, step: int, since_scored_s: float) -> None:
+        """`since_scored_s`: seconds since the stage last received a scored sample."""
         if time.monotonic() - self._last < 2.0:
             return
         self._last = time.monotonic()
         for message in self.silent.newly_silent():
             self.metrics.event("worker_silent", message, step)
+        stalled = self.stall.check(self.queue.pending(), since_scored_s)
+        if stalled:
+            self.metrics.event("scoring_stalled", stalled, step)
         self._show(self.silent.listing())
 
     def clear(self) -> None:

@@ -3,13 +3,15 @@
 `deadline_get` is `ray.get` with a deadline and a message naming what did not answer; a learner
 rank's death becomes `LearnerDied`. Rollout and reward workers (in the job or standalone) beat on
 the job's heartbeat hash each time their loop goes round (`Heartbeats`), and `SilentWorkers` names
-those silent past `monitoring.worker_silent_s`. Both say what stopped answering in one wording.
+those silent past `monitoring.worker_silent_s`; `ScoringStall` names a reward queue where samples wait
+and none was scored for `monitoring.scoring_stall_s` (a stopped or wedged reward worker, sooner than
+its silence is named). All say what stopped answering in one wording.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import ray
 import redis
@@ -21,6 +23,7 @@ LEARNER_TIMEOUT_S = 3600.0  # one learner call (a step, a checkpoint) on the lar
 WEIGHTS_TIMEOUT_S = 600.0  # publishing one weight snapshot
 EVAL_TIMEOUT_S = 3600.0  # one held-out evaluation
 BEAT_EVERY_S = 1.0  # a worker's loop writes its heartbeat at most this often
+REWARD_WORKER = "reward worker "  # how reward workers' labels on the heartbeat hash begin
 
 
 class JobFailed(RuntimeError):
@@ -72,11 +75,14 @@ class Heartbeats:
         """`worker` stopped on purpose: it is no longer watched."""
         self.client.hdel(self.key, worker)
 
+    def ages(self) -> Dict[str, float]:
+        """Seconds since each watched worker last beat."""
+        now = time.time()
+        return {k.decode(): now - float(v) for k, v in self.client.hgetall(self.key).items()}
+
     def silent(self, after_s: float) -> Dict[str, float]:
         """Seconds since each worker silent for more than `after_s` last beat."""
-        now = time.time()
-        ages = {k.decode(): now - float(v) for k, v in self.client.hgetall(self.key).items()}
-        return {worker: age for worker, age in ages.items() if age > after_s}
+        return {worker: age for worker, age in self.ages().items() if age > after_s}
 
 
 class SilentWorkers:
@@ -94,3 +100,22 @@ class SilentWorkers:
     def listing(self) -> str:
         """The silent workers as `rlp status` shows them ('' when none)."""
         return ", ".join(f"{worker} ({age:.0f}s)" for worker, age in sorted(self.now_silent.items()))
+
+
+class ScoringStall:
+    """Names the reward queue once when samples wait in it and none was scored for `after_s`, and again after
+    scoring resumed and stalls anew; the message gives each reward worker's last beat."""
+
+    def __init__(self, heartbeats: Heartbeats, after_s: float) -> None:
+        self.heartbeats, self.after_s = heartbeats, after_s
+        self.stalled = False
+
+    def check(self, waiting: int, since_scored_s: float) -> Optional[str]:
+        """A message when the queue has just stalled: `waiting` samples unscored, the last scored `since_scored_s` ago."""
+        was, self.stalled = self.stalled, waiting > 0 and since_scored_s >= self.after_s
+        if not self.stalled or was:
+            return None
+        beats = ", ".join(f"{worker} {age:.0f}s ago" for worker, age in sorted(self.heartbeats.ages().items())
+                          if worker.startswith(REWARD_WORKER))
+        return unresponsive(f"the reward queue ({waiting} samples waiting)", since_scored_s, "scored nothing") + \
+            f"; reward workers last went round: {beats or 'none has started'}"
