@@ -54,8 +54,9 @@ class SandboxUnavailable(RuntimeError):
 
 def code_tests(sample: Sample, *, timeout_s: float = 5.0, memory_mb: int = 512,
                allow_weak_isolation: bool = False) -> Verdict:
-    """1.0 when the completion's code passes every test in the row's `tests`, else 0.0, as a
-    `Verdict` whose reason is the run's kind (passed, failed, error, timeout, network, ...).
+    """1.0 when the completion's code passes every test in the row's `tests` (Python source, or a list of
+    statements run one after another), else 0.0, as a `Verdict` whose reason is the run's kind (passed,
+    failed, error, timeout, network, ...).
 
     The code is the last ```python fenced block of the completion, or the whole completion.
     timeout_s: wall-clock seconds for the code and the tests together.
@@ -65,11 +66,19 @@ def code_tests(sample: Sample, *, timeout_s: float = 5.0, memory_mb: int = 512,
     raises SandboxUnavailable, which the scorer reports as an error result.
     Why a sample scored 0, in full, is logged at INFO under this module's logger.
     """
-    result = run_in_sandbox(extract_code(sample.completion), sample.tests, timeout_s=timeout_s,
+    result = run_in_sandbox(extract_code(sample.completion), _test_source(sample.tests), timeout_s=timeout_s,
                             memory_mb=memory_mb, allow_weak_isolation=allow_weak_isolation)
     if not result.passed:
         log.info("code_tests: sample %s scored 0: %s", sample.sample_id, result.reason)
     return Verdict(float(result.passed), result.reason.split(":", 1)[0])
+
+
+def _test_source(tests) -> str:
+    if isinstance(tests, list) and all(isinstance(test, str) for test in tests):
+        return "\n".join(tests)
+    if not isinstance(tests, str):
+        raise TypeError(f"the row's 'tests' must be Python source or a list of statements, not {type(tests).__name__}")
+    return tests
 
 
 def extract_code(completion: str) -> str:

@@ -1,5 +1,6 @@
 """A tool job end to end (real Ray, Redis, DeepSpeed; tiny model): the demo config's episodes call the
-calculator through the job's tool workers, the learner trains on them, and the summary reports them."""
+calculator through the job's tool workers, the learner trains on them, and the summary reports them;
+resumed from its final checkpoint for one more step, it trains no episode twice."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ TOOL_CALC = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tool
 
 
 def test_tool_job_trains_on_episodes_whose_calls_ran_on_tool_workers(ray_session, tmp_path):
-    config = load_config(TOOL_CALC, [
+    overrides = [
         f"output_dir={tmp_path}", "name=tools", "env.fn=tests.envs.tools_for_tests:CalculateThePrompt",
         "model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=128", "sft.steps=2",
         "sft.stop_at_accuracy=0", "rl.max_steps=2", "rl.batch_prompts=2", "rl.group_size=2",
         "rl.max_new_tokens=4", "env.max_tokens=40", "eval.max_rows=2", "eval.every_steps=0",
-        "eval.max_new_tokens=4", "data.train_size=64", "data.test_size=8", "wandb.mode=disabled"])
+        "eval.max_new_tokens=4", "data.train_size=64", "data.test_size=8", "wandb.mode=disabled"]
+    config = load_config(TOOL_CALC, overrides)
     summary = run_job(config)
     assert summary["status"] == "completed"
     rl = summary["rl"]
@@ -34,3 +36,8 @@ def test_tool_job_trains_on_episodes_whose_calls_ran_on_tool_workers(ray_session
         assert tools["decode_occupancy_while_waiting"] >= 1
     trained = [json.loads(line) for line in open(os.path.join(tmp_path, "tools", "trained.jsonl"))]
     assert len(trained) == 2
+
+    resumed = run_job(load_config(TOOL_CALC, [*overrides, "rl.max_steps=3", "resume=always"]))
+    assert resumed["status"] == "completed" and resumed["rl"]["steps"] == 3
+    ids = [i for line in open(os.path.join(tmp_path, "tools", "trained.jsonl")) for i in json.loads(line)["sample_ids"]]
+    assert len(ids) == len(set(ids)) == 3 * 2 * 2 and resumed["rl"]["tools"]["calculator/error_fraction"] == 0.0
