@@ -21,5 +21,12 @@ BUILTINS = {
     "verifiers_reward": reported_reward,  # the score the agent sent in the row (`rlp verifiers` episodes)
 }
 
+ROW_FIELDS = {  # the data-row fields a built-in reward reads, given its params: each training row must hold them
+    "exact_match": lambda params: [params.get("answer_key", "answer")] if params.get("response") in (
+        None, "completion") else [],  # a response field comes from the episode, not the data
+    "math_verify": lambda params: ["answer"],
+    "code_tests": lambda params: ["tests"],
+}
+
 for _name, _fn in BUILTINS.items():
     register(_name, _fn, source="built-in")

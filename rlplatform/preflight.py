@@ -102,7 +102,8 @@ def _check_vllm_lora(model, prefix: str, source: str) -> None:
 
 def check_data(config: JobConfig, source: str) -> None:
     """Each data file reads (a JSONL file line by line into JSON objects), holds rows, and every row has a
-    usable prompt: text under `prompt`, or `messages` of known roles with text content."""
+    usable prompt (text under `prompt`, or `messages` of known roles with text content) and the fields the
+    configured built-in rewards read (`answer`, `tests`, ...)."""
     data = config.data
     if data.kind not in ("jsonl", "hf"):
         return
@@ -133,6 +134,21 @@ def check_data(config: JobConfig, source: str) -> None:
     for key, path, rows in zip(keys, paths, splits):
         if not rows:
             raise ConfigError(f"{path}: no rows ('{key}' in {source}); each row needs 'prompt' or 'messages'")
+        _check_reward_fields(config, rows, path, source)
+
+
+def _check_reward_fields(config: JobConfig, rows, path: str, source: str) -> None:
+    """Every row holds the fields the job's built-in rewards read (a missing one would score 0 or fail late)."""
+    from rlplatform.rewards.builtins import ROW_FIELDS
+
+    needed = [(field, f"rewards[{i}] ({spec.name})") for i, spec in enumerate(config.rewards)
+              if spec.name in ROW_FIELDS for field in ROW_FIELDS[spec.name](spec.params)]
+    for row_number, row in enumerate(rows, 1):
+        for field, reward in needed:
+            if field not in row:
+                raise ConfigError(f"{path}: row {row_number} has no '{field}', which {reward} reads (fields: "
+                                  f"{sorted(row)}); add it, map it with data.answer_key, or change the reward "
+                                  f"(in {source})")
 
 
 def check_model(path: str, key: str, source: str) -> None:

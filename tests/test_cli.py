@@ -203,6 +203,8 @@ BAD_ROWS = {  # (file content, data.kind, what the one line says)
                      "row 1: 'messages' has role 'wizard'"),
     "not UTF-8, jsonl": (b'{"prompt": "caf\xe9"}\n', "jsonl", "not UTF-8 text"),
     "not UTF-8, hf": (b'{"prompt": "caf\xe9"}\n', "hf", "rows.jsonl"),
+    "no answer for the reward": (b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n', "jsonl",
+                                 "row 2 has no 'answer', which rewards[0] (exact_match) reads"),
 }
 
 
