@@ -1,14 +1,19 @@
 """Fault injection: small real jobs (a tiny Qwen2 built from config; real Ray, Redis and DeepSpeed)
 with faults injected at seeded random learner steps: SIGKILL of rollout workers, reward workers
 and the evaluator, SIGKILL of the job's embedded redis-server and an operator's restart of an
-external one, a learner rank's SIGKILL and a SIGTERM each followed by `rlp run --resume`, and
-malformed messages written into the reward queue's streams.
+external one, a learner rank's SIGKILL, a SIGTERM and a SIGKILL of the job's whole process group
+each followed by `rlp run --resume`, malformed messages written into the reward queue's streams, a
+flood of oversized and malformed requests on the OpenAI bridge, a same-name job started beside the
+live one (same run directory, and another directory on its Redis), and the only reward worker
+stopped with SIGSTOP.
 
 For each scenario it reports whether the job completed, samples lost, samples and prompts trained
-twice, prompts skipped and the recovery time of each fault (seconds from the fault until a
-learner step next ends), counted from what the run left: trained.jsonl (the sample ids and prompt
-positions of every step), the final checkpoint's prompt ledger and summary.json, each checked
-against the others.
+twice, prompts skipped, the recovery time of each fault (seconds from the fault until a learner
+step next ends), processes of a job run as a command left alive after it, and the alerts the job
+raised, counted from what the run left: trained.jsonl (the sample ids and prompt positions of
+every step), the final checkpoint's prompt ledger, events.jsonl and summary.json, each checked
+against the others; a fault whose injection saw something wrong (a refused start that was not
+refused, a bridge that answered a bad request or stopped serving) adds an accounting check.
 
 Usage: python benchmarks/faults.py [--steps 20] [--seed 0] [--only NAME ...] [--out benchmarks/results/faults.md]
 """
@@ -18,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import urllib.error
+import urllib.request
 import platform
 import random
 import signal
@@ -27,6 +34,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable, Dict, List, Optional
@@ -61,14 +69,15 @@ class Running:
 
 @dataclass
 class Fault:
-    """One injection: `inject(job)` once the job has trained `at_step` steps; it returns the time the
-    fault struck."""
+    """One injection: `inject(fault, job)` once the job has trained `at_step` steps; it returns the time the
+    fault struck, and notes in `fault.wrong` what it saw go wrong."""
     what: str
     at_step: int
-    inject: Callable[[Running], float]
+    inject: Callable[[Fault, Running], float]
     at: Optional[float] = None  # wall-clock time it was injected
     landed_step: Optional[int] = None  # steps trained when it was injected (at_step or later)
     recovery_s: Optional[float] = None  # until a learner step next ended
+    wrong: List[str] = field(default_factory=list)  # what the injection saw go wrong (none: as it should)
 
 
 class Progress(threading.Thread):
@@ -124,10 +133,10 @@ def actor_pid(name: str, not_pid: Optional[int] = None, timeout_s: float = 120.0
     raise TimeoutError(f"actor {name} is not alive")
 
 
-def kill_actor(name: str) -> Callable[[Running], float]:
+def kill_actor(name: str) -> Callable[[Fault, Running], float]:
     killed: List[int] = []
 
-    def inject(job: Running) -> float:
+    def inject(fault: Fault, job: Running) -> float:
         pid = actor_pid(name, killed[-1] if killed else None)
         os.kill(pid, signal.SIGKILL)
         killed.append(pid)
@@ -140,7 +149,7 @@ def job_redis_url(run_dir: str) -> str:
         return f.read().strip()
 
 
-def kill_embedded_redis(job: Running) -> float:
+def kill_embedded_redis(fault: Fault, job: Running) -> float:
     """SIGKILL the redis-server listening on the port of the job's Redis URL."""
     port = int(job_redis_url(job.run_dir).rsplit(":", 1)[1].split("/")[0])
     for process in psutil.process_iter(["name"]):
@@ -154,9 +163,9 @@ def kill_embedded_redis(job: Running) -> float:
     raise RuntimeError(f"no redis-server listens on port {port}")
 
 
-def restart_external_redis(server: EmbeddedRedis, down_s: float = 3.0) -> Callable[[Running], float]:
+def restart_external_redis(server: EmbeddedRedis, down_s: float = 3.0) -> Callable[[Fault, Running], float]:
     """An operator's restart: the server is killed, and started again `down_s` later on its port."""
-    def inject(job: Running) -> float:
+    def inject(fault: Fault, job: Running) -> float:
         os.kill(server.pid, signal.SIGKILL)
         struck = time.time()
         time.sleep(down_s)
@@ -165,10 +174,10 @@ def restart_external_redis(server: EmbeddedRedis, down_s: float = 3.0) -> Callab
     return inject
 
 
-def write_malformed(name: str) -> Callable[[Running], float]:
+def write_malformed(name: str) -> Callable[[Fault, Running], float]:
     """Malformed records into the requests stream (reward workers read them) and the results stream
     (the job reads them)."""
-    def inject(job: Running) -> float:
+    def inject(fault: Fault, job: Running) -> float:
         struck = time.time()
         client, keys = connect(job_redis_url(job.run_dir)), JobKeys(name)
         for payload in MALFORMED:
@@ -180,6 +189,133 @@ def write_malformed(name: str) -> Callable[[Running], float]:
     return inject
 
 
+def flood_bridge(requests: int = 240) -> Callable[[Fault, Running], float]:
+    """Oversized and malformed requests on rollout worker 0's OpenAI bridge, eight at a time; then a
+    well-formed one must be answered. A bad request answered 200 or 5xx, or not answered, is wrong."""
+    too_big = json.dumps({"model": "policy", "messages": [{"role": "user", "content": "7" * (2 << 20)}]}).encode()
+    bodies = [too_big, json.dumps({"messages": [{"role": "user", "content": "7" * 60000}], "max_tokens": 2}).encode(),
+              json.dumps({"messages": [{"role": "user", "content": "1+1="}], "n": 50000}).encode(),
+              b'{"messages": [{"role": "user", "content": "1+1="}], "temperature": NaN}',
+              b'{"messages": [{"role": "user", "content": "1+1="}], "max_tokens": 10000000}',
+              b"not json", b"[1, 2, 3]", b'{"messages": "hello"}', b'{"model": "other", "messages": []}']
+
+    def inject(fault: Fault, job: Running) -> float:
+        url = _bridge_url(job)
+        struck = time.time()
+        with ThreadPoolExecutor(8) as pool:
+            statuses = Counter(pool.map(lambda i: _post(url, bodies[i % len(bodies)]), range(requests)))
+        fault.what += f" ({', '.join(f'{n} x {status}' for status, n in sorted(statuses.items()))}, " \
+                      f"{time.time() - struck:.1f} s)"
+        if any(status == 200 or status >= 500 or status == 0 for status in statuses):
+            fault.wrong.append(f"the bridge answered bad requests {dict(statuses)}")
+        good = _post(url, json.dumps({"messages": [{"role": "user", "content": "1+1="}], "max_tokens": 2}).encode())
+        if good != 200:
+            fault.wrong.append(f"after the flood a good request got {good}")
+        return struck
+    return inject
+
+
+def _bridge_url(job: Running) -> str:
+    client = connect(job_redis_url(job.run_dir))
+    deadline = time.monotonic() + 60
+    while (url := client.hget(JobKeys(os.path.basename(job.run_dir)).status, "openai_bridge/policy/0")) is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError("rollout worker 0's bridge never appeared in the job status")
+        time.sleep(0.2)
+    return url.decode()
+
+
+def _post(url: str, body: bytes) -> int:
+    request = urllib.request.Request(f"{url}/chat/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return reply.status
+    except urllib.error.HTTPError as err:
+        return err.code
+    except (urllib.error.URLError, ConnectionError):  # no answer at all
+        return 0
+
+
+def start_beside(fault: Fault, job: Running) -> float:
+    """`rlp run` of the live job's config (written beside its run directory) twice: in its run directory, and
+    from another directory against its Redis. Each must refuse in one line (exit 2) and leave the live job's
+    files alone."""
+    config_path = f"{job.run_dir}.yaml"
+    struck = time.time()
+    recorded = os.path.join(job.run_dir, "config.yaml")
+    before = open(recorded).read()
+    elsewhere = os.path.join(os.path.dirname(job.run_dir), "elsewhere")
+    for where, extra in (("same directory", []), ("same Redis", [f"output_dir={elsewhere}",
+                                                                 f"redis.url={job_redis_url(job.run_dir)}"])):
+        second = subprocess.run([RLP, "run", config_path, *extra], cwd=REPO, env=_command_env(),
+                                capture_output=True, text=True, timeout=300)
+        said = second.stderr.strip()
+        if second.returncode != 2 or "\n" in said or not ("in use by a running job" in said or
+                                                           "is running on this Redis" in said):
+            fault.wrong.append(f"{where}: exit {second.returncode}: {said[-200:]}")
+    if open(recorded).read() != before:
+        fault.wrong.append("the live job's config.yaml was overwritten")
+    return struck
+
+
+def stop_reward_worker(name: str, stopped_s: float = 20.0) -> Callable[[Fault, Running], float]:
+    """SIGSTOP the reward worker actor `name` for `stopped_s`, then SIGCONT."""
+    def inject(fault: Fault, job: Running) -> float:
+        pid = actor_pid(name)
+        os.kill(pid, signal.SIGSTOP)
+        struck = time.time()
+        time.sleep(stopped_s)
+        os.kill(pid, signal.SIGCONT)
+        return struck
+    return inject
+
+
+def kill_process_group(fault: Fault, job: Running) -> float:
+    """SIGKILL every process of the job's process group (`rlp run` started in its own session)."""
+    os.killpg(job.pid, signal.SIGKILL)
+    return time.time()
+
+
+class ProcessTree(threading.Thread):
+    """`argv` run in its own session (so its process group is the job's), and every process it started
+    (its descendants, found every 0.5 s while it runs); `left` names those alive after it ended."""
+
+    def __init__(self, argv: List[str]) -> None:
+        super().__init__(daemon=True)
+        self.process = subprocess.Popen(argv, cwd=REPO, env=_command_env(), stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, start_new_session=True)
+        self.pid = self.process.pid
+        self.seen: Dict[int, psutil.Process] = {}
+        self.start()
+
+    def run(self) -> None:
+        root = psutil.Process(self.pid)
+        while self.process.poll() is None:
+            try:
+                for child in root.children(recursive=True):
+                    self.seen.setdefault(child.pid, child)
+            except psutil.NoSuchProcess:
+                return
+            time.sleep(0.5)
+
+    def left(self, timeout_s: float = 900.0, grace_s: float = 10.0) -> List[str]:
+        """Once the command ended: its descendants still alive `grace_s` later (psutil tells a reused pid apart)."""
+        self.process.wait(timeout=timeout_s)
+        self.join()
+        deadline = time.monotonic() + grace_s
+        while (alive := [p for p in self.seen.values() if _alive(p)]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return [f"{p.pid} {' '.join(p.cmdline()[:2])}" for p in alive if _alive(p)]
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 # running a scenario
 @dataclass
 class Scenario:
@@ -187,8 +323,9 @@ class Scenario:
     overrides: List[str]
     faults: Callable[[str, random.Random, int], List[Fault]]  # (job name, rng, steps) -> faults
     resume: bool = False  # the job ends at the fault; `rlp run --resume` continues it
-    in_process: bool = True  # else `rlp run` in its own process (SIGTERM goes to it)
+    in_process: bool = True  # else `rlp run` in its own process and session (a SIGTERM or SIGKILL goes to it)
     external_redis: bool = False
+    alert: Optional[str] = None  # the event kind the job must raise for the fault (events.jsonl)
 
 
 @dataclass
@@ -201,6 +338,8 @@ class Outcome:
     checks: List[str] = field(default_factory=list)  # accounting mismatches found
     restarts: Dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0
+    orphans: Optional[List[str]] = None  # processes of `rlp run` alive after it (None: run in this process)
+    alerts: Dict[str, int] = field(default_factory=dict)  # events.jsonl's alert kinds and counts
 
 
 def fault_steps(rng: random.Random, steps: int, count: int) -> List[int]:
@@ -220,15 +359,14 @@ def run_scenario(scenario: Scenario, out_dir: str, steps: int, seed: int) -> Out
         [Fault("external Redis restarted", s, restart_external_redis(server)) for s in fault_steps(rng, steps, 2)]
     progress = Progress(config.run_dir)
     progress.start()
-    start = time.time()
+    start, orphans = time.time(), None
     try:
         if scenario.in_process:
             _run_in_process(config, faults, progress)
         else:
-            _run_as_command(config, faults, progress, out_dir)
+            orphans = _run_as_command(config, faults, progress, out_dir)
         if scenario.resume:
-            subprocess.run([RLP, "run", "--resume", config.run_dir], cwd=REPO, env=_command_env(),
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+            orphans = (orphans or []) + ProcessTree([RLP, "run", "--resume", config.run_dir]).left()
     finally:
         progress.stop()
         if server:
@@ -237,15 +375,28 @@ def run_scenario(scenario: Scenario, out_dir: str, steps: int, seed: int) -> Out
         fault.recovery_s = progress.recovery(fault.at) if fault.at else None
     outcome = account(config, faults)
     outcome.wall_s = round(time.time() - start, 1)
+    outcome.orphans, outcome.alerts = orphans, _alerts(config.run_dir)
+    outcome.checks += [wrong for fault in faults for wrong in fault.wrong]
+    if orphans:
+        outcome.checks.append(f"{len(orphans)} processes outlived the job: {'; '.join(orphans)[:300]}")
+    if scenario.alert and not outcome.alerts.get(scenario.alert):
+        outcome.checks.append(f"no {scenario.alert} alert")
     return outcome
+
+
+def _alerts(run_dir: str) -> Dict[str, int]:
+    path = os.path.join(run_dir, "events.jsonl")
+    if not os.path.exists(path):
+        return {}
+    return dict(Counter(json.loads(line)["kind"] for line in open(path)))
 
 
 def _inject_all(faults: List[Fault], job: Running, progress: Progress, errors: List[BaseException]) -> None:
     try:
         for fault in faults:
             progress.wait_for(fault.at_step)
-            fault.at = fault.inject(job)
             fault.landed_step = progress.steps
+            fault.at = fault.inject(fault, job)
     except BaseException as err:  # reported with the scenario
         errors.append(err)
 
@@ -259,22 +410,28 @@ def _run_in_process(config: JobConfig, faults: List[Fault], progress: Progress) 
         run_job(config)
     except JobFailed:
         pass  # a learner rank's death: the summary says failed, and the scenario resumes
-    injector.join(timeout=5)
+    injector.join(timeout=120)  # an injection still under way when the job ended (it reports what it saw)
     if errors:
         raise RuntimeError(f"injection failed: {errors[0]}")
 
 
-def _run_as_command(config: JobConfig, faults: List[Fault], progress: Progress, out_dir: str) -> None:
+def _run_as_command(config: JobConfig, faults: List[Fault], progress: Progress, out_dir: str) -> List[str]:
+    """`rlp run` of `config` in its own session while `faults` strike it; returns its processes left alive."""
+    path = config_file(config, out_dir)
+    job = ProcessTree([RLP, "run", path])
+    errors: List[BaseException] = []
+    _inject_all(faults, Running(config.run_dir, job.pid), progress, errors)
+    left = job.left()
+    if errors:
+        raise RuntimeError(f"injection failed: {errors[0]}")
+    return left
+
+
+def config_file(config: JobConfig, out_dir: str) -> str:
     path = os.path.join(out_dir, f"{config.name}.yaml")
     with open(path, "w") as f:
         f.write(to_yaml(config))
-    job = subprocess.Popen([RLP, "run", path], cwd=REPO, env=_command_env(), stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
-    errors: List[BaseException] = []
-    _inject_all(faults, Running(config.run_dir, job.pid), progress, errors)
-    job.wait(timeout=600)
-    if errors:
-        raise RuntimeError(f"injection failed: {errors[0]}")
+    return path
 
 
 def _command_env() -> Dict[str, str]:
@@ -347,7 +504,7 @@ def _sigterm(job: str, rng: random.Random, steps: int) -> List[Fault]:
                   _terminate)]
 
 
-def _terminate(job: Running) -> float:
+def _terminate(fault: Fault, job: Running) -> float:
     os.kill(job.pid, signal.SIGTERM)
     return time.time()
 
@@ -369,24 +526,40 @@ SCENARIOS = [
              _kills("learner rank, then `rlp run --resume`", lambda job: [f"{job}-policy-learner-0"]),
              resume=True),
     Scenario("sigterm-resume", ["checkpoint.every_steps=3"], _sigterm, resume=True, in_process=False),
+    Scenario("process-group-kill-resume", ["checkpoint.every_steps=3"], lambda job, rng, steps: [
+        Fault("SIGKILL of `rlp run`'s process group, then `rlp run --resume`", fault_steps(rng, steps, 1)[0],
+              kill_process_group)], resume=True, in_process=False),
+    Scenario("bridge-flood", ["rollout.openai_bridge.enabled=true", "rollout.openai_bridge.port=0"],
+             lambda job, rng, steps: [Fault("240 oversized and malformed bridge requests", s, flood_bridge())
+                                      for s in fault_steps(rng, steps, 2)]),
+    Scenario("same-name-beside", [], lambda job, rng, steps: [
+        Fault("`rlp run` of the same name: same run directory, then same Redis", s, start_beside)
+        for s in fault_steps(rng, steps, 1)], in_process=False),
+    Scenario("reward-sigstop", ["reward_workers.num_workers=1", "monitoring.scoring_stall_s=10"],
+             lambda job, rng, steps: [Fault("SIGSTOP the only reward worker for 20 s", s,
+                                            stop_reward_worker(f"{job}-reward-0"))
+                                      for s in fault_steps(rng, steps, 1)], alert="scoring_stalled"),
 ]
 
 
 # the report
 def table(outcomes: List[Outcome]) -> List[str]:
     rows = ["| scenario | faults injected (at step) | completed | steps | samples trained | lost | trained twice "
-            "(samples / prompts) | prompts skipped | recovery s per fault | restarts | accounting checks |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "(samples / prompts) | prompts skipped | recovery s per fault | restarts | processes left | alerts | "
+            "accounting checks |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for o in outcomes:
         injected = "; ".join(f"{f.what} ({f.landed_step})" for f in o.faults if f.at is not None) or "none landed"
         recovery = ", ".join("no later step" if f.recovery_s is None else f"{f.recovery_s:g}"
                              for f in o.faults if f.at)
         restarts = ", ".join(f"{k} {v}" for k, v in o.restarts.items() if v) or "0"
         c = o.counts
+        left = "- (in process)" if o.orphans is None else str(len(o.orphans))
+        alerts = ", ".join(f"{kind} {n}" for kind, n in sorted(o.alerts.items())) or "none"
         rows.append(f"| {o.scenario} | {injected} | {'yes' if o.completed else 'NO'} | {o.steps} | "
                     f"{c['samples_trained']} | {c['samples_lost']} | {c['samples_trained_twice']} / "
-                    f"{c['prompts_trained_twice']} | {c['prompts_skipped']} | {recovery} | {restarts} | "
-                    f"{'; '.join(o.checks) or 'agree'} |")
+                    f"{c['prompts_trained_twice']} | {c['prompts_skipped']} | {recovery} | {restarts} | {left} | "
+                    f"{alerts} | {'; '.join(o.checks) or 'agree'} |")
     return rows
 
 
@@ -403,7 +576,11 @@ def write_report(outcomes: List[Outcome], path: str, command: str, wall_s: float
              "had closed their group); skipped: ledger positions issued but neither trained, dropped by a rule "
              "nor still in flight (open or queued for re-issue) at the end; recovery: seconds from the fault "
              "until a learner step next ended (for a resume, including the new process's start-up); restarts: "
-             "worker restarts the job counted (a restarted Redis is a `redis_restart` event instead).", "",
+             "worker restarts the job counted (a restarted Redis is a `redis_restart` event instead); processes "
+             "left: processes `rlp run` started (its descendants) still alive 10 s after it ended, for jobs run as a "
+             "command; alerts: the events the job logged (events.jsonl) by kind, over all its attempts; a fault's "
+             "own check (a start that should have refused, a bridge answering a bad request with 200 or 5xx, or "
+             "not answering a good one after the flood) is listed with the accounting checks.", "",
              *table(outcomes), ""]
     with open(path, "w") as f:
         f.write("\n".join(lines))
