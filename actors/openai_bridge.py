@@ -41,7 +41,7 @@ from rlplatform.actors.bridge_episodes import ChatRenderer, Episode, ExtensionEr
 from rlplatform.actors.engine import Completion, DecodeBatch, TransformersEngine
 from rlplatform.config import OpenAIBridgeConfig, RLConfig
 from rlplatform.preflight import is_loopback
-from rlplatform.transport.bridge_protocol import DISCARD_ROUTE, EPISODE_HEADER, FINISH_ROUTE
+from rlplatform.transport.bridge_protocol import DISCARD_ROUTE, EPISODE_HEADER, FINISH_ROUTE, bridge_status_field
 from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.samples import Sample
 
@@ -313,7 +313,7 @@ def serve_worker(engine: TransformersEngine, config: OpenAIBridgeConfig, rl: RLC
                           lambda samples: reward_queue.submit(samples, counters=counters), config, api_key)
     port = bridge.start(config.host, config.port + index if config.port else 0)
     host = ray.util.get_node_ip_address() if config.host in ("0.0.0.0", "::") else config.host
-    bridge.announce(reward_queue, f"openai_bridge/{policy}/{index}", f"http://{host}:{port}/v1")
+    bridge.announce(reward_queue, bridge_status_field(policy, index), f"http://{host}:{port}/v1")
     return bridge
 
 

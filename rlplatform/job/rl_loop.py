@@ -28,6 +28,7 @@ from rlplatform.job.workers import PolicyWorkers, publish
 from rlplatform.learners.algorithms import ADVANTAGE_ESTIMATORS, grpo_advantages
 from rlplatform.learners.group import TrainItem
 from rlplatform.monitoring.error_guard import RewardErrorGuard, Verdict
+from rlplatform.monitoring.job_status import SILENT_WORKERS
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.rl_monitor import RLMonitor
 from rlplatform.rewards.shaping import overlong_penalty
@@ -383,7 +384,7 @@ class WorkerWatch:
 
     def _show(self, listing: str) -> None:
         if self.metrics.status is not None:
-            self.metrics.status.set("silent_workers", listing)
+            self.metrics.status.set(SILENT_WORKERS, listing)
 
 
 def _start_loops(job: JobConfig, policies: List[PolicyWorkers], reward_actors: List, metrics: Metrics) -> Supervisor:

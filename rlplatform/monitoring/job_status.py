@@ -2,7 +2,7 @@
 
 The status hash `rlp:<job>:status` holds the fields of the console's progress line (stage,
 step, reward, accuracy, samples/s, queue depth, staleness, ETA), the workers gone silent (while
-any are) and when they were written.
+any are), the OpenAI bridges' URLs (while they serve) and when they were written.
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from typing import Dict
 
 import redis
 
+from rlplatform.transport.bridge_protocol import BRIDGE_STATUS_PREFIX
 from rlplatform.transport.reward_queue import JobKeys
 
 STATUS_TTL_S = 7 * 24 * 3600  # a finished job's status stays readable for a week
-KEPT_ACROSS_LINES = {"silent_workers"}  # fields set on their own (`set`), not part of a progress line
+SILENT_WORKERS = "silent_workers"
 
 
 class JobStatus:
@@ -29,7 +30,7 @@ class JobStatus:
         values = {k: str(v) for k, v in fields.items()}
         values["updated_at"] = f"{time.time():.3f}"
         stale = [k for k in map(bytes.decode, self.client.hkeys(self.key)) if k not in values and
-                 k not in KEPT_ACROSS_LINES]
+                 not _set_on_its_own(k)]
         pipe = self.client.pipeline(transaction=False)
         if stale:
             pipe.hdel(self.key, *stale)
@@ -46,6 +47,11 @@ class JobStatus:
 
     def read(self) -> Dict[str, str]:
         return {k.decode(): v.decode() for k, v in self.client.hgetall(self.key).items()}
+
+
+def _set_on_its_own(field: str) -> bool:
+    """Fields not part of a progress line: the silent workers (`set`) and the bridges' URLs (`announce`)."""
+    return field == SILENT_WORKERS or field.startswith(BRIDGE_STATUS_PREFIX)
 
 
 def format_status(fields: Dict[str, str], now: float) -> str:

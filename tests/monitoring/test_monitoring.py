@@ -20,6 +20,7 @@ from rlplatform.monitoring.job_status import JobStatus
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.rl_monitor import PROGRESS_EVERY_S, RLMonitor, TrailingRate
 from rlplatform.scheduling.buffer import Batch
+from rlplatform.transport.bridge_protocol import bridge_status_field
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.samples import ResultMeta, Sample, ScoredSample
 
@@ -106,9 +107,13 @@ def test_rlp_status_prints_a_jobs_progress_from_redis(redis_server, redis_client
     status = JobStatus(redis_client, "elsewhere")
     status.write({"stage": "sft", "step": "500/1500", "loss": 0.62})
     status.set("silent_workers", "reward worker 1")
+    bridge = bridge_status_field("policy", 0)
+    redis_client.hset(status.key, bridge, "http://127.0.0.1:8000/v1")  # as a rollout worker announces its bridge
     status.write({"stage": "rl", "step": "12/400", "reward": 0.5, "samples/s": 840})  # SFT's loss is gone
     assert "loss" not in status.read() and status.read()["silent_workers"] == "reward worker 1"
+    assert status.read()[bridge] == "http://127.0.0.1:8000/v1"  # shown while the bridge serves
     status.set("silent_workers", "")
+    redis_client.hdel(status.key, bridge)
     rlp = str(Path(sys.executable).parent / "rlp")
     env = dict(os.environ, RAY_ADDRESS="")
     shown = subprocess.run([rlp, "status", "--redis", redis_server, "--job", "elsewhere"],
