@@ -8,11 +8,12 @@ sequence per episode (`bridge_episodes.py`); `POST /v1/episodes/{id}/finish` wit
 turns it into a `Sample` for the reward queue, like any rollout; `DELETE /v1/episodes/{id}` drops it.
 
 Finished episodes are counted with the worker's generated samples and tokens (the policy's rollout
-stats), so the job's balance (generated = trained + dropped + unused) holds with them. They are not
-gated: the agent, not the worker, decides when an episode starts and which prompt it answers, so its
-group claims no staleness-gate capacity and takes no prompt from the ledger (there is no data position
-to re-issue). The staleness bound still holds where the learner takes batches: a group whose tokens
-are too old is dropped and counted as stale, and gives back no capacity, having claimed none.
+stats), so the job's balance (generated = trained + dropped + unused) holds with them. An agent's
+group enters the job's schedule when its first episode finishes (`admit`: the prompt ledger opens it
+and it claims staleness capacity like an issued group); while the staleness rule allows no more
+groups in play, that finish is answered 429 and the episode kept for the agent to finish again later.
+A group's ends (trained, dropped, expired) are the ledger's, as for any group; having no data
+position, it is never issued again.
 
 Requests are bounded (`rollout.openai_bridge`: prompt tokens, `max_tokens`, `n`, a finite temperature: 400;
 the body's size: 413; chat requests in progress at once: 429), all before any work is done,
@@ -88,11 +89,13 @@ class OpenAIBridge:
     """The endpoint of one rollout worker's engine for policy `policy`; `submit` queues finished episodes."""
 
     def __init__(self, engine: TransformersEngine, policy: str, chat_template: str, temperature: float,
-                 max_new_tokens: int, submit: Callable[[List[Sample]], None],
+                 max_new_tokens: int, submit: Callable[[List[Sample]], None], admit: Callable[[str], bool],
                  limits: OpenAIBridgeConfig = OpenAIBridgeConfig(), api_key: Optional[str] = None) -> None:
-        """`limits`: the request bounds of `rollout.openai_bridge`; `api_key`: the bearer token requests must
-        carry (None: any request is served)."""
+        """`admit(group)`: whether an agent's group is (now) in the job's schedule; `limits`: the request
+        bounds of `rollout.openai_bridge`; `api_key`: the bearer token requests must carry (None: any
+        request is served)."""
         self.policy, self.submit, self.limits, self.api_key = policy, submit, limits, api_key
+        self.admit_group = admit
         self.temperature, self.max_new_tokens = temperature, max_new_tokens  # the job's rl settings
         self.renderer = ChatRenderer(engine.tokenizer, chat_template)
         self.stop_ids = set(engine.stop_ids)
@@ -256,6 +259,11 @@ class OpenAIBridge:
         group, row = body.get("group", episode_id), body.get("row", {})
         if not isinstance(group, str) or not isinstance(row, dict):
             raise RequestError(400, "finish takes {\"group\": a string, \"row\": an object of the row's fields}")
+        self._held(episode_id)
+        if not await self._loop.run_in_executor(None, self.admit_group, group):
+            raise RequestError(429, f"group {group} cannot start: the job holds as many groups in play as "
+                                    "rl.max_staleness allows; finish this episode again later (it is kept)",
+                               "groups_full")
         episode = self._take(episode_id)
         sample = episode.sample(self.renderer, f"{group}/{episode_id}", group, self.policy, row, time.time())
         await self._loop.run_in_executor(None, self.submit, [sample])
@@ -270,13 +278,16 @@ class OpenAIBridge:
 
     def _take(self, episode_id: str) -> Episode:
         """The episode, removed from those held: it ends here (finished or dropped)."""
+        self._held(episode_id)
+        return self.episodes.pop(episode_id)
+
+    def _held(self, episode_id: str) -> None:
+        """Refuses an episode this worker does not hold, or whose turn is in progress."""
         if episode_id in self.busy_episodes:
             raise RequestError(409, f"episode {episode_id} has a request in progress", "episode_busy")
-        episode = self.episodes.pop(episode_id, None)
-        if episode is None:
+        if episode_id not in self.episodes:
             raise RequestError(404, f"no episode {episode_id} on this worker (never started, already ended, "
                                     "or a turn of it failed)", "episode_not_found")
-        return episode
 
     def _response(self, prompt_ids: List[int], completions: List[Completion], logprobs: bool) -> Dict:
         choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
@@ -299,10 +310,12 @@ class OpenAIBridge:
 
 
 def serve_worker(engine: TransformersEngine, config: OpenAIBridgeConfig, rl: RLConfig, policy: str, index: int,
-                 chat_template: str, reward_queue: RewardQueue, counters: str) -> Optional[OpenAIBridge]:
+                 chat_template: str, reward_queue: RewardQueue, counters: str,
+                 admit: Callable[[str], bool]) -> Optional[OpenAIBridge]:
     """Rollout worker `index`'s endpoint when `config` enables it, on port `config.port + index`; its URL
     is printed and shown by `rlp status` until it stops. Finished episodes are counted in `counters`
-    (the policy's rollout stats) as they enter the reward queue."""
+    (the policy's rollout stats) as they enter the reward queue; `admit` enters an agent's group into the
+    job's schedule."""
     if not config.enabled:
         return None
     api_key = os.environ.get(config.api_key_env) or None
@@ -310,7 +323,7 @@ def serve_worker(engine: TransformersEngine, config: OpenAIBridgeConfig, rl: RLC
         raise RuntimeError(f"rollout.openai_bridge listens on {config.host} but ${config.api_key_env} is not set "
                            "where the rollout workers run: set it to a secret key, or listen on 127.0.0.1")
     bridge = OpenAIBridge(engine, policy, chat_template, rl.temperature, rl.max_new_tokens,
-                          lambda samples: reward_queue.submit(samples, counters=counters), config, api_key)
+                          lambda samples: reward_queue.submit(samples, counters=counters), admit, config, api_key)
     port = bridge.start(config.host, config.port + index if config.port else 0)
     host = ray.util.get_node_ip_address() if config.host in ("0.0.0.0", "::") else config.host
     bridge.announce(reward_queue, bridge_status_field(policy, index), f"http://{host}:{port}/v1")

@@ -129,7 +129,8 @@ class RolloutWorker:
         open_groups: Dict[str, _OpenGroup] = {}
         in_flight = self.rollout.weight_swap == "in_flight"
         bridge = serve_worker(self.engine, self.rollout.openai_bridge, self.rl, self.policy, self.index,
-                              self.chat_template, self.queue, self.keys.rollout_stats)
+                              self.chat_template, self.queue, self.keys.rollout_stats,
+                              lambda group: self.schedule.admit(group, self.version))
         self.schedule.taken_over(self.index)  # after a restart: the groups a predecessor left unsubmitted
         while not self.queue.stop_requested():
             self.heartbeats.beat(self.label)

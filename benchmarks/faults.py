@@ -326,6 +326,7 @@ class Scenario:
     in_process: bool = True  # else `rlp run` in its own process and session (a SIGTERM or SIGKILL goes to it)
     external_redis: bool = False
     alert: Optional[str] = None  # the event kind the job must raise for the fault (events.jsonl)
+    steps: Optional[int] = None  # RL steps of its job, where a fault takes longer than --steps leave it
 
 
 @dataclass
@@ -348,7 +349,7 @@ def fault_steps(rng: random.Random, steps: int, count: int) -> List[int]:
 
 
 def run_scenario(scenario: Scenario, out_dir: str, steps: int, seed: int) -> Outcome:
-    name = scenario.name
+    name, steps = scenario.name, scenario.steps or steps
     server = EmbeddedRedis(os.path.join(out_dir, f"{name}-external-redis")).start() \
         if scenario.external_redis else None
     overrides = [f"output_dir={out_dir}", f"name={name}", *TINY, f"rl.max_steps={steps}", f"seed={seed}",
@@ -531,7 +532,7 @@ SCENARIOS = [
               kill_process_group)], resume=True, in_process=False),
     Scenario("bridge-flood", ["rollout.openai_bridge.enabled=true", "rollout.openai_bridge.port=0"],
              lambda job, rng, steps: [Fault("240 oversized and malformed bridge requests", s, flood_bridge())
-                                      for s in fault_steps(rng, steps, 2)]),
+                                      for s in fault_steps(rng, 60, 2)], steps=300),  # the job outlives both
     Scenario("same-name-beside", [], lambda job, rng, steps: [
         Fault("`rlp run` of the same name: same run directory, then same Redis", s, start_beside)
         for s in fault_steps(rng, steps, 1)], in_process=False),

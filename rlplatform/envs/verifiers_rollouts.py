@@ -31,6 +31,7 @@ from rlplatform.config import BRIDGE_KEY_ENV
 from rlplatform.transport.bridge_protocol import DISCARD_ROUTE, FINISH_ROUTE
 
 INSTALL_HINT = "the verifiers extra is not installed: pip install 'rlplatform[verifiers]'"
+FULL_RETRY_S = 0.5  # a finish the job refused for now (its groups in play are at the staleness bound) is sent again
 
 
 @dataclass
@@ -66,9 +67,15 @@ class BridgeClient:
                                   "the job with rollout.openai_bridge.enabled and use a URL it printed") from None
 
     async def finish(self, episode_id: str, group: str, row: Dict) -> None:
-        reply = await self.http.post(self.url + FINISH_ROUTE.format(episode_id=episode_id),
-                                     json={"group": group, "row": row})
-        reply.raise_for_status()
+        """Send the episode to the job; while the job holds as many groups in play as its staleness rule
+        allows (429), wait and send it again."""
+        while True:
+            reply = await self.http.post(self.url + FINISH_ROUTE.format(episode_id=episode_id),
+                                         json={"group": group, "row": row})
+            if reply.status_code != 429:
+                reply.raise_for_status()
+                return
+            await asyncio.sleep(FULL_RETRY_S)
 
     async def discard(self, episode_id: str) -> bool:
         """Drop the episode if the worker holds it (a rollout that failed before its first reply never started one)."""

@@ -167,8 +167,8 @@ class PolicyRun:
             self.buffer.forgotten = []
 
     def watch(self) -> None:
-        """Every few seconds: expire groups past rl.group_timeout_s: the ledger's since their claim (their
-        prompts are issued again), agents' bridge groups since their first finished episode."""
+        """Every few seconds: expire groups past rl.group_timeout_s since their claim (an issued group's prompt
+        is issued again; an agent's group claimed at its first finished episode has none)."""
         if time.monotonic() - self._last_watch < 2.0:
             return
         self._last_watch = time.monotonic()
@@ -177,10 +177,6 @@ class PolicyRun:
             if self.buffer.is_complete(group_id):
                 continue
             if self.schedule.expired(group_id):
-                self.buffer.expire(group_id)
-                self.counters.groups_expired += 1
-        for group_id in self.buffer.waiting_since(self.rl.group_timeout_s):
-            if not self.schedule.ledger.is_open(group_id):  # an agent's bridge group: no prompt to re-issue, no capacity
                 self.buffer.expire(group_id)
                 self.counters.groups_expired += 1
         self.counters.samples_dropped_expired = self.buffer.samples_expired

@@ -10,9 +10,8 @@ trained on; so are groups expired before they completed (a sample lost to dead l
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Set
+from typing import Dict, List, Set
 
 from rlplatform.scheduling.staleness import StalenessRule
 from rlplatform.transport.samples import ResultMeta
@@ -53,11 +52,9 @@ def group_version(group: Group) -> int:
 
 
 class GroupBuffer:
-    def __init__(self, group_size: int, clock: Callable[[], float] = time.monotonic) -> None:
-        """`clock`: seconds, for how long partial groups have waited (tests pass their own)."""
-        self.group_size, self.clock = group_size, clock
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
         self._partial: Dict[str, Group] = {}
-        self._began: Dict[str, float] = {}  # monotonic time each partial group's first sample arrived
         self._complete: List[Group] = []
         self._completed_ids: Set[str] = set()  # groups already complete: later redeliveries are ignored
         self._expired_ids: Set[str] = set()  # groups given up on: their late results are dropped
@@ -73,14 +70,12 @@ class GroupBuffer:
         if group_id in self._completed_ids:
             return  # a redelivered result of a group already complete
         group = self._partial.setdefault(group_id, [])
-        self._began.setdefault(group_id, self.clock())
         if any(s.sample_id == scored.sample_id for s in group):
             return  # a redelivered result: already counted
         group.append(scored)
         if len(group) == self.group_size:
             self._completed_ids.add(group_id)
             self._complete.append(self._partial.pop(group_id))
-            del self._began[group_id]
 
     def is_complete(self, group_id: str) -> bool:
         return group_id in self._completed_ids
@@ -89,14 +84,8 @@ class GroupBuffer:
         """Give up on an incomplete group: drop what arrived of it and whatever arrives later."""
         self._expired_ids.add(group_id)
         dropped = self._partial.pop(group_id, [])
-        self._began.pop(group_id, None)
         self.samples_expired += len(dropped)
         self.forgotten += [s.sample_id for s in dropped]
-
-    def waiting_since(self, timeout_s: float) -> List[str]:
-        """Partial groups whose first sample arrived more than `timeout_s` ago."""
-        cutoff = self.clock() - timeout_s
-        return [group_id for group_id, began in self._began.items() if began < cutoff]
 
     def held_samples(self) -> int:
         """Samples waiting here: in complete groups not yet taken and in groups still filling."""

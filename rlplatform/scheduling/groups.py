@@ -3,11 +3,12 @@
 A policy's rollout workers and its RL loop each hold a `GroupSchedule` over the same Redis state:
 the prompt ledger (which prompt each group answers, who holds it, how it ended) and the claim
 counter of the staleness rule (groups started, groups ended untrained). Its methods are the life's
-events: `issue` (capacity claimed, prompts taken), `submitted`, then one end: `trained`, `dropped`
-(with the reason), `expired` (prompt issued again), `taken_over` (a restarted worker's predecessor's
-groups, prompts issued again); `resume` continues from a checkpoint. Every end but `trained` gives
-the group's capacity back, once, and only if the ledger issued it (an agent's bridge group holds
-none). This module is the only one that claims or gives back capacity.
+events: `issue` (capacity claimed, prompts taken) or `admit` (an agent's group through the OpenAI
+bridge, capacity claimed at its first finished episode), `submitted`, then one end: `trained`,
+`dropped` (with the reason), `expired` (prompt issued again), `taken_over` (a restarted worker's
+predecessor's groups, prompts issued again); `resume` continues from a checkpoint. Every end but
+`trained` gives the group's capacity back, once, and only if the ledger holds it open. This module is
+the only one that claims or gives back capacity.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 import redis
 
-from rlplatform.scheduling.ledger import PromptLedger
+from rlplatform.scheduling.ledger import AGENT, PromptLedger
 from rlplatform.scheduling.staleness import StalenessRule
 from rlplatform.transport.reward_queue import PolicyKeys
 
@@ -46,14 +47,27 @@ class GroupSchedule:
         granted = int(self._claim(keys=[self._started, self._ended], args=[wanted, self.rule.groups_allowed(version)]))
         return self.ledger.issue(worker, granted)
 
+    def admit(self, group_id: str, version: int) -> bool:
+        """An agent's group enters the schedule (its first finished episode), claiming capacity as an issued
+        group does, by a worker holding weights of `version`; True once it is open (now or before), False
+        while the staleness rule allows no more groups in play (the agent tries again later)."""
+        if self.ledger.is_open(group_id):
+            return True
+        if not int(self._claim(keys=[self._started, self._ended], args=[1, self.rule.groups_allowed(version)])):
+            return False
+        if not self.ledger.admit(group_id):  # another worker admitted it meanwhile: one claim is enough
+            self._give_back(1)
+        return True
+
     def submitted(self, group_ids: List[str]) -> None:
         """These groups are in the reward queue: a restart of their worker no longer abandons them."""
         self.ledger.submitted(group_ids)
 
     def trained(self, group_id: str) -> Optional[int]:
-        """The learner trained on the group (its capacity stays used); its prompt position, or None
-        for a group the ledger did not hold open."""
-        return self.ledger.close(group_id, "trained")
+        """The learner trained on the group (its capacity stays used); its prompt position, or None for an
+        agent's group or one the ledger did not hold open."""
+        position = self.ledger.close(group_id, "trained")
+        return None if position == AGENT else position
 
     def dropped(self, group_id: str, reason: str) -> bool:
         """The group will never be trained (`reason`: a ledger outcome such as dropped_stale); True if it

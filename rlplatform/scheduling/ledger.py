@@ -1,9 +1,11 @@
 """The prompt ledger: every group a rollout worker starts, from issue to its end, kept on Redis.
 
 Rollout workers take prompts from it (`issue`: prompts a dead worker abandoned or an expired
-group held first, then the next positions of a seeded shuffle of the training rows); the RL loop
-closes each group once as trained, dropped, expired or abandoned. Its counts balance: issued = closed + still open.
-Its `state` goes into every checkpoint, so a resumed job re-issues what was in flight.
+group held first, then the next positions of a seeded shuffle of the training rows); an agent's
+group, played through the OpenAI bridge, enters it when its first episode finishes (`admit`: no
+data position, so nothing to issue again); the RL loop closes each group once as trained, dropped,
+expired or abandoned. Its counts balance: issued (admitted included) = closed + still open.
+Its `state` goes into every checkpoint, so a resumed job re-issues the prompts that were in flight.
 """
 
 from __future__ import annotations
@@ -16,6 +18,16 @@ from typing import Callable, Dict, List, Optional, Tuple
 import redis
 
 OUTCOMES = ("trained", "dropped_stale", "dropped_error", "dropped_zero_advantage", "expired", "abandoned")
+AGENT = -1  # the position an agent's group holds: none of the data's
+
+# KEYS: open, counts. ARGV: group, now. Opens an agent's group unless it is open; 1 if it opened it.
+_ADMIT = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], '-1 ' .. ARGV[2])
+redis.call('HINCRBY', KEYS[2], 'issued', 1)
+redis.call('HINCRBY', KEYS[2], 'admitted', 1)
+return 1
+"""
 
 # KEYS: reissue, cursor, seq, open, claimed, attempt, counts. ARGV: groups, worker, now, policy.
 _ISSUE = """
@@ -47,7 +59,7 @@ local prompt = string.match(entry, '^(%S+)')
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HINCRBY', KEYS[3], ARGV[2], 1)
-if ARGV[3] == '1' then redis.call('RPUSH', KEYS[4], prompt) end
+if ARGV[3] == '1' and prompt ~= '-1' then redis.call('RPUSH', KEYS[4], prompt) end
 return prompt
 """
 
@@ -96,6 +108,7 @@ class PromptLedger:
         self._issue = client.register_script(_ISSUE)
         self._close = client.register_script(_CLOSE)
         self._abandon = client.register_script(_ABANDON)
+        self._admit = client.register_script(_ADMIT)
 
     def issue(self, worker: int, groups: int) -> List[Tuple[str, int]]:
         """(group id, prompt position) for `groups` new groups claimed by rollout worker `worker`."""
@@ -105,14 +118,19 @@ class PromptLedger:
         flat = self._issue(keys=keys, args=[groups, worker, f"{self.clock():.3f}", self.policy])
         return [(_text(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
 
+    def admit(self, group_id: str) -> bool:
+        """Open an agent's group `group_id` (position `AGENT`); False when it is open already."""
+        return bool(self._admit(keys=[self.open, self.counts_key], args=[group_id, f"{self.clock():.3f}"]))
+
     def submitted(self, group_ids: List[str]) -> None:
         """These groups are in the reward queue now: a restart of their worker no longer abandons them."""
         if group_ids:
             self.client.hdel(self.claimed, *group_ids)
 
     def close(self, group_id: str, outcome: str, reissue: bool = False) -> Optional[int]:
-        """End a group as `outcome` (with `reissue`, its prompt is issued again); returns its prompt
-        position, or None when it had already ended (it counts once)."""
+        """End a group as `outcome` (with `reissue`, its prompt is issued again, an agent's group having none);
+        returns its prompt position (`AGENT` for an agent's group), or None when it had already ended (it
+        counts once)."""
         position = self._close(keys=[self.open, self.claimed, self.counts_key, self.reissue],
                                args=[group_id, outcome, int(reissue)])
         return int(position) if position is not None else None
@@ -122,7 +140,7 @@ class PromptLedger:
         return int(self._abandon(keys=[self.open, self.claimed, self.counts_key, self.reissue], args=[worker]))
 
     def is_open(self, group_id: str) -> bool:
-        """Whether the ledger issued `group_id` and it has not ended (agents' bridge groups it never issued)."""
+        """Whether the ledger issued or admitted `group_id` and it has not ended."""
         return bool(self.client.hexists(self.open, group_id))
 
     def overdue(self, timeout_s: float) -> List[str]:
@@ -132,7 +150,8 @@ class PromptLedger:
                 if float(entry.split()[1]) < cutoff]
 
     def counts(self) -> Dict[str, int]:
-        """issued, reissued, each outcome, and `open` (issued and not ended yet)."""
+        """issued, reissued, admitted (agents' groups, among the issued), each outcome, and `open` (issued and not
+        ended yet)."""
         stored, open_groups = self.client.pipeline(transaction=True).hgetall(self.counts_key).hlen(self.open).execute()
         return _counts(stored, open_groups)
 
@@ -145,7 +164,8 @@ class PromptLedger:
         counts = _counts(stored, len(entries))
         return {"cursor": int(cursor or 0), "seq": int(seq or 0),
                 "counts": {k: v for k, v in counts.items() if k != "open"}, "open": counts["open"],
-                "in_flight_prompts": [int(entry.split()[0]) for entry in entries] + [int(p) for p in reissue]}
+                "in_flight_prompts": [int(entry.split()[0]) for entry in entries if int(entry.split()[0]) != AGENT]
+                + [int(p) for p in reissue]}
 
     def restore(self, state: Dict, attempt: int) -> None:
         """Continue from a checkpoint's `state`: prompts in flight then are re-issued first."""
@@ -169,7 +189,8 @@ def balanced(counts: Dict[str, int]) -> bool:
 
 def _counts(stored: Dict, open_groups: int) -> Dict[str, int]:
     named = {_text(k): int(v) for k, v in stored.items()}
-    return {**{name: named.get(name, 0) for name in ("issued", "reissued", *OUTCOMES)}, "open": int(open_groups)}
+    return {**{name: named.get(name, 0) for name in ("issued", "reissued", "admitted", *OUTCOMES)},
+            "open": int(open_groups)}
 
 
 def _text(value) -> str:

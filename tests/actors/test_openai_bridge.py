@@ -57,7 +57,7 @@ def served(chat_policy, redis_server, redis_client, tmp_path, monkeypatch):
     rl = RLConfig(group_size=2, batch_prompts=1, max_staleness=0, max_new_tokens=4)
     limits = OpenAIBridgeConfig(enabled=True, port=0, max_prompt_tokens=200, max_tokens=16, max_n=4,
                                 max_body_bytes=65536, max_requests=6)
-    rollout = RolloutConfig(prompts_per_batch=2, openai_bridge=limits)
+    rollout = RolloutConfig(prompts_per_batch=2, openai_bridge=limits, source="bridge")  # it serves agents alone
     prompts = save_prompts(encode_prompts(load_tokenizer(chat_policy), [{"prompt": "1+1=", "answer": "2"}], "auto"),
                            str(tmp_path / "prompts.jsonl"))
     worker = RolloutWorker(RolloutSpec(0, "policy", job, chat_policy, prompts, redis_server, rl, rollout))
@@ -133,7 +133,16 @@ def test_a_two_turn_episode_is_one_trajectory_with_exact_tokens_and_mask(served)
         api.chat.completions.create(model="policy", messages=turn2, temperature=0.5)
     request = urllib.request.Request(f"{url}/episodes/ep-1/finish", method="POST", headers=AUTHORISED,
                                      data=json.dumps({"group": "task-7", "row": {"answer": "10"}}).encode())
+    # the group's admission claims staleness capacity: while none is left, the finish is refused and the
+    # episode kept; once a group in play ends, the same finish goes through
+    in_play = [group for group, _ in worker.schedule.issue(9, 100, version=VERSION)]  # (3 + 0 + 1) x 1
+    assert len(in_play) == 4
+    with pytest.raises(urllib.error.HTTPError, match="429") as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert json.loads(refused.value.read())["error"]["code"] == "groups_full"
+    assert worker.schedule.expired(in_play[0])
     finished = json.loads(urllib.request.urlopen(request, timeout=30).read())
+    assert worker.schedule.ledger.is_open("task-7") and worker.schedule.ledger.counts()["admitted"] == 1
     assert finished["sample_id"] == "task-7/ep-1"
     sample = next_sample(queue, "task-7")
 

@@ -1,7 +1,7 @@
 """Sample accounting at the end of an RL stage, on a real Redis: every untrained sample is counted
 where it sits (the group buffer, the results stream, the request stream, the dead letters) and
 attributed to its own policy, and samples cut from a trained group are counted as dropped; dropped
-groups give back staleness capacity only where they claimed it (issued by the ledger, not the OpenAI bridge's)."""
+groups give back the staleness capacity they claimed, agents' groups admitted through the OpenAI bridge included."""
 
 from __future__ import annotations
 
@@ -54,12 +54,14 @@ def test_samples_cut_from_a_trained_group_are_counted_as_dropped(redis_client):
     assert schedule.ledger.counts()["dropped_error"] == 0  # the group is trained, not ended as dropped
 
 
-def test_dropped_groups_give_back_only_the_capacity_they_claimed(redis_client):
+def test_dropped_groups_give_back_the_capacity_they_claimed(redis_client):
     rule = StalenessRule(max_staleness=1, batch_prompts=2)
     schedule = GroupSchedule(redis_client, f"accounting-{time.time_ns()}", "a", rule)
-    issued = [group_id for group_id, _ in schedule.issue(worker=0, wanted=4, version=0)]  # all (0 + 1 + 1) * 2
+    issued = [group_id for group_id, _ in schedule.issue(worker=0, wanted=3, version=0)]  # 3 of (0 + 1 + 1) * 2
+    assert schedule.admit("task-7", version=0)  # an agent's group, via the bridge: the fourth
+    assert not schedule.admit("task-8", version=0) and schedule.issue(worker=0, wanted=1, version=0) == []
     buffer = GroupBuffer(group_size=2)
-    for group in (issued[0], "task-7"):  # a generated group; "task-7" an agent's, via the bridge
+    for group in (issued[0], "task-7"):
         for i in range(2):
             buffer.add(ResultMeta.of(scored("a", group, i, reward=float(i))))
     batch = buffer.take(3, rule)  # version 0 at learner version 3: both too stale
@@ -67,8 +69,8 @@ def test_dropped_groups_give_back_only_the_capacity_they_claimed(redis_client):
     assert len(batch.dropped_stale) == 2
     _drop(batch, counters, schedule)
     assert counters.samples_dropped_stale == 4
-    assert schedule.ledger.counts()["dropped_stale"] == 1 and schedule.ledger.counts()["open"] == 3
-    assert len(schedule.issue(worker=0, wanted=4, version=0)) == 1  # the issued group's capacity alone came back
+    assert schedule.ledger.counts()["dropped_stale"] == 2 and schedule.ledger.counts()["open"] == 2
+    assert len(schedule.issue(worker=0, wanted=4, version=0)) == 2  # both groups' capacity came back
 
 
 def test_counters_with_reward_reasons_round_trip_through_a_checkpoint(tmp_path):

@@ -155,15 +155,3 @@ def test_an_expired_group_drops_what_arrived_and_what_arrives_later():
     assert buffer.samples_expired == 3 and buffer.held_samples() == 0 and not buffer.is_complete("lost")
     fill(buffer, "kept")
     assert buffer.held_samples() == 3 and buffer.is_complete("kept")
-
-
-def test_partial_groups_are_listed_once_waiting_longer_than_the_timeout():
-    now = [50.0]
-    buffer = GroupBuffer(group_size=2, clock=lambda: now[0])
-    buffer.add(scored("slow", 0))
-    fill(buffer, "done")
-    assert buffer.waiting_since(60.0) == []  # just began
-    now[0] += 0.05
-    assert buffer.waiting_since(0.01) == ["slow"]  # a complete group is never listed
-    buffer.expire("slow")
-    assert buffer.waiting_since(0.0) == [] and buffer.samples_expired == 1

@@ -59,10 +59,28 @@ def test_every_end_but_training_gives_capacity_back_once(redis_client, job):
     assert groups.issue(0, 1, version=0) == []
     assert groups.dropped(issued[1], "dropped_stale") and groups.expired(issued[2])
     assert not groups.dropped(issued[1], "dropped_error")  # already ended: counts once, frees nothing more
-    assert not groups.dropped("agent-bridge-g1", "dropped_error")  # never issued here: holds no capacity
+    assert not groups.dropped("agent-bridge-g1", "dropped_error")  # never issued or admitted: holds no capacity
     assert len(groups.issue(0, 10, version=0)) == 2
     counts = groups.ledger.counts()
     assert (counts["trained"], counts["dropped_stale"], counts["expired"], counts["dropped_error"]) == (1, 1, 1, 0)
+
+
+def test_an_agents_group_claims_capacity_once_at_admission_and_is_never_issued_again(redis_client, job):
+    from rlplatform.scheduling.ledger import balanced
+
+    groups, other_worker = schedule(redis_client, job), schedule(redis_client, job)
+    issued = [group_id for group_id, _ in groups.issue(0, 6, version=0)]  # 6 of (0 + 1 + 1) * 4
+    assert groups.admit("task-7", version=0) and other_worker.admit("task-7", version=0)  # once, by either worker
+    assert groups.admit("task-8", version=0)
+    assert not groups.admit("task-9", version=0) and groups.issue(0, 1, version=0) == []  # the bound holds for agents
+    assert groups.expired("task-7")  # its capacity back, and no prompt to issue again
+    assert [position for _, position in groups.issue(0, 1, version=0)] == [6]
+    assert groups.trained("task-8") is None and groups.ledger.counts()["trained"] == 1  # no data position
+    state = groups.ledger.state()
+    assert sorted(state["in_flight_prompts"]) == list(range(7))  # the data's prompts only
+    counts = groups.ledger.counts()
+    assert counts["admitted"] == 2 and counts["issued"] == 9 and balanced(counts)
+    assert issued and not groups.ledger.is_open("task-7")
 
 
 def test_a_restarted_worker_takes_over_its_predecessors_groups(redis_client, job):
