@@ -1,25 +1,73 @@
-"""A bridge-only job (`rollout.source: bridge`): its rollout workers generate nothing of their own, and
-with no agent calling, the stage ends by `rl.idle_timeout_s` with counts that balance."""
+"""A bridge-only job (`rollout.source: bridge`): its rollout workers generate nothing of their own. With
+no agent calling, the stage ends by `rl.idle_timeout_s` with counts that balance; with an agent, it
+trains on the agent's episodes alone, each group admitted through the prompt ledger, then ends when
+the agent stops, its counts balancing."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
+import urllib.request
 
 from rlplatform.job.controller import run_job
+from rlplatform.scheduling.ledger import balanced
+from rlplatform.transport.bridge_protocol import bridge_status_field
+from rlplatform.transport.redis_server import connect
+from rlplatform.transport.reward_queue import JobKeys
+
+BRIDGE_ONLY = ["rl.max_steps=100000", "rollout.source=bridge", "rl.idle_timeout_s=5",
+               "rollout.openai_bridge.enabled=true", "rollout.openai_bridge.port=0"]
+
+
+def run_watched(config) -> dict:
+    watchdog = threading.Timer(150.0, os.kill, (os.getpid(), signal.SIGTERM))  # were it never idle
+    watchdog.start()
+    try:
+        return run_job(config)
+    finally:
+        watchdog.cancel()
 
 
 def test_a_bridge_only_job_generates_nothing_itself_and_ends_when_idle(ray_session, tiny_job):
-    config = tiny_job("bridge-only", "rl.max_steps=100000", "rollout.source=bridge", "rl.idle_timeout_s=5",
-                      "rollout.openai_bridge.enabled=true", "rollout.openai_bridge.port=0")
-    watchdog = threading.Timer(120.0, os.kill, (os.getpid(), signal.SIGTERM))  # were it never idle
-    watchdog.start()
-    try:
-        summary = run_job(config)
-    finally:
-        watchdog.cancel()
+    summary = run_watched(tiny_job("bridge-only", *BRIDGE_ONLY))
     rl = summary["rl"]
     assert summary["status"] == "completed" and rl["ended_by"] == "idle_timeout"
     assert rl["samples_generated"] == 0 and rl["steps"] == 0 and rl["ledger"]["issued"] == 0
     assert rl["wall_s"] < 60
+
+
+def play(url: str, group: str, episode: str) -> None:
+    """One single-turn episode of an agent, finished into `group`."""
+    def post(path: str, body: dict, headers: dict) -> None:
+        request = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json", **headers})
+        urllib.request.urlopen(request, timeout=60).read()
+    post("/chat/completions", {"model": "policy", "messages": [{"role": "user", "content": "12+3="}]},
+         {"X-Episode-Id": episode})
+    post(f"/episodes/{episode}/finish", {"group": group, "row": {"answer": "15"}}, {})
+
+
+def test_a_bridge_only_job_trains_on_an_agents_groups_through_the_ledger(ray_session, tiny_job, run_files):
+    config = tiny_job("bridge-agent", *BRIDGE_ONLY, "rl.batch_prompts=2", "rl.group_size=4")
+    groups = [f"task-{k}" for k in range(4)]
+
+    def agent():
+        client = connect(run_files.redis_url(config.run_dir))
+        status = JobKeys(config.name).status
+        run_files.wait_for(lambda: client.hget(status, bridge_status_field("policy", 0)) is not None)
+        url = client.hget(status, bridge_status_field("policy", 0)).decode()
+        for group in groups:
+            for i in range(config.rl.group_size):
+                play(url, group, f"{group}-e{i}")
+    thread = threading.Thread(target=agent, daemon=True)
+    thread.start()
+    summary = run_watched(config)
+    thread.join(timeout=30)
+    rl = summary["rl"]
+    assert summary["status"] == "completed" and rl["ended_by"] == "idle_timeout" and rl["steps"] == 2
+    assert rl["ledger"]["admitted"] == rl["ledger"]["issued"] == 4 and rl["ledger"]["trained"] == 4
+    assert balanced(rl["ledger"]) and rl["samples_generated"] == rl["samples_trained"] == 16
+    trained = run_files.trained_ids(config.run_dir)
+    assert sorted({sample_id.split("/")[0] for sample_id in trained}) == groups  # the agent's, and only those
