@@ -179,6 +179,28 @@ def policy_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behavio
     }
 
 
+def parity_sums(learner_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
+                mask: torch.Tensor) -> Metrics:
+    """Engine-learner parity over the masked tokens (those sampled by the weights the learner scores them with):
+    their count, the sum and maximum of |learner - engine| log-prob, and the sum of the k3 estimate of
+    KL(engine || learner), exp(d) - 1 - d with d = learner - engine (the samples are the engine's)."""
+    masked = mask.bool()
+    gap = torch.where(masked, learner_logprobs.detach() - behaviour_logprobs.detach(), torch.zeros_like(mask))
+    return {"parity_tokens": masked.sum().to(gap.dtype), "parity_abs_sum": gap.abs().sum(),
+            "parity_abs_max": gap.abs().max(), "parity_k3_sum": (torch.expm1(gap) - gap).sum()}
+
+
+def parity_figures(metrics: Dict[str, float]) -> Dict[str, float]:
+    """`parity_sums` summed over a step as the step's figures: mean and max |Δ log-prob|, mean k3 and the
+    tokens measured (none: no figures)."""
+    tokens, abs_sum, k3_sum = (metrics.pop(k, 0.0) for k in ("parity_tokens", "parity_abs_sum", "parity_k3_sum"))
+    abs_max = metrics.pop("parity_abs_max", 0.0)
+    if not tokens:
+        return {}
+    return {"parity_abs_mean": abs_sum / tokens, "parity_abs_max": abs_max, "parity_k3": k3_sum / tokens,
+            "parity_tokens": tokens}
+
+
 def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, coef: float,
                   totals: Optional[Totals] = None) -> torch.Tensor:
     """Term to add to the loss: -coef x token-mean entropy (entropy per token, with grad)."""

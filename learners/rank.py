@@ -27,7 +27,8 @@ import torch
 
 from rlplatform.config import LearnerConfig, LoraConfig, RLConfig
 from rlplatform.devices import resolve_device, torch_dtype
-from rlplatform.learners.algorithms import Totals, entropy_bonus, policy_loss, sft_auxiliary_loss, token_mean
+from rlplatform.learners.algorithms import (Totals, entropy_bonus, parity_figures, parity_sums, policy_loss,
+                                            sft_auxiliary_loss, token_mean)
 from rlplatform.learners.batching import TokenScores, align_per_token, completion_logprobs
 from rlplatform.learners.budget import free_device_bytes, micro_batch_tokens
 from rlplatform.learners.flops import mfu, peak_flops
@@ -57,6 +58,7 @@ class MicroBatch:
     reference: Optional[torch.Tensor]  # (batch, T-1) under the frozen reference, when kept
     live: bool  # False: a stand-in so every rank runs the same passes; its loss counts 0
     token_mask: Optional[List[List[int]]] = None  # per completion token 1 trained, 0 an observation; None: all trained
+    current: Optional[torch.Tensor] = None  # (batch, T-1) 1 where the token was sampled by the weights at entry
 
 
 @dataclass
@@ -314,7 +316,7 @@ class LearnerRank:
         single_update = parts == 1 and rl.ppo_epochs == 1
         recompute_proximal = not single_update and stale > 0
         limit = rl.max_new_tokens if max_tokens is None else max_tokens
-        minibatches = self._plan(samples, advantages, parts, single_update, limit)
+        minibatches = self._plan(samples, advantages, parts, single_update, limit, step)
         reference = self.reference is not None and (rl.kl_coef > 0 or step % rl.reference_kl_every == 0)
         minibatches = [self._prepare(m, rl, recompute_proximal, reference) for m in minibatches]
         # the SFT rows, encoded and cut once for every update of the step
@@ -326,6 +328,7 @@ class LearnerRank:
                 _accumulate(sums, self._policy_update(minibatch, rl, sft))
                 grad_norms.append(self._grad_norm())
         metrics = self._global_mean(sums, rl.ppo_epochs * len(minibatches))
+        metrics.update(parity_figures(metrics))
         metrics.update(grad_norm=sum(grad_norms) / len(grad_norms), lr=self.engine.optimizer.param_groups[0]["lr"],
                        tokens=self._local_tokens(minibatches))
         model_tokens = rl.ppo_epochs * sum(len(p) + len(c) for m in minibatches for part in m.parts if part.live
@@ -333,7 +336,7 @@ class LearnerRank:
         return self._throughput(metrics, model_tokens, started)
 
     def _plan(self, samples: List[Sample], advantages: List[float], parts: int, single_update: bool,
-              max_tokens: int) -> List[Minibatch]:
+              max_tokens: int, step: int) -> List[Minibatch]:
         """This rank's minibatch j (its samples j::parts), each split into micro-batches of at most
         `micro_batch_tokens`, padded with stand-ins to the most micro-batches any rank has."""
         shares = [list(range(j, len(samples), parts)) for j in range(parts)]
@@ -346,27 +349,30 @@ class LearnerRank:
         minibatches = []
         for j, split in enumerate(splits):
             groups = split + [[]] * (int(counts[j]) - len(split))
-            micro = [self._micro_batch([samples[i] for i in g], [advantages[i] for i in g]) for g in groups]
+            micro = [self._micro_batch([samples[i] for i in g], [advantages[i] for i in g], step) for g in groups]
             minibatches.append(Minibatch(micro, Totals(sizes[2 * j], sizes[2 * j + 1]), single_update,
                                          max_tokens))
         return minibatches
 
-    def _micro_batch(self, samples: List[Sample], advantages: List[float]) -> MicroBatch:
-        """The samples' micro-batch; none: a one-token stand-in whose loss counts 0."""
+    def _micro_batch(self, samples: List[Sample], advantages: List[float], step: int) -> MicroBatch:
+        """The samples' micro-batch (which tokens version `step` sampled marked `current`); none: a one-token
+        stand-in whose loss counts 0."""
         live = bool(samples)
         token_mask = None
         if not live:
             pad = self.tokenizer.pad_token_id
-            prompts, completions, behaviour, advantages = [[pad]], [[pad]], [[0.0]], [0.0]
+            prompts, completions, behaviour, advantages, versions = [[pad]], [[pad]], [[0.0]], [0.0], [[-1]]
         else:
             prompts, completions = [s.prompt_ids for s in samples], [s.completion_ids for s in samples]
-            behaviour = [s.behaviour_logprobs for s in samples]
+            behaviour, versions = [s.behaviour_logprobs for s in samples], [s.token_versions for s in samples]
             if any(s.completion_mask for s in samples):  # multi-turn episodes: observation tokens are not trained
                 token_mask = [s.model_token_mask() for s in samples]
         width = max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1
         device = self.engine.device
+        current = align_per_token([[float(v == step) for v in vs] for vs in versions], prompts, width)
         return MicroBatch(prompts, completions, torch.tensor(advantages, dtype=torch.float32, device=device),
-                          align_per_token(behaviour, prompts, width).to(device), None, None, live, token_mask)
+                          align_per_token(behaviour, prompts, width).to(device), None, None, live, token_mask,
+                          current.to(device))
 
     @torch.no_grad()
     def _prepare(self, minibatch: Minibatch, rl: RLConfig, recompute_proximal: bool, reference: bool) -> Minibatch:
@@ -409,6 +415,8 @@ class LearnerRank:
         proximal = scores.logprobs.detach() if minibatch.proximal_is_current else part.proximal
         loss, metrics = policy_loss(scores.logprobs, proximal, part.behaviour, part.advantages, mask, rl.correction,
                                     rl.clip_eps, rl.is_cap, rl.loss_aggregation, minibatch.max_tokens, totals)
+        if proximal is not part.behaviour:  # the weights at entry scored the tokens: parity with the engine
+            metrics.update(parity_sums(proximal, part.behaviour, mask * part.current))
         if part.reference is not None:
             kl = token_mean(reference_kl(scores.logprobs, part.reference), mask, totals=totals)
             loss = loss + rl.kl_coef * kl

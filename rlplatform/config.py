@@ -292,14 +292,18 @@ class CheckpointConfig:
 
 @dataclass
 class AlertRule:
-    kind: str = one_of("reward_collapse", "no_progress", "reward_errors", "queue_backlog")  # what the rule watches
-    threshold: float = at_least(0.5, 0)  # collapse: fraction of the best reward; no_progress: minutes; errors: fraction; backlog: requests
+    kind: str = one_of("reward_collapse", "no_progress", "reward_errors", "queue_backlog", "parity")  # what the rule watches
+    threshold: float = at_least(0.5, 0)  # collapse: fraction of the best reward; no_progress: minutes; errors: fraction; backlog: requests; parity: mean |Δ log-prob|
     window: int = at_least(20, 1)  # learner steps the rule averages over
+
+
+PARITY_LIMIT = 0.05  # mean |Δ log-prob| between engine and learner on same-weights tokens (README: Monitoring)
 
 
 def _default_alerts() -> List[AlertRule]:
     return [AlertRule("reward_collapse", 0.5, 20), AlertRule("no_progress", 10.0, 1),
-            AlertRule("reward_errors", 0.1, 20), AlertRule("queue_backlog", 5000.0, 20)]
+            AlertRule("reward_errors", 0.1, 20), AlertRule("queue_backlog", 5000.0, 20),
+            AlertRule("parity", PARITY_LIMIT, 1)]
 
 
 @dataclass

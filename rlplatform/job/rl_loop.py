@@ -284,6 +284,7 @@ class PolicyRun:
             "learner_step_s": round(self.counters.learner_busy_s, 2),
             "weight_publish_s": summary["weight_publish_s"], "weight_sync_s": summary["weight_sync_s"]}
         summary["eval_history"] = self.monitor.eval_history
+        summary["parity"] = self.monitor.parity_totals()
         summary["ledger"] = self.schedule.ledger.counts()
         summary["first_step_at"] = self.first_step_at
         summary["ended_by"] = "max_steps" if self.version >= self.rl.max_steps else \

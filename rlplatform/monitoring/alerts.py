@@ -1,5 +1,7 @@
 """Alert rules over the RL stage's per-step figures: reward collapse, no learner progress,
-reward errors, a growing reward-queue backlog.
+reward errors, a growing reward-queue backlog, and engine-learner parity (the rollout engine's
+log-probs against the learner's on tokens of the same weights: a weight sync that did not fully
+load, or numerics that drifted apart).
 
 `AlertRules.check` is pure: it takes one step's figures and returns the alerts that start
 firing at that step. A rule fires once and re-arms when its condition clears. The monitor
@@ -31,6 +33,7 @@ class StepFigures:
     error_fraction: float
     queue_depth: int
     seconds_since_progress: float
+    parity: Optional[Dict[str, float]] = None  # abs_mean, abs_max, k3, tokens; None: not measured this step
 
 
 class AlertRules:
@@ -69,6 +72,8 @@ class AlertRules:
         window = self._window(rule)
         if rule.kind == "no_progress":
             return _stall(rule, figures.seconds_since_progress)
+        if rule.kind == "parity":
+            return _parity(rule, figures)
         if len(window) < rule.window:
             return None
         if rule.kind == "reward_collapse":
@@ -88,6 +93,18 @@ class AlertRules:
             return (f"reward collapsed: mean {mean:.3f} over the last {rule.window} steps is below "
                     f"{rule.threshold:g} x the best {self.best_reward:.3f}")
         return None
+
+
+def _parity(rule: AlertRule, figures: StepFigures) -> Optional[str]:
+    """A step whose engine and learner log-probs differ by more than the threshold on average (|Δ|), on tokens
+    the learner scored with the weights that sampled them."""
+    parity = figures.parity
+    if parity is None or parity["abs_mean"] <= rule.threshold:
+        return None
+    return (f"engine and learner disagree on tokens of the same weights at step {figures.step}: mean |Δ log-prob| "
+            f"{parity['abs_mean']:.4f} (max {parity['abs_max']:.3f}, k3 KL {parity['k3']:.4f}, "
+            f"{parity['tokens']:.0f} tokens; limit {rule.threshold:g}): a weight sync that did not load every "
+            "tensor, or the engine's numerics")
 
 
 def _stall(rule: AlertRule, seconds_since_progress: float) -> Optional[str]:

@@ -5,8 +5,10 @@ Families (logged as `<policy>/<family>/<name>`): `learning` (losses, KL, entropy
 importance weights, grad norm, lr, response length), `rewards` (total, each component, error,
 timeout and filter fractions, zero-advantage groups, samples scored so far per reward reason), `async` (version, staleness, drops,
 weight sync, busy fractions, queue depth, reward latency, throughput), `eval` (held-out pass@1
-as accuracy, reward mean and components), `samples` (a table of completions every
-`monitoring.samples_every` steps) and, with a multi-turn `env`, `tools` (`tool_metrics`).
+as accuracy, reward mean and components), `parity` (engine against learner on the tokens sampled by
+the weights the learner scored them with: mean and max |Δ log-prob|, k3 KL, tokens; a numerical gap,
+apart from staleness), `samples` (a table of completions every `monitoring.samples_every` steps)
+and, with a multi-turn `env`, `tools` (`tool_metrics`).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class RLMonitor:
         self.decode_slots = rollout.prompts_per_batch * rl.group_size  # a worker's decode batch at its fullest
         self._learner_busy_s = 0.0
         self._first_version = 0  # the version the stage started from (a resumed one's)
+        self._parity: List[Dict[str, float]] = []  # each step's parity figures, where it measured any
 
     def _worker_counters(self) -> Dict[str, float]:
         rollout = self.queue.counters(self.keys.rollout_stats)
@@ -96,12 +99,16 @@ class RLMonitor:
         families["async"]["learner_mfu"] = learner_metrics.get("mfu", 0.0)
         if self.config.env.multi_turn:
             families["tools"] = self._tools()
+        parity = {k[len("parity_"):]: v for k, v in learner_metrics.items() if k.startswith("parity_")}
+        if parity:
+            families["parity"] = parity
+            self._parity.append(parity)
         if self.config.monitoring.samples_every and version % self.config.monitoring.samples_every == 0:
             families["samples"] = {"table": self._samples_table(version, batch)}
         self.metrics.log_rl(self.policy, families, self._axes(version))
         self.last_step = time.perf_counter()
         figures = StepFigures(version, families["rewards"]["total"], families["rewards"]["error_fraction"],
-                              families["async"]["queue_depth"], 0.0)
+                              families["async"]["queue_depth"], 0.0, parity or None)
         for alert in self.alerts.check(figures):
             self.metrics.event(alert.kind, alert.message, alert.step)
         if version % self.rl.log_every == 0 or version == self.rl.max_steps or self._line_due(self.last_step):
@@ -133,6 +140,15 @@ class RLMonitor:
         logged = {k: v for k, v in figures.items() if isinstance(v, float)}
         logged.update({f"component/{k}": v for k, v in figures["components"].items()})
         self.metrics.log_rl(self.policy, {"eval": {**logged, "policy_version": version}}, self._axes(version))
+
+    def parity_totals(self) -> Dict[str, float]:
+        """The stage's parity: the mean of its steps' mean |Δ log-prob| and k3, the largest |Δ|, steps measured."""
+        if not self._parity:
+            return {"steps_measured": 0}
+        steps = len(self._parity)
+        return {"abs_mean": sum(p["abs_mean"] for p in self._parity) / steps,
+                "abs_max": max(p["abs_max"] for p in self._parity),
+                "k3": sum(p["k3"] for p in self._parity) / steps, "steps_measured": steps}
 
     def _axes(self, version: int) -> Dict[str, float]:
         return {"learner_step": version, "samples_seen": self.samples_seen,

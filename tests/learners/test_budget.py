@@ -61,7 +61,7 @@ def test_the_default_config_splits_a_large_minibatch(ray_session, tiny_policy):
             <= micro_batch_tokens(int(available * 1.25), params, model_config, 4, False)
         # a minibatch of 2.5 budgets is cut into 3 micro-batches of at most the budget each
         samples = long_samples(count=5 * budget // 2 // 512, tokens=512)
-        minibatches = ray.get(learner.ranks[0]._plan.remote(samples, [1.0] * len(samples), 1, True, 512))
+        minibatches = ray.get(learner.ranks[0]._plan.remote(samples, [1.0] * len(samples), 1, True, 512, 0))
         sizes = [sum(len(p) + len(c) for p, c in zip(part.prompts, part.completions)) for part in minibatches[0].parts]
         assert len(sizes) == 3 and max(sizes) <= budget and sum(sizes) == len(samples) * 512
 
