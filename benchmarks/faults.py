@@ -392,25 +392,31 @@ def _alerts(run_dir: str) -> Dict[str, int]:
     return dict(Counter(json.loads(line)["kind"] for line in open(path)))
 
 
-def _inject_all(faults: List[Fault], job: Running, progress: Progress, errors: List[BaseException]) -> None:
+def _inject_all(faults: List[Fault], job: Running, progress: Progress, errors: List[BaseException],
+                ended: Optional[threading.Event] = None) -> None:
+    """Each fault once the job reaches its step; a failure after the job `ended` is a fault that did not land."""
     try:
         for fault in faults:
             progress.wait_for(fault.at_step)
             fault.landed_step = progress.steps
             fault.at = fault.inject(fault, job)
     except BaseException as err:  # reported with the scenario
-        errors.append(err)
+        if ended is None or not ended.is_set():
+            errors.append(err)
 
 
 def _run_in_process(config: JobConfig, faults: List[Fault], progress: Progress) -> None:
     errors: List[BaseException] = []
+    ended = threading.Event()
     injector = threading.Thread(target=_inject_all, args=(faults, Running(config.run_dir, os.getpid()), progress,
-                                                          errors), daemon=True)
+                                                          errors, ended), daemon=True)
     injector.start()
     try:
         run_job(config)
     except JobFailed:
         pass  # a learner rank's death: the summary says failed, and the scenario resumes
+    finally:
+        ended.set()
     injector.join(timeout=120)  # an injection still under way when the job ended (it reports what it saw)
     if errors:
         raise RuntimeError(f"injection failed: {errors[0]}")
