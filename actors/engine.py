@@ -13,6 +13,7 @@ with peft adapters, as the learner does, and each update loads the adapters alon
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Hashable, List, Optional, Protocol, Sequence, Tuple
 
@@ -63,12 +64,30 @@ class GenerationEngine(Protocol):
 
 def build_engine(rollout: RolloutConfig, model_path: str, dtype: str, seed: int,
                  lora: Optional[LoraConfig] = None) -> GenerationEngine:
-    """The engine `rollout.engine` names; vLLM is imported only when it is the one."""
-    if rollout.engine == "vllm":
+    """The engine `rollout.engine` names (`engine_kind`); vLLM is imported only when it is the one."""
+    if engine_kind(rollout, lora, dtype) == "vllm":
         from rlplatform.actors.vllm_engine import VLLMEngine
 
         return VLLMEngine(model_path, dtype, rollout.gpu_memory_utilization, seed, lora)
     return TransformersEngine(model_path, rollout.device, dtype, lora, rollout.prefill_tokens)
+
+
+def engine_kind(rollout: RolloutConfig, lora: Optional[LoraConfig], dtype: str) -> str:
+    """`rollout.engine` made concrete in this process: `auto` is vllm where the vllm package is installed, this
+    process sees a CUDA GPU that `rollout.device` does not rule out, and vLLM's LoRA layers take the adapters
+    (if any); transformers otherwise."""
+    if rollout.engine != "auto":
+        return rollout.engine
+    from rlplatform.actors.vllm_engine import MAX_LORA_RANKS
+
+    adapters_fit = lora is None or not lora.enabled or (lora.rank <= MAX_LORA_RANKS[-1] and dtype != "float32")
+    return choose_engine(torch.cuda.is_available() and rollout.device != "cpu",
+                         importlib.util.find_spec("vllm") is not None, adapters_fit)
+
+
+def choose_engine(cuda: bool, vllm_installed: bool, adapters_fit: bool) -> str:
+    """`rollout.engine: auto`'s rule: vllm where it can run the policy, transformers otherwise."""
+    return "vllm" if cuda and vllm_installed and adapters_fit else "transformers"
 
 
 class BatchGenerate:

@@ -161,7 +161,7 @@ class RolloutConfig:
     device: str = one_of("auto", "cpu", "cuda")  # auto: the GPU Ray assigns the worker when the cluster has GPUs, else CPU
     num_gpus: Optional[float] = at_least(None, 0)  # Ray GPUs per worker (fractions share one); unset: 1 on a GPU device, else 0
     resources: Dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker (and the evaluator), e.g. {rollout_node: 1} places them on nodes started with that resource
-    engine: str = one_of("transformers", "vllm")  # transformers: CPU or GPU; vllm: vLLM on the worker's GPU (the vllm extra)
+    engine: str = one_of("auto", "transformers", "vllm")  # auto: vllm where it is installed and the worker has a CUDA GPU, else transformers; transformers: CPU or GPU; vllm: vLLM on the worker's GPU (the vllm extra)
     prefill_tokens: int = at_least(8192, 1)  # transformers engine: padded prompt tokens per prefill forward; more waiting prompts prefill in chunks
     gpu_memory_utilization: float = above(0.5, 0)  # vllm: fraction of the GPU's memory vLLM takes for weights and KV cache
     openai_bridge: OpenAIBridgeConfig = field(default_factory=OpenAIBridgeConfig)  # agents sample trainable episodes over HTTP

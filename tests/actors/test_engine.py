@@ -127,3 +127,16 @@ def test_prefill_runs_in_chunks_of_the_token_budget_and_decodes_as_in_one(tiny_p
         for x, y in zip(a, b):
             assert x.prompt_ids == y.prompt_ids and x.completion_ids == y.completion_ids
             torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=0)
+
+
+def test_the_auto_engine_is_vllm_only_where_it_can_run_the_policy():
+    from rlplatform.actors.engine import choose_engine, engine_kind
+    from rlplatform.config import LoraConfig, RolloutConfig
+
+    assert choose_engine(cuda=True, vllm_installed=True, adapters_fit=True) == "vllm"
+    for cuda, installed, fit in [(False, True, True), (True, False, True), (True, True, False), (False, False, False)]:
+        assert choose_engine(cuda, installed, fit) == "transformers"
+    assert RolloutConfig().engine == "auto"
+    assert engine_kind(RolloutConfig(), None, "float32") == "transformers"  # this machine: no CUDA GPU
+    assert engine_kind(RolloutConfig(engine="vllm"), LoraConfig(enabled=True), "float32") == "vllm"  # as asked
+    assert engine_kind(RolloutConfig(engine="transformers", device="cuda"), None, "bfloat16") == "transformers"
