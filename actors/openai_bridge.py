@@ -24,6 +24,7 @@ bridge that listens beyond the loopback interface will not start without one.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import itertools
 import math
@@ -108,6 +109,7 @@ class OpenAIBridge:
         self._runner: Optional[web.AppRunner] = None
         self._thread: Optional[threading.Thread] = None
         self._announced: Optional[Tuple[RewardQueue, str]] = None  # (queue, job status field) naming the URL
+        self.url: Optional[str] = None  # where it serves, once announced
         self._in_progress = 0  # chat requests being answered (server thread only)
 
     # the worker loop's side
@@ -158,7 +160,7 @@ class OpenAIBridge:
     def announce(self, reward_queue: RewardQueue, name: str, url: str) -> None:
         """Print `url` and show it as field `name` of the job status (`rlp status`) until `stop`."""
         reward_queue.client.hset(reward_queue.keys.status, name, url)
-        self._announced = (reward_queue, name)
+        self._announced, self.url = (reward_queue, name), url
         print(f"{name}: OpenAI-compatible endpoint at {url}", flush=True)
 
     def stop(self) -> None:
@@ -311,13 +313,16 @@ class OpenAIBridge:
 
 def serve_worker(engine: TransformersEngine, config: OpenAIBridgeConfig, rl: RLConfig, policy: str, index: int,
                  chat_template: str, reward_queue: RewardQueue, counters: str,
-                 admit: Callable[[str], bool]) -> Optional[OpenAIBridge]:
-    """Rollout worker `index`'s endpoint when `config` enables it, on port `config.port + index`; its URL
+                 admit: Callable[[str], bool], taskset: bool = False) -> Optional[OpenAIBridge]:
+    """Rollout worker `index`'s endpoint when `config` enables it, on port `config.port + index` (a free one
+    on loopback when it is off but `taskset` asks for one: the worker's own player of a taskset); its URL
     is printed and shown by `rlp status` until it stops. Finished episodes are counted in `counters`
     (the policy's rollout stats) as they enter the reward queue; `admit` enters an agent's group into the
     job's schedule."""
     if not config.enabled:
-        return None
+        if not taskset:
+            return None
+        config = dataclasses.replace(config, enabled=True, host="127.0.0.1", port=0)
     api_key = os.environ.get(config.api_key_env) or None
     if api_key is None and not is_loopback(config.host):
         raise RuntimeError(f"rollout.openai_bridge listens on {config.host} but ${config.api_key_env} is not set "

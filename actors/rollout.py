@@ -8,7 +8,9 @@ Prompts are read as token ids from the file the controller saved, and the weight
 name, so a worker Ray restarts gets both again with none of its constructor arguments held in the
 object store. Prompts are drawn in seeded epochs, each worker its own share of an epoch.
 With a multi-turn `env`, each completion is an episode (`episodes.MultiTurn`) whose tool calls
-run on tool workers while the batch decodes other episodes.
+run on tool workers while the batch decodes other episodes. With `env.kind: verifiers` the worker
+plays a taskset's tasks through its own OpenAI bridge instead of drawing data prompts
+(`envs.taskset_source`), and evaluates on the taskset's held-out tasks.
 The spare worker the job keeps for evaluation scores held-out completions with the job's rewards.
 Its counters (samples, tokens, weight syncs, generation, submit and weight-sync seconds, the decode batch
 while episodes wait on tools) live on Redis, in the policy's
@@ -17,7 +19,9 @@ while episodes wait on tools) live on Redis, in the policy's
 
 from __future__ import annotations
 
+import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Dict, Hashable, List, Optional, Tuple
 
@@ -26,10 +30,11 @@ import torch
 
 from rlplatform.actors.engine import Completion, ContinuousBatch, build_engine
 from rlplatform.actors.episodes import MultiTurn, SingleTurn, WaitOccupancy, run_episodes
-from rlplatform.actors.openai_bridge import serve_worker
+from rlplatform.actors.openai_bridge import OpenAIBridge, serve_worker
 from rlplatform.actors.rollout_spec import RolloutSpec
 from rlplatform.config import EvalConfig, RewardSpec
 from rlplatform.envs.rendering import Renderer
+from rlplatform.envs.taskset_source import TasksetPlayer, play_held_out
 from rlplatform.monitoring.evaluation import evaluation_figures
 from rlplatform.priority import set_cpu_priority
 from rlplatform.rewards.registry import resolve
@@ -130,8 +135,9 @@ class RolloutWorker:
         in_flight = self.rollout.weight_swap == "in_flight"
         bridge = serve_worker(self.engine, self.rollout.openai_bridge, self.rl, self.policy, self.index,
                               self.chat_template, self.queue, self.keys.rollout_stats,
-                              lambda group: self.schedule.admit(group, self.version))
+                              lambda group: self.schedule.admit(group, self.version), self.env.plays_taskset)
         self.schedule.taken_over(self.index)  # after a restart: the groups a predecessor left unsubmitted
+        player = self._taskset_player(bridge, capacity)
         while not self.queue.stop_requested():
             self.heartbeats.beat(self.label)
             if in_flight or not batch:
@@ -139,8 +145,10 @@ class RolloutWorker:
             if self.version < 0:
                 time.sleep(0.05)
                 continue
+            if player is not None and player.error is not None:
+                raise player.error
             free = capacity - len(open_groups)
-            if self.rollout.source == "dataset" and free >= max(1, capacity // 4) and \
+            if self.rollout.source == "dataset" and player is None and free >= max(1, capacity // 4) and \
                     (in_flight or not self._newer_published()):
                 self._admit(batch, open_groups, free)
             if bridge is not None and (in_flight or not self._newer_published()):
@@ -159,9 +167,20 @@ class RolloutWorker:
             samples = self._close_groups(open_groups, finished)
             if samples:
                 self._submit(samples)
+        if player is not None:
+            player.stop()
         if bridge is not None:
             bridge.stop()
         self._flush_counts()
+
+    def _taskset_player(self, bridge: Optional[OpenAIBridge], groups_at_once: int) -> Optional[TasksetPlayer]:
+        """With `env.kind: verifiers`, this worker's player of the taskset, started."""
+        if not self.env.plays_taskset:
+            return None
+        player = TasksetPlayer(self.env, bridge.url, self.schedule, self.index, self.rl.group_size, groups_at_once,
+                               self.seed, lambda: self.version)
+        player.start()
+        return player
 
     def _flush_counts(self) -> None:
         """Generation time and wait counts since the last submit, which would otherwise be lost at the stop."""
@@ -249,6 +268,10 @@ class RolloutWorker:
             import_modules(imports)
             self._scorer = Scorer(resolve(rewards))
         temperature = 0.0 if config.greedy else config.temperature
+        if self.env.plays_taskset:
+            samples = self._play_held_out(config, temperature)
+            return evaluation_figures(self._scorer.score(samples), config.samples_per_prompt, self._scorer.rewards,
+                                      config.pass_reward)
         samples, now = [], time.time()
         for start in range(0, len(prompts), config.batch_size):
             chunk = prompts[start:start + config.batch_size]
@@ -263,6 +286,29 @@ class RolloutWorker:
                             for j, c in enumerate(completions)]
         scored = self._scorer.score(samples) if samples else []
         return evaluation_figures(scored, config.samples_per_prompt, self._scorer.rewards, config.pass_reward)
+
+
+    def _play_held_out(self, config: EvalConfig, temperature: float) -> List[Sample]:
+        """The taskset's held-out tasks, `config.samples_per_prompt` episodes each, played through a bridge of
+        this engine on loopback while this thread decodes; the finished episodes, kept out of the queue."""
+        samples: List[Sample] = []
+        bridge = OpenAIBridge(self.engine, self.policy, self.chat_template, temperature, config.max_new_tokens,
+                              samples.extend, lambda group: True)
+        port = bridge.start("127.0.0.1", 0)
+        try:
+            with ThreadPoolExecutor(1, thread_name_prefix="held-out") as pool:
+                play = pool.submit(asyncio.run, play_held_out(self.env, f"http://127.0.0.1:{port}/v1",
+                                                              config.samples_per_prompt))
+                batch = self.engine.decode_batch(config.max_new_tokens, temperature)
+                while not play.done():
+                    bridge.admit(batch)
+                    bridge.collect(batch.step() if batch else [])
+                    if not batch:
+                        time.sleep(0.005)
+                play.result()  # its error, if it failed
+        finally:
+            bridge.stop()
+        return samples
 
 
 RolloutActor = ray.remote(RolloutWorker)

@@ -521,8 +521,8 @@ SCENARIOS = [
              _kills("rollout worker", lambda job: [f"{job}-policy-rollout-{i}" for i in range(3)])),
     Scenario("reward-kill", ["reward_workers.num_workers=3"],
              _kills("reward worker", lambda job: [f"{job}-reward-{i}" for i in range(3)])),
-    Scenario("evaluator-kill", ["eval.every_steps=1"],
-             _kills("evaluator", lambda job: [f"{job}-policy-rollout-1"] * 2)),
+    Scenario("evaluator-kill", ["eval.every_steps=1", "eval.priority=normal"],  # alive within the run's steps
+             _kills("evaluator", lambda job: [f"{job}-policy-rollout-1"] * 2), steps=60),  # it starts after step 1
     Scenario("embedded-redis-kill", [], lambda job, rng, steps: [
         Fault("SIGKILL embedded redis-server", s, kill_embedded_redis) for s in fault_steps(rng, steps, 2)]),
     Scenario("external-redis-restart", [], lambda job, rng, steps: [], external_redis=True),

@@ -24,13 +24,15 @@ def _load(args) -> JobConfig:
 
 
 def _resolve_environment(config: JobConfig, source: str) -> None:
-    """The job's environment class and tools exist (after `imports`, which may register tools)."""
+    """The job's environment class and tools exist (after `imports`, which may register tools); a taskset is
+    checked with the data (`preflight.check_taskset`)."""
     from rlplatform.envs.environment import environment_factory
     from rlplatform.envs.tools import ToolSpecError, resolve_tools
 
     try:
         resolve_tools(config.env.tools)
-        environment_factory(config.env)
+        if not config.env.plays_taskset:
+            environment_factory(config.env)
     except (ToolSpecError, ValueError) as err:
         raise ConfigError(f"{source}: {err}") from None
 

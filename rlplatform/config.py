@@ -218,8 +218,11 @@ class ToolSpec:
 
 @dataclass
 class EnvConfig:
-    kind: str = one_of("single_turn", "tools")  # single_turn: one completion per prompt; tools: the model may call `tools`
+    kind: str = one_of("single_turn", "tools", "verifiers")  # single_turn: one completion per prompt; tools: the model may call `tools`; verifiers: the rollout workers play `taskset`'s tasks
     fn: Optional[str] = None  # instead of kind: a custom environment class "package.module:Class" (rlplatform.envs)
+    taskset: Optional[str] = None  # kind=verifiers: the taskset, a top-level module (or a .py file's path) exporting a verifiers Taskset (and optionally an Env)
+    taskset_args: Dict[str, Any] = field(default_factory=dict)  # kind=verifiers: the taskset's config fields
+    test_tasks: int = at_least(16, 0)  # kind=verifiers: the taskset's last tasks, held out for evaluation (pass@1 by their rewards)
     max_turns: int = at_least(1, 1)  # model turns per episode
     max_tokens: int = at_least(0, 0)  # completion tokens per episode, model and observation (0: max_turns x rl.max_new_tokens)
     tools: List[ToolSpec] = field(default_factory=list)  # the tools the model may call (kind=tools)
@@ -227,7 +230,12 @@ class EnvConfig:
 
     @property
     def multi_turn(self) -> bool:
-        return self.kind != "single_turn" or self.fn is not None
+        """Episodes of the job's own environment classes (`rlplatform.envs`), on the worker's decode batch."""
+        return self.kind == "tools" or self.fn is not None
+
+    @property
+    def plays_taskset(self) -> bool:
+        return self.kind == "verifiers"
 
     def completion_tokens(self, max_new_tokens: int) -> int:
         """The most completion tokens an episode holds: `max_tokens`, else `max_turns` x `max_new_tokens`
@@ -547,6 +555,9 @@ def _check_env(env: EnvConfig, source: str) -> None:
                           f"call, e.g. tools: [{{name: calculator}}]")
     if env.fn and ":" not in env.fn:
         raise ConfigError(f"{source}: 'env.fn' is {env.fn!r}; expected 'package.module:Class'")
+    if env.kind == "verifiers" and (not env.taskset or env.fn):
+        raise ConfigError(f"{source}: 'env.kind' is verifiers: set 'env.taskset' to the taskset's module (e.g. "
+                          f"my_sums), and no 'env.fn'")
 
 
 def _check_data(data: DataConfig, source: str) -> None:

@@ -1,7 +1,8 @@
 """Checks a job's files and cluster address before any service starts.
 
 `check(config, source)` runs after `load_config` and before Redis, Ray or any worker starts:
-every JSONL row parses, every pretrained model folder loads its config and tokenizer, an OpenAI
+every JSONL row parses, every pretrained model folder loads its config and tokenizer, a verifiers
+taskset (`env.kind: verifiers`) loads with tasks to train on beyond those held out, an OpenAI
 bridge reachable from other machines has its key in the environment, a vLLM
 rollout engine can run here, and the Ray cluster to join answers on its port. A failure is a
 `ConfigError` naming the file (and line) or the key, so `rlp run` and `rlp validate` stop with one
@@ -31,9 +32,25 @@ def check(config: JobConfig, source: str) -> None:
 def check_without_models(config: JobConfig, source: str) -> None:
     """The checks that load no model config, so import neither torch nor transformers (but for vLLM)."""
     check_data(config, source)
+    check_taskset(config, source)
     check_engines(config, source)
     check_bridges(config, source)
     check_ray_address(config, source)
+
+
+def check_taskset(config: JobConfig, source: str) -> None:
+    """`env.kind: verifiers`: the taskset loads (the verifiers extra installed), ends, and holds more tasks than
+    `env.test_tasks`."""
+    env = config.env
+    if not env.plays_taskset:
+        return
+    from rlplatform.envs.taskset_source import split_tasks
+    from rlplatform.envs.verifiers_rollouts import load_env
+
+    try:
+        split_tasks(load_env(env.taskset, env.taskset_args), env.test_tasks)
+    except (ImportError, ValueError, TypeError) as err:
+        raise ConfigError(f"{source}: 'env.taskset' is {env.taskset!r}: {err}") from None
 
 
 def check_models(config: JobConfig, source: str) -> None:

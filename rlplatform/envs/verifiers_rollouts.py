@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import sys
 import uuid
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence
@@ -90,10 +91,10 @@ class BridgeClient:
         return True
 
 
-def load_env(taskset_id: str):
+def load_env(taskset_id: str, taskset_args: Optional[Dict] = None):
     """The verifiers environment of taskset `taskset_id` (a top-level module, importable or in the working
-    directory, exporting a `Taskset` and optionally an `Env`), every agent seat played by `BridgeChatHarness`
-    in this process."""
+    directory, or a `.py` file's path, exporting a `Taskset` and optionally an `Env`) with the taskset config
+    fields `taskset_args`, every agent seat played by `BridgeChatHarness` in this process."""
     try:
         from verifiers.v1 import AgentConfig, EnvConfig
     except ImportError:
@@ -105,11 +106,17 @@ def load_env(taskset_id: str):
     from rlplatform.user_code import importable_from_cwd
 
     importable_from_cwd()
+    if taskset_id.endswith(".py"):  # a file: its folder on the path, its name the module's
+        folder, file = os.path.split(os.path.abspath(taskset_id))
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+        taskset_id = file[:-len(".py")]
     env_class = environment_class(taskset_id)
     config_class = concrete_type(env_class, EnvConfig) or EnvConfig
     seats = [name for name, spec in config_class.model_fields.items() if isinstance(spec.default, AgentConfig)]
     seat = {"harness": {"id": HARNESS_ID}, "runtime": {"type": "subprocess"}}
-    return env_class(config_class.model_validate({"taskset": {"id": taskset_id}, **{name: seat for name in seats}}))
+    taskset = {**(taskset_args or {}), "id": taskset_id}
+    return env_class(config_class.model_validate({"taskset": taskset, **{name: seat for name in seats}}))
 
 
 def sample_row(task, trace) -> Dict:
@@ -138,8 +145,8 @@ class Player:
         self.seats = itertools.cycle(list(zip(bridges, contexts)))
         self.lost: Optional[ConnectionError] = None  # a bridge stopped answering: no rollout starts after it
 
-    async def play_task(self, index: int, task) -> None:
-        group = f"vf-{self.run}-{index}"
+    async def play_task(self, group: str, task) -> None:
+        """`group_size` rollouts of `task`, finished into group `group`."""
         rollouts = [self._rollout(task, group, *next(self.seats)) for _ in range(self.group_size)]
         await asyncio.gather(*rollouts)
         self.stats.groups += 1
@@ -209,7 +216,7 @@ async def play(taskset_id: str, urls: Sequence[str], group_size: int, num_tasks:
             for index, task in enumerate(_tasks(env.taskset, num_tasks, epochs)):
                 if player.lost is not None:
                     break
-                pending.add(asyncio.ensure_future(player.play_task(index, task)))
+                pending.add(asyncio.ensure_future(player.play_task(f"vf-{player.run}-{index}", task)))
                 if len(pending) >= concurrency:  # enough tasks queued to keep `concurrency` rollouts going
                     _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             await asyncio.gather(*pending)  # rollouts in flight end (those after a lost bridge at once)

@@ -185,15 +185,15 @@ def test_rlp_verifiers_plays_a_taskset_module_in_the_working_directory(served, t
     assert "taskset 'no_such_taskset' not found" in capsys.readouterr().err
 
 
-def test_the_shipped_taskset_plays_against_a_bridge_only_job_config(served, monkeypatch, capsys):
-    """examples/my_sums.py, as configs/verifiers_sums.yaml's comment runs it: its episodes carry the task's
-    answer and the verifiers score; the config loads as the bridge-only job it describes."""
+def test_the_shipped_taskset_plays_through_a_bridge(served, monkeypatch, capsys):
+    """examples/my_sums.py, played from outside as the README's `rlp verifiers` line does: its episodes carry
+    the task's answer and the verifiers score; configs/verifiers_sums.yaml plays it as the job's own source."""
     from rlplatform.config import load_config
 
     _, url, queue = served
     repo = Path(__file__).resolve().parents[2]
     config = load_config(str(repo / "configs" / "verifiers_sums.yaml"))
-    assert config.rollout.source == "bridge" and config.rollout.openai_bridge.enabled and config.rl.idle_timeout_s
+    assert config.env.kind == "verifiers" and config.env.taskset == "examples/my_sums.py"
     monkeypatch.chdir(repo / "examples")
     monkeypatch.setattr(sys, "path", list(sys.path))
     assert cli.main(["verifiers", "my_sums", "--url", url, "--group-size", "2", "--num-tasks", "1"]) == 0

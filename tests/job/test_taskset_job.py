@@ -1,0 +1,50 @@
+"""A job whose rollout workers play a verifiers taskset themselves (`env.kind: verifiers`): every trained
+group is a task the prompt ledger issued, its samples the task's token-exact episodes scored by the task's
+reward; stopped and resumed, it goes on from the trained tasks with none trained twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import pytest
+
+from rlplatform.job.controller import run_job
+from rlplatform.scheduling.ledger import balanced
+
+pytest.importorskip("verifiers.v1")
+
+TASKSET = ["env.kind=verifiers", "env.taskset=tests/envs/digit_sums.py", "env.test_tasks=4",
+           "rewards=[{name: verifiers_reward}]", "eval.pass_reward=verifiers_reward"]
+
+
+def test_a_taskset_job_trains_ledger_issued_tasks_and_resumes_without_training_one_twice(ray_session, tiny_job,
+                                                                                           run_files):
+    config = tiny_job("taskset", *TASKSET, "rl.max_steps=6", "checkpoint.every_steps=2", "resume=auto")
+
+    def stop_after_three_steps():
+        run_files.wait_for(lambda: run_files.trained_steps(config.run_dir) >= 3)
+        os.kill(os.getpid(), signal.SIGTERM)
+    thread = threading.Thread(target=stop_after_three_steps, daemon=True)
+    thread.start()
+    first = run_job(config)
+    thread.join()
+    assert first["status"] == "interrupted" and 3 <= first["rl"]["steps"] < 6
+    watchdog = threading.Timer(240.0, os.kill, (os.getpid(), signal.SIGTERM))  # a job that stalls fails
+    watchdog.start()
+    try:
+        second = run_job(config)
+    finally:
+        watchdog.cancel()
+    assert second["status"] == "completed" and second["rl"]["steps"] == 6
+    rl = second["rl"]
+    assert rl["ledger"]["admitted"] == 0 and rl["ledger"]["trained"] == 6 * 2 and balanced(rl["ledger"])
+    lines = [json.loads(line) for line in open(os.path.join(config.run_dir, "trained.jsonl"))]
+    positions = [p for line in lines for p in line["prompts"]]
+    ids = [i for line in lines for i in line["sample_ids"]]
+    assert None not in positions and len(positions) == len(set(positions)) == 6 * 2  # ledger tasks, none twice
+    assert len(ids) == len(set(ids)) == 6 * 2 * 4
+    assert second["eval"]["after_rl"]["rows"] == 4  # the held-out tasks, played and scored by their reward
+    assert "verifiers_reward" in second["eval"]["after_rl"]["components"]
