@@ -91,7 +91,7 @@ def test_episode_is_one_token_sequence_with_observations_masked(engine, redis_cl
     with Serving(redis_server) as worker:
         (group,) = run_episodes(episodes, engine.decode_batch(4, 1.0),
                                 [prompt(engine, "6*7=", tool="calculator", arguments="6*7")], 3)
-    observation = episodes.renderer._ids("<result>42</result>")
+    observation = engine.tokenizer("<result>42</result>", add_special_tokens=False)["input_ids"]
     for c in group:
         mask = c.completion_mask
         first = mask.index(0)

@@ -40,13 +40,14 @@ def test_a_built_in_rewards_results_round_trip_through_a_checkpoint(name, make_s
         params = {"model_path": tiny_classifier(num_labels=2 if name == "safety_classifier" else 1)}
     role = "filter" if name.startswith("safety") else "reward"
     scorer = Scorer(resolve([RewardSpec(name=name, params=params, role=role)]), concurrency=2)
+    # the second sample lacks the row's fields: an error result for the rewards that read them
     results = scorer.score([make_sample(completion, prompt="2+2=", **row), make_sample(completion, prompt="x")])
     counters = RLCounters()
     for scored in results:
         _count_scored(ResultMeta.of(scored), counters)
     assert counters.samples_scored == 2
-    if name == "code_tests":  # a list of test statements, failed by the completion
-        assert counters.reward_reasons == {"code_tests/failed": 2}
+    if name == "code_tests":  # a list of test statements, failed by the completion; the second sample has no tests
+        assert counters.reward_reasons == {"code_tests/failed": 1} and counters.reward_errors == 1
     state = {"policies": {"policy": {"version": 3, "counters": counters.state(),
                                      "components": [ResultMeta.of(s).components for s in results]}}}
     path = write_checkpoint(str(tmp_path), 3, state, lambda directory: None, keep_last=2)
