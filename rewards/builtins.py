@@ -6,7 +6,7 @@ from rlplatform.rewards.preference import preference_score
 from rlplatform.rewards.registry import register
 from rlplatform.rewards.safety import blocklist, safety_classifier
 from rlplatform.rewards.text_rewards import format_match, length_reward, regex_contains
-from rlplatform.rewards.verifiers import exact_match, reported_reward
+from rlplatform.rewards.verifiers import exact_match, reported_components, reported_reward
 
 BUILTINS = {
     "exact_match": exact_match,  # completion == row answer
@@ -19,6 +19,7 @@ BUILTINS = {
     "safety_blocklist": blocklist,  # filter: blocked words or patterns
     "safety_classifier": safety_classifier,  # filter: a Hugging Face classifier flags the text
     "verifiers_reward": reported_reward,  # the score the agent sent in the row (`rlp verifiers` episodes)
+    "verifiers_components": reported_components,  # each of its reward functions' scores (list it with weight 0)
 }
 
 ROW_FIELDS = {  # the data-row fields a built-in reward reads, given its params: each training row must hold them

@@ -17,7 +17,8 @@ from rlplatform.scheduling.ledger import balanced
 pytest.importorskip("verifiers.v1")
 
 TASKSET = ["env.kind=verifiers", "env.taskset=tests/envs/digit_sums.py", "env.test_tasks=4",
-           "rewards=[{name: verifiers_reward}]", "eval.pass_reward=verifiers_reward"]
+           "rewards=[{name: verifiers_reward}, {name: verifiers_components, weight: 0}]",
+           "eval.pass_reward=verifiers_reward"]
 
 
 def test_a_taskset_job_trains_ledger_issued_tasks_and_resumes_without_training_one_twice(ray_session, tiny_job,
@@ -47,4 +48,6 @@ def test_a_taskset_job_trains_ledger_issued_tasks_and_resumes_without_training_o
     assert None not in positions and len(positions) == len(set(positions)) == 6 * 2  # ledger tasks, none twice
     assert len(ids) == len(set(ids)) == 6 * 2 * 4
     assert second["eval"]["after_rl"]["rows"] == 4  # the held-out tasks, played and scored by their reward
-    assert "verifiers_reward" in second["eval"]["after_rl"]["components"]
+    components = second["eval"]["after_rl"]["components"]  # the task's reward function by name, beside the total
+    assert set(components) == {"verifiers_reward", "verifiers_components/correct"}
+    assert components["verifiers_components/correct"] == components["verifiers_reward"]  # its one function

@@ -26,6 +26,7 @@ CASES = {
     "safety_blocklist": ({"words": ["bad"]}, {}, "a bad word"),
     "safety_classifier": ("classifier", {}, "a reply"),
     "verifiers_reward": ({}, {"verifiers_reward": 0.25}, "played"),
+    "verifiers_components": ({}, {"verifiers_rewards": {"correct": 1.0, "short": None}}, "played"),
 }
 
 
