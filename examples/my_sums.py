@@ -1,6 +1,7 @@
 """A verifiers taskset for `configs/verifiers_sums.yaml`: tasks "<a>+<a>=" whose reward is 1 when the
-reply is the sum. Played through a running job's OpenAI bridge from this folder:
-`cd examples && rlp verifiers my_sums --url http://127.0.0.1:8000/v1 --group-size 8 --epochs 1`."""
+reply is the sum. The job's rollout workers play it themselves (`env.kind: verifiers`,
+`env.taskset: examples/my_sums.py`); an agent outside can play it through a running job's OpenAI
+bridge from this folder: `cd examples && rlp verifiers my_sums --url http://127.0.0.1:8000/v1 --group-size 8`."""
 
 import verifiers.v1 as vf
 
