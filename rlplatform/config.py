@@ -222,7 +222,7 @@ class EnvConfig:
     fn: Optional[str] = None  # instead of kind: a custom environment class "package.module:Class" (rlplatform.envs)
     taskset: Optional[str] = None  # kind=verifiers: the taskset, a top-level module (or a .py file's path) exporting a verifiers Taskset (and optionally an Env)
     taskset_args: Dict[str, Any] = field(default_factory=dict)  # kind=verifiers: the taskset's config fields
-    test_tasks: int = at_least(16, 0)  # kind=verifiers: the taskset's last tasks, held out for evaluation (pass@1 by their rewards)
+    test_tasks: int = at_least(16, 0)  # kind=verifiers: tasks held out for evaluation (pass@1 by their rewards), a fixed seeded draw
     max_turns: int = at_least(1, 1)  # model turns per episode
     max_tokens: int = at_least(0, 0)  # completion tokens per episode, model and observation (0: max_turns x rl.max_new_tokens)
     tools: List[ToolSpec] = field(default_factory=list)  # the tools the model may call (kind=tools)

@@ -1,8 +1,8 @@
 """A verifiers taskset as a job's own rollout source (`env.kind: verifiers`): each rollout worker plays it.
 
 Data flow: the prompt ledger issues a group, which claims staleness capacity like any group -> its
-data position picks a training task (the taskset's tasks but the last `env.test_tasks`, each pass
-over them a seeded shuffle, as data rows are picked) -> `rl.group_size` rollouts of the task, run by
+data position picks a training task (the taskset's tasks but `env.test_tasks` held out by a fixed
+seeded draw; each pass over them a seeded shuffle, as data rows are picked) -> `rl.group_size` rollouts of the task, run by
 verifiers' own env machinery with every model call sent to this worker's OpenAI bridge, so each
 rollout is one token-exact episode (`verifiers_rollouts.Player`) -> finished into the ledger's group
 with the task's reward in its row (`verifiers_reward`, and each reward function's score) -> the
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import threading
 from typing import Callable, List, Optional, Tuple
 
@@ -26,17 +27,22 @@ from rlplatform.scheduling.groups import GroupSchedule
 from rlplatform.scheduling.ledger import prompt_row
 
 POLL_S = 0.02  # how often the player looks for room to start groups, and for its stop
+SPLIT_SEED = 0  # the held-out tasks' draw: fixed, so every worker and the evaluator agree
 
 
 def split_tasks(env, test_tasks: int) -> Tuple[List, List]:
-    """(training tasks, held-out tasks): the taskset's tasks, its last `test_tasks` held out."""
+    """(training tasks, held-out tasks): `test_tasks` of the taskset's tasks held out, drawn by a fixed seeded
+    shuffle (the same in every process), so a taskset listed in order of difficulty is held out evenly."""
     if not env.taskset.bounded:
         raise ValueError("env.kind verifiers needs a finite taskset: this one's tasks never end")
     tasks = list(env.taskset)
     if len(tasks) <= test_tasks:
         raise ValueError(f"the taskset has {len(tasks)} tasks, not more than env.test_tasks {test_tasks}: "
                          "nothing is left to train on")
-    return tasks[:len(tasks) - test_tasks], tasks[len(tasks) - test_tasks:]
+    order = list(range(len(tasks)))
+    random.Random(SPLIT_SEED).shuffle(order)
+    held_out = set(order[:test_tasks])
+    return ([t for i, t in enumerate(tasks) if i not in held_out], [t for i, t in enumerate(tasks) if i in held_out])
 
 
 def _http() -> httpx.AsyncClient:

@@ -1,7 +1,4 @@
-"""A verifiers taskset for the tests: every sum of two digits, "<a>+<b>=", rewarded 1 when the reply is the sum.
-The order is fixed and mixed, so the tasks held out (the last ones) are spread over the sums."""
-
-import random
+"""A verifiers taskset for the tests: every sum of two digits, "<a>+<b>=", rewarded 1 when the reply is the sum."""
 
 import verifiers.v1 as vf
 
@@ -18,10 +15,9 @@ class SumTask(vf.Task[SumData]):
 
 class DigitSums(vf.Taskset[SumTask, vf.TasksetConfig]):
     def load(self):
-        pairs = [(a, b) for a in range(10) for b in range(10)]
-        random.Random(0).shuffle(pairs)
-        for a, b in pairs:
-            yield SumTask(SumData(prompt=f"{a}+{b}=", answer=str(a + b)), self.config.task)
+        for a in range(10):
+            for b in range(10):
+                yield SumTask(SumData(prompt=f"{a}+{b}=", answer=str(a + b)), self.config.task)
 
 
 __all__ = ["DigitSums"]
