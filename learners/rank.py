@@ -58,7 +58,7 @@ class MicroBatch:
     reference: Optional[torch.Tensor]  # (batch, T-1) under the frozen reference, when kept
     live: bool  # False: a stand-in so every rank runs the same passes; its loss counts 0
     token_mask: Optional[List[List[int]]] = None  # per completion token 1 trained, 0 an observation; None: all trained
-    current: Optional[torch.Tensor] = None  # (batch, T-1) 1 where the token was sampled by the weights at entry
+    current: Optional[torch.Tensor] = None  # (batch, T-1) 1 on samples wholly sampled by the weights at entry
 
 
 @dataclass
@@ -355,8 +355,8 @@ class LearnerRank:
         return minibatches
 
     def _micro_batch(self, samples: List[Sample], advantages: List[float], step: int) -> MicroBatch:
-        """The samples' micro-batch (which tokens version `step` sampled marked `current`); none: a one-token
-        stand-in whose loss counts 0."""
+        """The samples' micro-batch (the tokens of samples wholly sampled by version `step` marked `current`);
+        none: a one-token stand-in whose loss counts 0."""
         live = bool(samples)
         token_mask = None
         if not live:
@@ -369,7 +369,9 @@ class LearnerRank:
                 token_mask = [s.model_token_mask() for s in samples]
         width = max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1
         device = self.engine.device
-        current = align_per_token([[float(v == step) for v in vs] for vs in versions], prompts, width)
+        # a sample wholly sampled by version `step`: a weight swap in flight leaves later tokens on a KV cache the
+        # older weights wrote, a gap that is not the engine's numerics
+        current = align_per_token([[float(all(v == step for v in vs))] * len(vs) for vs in versions], prompts, width)
         return MicroBatch(prompts, completions, torch.tensor(advantages, dtype=torch.float32, device=device),
                           align_per_token(behaviour, prompts, width).to(device), None, None, live, token_mask,
                           current.to(device))

@@ -1,5 +1,6 @@
 """Engine-learner parity: on tokens the rollout engine sampled with the weights the learner scores them with,
-the learner reports mean and max |Δ log-prob| and the k3 KL, apart from staleness. An engine one of whose
+the learner reports mean and max |Δ log-prob| and the k3 KL, apart from staleness (and from samples a weight
+swap in flight split, whose later tokens read a KV cache the older weights wrote). An engine one of whose
 layers did not load the published weights raises the `parity` alert at its first step; an engine holding
 exactly the learner's weights stays far under the limit (measured on the tiny policy in float32: 1e-7 against
 0.22, the limit 0.05)."""
@@ -36,6 +37,9 @@ def test_a_layer_the_engine_did_not_load_raises_the_parity_alert(ray_session, ti
         samples, advantages = sampled(engine, version=0)
         fresh = learner.rl_step(samples, advantages, RLConfig(), step=0)
         stale = learner.rl_step(samples, advantages, RLConfig(), step=1)  # every token a version behind
+        for sample in samples:  # a swap in flight: the last token by version 1, on a cache version 0 wrote
+            sample.token_versions = [0] * (len(sample.token_versions) - 1) + [1]
+        swapped = learner.rl_step(samples, advantages, RLConfig(), step=1)
         with torch.no_grad():  # a tensor of the first layer left as other values: a sync that skipped it
             torch.manual_seed(0)
             engine.model.model.layers[0].mlp.down_proj.weight.normal_(0.0, 1.0)
@@ -47,6 +51,7 @@ def test_a_layer_the_engine_did_not_load_raises_the_parity_alert(ray_session, ti
     assert fresh["parity_tokens"] == sum(len(s.completion_ids) for s in samples)
     assert fresh["parity_abs_mean"] < 1e-4 and fresh["parity_abs_max"] < 1e-3 and abs(fresh["parity_k3"]) < 1e-6
     assert "parity_abs_mean" not in stale  # staleness is not parity: nothing measured
+    assert "parity_abs_mean" not in swapped  # nor are samples a weight swap split
     assert broken["parity_abs_mean"] > 0.2 and broken["parity_k3"] > 0
     fresh_parity = {k[len("parity_"):]: v for k, v in fresh.items() if k.startswith("parity_")}
     broken_parity = {k[len("parity_"):]: v for k, v in broken.items() if k.startswith("parity_")}
