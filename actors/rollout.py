@@ -287,7 +287,6 @@ class RolloutWorker:
         scored = self._scorer.score(samples) if samples else []
         return evaluation_figures(scored, config.samples_per_prompt, self._scorer.rewards, config.pass_reward)
 
-
     def _play_held_out(self, config: EvalConfig, temperature: float) -> List[Sample]:
         """The taskset's held-out tasks, `config.samples_per_prompt` episodes each, played through a bridge of
         this engine on loopback while this thread decodes; the finished episodes, kept out of the queue."""

@@ -14,15 +14,12 @@ held-out tasks once per evaluation, its episodes kept out of the queue and score
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import threading
 from typing import Callable, List, Optional, Tuple
 
-import httpx
-
-from rlplatform.config import BRIDGE_KEY_ENV, EnvConfig
-from rlplatform.envs.verifiers_rollouts import BridgeClient, Player, load_env
+from rlplatform.config import EnvConfig
+from rlplatform.envs.verifiers_rollouts import BridgeClient, Player, bridge_http, load_env
 from rlplatform.scheduling.groups import GroupSchedule
 from rlplatform.scheduling.ledger import prompt_row
 
@@ -43,12 +40,6 @@ def split_tasks(env, test_tasks: int) -> Tuple[List, List]:
     random.Random(SPLIT_SEED).shuffle(order)
     held_out = set(order[:test_tasks])
     return ([t for i, t in enumerate(tasks) if i not in held_out], [t for i, t in enumerate(tasks) if i in held_out])
-
-
-def _http() -> httpx.AsyncClient:
-    key = os.environ.get(BRIDGE_KEY_ENV)  # the bridge's key, where it asks for one
-    return httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0),
-                             headers={"Authorization": f"Bearer {key}"} if key else None)
 
 
 class TasksetPlayer:
@@ -80,7 +71,7 @@ class TasksetPlayer:
     async def _play(self) -> None:
         env = load_env(self.env.taskset, self.env.taskset_args)
         train, _ = split_tasks(env, self.env.test_tasks)
-        async with _http() as http:
+        async with bridge_http() as http:
             bridge = BridgeClient(self.url, http)
             player = Player(env, [bridge], [await bridge.model()], self.group_size,
                             self.groups_at_once * self.group_size)
@@ -111,7 +102,7 @@ async def play_held_out(env_config: EnvConfig, url: str, rollouts_per_task: int)
     `eval/<k>` (the bridge's `submit` keeps them)."""
     env = load_env(env_config.taskset, env_config.taskset_args)
     _, held_out = split_tasks(env, env_config.test_tasks)
-    async with _http() as http:
+    async with bridge_http() as http:
         bridge = BridgeClient(url, http)
         player = Player(env, [bridge], [await bridge.model()], rollouts_per_task, 8 * rollouts_per_task)
         async with env.serving():

@@ -91,6 +91,13 @@ class BridgeClient:
         return True
 
 
+def bridge_http() -> httpx.AsyncClient:
+    """An HTTP client for the bridges' episode routes, sending the bridges' key where this process holds one."""
+    key = os.environ.get(BRIDGE_KEY_ENV)
+    return httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0),
+                             headers={"Authorization": f"Bearer {key}"} if key else None)
+
+
 def load_env(taskset_id: str, taskset_args: Optional[Dict] = None):
     """The verifiers environment of taskset `taskset_id` (a top-level module, importable or in the working
     directory, or a `.py` file's path, exporting a `Taskset` and optionally an `Env`) with the taskset config
@@ -205,9 +212,7 @@ async def play(taskset_id: str, urls: Sequence[str], group_size: int, num_tasks:
     if group_size < 1 or concurrency < 1 or epochs < 1 or not urls:
         raise ValueError("group_size, concurrency and epochs must be positive, and at least one bridge URL given")
     env = load_env(taskset_id)
-    key = os.environ.get(BRIDGE_KEY_ENV)  # the bridges' key, where they ask for one
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0),
-                                 headers={"Authorization": f"Bearer {key}"} if key else None) as http:
+    async with bridge_http() as http:
         bridges = [BridgeClient(url, http) for url in urls]
         models = [await bridge.model() for bridge in bridges]
         player = Player(env, bridges, models, group_size, concurrency)

@@ -164,7 +164,7 @@ class PromptLedger:
         counts = _counts(stored, len(entries))
         return {"cursor": int(cursor or 0), "seq": int(seq or 0),
                 "counts": {k: v for k, v in counts.items() if k != "open"}, "open": counts["open"],
-                "in_flight_prompts": [int(entry.split()[0]) for entry in entries if int(entry.split()[0]) != AGENT]
+                "in_flight_prompts": [p for p in (int(entry.split()[0]) for entry in entries) if p != AGENT]
                 + [int(p) for p in reissue]}
 
     def restore(self, state: Dict, attempt: int) -> None:
