@@ -26,6 +26,7 @@ from rlplatform.lora import load_adapters, with_adapters
 from rlplatform.policy import kv_cache_keyword, load_policy
 from rlplatform.token_budget import micro_batches
 from rlplatform.tokenization import stop_token_ids
+from rlplatform.transport.weight_deltas import delta_of, load_delta
 from rlplatform.transport.weights import load_weights
 
 
@@ -63,12 +64,13 @@ class GenerationEngine(Protocol):
 
 
 def build_engine(rollout: RolloutConfig, model_path: str, dtype: str, seed: int,
-                 lora: Optional[LoraConfig] = None) -> GenerationEngine:
-    """The engine `rollout.engine` names (`engine_kind`); vLLM is imported only when it is the one."""
+                 lora: Optional[LoraConfig] = None, deltas: bool = False) -> GenerationEngine:
+    """The engine `rollout.engine` names (`engine_kind`); vLLM is imported only when it is the one.
+    `deltas`: weight updates may be deltas (`weights.delta`)."""
     if engine_kind(rollout, lora, dtype) == "vllm":
         from rlplatform.actors.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, dtype, rollout.gpu_memory_utilization, seed, lora)
+        return VLLMEngine(model_path, dtype, rollout.gpu_memory_utilization, seed, lora, deltas)
     return TransformersEngine(model_path, rollout.device, dtype, lora, rollout.prefill_tokens)
 
 
@@ -130,8 +132,12 @@ class TransformersEngine(BatchGenerate):
         self.version = -1
 
     def load_weights(self, state_dict: Dict[str, torch.Tensor], version: int) -> None:
-        """Full weights, or with LoRA the adapters (peft names, as `AdapterSnapshot` holds them)."""
-        (load_adapters if self.adapters else load_weights)(self.model, state_dict)
+        """Full weights, a delta from the version held (written in place), or with LoRA the adapters (peft
+        names, as `AdapterSnapshot` holds them)."""
+        if delta_of(state_dict) is not None:
+            load_delta(self.model.state_dict(), state_dict, self.version)
+        else:
+            (load_adapters if self.adapters else load_weights)(self.model, state_dict)
         self.version = version
 
     def decode_batch(self, max_new_tokens: int, temperature: float) -> "DecodeBatch":

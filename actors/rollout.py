@@ -68,9 +68,10 @@ class RolloutWorker:
         torch.manual_seed(spec.seed + 1000 * (index + 1))
         self.index, self.policy, self.rl, self.rollout = index, policy, rl, rollout
         self.prompts = load_prompts(spec.prompts_path)
-        self.engine = build_engine(rollout, spec.model_path, spec.dtype, spec.seed + index, spec.lora)
-        store = ray.get_actor(spec.weight_store) if spec.weight_store else None
         transport = spec.transport or ObjectStoreTransport()
+        self.engine = build_engine(rollout, spec.model_path, spec.dtype, spec.seed + index, spec.lora,
+                                   deltas=transport.delta_full_every > 0)
+        store = ray.get_actor(spec.weight_store) if spec.weight_store else None
         self.weights_in = transport.receiver(store, self.engine.device)  # weights.transport's worker end
         self.redis_url = spec.redis_url
         client = connect(spec.redis_url, wait_s=RECONNECT_S)  # a restart may meet the job's Redis restarting

@@ -32,6 +32,7 @@ from rlplatform.lora import peft_config
 from rlplatform.policy import load_tokenizer
 from rlplatform.tokenization import stop_token_ids
 from rlplatform.transport.adapters import AdapterSnapshot
+from rlplatform.transport.weight_deltas import changed_names, delta_of, load_delta
 from rlplatform.transport.weights import to_snapshot
 
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's LoRAConfig.max_lora_rank takes
@@ -75,10 +76,12 @@ def max_lora_rank(rank: int) -> int:
 
 class VLLMEngine(BatchGenerate):
     """vLLM on this process's GPU in `dtype`; `gpu_memory_utilization` is the share of GPU memory it takes.
-    With `lora` enabled, weight updates are adapter states served as LoRA requests."""
+    With `lora` enabled, weight updates are adapter states served as LoRA requests. With `deltas`, the
+    engine keeps a copy of the weights under Hugging Face names (vLLM fuses and shards them, so a
+    delta's flat positions only make sense there) and reloads each weight a delta changes."""
 
     def __init__(self, model_path: str, dtype: str, gpu_memory_utilization: float, seed: int,
-                 lora: Optional[LoraConfig] = None) -> None:
+                 lora: Optional[LoraConfig] = None, deltas: bool = False) -> None:
         require_vllm()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core steps in this process, when told to
         from vllm import LLM
@@ -95,6 +98,7 @@ class VLLMEngine(BatchGenerate):
         self.stop_ids = stop_token_ids(self.tokenizer, _generation_config(model_path))
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.version = -1
+        self.served: Optional[Dict[str, torch.Tensor]] = {} if deltas else None  # with deltas: the weights held
         self.request_ids = itertools.count()
         self._batch = None  # the one batch whose requests the engine runs
 
@@ -103,7 +107,12 @@ class VLLMEngine(BatchGenerate):
         with LoRA, the adapters (peft names) as the LoRA request of every request from now on."""
         if self.adapters is not None:
             self._load_adapters(state_dict, version)
+        elif delta_of(state_dict) is not None:
+            load_delta(self.served, state_dict, self.version)
+            self._load_full({name: self.served[name] for name in changed_names(state_dict)})
         else:
+            if self.served is not None:
+                self.served = {name: t.to(self.device).clone() for name, t in state_dict.items()}
             self._load_full(state_dict)
         self.version = version
 

@@ -44,6 +44,7 @@ from rlplatform.transport.results import ResultStore
 from rlplatform.transport.reward_queue import JobKeys
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.weight_transports import ObjectStoreTransport, WeightTransport
+from rlplatform.transport.weight_deltas import DeltaEncoder
 from rlplatform.transport.weights import cast_weights, from_snapshot, to_snapshot
 
 
@@ -109,6 +110,8 @@ class LearnerRank:
         self.stage_lr = 0.0
         self.transport = transport  # weights.transport's strategy
         self.weights_out = transport.sender()  # how rank 0 streams each new version
+        # weights.delta: each version after a full one as the elements that changed
+        self.updates = DeltaEncoder(transport.delta_full_every) if transport.delta_full_every else None
         self.results: Optional[ResultStore] = None  # the job's scored samples on Redis
         # DeepSpeed picks its accelerator once, at import: the rank's device, not whatever the node has.
         # Imported here, so that the import runs while the job writes the policy that `setup` loads
@@ -497,6 +500,8 @@ class LearnerRank:
         state = self._streamed_state()
         if state is None:
             return None
+        if self.updates is not None:
+            state = self.updates.encode(state, version)
         return [self.weights_out.send(state, version)]
 
     def _streamed_state(self) -> Optional[Dict[str, torch.Tensor]]:

@@ -310,7 +310,7 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup
     train, test, data = _encode_prompts(config, model_path, train_rows, test_rows)
     prompts_path = save_prompts(train, os.path.join(config.policy_dir(policy.name), "train_prompts.jsonl"))
     store_name = f"{config.name}-{policy.name}-weights"
-    store = WeightStore.options(name=store_name).remote()
+    store = WeightStore.options(name=store_name).remote(weight_transport(policy.weights).delta_full_every)
     start_rollout = partial(_start_rollout_actor, config, policy, model_path, prompts_path, redis_url, store_name)
     if policy.sft.enabled:
         learner.set_up()

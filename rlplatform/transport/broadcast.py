@@ -18,6 +18,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from rlplatform.transport.weight_deltas import combine
+from rlplatform.transport.weights import unique_weights
+
 GROUP_TIMEOUT = timedelta(minutes=10)  # a round (or the set-up) that takes longer fails instead of hanging
 INBOX_WAIT_S = 1  # how long a receiver blocks on its inbox before checking whether it should stop
 ALIGN = 16  # each weight starts at a multiple of this many bytes in its bucket, so it views as its own dtype
@@ -48,18 +51,6 @@ def open_group(host: str, port: int, rank: int, world_size: int, backend: str) -
 def inbox(version_key: str, rank: int) -> str:
     """The Redis list where receiver `rank` finds each round's announcement."""
     return f"{version_key}:inbox:{rank}"
-
-
-def unique_weights(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Each storage once: a weight tied to an earlier one (an output head sharing the embedding) is
-    left out, and loading restores it through the tie."""
-    kept, seen = {}, set()
-    for name, tensor in state_dict.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        if key not in seen:
-            seen.add(key)
-            kept[name] = tensor
-    return kept
 
 
 def plan_buckets(state_dict: Dict[str, torch.Tensor], bucket_bytes: int) -> List[Entry]:
@@ -122,7 +113,8 @@ class BroadcastSender:
 
 
 class BroadcastReceiver:
-    """A rollout worker's end: receives every round on a daemon thread and keeps the newest weights."""
+    """A rollout worker's end: receives every round on a daemon thread and keeps the newest weights (the
+    rounds since the last `take`, folded into one)."""
 
     def __init__(self, group: dist.ProcessGroup, client, version_key: str, device: torch.device) -> None:
         self.group, self.client, self.device = group, client, device
@@ -154,9 +146,9 @@ class BroadcastReceiver:
             while not self._stop.is_set():
                 popped = self.client.blpop([self.inbox], timeout=INBOX_WAIT_S)
                 if popped is not None:
-                    received = self._receive(json.loads(popped[1]))
-                    with self._lock:
-                        self._latest = received
+                    version, weights = self._receive(json.loads(popped[1]))
+                    with self._lock:  # folded into a round not taken yet (a delta carries only its changes)
+                        self._latest = version, combine(self._latest and self._latest[1], weights)
         except BaseException as err:  # noqa: BLE001 - kept for the decode loop to raise
             self.error = err
 

@@ -14,7 +14,8 @@ from typing import Dict
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from rlplatform.transport.broadcast import Entry, pack, plan_buckets, unique_weights, unpack
+from rlplatform.transport.broadcast import Entry, pack, plan_buckets, unpack
+from rlplatform.transport.weights import unique_weights
 
 KEEP_VERSIONS = 2  # a worker may still be mapping the previous version while the next is published
 DEVICE_ARG = 6  # position of the device index in the arguments of torch's rebuild_cuda_tensor

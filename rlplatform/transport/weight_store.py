@@ -1,8 +1,11 @@
-"""The weight store: one small Ray actor per policy holding the newest published weight snapshot.
+"""The weight store: one small Ray actor per policy holding the published weights engines still need.
 
-The learner publishes (version, [snapshot ref]) to it and rollout workers ask it for anything newer
-than what they hold; snapshots themselves are made and read by `weights`. This module imports no
-torch, so the store's process starts in a fraction of the time a worker's does.
+The learner publishes (version, [update ref]) to it and rollout workers ask it for what brings them
+to the newest version; updates themselves are made and read by `weights` and `weight_deltas`. With
+full versions only, that is the newest update; with delta sync (`weights.delta`) the store keeps the
+last full version and every delta since, so an engine that missed some versions replays them in
+order. This module imports no torch, so the store's process starts in a fraction of the time a
+worker's does.
 """
 
 from __future__ import annotations
@@ -11,21 +14,30 @@ from typing import List, Optional, Tuple
 
 import ray
 
+Update = Tuple[int, List[ray.ObjectRef]]  # (version, [ref of what the transport put in the object store])
+
 
 @ray.remote(num_cpus=0)
 class WeightStore:
-    """Holds the newest published weights of one policy."""
+    """Holds the newest full version of one policy, and with delta sync the deltas published after it."""
 
-    def __init__(self) -> None:
-        self._version = -1
-        self._refs: List[ray.ObjectRef] = []
+    def __init__(self, full_every: int = 0) -> None:
+        self.full_every = full_every  # weights.delta_full_every when deltas are on, else 0
+        self._chain: List[Update] = []  # a full version, then the deltas after it, oldest first
 
     def publish(self, version: int, refs: List[ray.ObjectRef]) -> None:
-        if version > self._version:
-            self._version, self._refs = version, refs
+        if self._chain and version <= self._chain[-1][0]:
+            return
+        if not self._chain or not self.full_every or version % self.full_every == 0:  # the learner sent it whole
+            self._chain = []
+        self._chain.append((version, refs))
 
-    def newer_than(self, version: int) -> Optional[Tuple[int, List[ray.ObjectRef]]]:
-        """(version, [snapshot ref]) when a newer snapshot than `version` exists."""
-        if self._version > version:
-            return self._version, self._refs
-        return None
+    def newer_than(self, version: int) -> Optional[List[Update]]:
+        """The updates, oldest first, that bring an engine holding `version` to the newest: the deltas
+        after it, or the full version and every delta since when it holds an older one; None when it
+        holds the newest."""
+        if not self._chain or self._chain[-1][0] <= version:
+            return None
+        if version < self._chain[0][0]:
+            return list(self._chain)
+        return [update for update in self._chain if update[0] > version]

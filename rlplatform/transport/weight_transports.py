@@ -11,11 +11,14 @@ receiver in each engine (`newer(version)`: (version, weights) once newer weights
 - broadcast: rank 0 sends the weights itself over a process group joining it and every engine
   (`broadcast`), which `connect` opens once before version 0; the version alone reaches the driver.
 Either way the driver then announces the version on Redis, which is how workers learn there is news.
+
+With delta sync (`delta_full_every` above 0) what travels is each version's update
+(`weight_deltas`): a receiver that took several folds them into one before the engine loads it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import ClassVar, Dict, List, Optional, Tuple
 
 import ray
@@ -24,14 +27,18 @@ import torch
 from rlplatform.config import WeightsConfig
 from rlplatform.transport.broadcast import BroadcastReceiver, BroadcastSender, open_group
 from rlplatform.transport.cuda_ipc import IpcSender, open_handles
+from rlplatform.transport.weight_deltas import combine
 from rlplatform.transport.weights import from_snapshot, to_snapshot
 
 Weights = Dict[str, torch.Tensor]
 
 
+@dataclass(frozen=True)
 class WeightTransport:
     """The strategy's interface: its two ends, and what the driver does once to join them."""
     name: ClassVar[str]
+    _: KW_ONLY
+    delta_full_every: int = 0  # with delta sync, a full version every this many (0: every version is full)
     # whether a version travels as a full snapshot in the object store that the evaluator can read as it is
     snapshots_in_store: ClassVar[bool] = False
 
@@ -48,7 +55,7 @@ class WeightTransport:
 
     @classmethod
     def from_config(cls, config: WeightsConfig) -> "WeightTransport":
-        return cls()
+        return cls(delta_full_every=_full_every(config))
 
 
 @dataclass(frozen=True)
@@ -103,7 +110,7 @@ class BroadcastTransport(WeightTransport):
 
     @classmethod
     def from_config(cls, config: WeightsConfig) -> "BroadcastTransport":
-        return cls(config.bucket_mb)
+        return cls(config.bucket_mb, delta_full_every=_full_every(config))
 
 
 TRANSPORTS = {cls.name: cls for cls in (ObjectStoreTransport, BroadcastTransport, CudaIpcTransport)}
@@ -112,6 +119,10 @@ TRANSPORTS = {cls.name: cls for cls in (ObjectStoreTransport, BroadcastTransport
 def weight_transport(config: WeightsConfig) -> WeightTransport:
     """The strategy `weights.transport` names, with its settings."""
     return TRANSPORTS[config.transport].from_config(config)
+
+
+def _full_every(config: WeightsConfig) -> int:
+    return config.delta_full_every if config.delta else 0
 
 
 class StoreSender:
@@ -126,17 +137,20 @@ class StoreSender:
 
 
 class StoreReceiver:
-    """An engine's end of a transport through the weight store: the newest version's payload, `unpack`ed."""
+    """An engine's end of a transport through the weight store: the updates since `version`, `unpack`ed and
+    folded into one."""
 
     def __init__(self, weight_store, unpack) -> None:
         self.weight_store, self.unpack = weight_store, unpack
 
     def newer(self, version: int) -> Optional[Tuple[int, Weights]]:
-        newer = ray.get(self.weight_store.newer_than.remote(version))
-        if newer is None:
+        updates = ray.get(self.weight_store.newer_than.remote(version))
+        if updates is None:
             return None
-        version, (ref,) = newer
-        return version, self.unpack(ray.get(ref))
+        weights = None
+        for version, (ref,) in updates:
+            weights = combine(weights, self.unpack(ray.get(ref)))
+        return version, weights
 
 
 class GroupEnd:

@@ -19,16 +19,20 @@ BFLOAT16 = np.dtype([("bfloat16", np.int16)])  # the bits of a bfloat16 tensor, 
 
 
 def to_snapshot(state_dict: Dict[str, torch.Tensor]) -> Dict[str, np.ndarray]:
-    """Arrays of the weights in their own dtype, each storage once: a tensor tied to an earlier one (an
-    output head sharing the embedding) is left out, and `load_weights` restores it through the tie."""
-    snapshot: Dict[str, np.ndarray] = {}
-    seen = set()
+    """Arrays of the weights in their own dtype, each storage once (`unique_weights`)."""
+    return {name: _to_array(tensor.detach().to("cpu")) for name, tensor in unique_weights(state_dict).items()}
+
+
+def unique_weights(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Each storage once: a weight tied to an earlier one (an output head sharing the embedding) is
+    left out, and loading restores it through the tie."""
+    kept, seen = {}, set()
     for name, tensor in state_dict.items():
         key = _storage_key(tensor)
         if key not in seen:
             seen.add(key)
-            snapshot[name] = _to_array(tensor.detach().to("cpu"))
-    return snapshot
+            kept[name] = tensor
+    return kept
 
 
 def cast_weights(state_dict: Dict[str, torch.Tensor], dtype: torch.dtype, copy: bool = False) -> Dict[str, torch.Tensor]:
