@@ -62,6 +62,8 @@ class GenerationEngine(Protocol):
 
     def load_weights(self, state_dict: Dict[str, torch.Tensor], version: int) -> None: ...
 
+    def score(self, prompts: List[List[int]], completions: List[List[int]]) -> List[List[float]]: ...
+
 
 def build_engine(rollout: RolloutConfig, model_path: str, dtype: str, seed: int,
                  lora: Optional[LoraConfig] = None, deltas: bool = False) -> GenerationEngine:
@@ -143,6 +145,17 @@ class TransformersEngine(BatchGenerate):
     def decode_batch(self, max_new_tokens: int, temperature: float) -> "DecodeBatch":
         """An empty continuous batch on this engine's model."""
         return DecodeBatch(self, max_new_tokens, temperature)
+
+    def score(self, prompts: List[List[int]], completions: List[List[int]]) -> List[List[float]]:
+        """Log-probs of each completion's tokens after its prompt, teacher-forced, one sequence at a time."""
+        scores = []
+        with torch.no_grad():
+            for prompt, completion in zip(prompts, completions):
+                ids = torch.tensor([prompt + completion], device=self.device)
+                logits = self.model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+                targets = ids[0, len(prompt):].unsqueeze(1)
+                scores.append(logits.log_softmax(-1).gather(1, targets).squeeze(1).tolist())
+        return scores
 
 
 @dataclass

@@ -36,6 +36,7 @@ from rlplatform.config import EvalConfig, RewardSpec
 from rlplatform.envs.rendering import Renderer
 from rlplatform.envs.taskset_source import TasksetPlayer, play_held_out
 from rlplatform.monitoring.evaluation import evaluation_figures
+from rlplatform.monitoring.parity_canary import CanaryCheck
 from rlplatform.priority import set_cpu_priority
 from rlplatform.rewards.registry import resolve
 from rlplatform.rewards.scoring import Scorer
@@ -85,6 +86,8 @@ class RolloutWorker:
         self._scorer = None  # the job's rewards, built on the first evaluation
         self._unreported_busy_s = 0.0
         self.heartbeats = Heartbeats(client, job)
+        self.canary = CanaryCheck(client, self.keys.canary_reference, self.keys.canary_checks, spec.parity_every,
+                                  index) if spec.parity_every else None  # the parity canary (`parity_canary`)
         self.label = f"rollout worker {index} of policy '{policy}'"  # as silent workers are named
 
     def sync_weights(self) -> int:
@@ -97,6 +100,8 @@ class RolloutWorker:
             self.engine.load_weights(state_dict, version)
             received = sum(t.numel() * t.element_size() for t in state_dict.values())  # with LoRA, the adapters' alone
             self._count(weight_sync_bytes=received)
+            if self.canary is not None and self.canary.due(version):
+                self.canary.run(version, self.engine.score)
         return self.engine.version
 
     def _sync_counted(self) -> None:

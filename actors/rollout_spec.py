@@ -35,3 +35,4 @@ class RolloutSpec:
     chat_template: str = "auto"
     env: EnvConfig = field(default_factory=EnvConfig)
     priority: str = "normal"  # the process's CPU priority: `rollout.priority`, or the evaluator's `eval.priority`
+    parity_every: int = 0  # `monitoring.parity_every`: versions between parity canary checks (0: none)

@@ -135,6 +135,24 @@ class VLLMEngine(BatchGenerate):
         if not self.llm.reset_prefix_cache(reset_running_requests=True):
             raise RuntimeError("vLLM did not reset its prefix cache after a weight update")
 
+    def score(self, prompts: List[List[int]], completions: List[List[int]]) -> List[List[float]]:
+        """Log-probs of each completion's tokens after its prompt, teacher-forced (vLLM's prompt log-probs,
+        under the adapters loaded now); the batch's requests are set aside meanwhile and re-added after
+        (recomputed, never dropped), since the engine steps every request it holds."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        rows = self._batch.set_aside() if self._batch is not None else []
+        try:
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p + c) for p, c in zip(prompts, completions)],
+                                        SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+                                        lora_request=self.lora_request, use_tqdm=False)
+        finally:
+            if rows:
+                self._batch.resume(rows)
+        return [[output.prompt_logprobs[len(p) + i][token].logprob for i, token in enumerate(c)]
+                for output, p, c in zip(outputs, prompts, completions)]
+
     def decode_batch(self, max_new_tokens: int, temperature: float) -> "VLLMBatch":
         """An empty continuous batch; requests of an earlier batch still running are aborted."""
         if self._batch is not None and self._batch.rows:
@@ -167,10 +185,18 @@ class VLLMBatch:
     def follow_adapters(self) -> None:
         """Re-add every request under the engine's current LoRA request, its tokens so far as prompt and
         the rest of its length to go: recomputed, never dropped."""
+        self.resume(self.set_aside())
+
+    def set_aside(self) -> List[_Row]:
+        """Abort every request, keeping its sequence so far for `resume`."""
         if not self.rows:
-            return
+            return []
         self.engine.llm.llm_engine.abort_request(list(self.rows))
         rows, self.rows = list(self.rows.values()), {}
+        return rows
+
+    def resume(self, rows: List[_Row]) -> None:
+        """Re-add `rows` (from `set_aside`), each with its tokens so far as prompt."""
         for row in rows:
             self._submit(row)
 

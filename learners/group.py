@@ -94,6 +94,11 @@ class LearnerGroup:
         deadline_get([rank.connect_results.remote(redis_url, job) for rank in self.ranks], "a learner rank",
                      LEARNER_TIMEOUT_S)
 
+    def watch_parity(self, prompt_ids: List[List[int]], reference_key: str) -> None:
+        """Score the parity canary with every version streamed (`LearnerRank.watch_parity`)."""
+        deadline_get([rank.watch_parity.remote(prompt_ids, reference_key) for rank in self.ranks], "a learner rank",
+                     LEARNER_TIMEOUT_S)
+
     def rl_step(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
                 sft_rows: Optional[List[Dict]] = None, step: int = 0, max_tokens: Optional[int] = None) -> Dict[str, float]:
         """RL step `step` on samples held here, each rank passed its share (`max_tokens`: as `rl_step` of a rank)."""

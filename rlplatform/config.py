@@ -325,6 +325,7 @@ class MonitoringConfig:
     error_window: int = at_least(20, 1)  # learner steps in the step error window
     error_window_s: float = above(120.0, 0)  # seconds in the time error window (it needs one batch's samples; an alert at half)
     worker_silent_s: float = above(120.0, 0)  # a rollout or reward worker whose loop has not gone round this long is named (console, alert, rlp status)
+    parity_every: int = at_least(10, 0)  # versions between each rollout engine's parity canary checks against the learner (0: never; README: Monitoring)
     scoring_stall_s: float = above(30.0, 0)  # samples waiting for rewards and none scored this long: an alert naming the reward workers' last beats
 
 

@@ -321,6 +321,8 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup
     evaluator = Evaluator(start_rollout(policy.rollout.num_workers), test, config.eval,
                           config.rewards, config.imports)  # after the learner's set-up (`Evaluator`)
     learner.connect_results(redis_url, config.name)
+    if config.monitoring.parity_every:
+        learner.watch_parity([p.ids for p in train], PolicyKeys(config.name, policy.name).canary_reference)
     weight_transport(policy.weights).connect(learner.ranks[0], rollout + [evaluator.actor], redis_url,
                                              PolicyKeys(config.name, policy.name).version, LEARNER_TIMEOUT_S)
     return PolicyWorkers(policy, learner, rollout, store, evaluator, PolicyKeys(config.name, policy.name),
@@ -355,7 +357,8 @@ def _start_rollout_actor(config: JobConfig, policy: PolicyConfig, model_path: st
     spec = RolloutSpec(index, policy.name, config.name, model_path, prompts_path, redis_url, policy.rl, policy.rollout,
                        config.seed, store_name, policy.model.dtype, weight_transport(policy.weights), policy.model.lora,
                        config.data.chat_template, config.env,
-                       config.eval.priority if evaluator else policy.rollout.priority)
+                       config.eval.priority if evaluator else policy.rollout.priority,
+                       parity_every=0 if evaluator else config.monitoring.parity_every)
     return (EvaluatorActor if evaluator else RolloutActor).options(**options).remote(spec)
 
 

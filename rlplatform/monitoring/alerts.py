@@ -34,6 +34,7 @@ class StepFigures:
     queue_depth: int
     seconds_since_progress: float
     parity: Optional[Dict[str, float]] = None  # abs_mean, abs_max, k3, tokens; None: not measured this step
+    canary: Optional[Dict[str, float]] = None  # the worst parity canary check since the last step (`parity_canary`)
 
 
 class AlertRules:
@@ -97,14 +98,19 @@ class AlertRules:
 
 def _parity(rule: AlertRule, figures: StepFigures) -> Optional[str]:
     """A step whose engine and learner log-probs differ by more than the threshold on average (|Δ|), on tokens
-    the learner scored with the weights that sampled them."""
-    parity = figures.parity
-    if parity is None or parity["abs_mean"] <= rule.threshold:
-        return None
-    return (f"engine and learner disagree on tokens of the same weights at step {figures.step}: mean |Δ log-prob| "
-            f"{parity['abs_mean']:.4f} (max {parity['abs_max']:.3f}, k3 KL {parity['k3']:.4f}, "
-            f"{parity['tokens']:.0f} tokens; limit {rule.threshold:g}): a weight sync that did not load every "
-            "tensor, or the engine's numerics")
+    the learner scored with the weights that sampled them, or on the parity canary an engine checked."""
+    parity, canary = figures.parity, figures.canary
+    if parity is not None and parity["abs_mean"] > rule.threshold:
+        return (f"engine and learner disagree on tokens of the same weights at step {figures.step}: mean |Δ log-prob| "
+                f"{parity['abs_mean']:.4f} (max {parity['abs_max']:.3f}, k3 KL {parity['k3']:.4f}, "
+                f"{parity['tokens']:.0f} tokens; limit {rule.threshold:g}): a weight sync that did not load every "
+                "tensor, or the engine's numerics")
+    if canary is not None and canary["abs_mean"] > rule.threshold:
+        return (f"rollout worker {canary['worker']:.0f}'s engine disagrees with the learner on the parity canary "
+                f"at version {canary['version']:.0f}: mean |Δ log-prob| {canary['abs_mean']:.4f} (max "
+                f"{canary['abs_max']:.3f}, {canary['tokens']:.0f} tokens; limit {rule.threshold:g}): a weight sync "
+                "that did not load every tensor, or the engine's numerics")
+    return None
 
 
 def _stall(rule: AlertRule, seconds_since_progress: float) -> Optional[str]:

@@ -22,6 +22,7 @@ import wandb
 from rlplatform.config import JobConfig, RLConfig
 from rlplatform.monitoring.alerts import AlertRules, StepFigures
 from rlplatform.monitoring.metrics import Metrics
+from rlplatform.monitoring.parity_canary import checks_since
 from rlplatform.monitoring.tool_metrics import tool_figures
 from rlplatform.scheduling.buffer import Batch, has_signal
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
@@ -76,6 +77,8 @@ class RLMonitor:
         self._learner_busy_s = 0.0
         self._first_version = 0  # the version the stage started from (a resumed one's)
         self._parity: List[Dict[str, float]] = []  # each step's parity figures, where it measured any
+        self._canary: List[Dict] = []  # the engines' parity canary checks (`parity_canary`)
+        self._canary_id: Optional[str] = None  # the newest check read
 
     def _worker_counters(self) -> Dict[str, float]:
         rollout = self.queue.counters(self.keys.rollout_stats)
@@ -103,12 +106,15 @@ class RLMonitor:
         if parity:
             families["parity"] = parity
             self._parity.append(parity)
+        canary = self._canary_checks()
+        if canary:
+            families["canary"] = canary
         if self.config.monitoring.samples_every and version % self.config.monitoring.samples_every == 0:
             families["samples"] = {"table": self._samples_table(version, batch)}
         self.metrics.log_rl(self.policy, families, self._axes(version))
         self.last_step = time.perf_counter()
         figures = StepFigures(version, families["rewards"]["total"], families["rewards"]["error_fraction"],
-                              families["async"]["queue_depth"], 0.0, parity or None)
+                              families["async"]["queue_depth"], 0.0, parity or None, canary)
         for alert in self.alerts.check(figures):
             self.metrics.event(alert.kind, alert.message, alert.step)
         if version % self.rl.log_every == 0 or version == self.rl.max_steps or self._line_due(self.last_step):
@@ -141,14 +147,29 @@ class RLMonitor:
         logged.update({f"component/{k}": v for k, v in figures["components"].items()})
         self.metrics.log_rl(self.policy, {"eval": {**logged, "policy_version": version}}, self._axes(version))
 
-    def parity_totals(self) -> Dict[str, float]:
-        """The stage's parity: the mean of its steps' mean |Δ log-prob| and k3, the largest |Δ|, steps measured."""
+    def parity_totals(self) -> Dict:
+        """The stage's parity: the mean of its steps' mean |Δ log-prob| and k3, the largest |Δ|, steps measured;
+        and its canary checks: how many, the largest mean |Δ| of one and the largest |Δ|."""
+        canary = {"checks": len(self._canary)}
+        if self._canary:
+            canary.update(abs_mean_max=max(c["abs_mean"] for c in self._canary),
+                          abs_max=max(c["abs_max"] for c in self._canary))
         if not self._parity:
-            return {"steps_measured": 0}
+            return {"steps_measured": 0, "canary": canary}
         steps = len(self._parity)
         return {"abs_mean": sum(p["abs_mean"] for p in self._parity) / steps,
                 "abs_max": max(p["abs_max"] for p in self._parity),
-                "k3": sum(p["k3"] for p in self._parity) / steps, "steps_measured": steps}
+                "k3": sum(p["k3"] for p in self._parity) / steps, "steps_measured": steps, "canary": canary}
+
+    def _canary_checks(self) -> Optional[Dict[str, float]]:
+        """The parity canary checks engines recorded since the last step: the worst one's figures (W&B `canary/…`)."""
+        checks, self._canary_id = checks_since(self.queue.client, self.keys.canary_checks, self._canary_id)
+        if not checks:
+            return None
+        self._canary += checks
+        worst = max(checks, key=lambda c: c["abs_mean"])
+        return {"abs_mean": worst["abs_mean"], "abs_max": worst["abs_max"], "tokens": worst["tokens"],
+                "version": float(worst["version"]), "worker": float(worst["worker"]), "checks": float(len(checks))}
 
     def _axes(self, version: int) -> Dict[str, float]:
         return {"learner_step": version, "samples_seen": self.samples_seen,

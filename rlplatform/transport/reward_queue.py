@@ -100,6 +100,8 @@ class PolicyKeys:
         self.groups_started = f"{prefix}:groups-started"
         self.groups_dropped = f"{prefix}:groups-dropped"
         self.rollout_stats = f"{prefix}:rollout-stats"  # the policy's rollout counters (the one record of them)
+        self.canary_reference = f"{prefix}:canary-reference"  # the learner's parity canary scores (`parity_canary`)
+        self.canary_checks = f"{prefix}:canary-checks"  # the engines' canary checks, a stream
 
 
 class StreamQueue:

@@ -1,5 +1,6 @@
 """The vLLM rollout engine: on CPU machines, the one-line refusal; on a GPU (`gpu` marker), the
-engine's log-probs against the learner's, stopping on every EOS id, and in-flight weight updates."""
+engine's log-probs against the learner's, stopping on every EOS id, in-flight weight updates, the parity
+canary's scores while a batch decodes, and weight deltas."""
 
 from __future__ import annotations
 
@@ -132,3 +133,46 @@ def test_rows_keep_their_own_length_limit_and_temperature(engine, vllm_policy):
                                  pad_id=0, temperature=3.0)
     for c, row, mask in zip(hot, scores.logprobs, scores.mask):
         torch.testing.assert_close(torch.tensor(c.logprobs), row[mask.bool()].cpu(), atol=2e-3, rtol=0)
+
+
+@pytest.mark.gpu
+def test_canary_scores_are_the_learners_and_leave_running_requests_whole(engine, vllm_policy):
+    """`score` (the parity canary) while a batch decodes: the learner's teacher-forced log-probs, and every
+    request of the batch still finishes, as greedy decoding without the interruption does."""
+    from rlplatform.learners.batching import completion_logprobs
+
+    prompts = _ids(engine, ["12+34=", "5+5="])
+    alone = engine.generate(prompts, 1, 8, temperature=0.0)
+    batch = engine.decode_batch(max_new_tokens=8, temperature=0.0)
+    batch.add(prompts, keys=[0, 1])
+    assert batch.step() == []
+    first, scored = [ids[:1] for ids in prompts], [ids[1:] for ids in prompts]
+    scores = engine.score(first, scored)
+    finished = {}
+    while batch:
+        finished.update(batch.step())
+    assert [finished[k].completion_ids for k in (0, 1)] == [group[0].completion_ids for group in alone]
+    expected = completion_logprobs(_model(vllm_policy), first, scored, pad_id=0)
+    for got, row, mask in zip(scores, expected.logprobs, expected.mask):
+        torch.testing.assert_close(torch.tensor(got), row[mask.bool()].cpu(), atol=2e-3, rtol=0)
+
+
+@pytest.mark.gpu
+def test_weight_deltas_load_into_vllm_as_the_full_weights_do(engine, vllm_policy):
+    """With deltas on, a delta update loads the weights it changes; generation then matches a full load."""
+    from rlplatform.policy import load_policy
+    from rlplatform.transport.weight_deltas import DeltaEncoder
+
+    encoder = DeltaEncoder(full_every=100)
+    engine.served = {}  # what `deltas=True` sets up: one vLLM instance per process, so the module's is reused
+    try:
+        engine.load_weights(encoder.encode(_model(vllm_policy).state_dict(), 0), version=0)
+        engine.load_weights(encoder.encode(_model(vllm_policy, scale=0.05).state_dict(), 1), version=1)
+        prompt = _ids(engine, ["12+34="])
+        got = engine.generate(prompt, 1, 10, temperature=0.0)[0][0]
+    finally:
+        engine.served = None
+        engine.load_weights(load_policy(vllm_policy)[0].state_dict(), version=0)
+    reference = _model(vllm_policy, scale=0.05).generate(torch.tensor(prompt).cuda(), max_new_tokens=10,
+                                                         do_sample=False)
+    assert got.completion_ids == reference[0, len(prompt[0]):].tolist()
