@@ -157,7 +157,7 @@ class RolloutConfig:
     weight_swap: str = one_of("in_flight", "finish_then_swap")  # in_flight: new weights load between decode steps; finish_then_swap: once drained
     num_threads: int = at_least(1, 1)  # torch threads per worker
     num_cpus: float = at_least(1.0, 0)  # Ray CPUs reserved per worker
-    priority: str = one_of("low", "normal", "idle")  # CPU priority beside the learner's (README: CPU priorities): low lets the learner step go first
+    priority: str = one_of("low", "normal", "idle")  # CPU priority beside the learner's (docs/devices.md: CPU priorities): low lets the learner step go first
     device: str = one_of("auto", "cpu", "cuda")  # auto: the GPU Ray assigns the worker when the cluster has GPUs, else CPU
     num_gpus: Optional[float] = at_least(None, 0)  # Ray GPUs per worker (fractions share one); unset: 1 on a GPU device, else 0
     resources: Dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker (and the evaluator), e.g. {rollout_node: 1} places them on nodes started with that resource
@@ -170,9 +170,9 @@ class RolloutConfig:
 
 @dataclass
 class WeightsConfig:
-    transport: str = one_of("object_store", "broadcast", "cuda_ipc")  # how learner rank 0 hands versions to rollout workers (README: Weight transports)
+    transport: str = one_of("object_store", "broadcast", "cuda_ipc")  # how learner rank 0 hands versions to rollout workers (docs/devices.md: Weight transports)
     bucket_mb: float = above(256.0, 0)  # broadcast: weights go in buckets of at most this many MB
-    delta: bool = False  # after a full version, send only the elements that changed (README: Weight transports)
+    delta: bool = False  # after a full version, send only the elements that changed (docs/devices.md: Weight transports)
     delta_full_every: int = at_least(50, 1)  # delta: every this many versions a full one, so a late engine replays few
 
 
@@ -201,7 +201,7 @@ class RewardWorkersConfig:
     claim_idle_s: float = above(30.0, 0)  # a request unacknowledged this long is reclaimed from its (dead) worker
     max_deliveries: int = at_least(3, 1)  # a request delivered this often without a result goes to dead letters
     num_cpus: float = at_least(0.5, 0)  # Ray CPUs reserved per worker
-    priority: str = one_of("low", "normal", "idle")  # CPU priority beside the learner's (README: CPU priorities): low lets the learner step go first
+    priority: str = one_of("low", "normal", "idle")  # CPU priority beside the learner's (docs/devices.md: CPU priorities): low lets the learner step go first
     resources: Dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker, e.g. {reward_node: 1} places them on nodes started with that resource
 
 
@@ -307,7 +307,7 @@ class AlertRule:
     window: int = at_least(20, 1)  # learner steps the rule averages over
 
 
-PARITY_LIMIT = 0.05  # mean |Δ log-prob| between engine and learner on same-weights tokens (README: Monitoring)
+PARITY_LIMIT = 0.05  # mean |Δ log-prob| between engine and learner on same-weights tokens (docs/monitoring.md)
 
 
 def _default_alerts() -> List[AlertRule]:
@@ -325,7 +325,7 @@ class MonitoringConfig:
     error_window: int = at_least(20, 1)  # learner steps in the step error window
     error_window_s: float = above(120.0, 0)  # seconds in the time error window (it needs one batch's samples; an alert at half)
     worker_silent_s: float = above(120.0, 0)  # a rollout or reward worker whose loop has not gone round this long is named (console, alert, rlp status)
-    parity_every: int = at_least(10, 0)  # versions between each rollout engine's parity canary checks against the learner (0: never; README: Monitoring)
+    parity_every: int = at_least(10, 0)  # versions between each rollout engine's parity canary checks against the learner (0: never; docs/monitoring.md)
     scoring_stall_s: float = above(30.0, 0)  # samples waiting for rewards and none scored this long: an alert naming the reward workers' last beats
 
 

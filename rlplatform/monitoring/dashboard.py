@@ -2,7 +2,7 @@
 
 `dashboard_layout(policy)` is the layout as data (sections -> panels -> metric keys and the
 x axis each plots against); `build_workspace` turns it into a W&B workspace with the
-`wandb-workspaces` API, and `render_layout` into text for the terminal and the README.
+`wandb-workspaces` API, and `render_layout` into text for the terminal and docs/monitoring.md.
 """
 
 from __future__ import annotations

@@ -186,7 +186,7 @@ def test_rlp_verifiers_plays_a_taskset_module_in_the_working_directory(served, t
 
 
 def test_the_shipped_taskset_plays_through_a_bridge(served, monkeypatch, capsys):
-    """examples/my_sums.py, played from outside as the README's `rlp verifiers` line does: its episodes carry
+    """examples/my_sums.py, played from outside as docs/tools-and-environments.md's `rlp verifiers` line does: its episodes carry
     the task's answer and the verifiers score; configs/verifiers_sums.yaml plays it as the job's own source."""
     from rlplatform.config import load_config
 

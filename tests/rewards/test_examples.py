@@ -1,4 +1,4 @@
-"""The README's reward example: user rewards from examples/my_rewards.py (decorator and import
+"""The reward example of docs/rewards.md: user rewards from examples/my_rewards.py (decorator and import
 path) score rows through `rlp rewards test` without training."""
 
 from __future__ import annotations
