@@ -9,6 +9,10 @@ the batch until every result is back on this worker's result stream, while the b
 decoding the other episodes. An episode ends when its environment says so, at `env.max_turns`
 model turns, or when `env.max_tokens` leaves no room (then `truncated`); it comes back as one
 `Completion` whose `episode` fields (the environment's, and turns, tool_calls, truncated) join the row.
+With a chat template each finished episode's tokens are checked against its conversation rendered
+whole (`Renderer.first_mismatch`): counted (token_checks, token_mismatches), and by
+`env.on_token_mismatch` also trained on no token (drop: its completion mask all 0, its reward still
+in its group) or stopping the job (fail).
 `WaitOccupancy` counts what the decode batch does while episodes wait on tools.
 """
 
@@ -51,6 +55,7 @@ class _Episode:
     env: Environment
     prompt_ids: List[int]
     messages: List[Message]  # the conversation so far, as the chat template renders it
+    prompt_turns: int  # the first messages, the prompt's
     trace: TokenTrace = field(default_factory=TokenTrace)  # every token after the prompt
     turns: int = 0
     tool_calls: int = 0
@@ -63,6 +68,7 @@ class MultiTurn:
     def __init__(self, config: EnvConfig, max_new_tokens: int, renderer: Renderer, tools: ToolQueue,
                  reply_to: str) -> None:
         self.make_env = environment_factory(config)
+        self.on_token_mismatch = config.on_token_mismatch
         self.max_turns, self.max_new_tokens = config.max_turns, max_new_tokens
         self.max_tokens = config.completion_tokens(max_new_tokens)
         self.renderer, self.tools, self.reply_to = renderer, tools, reply_to
@@ -80,7 +86,8 @@ class MultiTurn:
             env = self.make_env()
             messages = env.start(prompt.row)
             self._serial += 1
-            episode = _Episode(f"{self._tag}-{self._serial}", env, self.renderer.prompt_ids(messages), messages)
+            episode = _Episode(f"{self._tag}-{self._serial}", env, self.renderer.prompt_ids(messages), messages,
+                               len(messages))
             self.episodes[key] = episode
             batch.add([episode.prompt_ids], [key], max_new_tokens=min(self.max_new_tokens, self.max_tokens))
 
@@ -154,10 +161,32 @@ class MultiTurn:
                            malformed_calls=episode.malformed_calls, unknown_tool_calls=episode.unknown_tool_calls)
         trace = episode.trace
         text = self.renderer.tokenizer.decode(trace.ids, skip_special_tokens=True)
+        fields = {**fields, "turns": episode.turns, "tool_calls": episode.tool_calls, "truncated": truncated}
+        mask = trace.mask
+        if self._tokens_differ(episode):
+            fields["token_mismatch"] = True
+            if self.on_token_mismatch == "drop":
+                mask = [0] * len(mask)
         return Completion(episode.prompt_ids, trace.ids, text, trace.logprobs, trace.versions,
-                          completion_mask=trace.mask, episode={**fields, "turns": episode.turns,
-                                                                 "tool_calls": episode.tool_calls,
-                                                                 "truncated": truncated})
+                          completion_mask=mask, episode=fields)
+
+    def _tokens_differ(self, episode: _Episode) -> bool:
+        """The exact-token check, counted: whether the episode's tokens depart from its conversation rendered
+        whole by the chat template; with `env.on_token_mismatch: fail` such an episode raises."""
+        ids = episode.prompt_ids + episode.trace.ids
+        position = self.renderer.first_mismatch(episode.messages, episode.prompt_turns, ids)
+        self.counts.update(token_checks=int(self.renderer.chat), token_mismatches=int(position is not None))
+        if position is not None and self.on_token_mismatch == "fail":
+            decode = self.renderer.tokenizer.decode
+            raise TokenMismatch(f"env.on_token_mismatch: fail: an episode's token {position} is "
+                                f"{decode(ids[position:position + 1])!r} where its conversation, rendered whole by the "
+                                f"chat template, has another (after {decode(ids[max(position - 20, 0):position])!r}); "
+                                "the template renders turns differently once later turns follow")
+        return position is not None
+
+
+class TokenMismatch(RuntimeError):
+    """An episode's tokens are not its conversation's, and `env.on_token_mismatch` is fail."""
 
 
 class WaitOccupancy:

@@ -227,6 +227,7 @@ class EnvConfig:
     test_tasks: int = at_least(16, 0)  # kind=verifiers: tasks held out for evaluation (pass@1 by their rewards), a fixed seeded draw
     max_turns: int = at_least(1, 1)  # model turns per episode
     max_tokens: int = at_least(0, 0)  # completion tokens per episode, model and observation (0: max_turns x rl.max_new_tokens)
+    on_token_mismatch: str = one_of("count", "drop", "fail")  # an episode whose tokens differ from its conversation rendered whole by the chat template: count it; also train none of its tokens; or stop the job (docs/tools-and-environments.md)
     tools: List[ToolSpec] = field(default_factory=list)  # the tools the model may call (kind=tools)
     tool_workers: RewardWorkersConfig = field(default_factory=RewardWorkersConfig)  # tool workers started for the job
 

@@ -8,11 +8,13 @@ plain text, each tool turn as `<result>...</result>` and each user turn as its t
 own tokens are never re-encoded, so the trained sequence is the one the model sampled. What an
 observation says is text, never control: a tool that prints a special token's text (an end of turn)
 gets that text as plain tokens, while the template's own control tokens around it stay special.
+`first_mismatch` checks a finished episode against its whole conversation rendered at once, as a
+trainer that re-tokenizes conversations would see it.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from rlplatform.tokenization import CONTENT_MARK, encode_marked, holds_control_text, uses_chat_template
 
@@ -50,6 +52,26 @@ class Renderer:
             raise ValueError("the chat template renders a conversation differently from its beginning (earlier "
                              "turns change as turns are added), so observations cannot be appended to an episode")
         return encode_marked(self.tokenizer, after[len(written):], contents)
+
+    def first_mismatch(self, messages: List[Message], prompt_turns: int, ids: List[int]) -> Optional[int]:
+        """The first position where `ids` (an episode's prompt and completion tokens) departs from `messages`
+        (its conversation, the first `prompt_turns` its prompt) rendered whole by the chat template and
+        encoded as the episode encodes each part; None when `ids` is a prefix of that rendering (the template
+        may close the last turn after the model's end token), or without a chat template (nothing to compare)."""
+        if not self.chat:
+            return None
+        marked, contents = list(messages[:prompt_turns]), []
+        for message in messages[prompt_turns:]:  # observations that hold control text: plain text, as encoded
+            if message["role"] != "assistant" and holds_control_text(self.tokenizer, message["content"]):
+                marked.append({**message, "content": CONTENT_MARK.format(len(contents))})
+                contents.append(message["content"])
+            else:
+                marked.append(message)
+        rendered = encode_marked(self.tokenizer, self._render(marked, generation_prompt=False), contents)
+        position = next((i for i, (got, want) in enumerate(zip(ids, rendered)) if got != want), None)
+        if position is None and len(ids) > len(rendered):
+            return len(rendered)
+        return position
 
     def _render(self, messages: List[Message], generation_prompt: bool) -> str:
         if not messages:

@@ -1,7 +1,8 @@
 """Figures of multi-turn episodes and their tool calls, for W&B (the `tools` family) and the summary.
 
 Consumes the counters rollout workers add up on Redis (episodes, turns, tool_calls,
-observation_tokens, episodes_truncated, malformed and unknown-tool calls, and the decode batch
+observation_tokens, episodes_truncated, malformed and unknown-tool calls, token_checks and
+token_mismatches (the exact-token check of chat-template episodes), and the decode batch
 while episodes wait on tools, under the policy's rollout stats) and those tool workers add up per
 tool (calls/<tool>, errors/<tool>, latency_s/<tool>); produces per-episode means, the truncated
 fraction, the batch's occupancy and idle time while waiting and, per tool, calls, error fraction
@@ -13,7 +14,7 @@ from __future__ import annotations
 from typing import Dict
 
 EPISODE_COUNTERS = ("episodes", "turns", "tool_calls", "observation_tokens", "episodes_truncated",
-                    "malformed_calls", "unknown_tool_calls")
+                    "malformed_calls", "unknown_tool_calls", "token_checks", "token_mismatches")
 
 
 def tool_figures(rollout: Dict[str, float], tools: Dict[str, float], decode_slots: int) -> Dict[str, float]:
@@ -28,6 +29,8 @@ def tool_figures(rollout: Dict[str, float], tools: Dict[str, float], decode_slot
                "episodes_truncated": rollout.get("episodes_truncated", 0.0),
                "malformed_calls": rollout.get("malformed_calls", 0.0),
                "unknown_tool_calls": rollout.get("unknown_tool_calls", 0.0),
+               "token_checks": rollout.get("token_checks", 0.0),  # episodes checked against their conversation
+               "token_mismatches": rollout.get("token_mismatches", 0.0),
                **_while_waiting(rollout, decode_slots)}
     for name in sorted(key.split("/", 1)[1] for key in tools if key.startswith("calls/")):
         calls = tools[f"calls/{name}"]

@@ -80,3 +80,17 @@ class Scripted(ToolEnvironment):
 
     def step(self, turn: str) -> Reply:
         return super().step(next(self.turns))
+
+
+class TalkTwice(ToolEnvironment):
+    """Answers the first model turn with a user turn (" go on") and ends at the second: two turns, no tools."""
+
+    def start(self, row):
+        self.answered = False
+        return super().start(row)
+
+    def step(self, turn: str) -> Reply:
+        if self.answered:
+            return Reply(done=True, fields={"final_response": turn})
+        self.answered = True
+        return Reply(observation=[{"role": "user", "content": " go on"}])

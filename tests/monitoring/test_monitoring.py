@@ -156,7 +156,8 @@ def test_tool_figures_per_episode_and_per_tool():
     figures = tool_figures(rollout, tools, decode_slots=16)
     assert figures == {"episodes": 4, "turns_per_episode": 2.5, "tool_calls_per_episode": 1.5,
                        "observation_tokens_per_episode": 12.0, "truncated_fraction": 0.25, "episodes_truncated": 1,
-                       "malformed_calls": 3, "unknown_tool_calls": 1, "decode_steps_while_waiting": 10,
+                       "malformed_calls": 3, "unknown_tool_calls": 1, "token_checks": 0.0, "token_mismatches": 0.0,
+                       "decode_steps_while_waiting": 10,
                        "decode_occupancy_while_waiting": 4.0, "decode_slots_used_while_waiting": 0.25,
                        "idle_s_while_waiting": 1.5,
                        "calculator/calls": 5, "calculator/error_fraction": 0.2, "calculator/latency_s": 0.1,
