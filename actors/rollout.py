@@ -35,7 +35,7 @@ from rlplatform.actors.rollout_spec import RolloutSpec
 from rlplatform.config import EvalConfig, RewardSpec
 from rlplatform.envs.rendering import Renderer
 from rlplatform.envs.taskset_source import TasksetPlayer, play_held_out
-from rlplatform.monitoring.evaluation import evaluation_figures
+from rlplatform.monitoring.eval_figures import evaluation_figures
 from rlplatform.monitoring.parity_canary import CanaryCheck
 from rlplatform.priority import set_cpu_priority
 from rlplatform.rewards.registry import resolve

@@ -63,7 +63,9 @@ def job_figures(model_dir: str, prompts: List[str], group: int, new_tokens: int,
     path = os.path.join(work_dir, "gpu-job.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(config, f)
-    subprocess.run(["rlp", "run", path], check=True, timeout=timeout_s)
+    done = subprocess.run(["rlp", "run", path], timeout=timeout_s, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"rlp run exit {done.returncode}: {(done.stdout + done.stderr).strip().splitlines()[-3:]}")
     with open(os.path.join(work_dir, "runs", "gpu-job", "summary.json")) as f:
         rl = json.load(f)["rl"]
     syncs = max(rl["weight_syncs"], 1)

@@ -17,7 +17,6 @@ from rlplatform.config import LearnerConfig, LoraConfig, RLConfig
 from rlplatform.devices import gpus_per_actor
 from rlplatform.learners.rank import LearnerActor
 from rlplatform.transport.deadlines import LEARNER_TIMEOUT_S, deadline_get
-from rlplatform.transport.samples import Sample
 from rlplatform.transport.weight_transports import ObjectStoreTransport, WeightTransport
 
 T = TypeVar("T")
@@ -86,8 +85,8 @@ class LearnerGroup:
 
     def sft_step(self, rows: List[Dict]) -> Dict[str, float]:
         parts = shard(rows, len(self.ranks))
-        return _mean(deadline_get([rank.sft_step.remote(p) for rank, p in zip(self.ranks, parts)],
-                                  "a learner rank's SFT step", LEARNER_TIMEOUT_S))
+        return merge_rank_metrics(deadline_get([rank.sft_step.remote(p) for rank, p in zip(self.ranks, parts)],
+                                               "a learner rank's SFT step", LEARNER_TIMEOUT_S))
 
     def connect_results(self, redis_url: str, job: str) -> None:
         """Let every rank fetch the job's scored samples from Redis (`rl_step_async`)."""
@@ -98,16 +97,6 @@ class LearnerGroup:
         """Score the parity canary with every version streamed (`LearnerRank.watch_parity`)."""
         deadline_get([rank.watch_parity.remote(prompt_ids, reference_key) for rank in self.ranks], "a learner rank",
                      LEARNER_TIMEOUT_S)
-
-    def rl_step(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
-                sft_rows: Optional[List[Dict]] = None, step: int = 0, max_tokens: Optional[int] = None) -> Dict[str, float]:
-        """RL step `step` on samples held here, each rank passed its share (`max_tokens`: as `rl_step` of a rank)."""
-        n = len(self.ranks)
-        weights = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
-        refs = [rank.rl_step.remote(s, a, rl, r, step, max_tokens) for rank, s, a, r in
-                zip(self.ranks, shard_minibatches(samples, n, rl.minibatches, weights),
-                    shard_minibatches(advantages, n, rl.minibatches, weights), self._sft_parts(sft_rows))]
-        return _mean(deadline_get(refs, "a learner rank's RL step", LEARNER_TIMEOUT_S))
 
     def rl_step_async(self, batch: List[TrainItem], rl: RLConfig, sft_rows: Optional[List[Dict]] = None,
                       step: int = 0, max_tokens: Optional[int] = None) -> List[ray.ObjectRef]:
@@ -126,7 +115,7 @@ class LearnerGroup:
     def gather(refs: List[ray.ObjectRef]) -> Tuple[Dict[str, float], ray.ObjectRef]:
         """(rank-averaged metrics, what rank 0 streamed the new weights as) of a step started by `rl_step_async`."""
         results = deadline_get(refs, "a learner rank's RL step", LEARNER_TIMEOUT_S)
-        return _mean([metrics for metrics, _ in results]), results[0][1][0]
+        return merge_rank_metrics([metrics for metrics, _ in results]), results[0][1][0]
 
     def snapshot_weights(self) -> ray.ObjectRef:
         refs = deadline_get([rank.snapshot_weights.remote() for rank in self.ranks], "a learner rank's weights",
@@ -155,7 +144,7 @@ class LearnerGroup:
             ray.kill(rank)
 
 
-def _mean(per_rank: List[Dict[str, float]]) -> Dict[str, float]:
+def merge_rank_metrics(per_rank: List[Dict[str, float]]) -> Dict[str, float]:
     """Rank-averaged metrics; maxima stay maxima; rates (`_per_s`) add up; `tokens_total` sums every rank's tokens."""
     merged = {k: (max if k.endswith("_max") else sum if k.endswith("_per_s") else _average)([m[k] for m in per_rank])
               for k in per_rank[0]}

@@ -20,8 +20,10 @@ def test_gpu_benchmark_measures_generation_weight_sync_and_learner(tmp_path):
                     "--new-tokens", "8", "--learner-steps", "1", "--job-steps", "2", "--trl-steps", "1",
                     "--out", str(out)], check=True, cwd=REPO,
                    capture_output=True, timeout=420)
-    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1] for line in out.read_text().splitlines()
-            if line.startswith("| ") and not line.startswith("| measure")}
+    table = [line.split(" | ") for line in out.read_text().splitlines()
+             if line.startswith("| ") and not line.startswith("| measure")]
+    rows = {cells[0].lstrip("| "): cells[1] for cells in table}
+    how = {cells[0].lstrip("| "): cells[2] for cells in table if len(cells) > 2}  # a failed row says why here
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # model.dtype: auto
     assert float(rows[f"generation, rlplatform transformers engine ({dtype})"].split()[0]) > 0
     gpus = torch.cuda.device_count()
@@ -42,7 +44,7 @@ def test_gpu_benchmark_measures_generation_weight_sync_and_learner(tmp_path):
         reason = "vllm is not installed" if torch.cuda.is_available() else "needs CUDA"
         assert vllm == f"not measured: {reason}"
     job = rows["whole job, rlplatform"]
-    assert job.endswith("trained samples/s") and float(job.split()[0]) > 0
+    assert job.endswith("trained samples/s") and float(job.split()[0]) > 0, how.get("whole job, rlplatform")
     peer = rows["whole job, TRL GRPOTrainer (peer)"]
     if importlib.util.find_spec("trl") is not None:
         assert peer.endswith("trained samples/s") and float(peer.split()[0]) > 0

@@ -22,6 +22,7 @@ from rlplatform.policy import load_policy, save_initial_policy
 from rlplatform.tokenization import encode_prompts
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.weights import BFLOAT16, from_snapshot
+from tests.learners.steps import rl_step
 
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in [(1, 2), (13, 7), (40, 45), (9, 9)] * 2]
 TINY = dict(hidden_size=64, num_layers=2, intermediate_size=128)
@@ -80,7 +81,7 @@ def test_bfloat16_train_publish_generate_and_save(ray_session, bf16_policy, tmp_
 
         samples, advantages = engine_samples(engine)
         assert all(isinstance(lp, float) and lp <= 0 for s in samples for lp in s.behaviour_logprobs)
-        metrics = learner.rl_step(samples, advantages, RLConfig())
+        metrics = rl_step(learner, samples, advantages, RLConfig())
         # the learner rescores the engine's tokens under the same bfloat16 weights, in float32 arithmetic
         assert metrics["logprob_mismatch_abs"] < 0.05
         assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0

@@ -23,7 +23,7 @@ from rlplatform.transport.reward_queue import PolicyKeys
 
 class Evaluator:
     """A spare rollout worker that evaluates held-out prompts, scored by the job's rewards, without
-    stopping training. Results are the figures of `rlplatform.monitoring.evaluation`.
+    stopping training. Results are the figures of `rlplatform.monitoring.eval_figures`.
 
     Its actor is started once the learner is set up, so its start-up (torch, the model) runs beside
     the first steps rather than beside the workers the first step waits for; without SFT it evaluates

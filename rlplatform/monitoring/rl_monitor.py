@@ -137,7 +137,7 @@ class RLMonitor:
                 self.metrics.event(alert.kind, alert.message, alert.step)
 
     def evaluation(self, version: int, figures: Dict) -> None:
-        """Record a finished evaluation of `version` (`monitoring.evaluation` figures), dated when that
+        """Record a finished evaluation of `version` (`monitoring.eval_figures` figures), dated when that
         version was published."""
         self.last_accuracy = figures["accuracy"]
         published_s, samples_seen = self._published[version]

@@ -14,6 +14,7 @@ from rlplatform.config import LearnerConfig, RLConfig
 from rlplatform.token_budget import micro_batches
 from rlplatform.learners.group import LearnerGroup, shard_minibatches
 from tests.learners.test_learner import ROWS, rl_batch
+from tests.learners.steps import rl_step
 
 # 2 minibatches per step: the second optimizer step's AdamW update depends on the gradients' scale
 RL = RLConfig(minibatches=2, entropy_coef=0.01, kl_coef=0.1, sft_coef=0.5)
@@ -53,7 +54,7 @@ def trained(tiny_policy, batch, ranks, zero_stage, micro_batch_tokens, checkpoin
         learner.start_stage(lr=1e-3, keep_reference=True)
         reference_held = [p["reference_elements"] for p in learner.placements()]
         sft = learner.sft_step(ROWS[:5])  # 2 ranks: 3 and 2 rows of different lengths
-        metrics = learner.rl_step(*batch, RL, sft_rows=ROWS[:3])
+        metrics = rl_step(learner, *batch, RL, sft_rows=ROWS[:3])
         weights = ray.get(learner.snapshot_weights())
         learner.save(checkpoint_dir)  # the reference is saved gathered and loaded back into its shards
         learner.load_checkpoint(checkpoint_dir)

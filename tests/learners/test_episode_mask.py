@@ -13,6 +13,7 @@ import pytest
 from rlplatform.config import EnvConfig, LearnerConfig, RLConfig, ToolSpec
 from rlplatform.learners.group import LearnerGroup
 from tests.learners.test_learner import rl_batch
+from tests.learners.steps import rl_step
 
 RL = RLConfig(lr_schedule="constant", kl_coef=0.1, entropy_coef=0.01)
 COMPARED = ("pg_loss", "entropy", "kl_to_reference", "loss", "grad_norm", "tokens_total", "importance_weight_mean")
@@ -40,7 +41,7 @@ def learner(ray_session, tiny_policy):
 
 
 def figures(learner, samples, advantages):
-    metrics = learner.rl_step(samples, advantages, RL)
+    metrics = rl_step(learner, samples, advantages, RL)
     return {k: metrics[k] for k in COMPARED}
 
 
@@ -80,6 +81,6 @@ def test_fixed_length_divides_by_the_episode_budget(learner, tiny_policy):
     assert env.completion_tokens(rl.max_new_tokens) == 3 * rl.max_new_tokens
     assert dataclasses.replace(env, max_tokens=50).completion_tokens(rl.max_new_tokens) == 50
     assert EnvConfig(max_turns=3).completion_tokens(rl.max_new_tokens) == rl.max_new_tokens  # single turn
-    one_turn = learner.rl_step(samples, advantages, rl)["pg_loss"]
-    episodes = learner.rl_step(samples, advantages, rl, max_tokens=env.completion_tokens(rl.max_new_tokens))["pg_loss"]
+    one_turn = rl_step(learner, samples, advantages, rl)["pg_loss"]
+    episodes = rl_step(learner, samples, advantages, rl, max_tokens=env.completion_tokens(rl.max_new_tokens))["pg_loss"]
     assert one_turn != 0 and episodes == pytest.approx(one_turn / 3, rel=1e-4)

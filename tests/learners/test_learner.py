@@ -11,6 +11,7 @@ from rlplatform.actors.engine import TransformersEngine
 from rlplatform.config import LearnerConfig, RLConfig
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.transport.samples import Sample
+from tests.learners.steps import rl_step
 
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in [(1, 2), (13, 7), (40, 45), (9, 9)] * 4]
 
@@ -59,20 +60,20 @@ def test_rl_step_changes_weights_and_lowers_loss(ray_session, tiny_policy):
         learner.start_stage(lr=1e-2, keep_reference=True)
         samples, advantages = rl_batch(tiny_policy)
         before = snapshot(learner)
-        first = learner.rl_step(samples, advantages, RLConfig())
+        first = rl_step(learner, samples, advantages, RLConfig())
         # fresh samples from these very weights: importance weights are 1, mismatch ~0
         assert first["importance_weight_mean"] == pytest.approx(1.0, abs=1e-4)
         assert first["logprob_mismatch_abs"] < 1e-4
         assert max_change(before, snapshot(learner)) > 1e-4
-        second = learner.rl_step(samples, advantages, RLConfig())
+        second = rl_step(learner, samples, advantages, RLConfig())
         assert second["loss"] < first["loss"]
         # the reference is the stage's starting weights: no KL before the update, some after
         assert first["kl_to_reference"] == pytest.approx(0.0, abs=1e-6)
         assert second["kl_to_reference"] > 1e-5
         # without a KL term the reference is scored every reference_kl_every steps only; with one, every step
-        assert "kl_to_reference" not in learner.rl_step(samples, advantages, RLConfig(reference_kl_every=2), step=3)
-        assert learner.rl_step(samples, advantages, RLConfig(reference_kl_every=2), step=4)["kl_to_reference"] > 1e-5
-        assert "kl_to_reference" in learner.rl_step(samples, advantages, RLConfig(kl_coef=0.1), step=3)
+        assert "kl_to_reference" not in rl_step(learner, samples, advantages, RLConfig(reference_kl_every=2), step=3)
+        assert rl_step(learner, samples, advantages, RLConfig(reference_kl_every=2), step=4)["kl_to_reference"] > 1e-5
+        assert "kl_to_reference" in rl_step(learner, samples, advantages, RLConfig(kl_coef=0.1), step=3)
     finally:
         learner.shutdown()
 
@@ -97,11 +98,11 @@ def test_ppo_epochs_minibatches_corrections_and_auxiliary_terms(learner, tiny_po
     rl = RLConfig(algorithm="rloo", correction="decoupled_ppo", is_cap=5.0, loss_aggregation="sequence_mean",
                   ppo_epochs=2, minibatches=2, entropy_coef=0.01, sft_coef=0.5)
     before = snapshot(learner)
-    first = learner.rl_step(samples, advantages, rl, sft_rows=ROWS)
+    first = rl_step(learner, samples, advantages, rl, sft_rows=ROWS)
     assert max_change(before, snapshot(learner)) > 1e-4
     # averaged over 4 updates, 3 of them after the weights left the batch's proximal ones: ratios moved
     assert 0.0 < first["clip_fraction"] < 1.0 and first["importance_weight_mean"] > 0
-    second = learner.rl_step(samples, advantages, rl, sft_rows=ROWS)
+    second = rl_step(learner, samples, advantages, rl, sft_rows=ROWS)
     assert second["sft_loss"] < first["sft_loss"]  # the SFT term trains on its rows too
     assert {"pg_loss", "entropy", "sft_loss", "loss", "grad_norm", "lr"} <= set(second)
 
@@ -110,9 +111,9 @@ def test_linear_lr_schedule_decays_the_stage_rate_to_zero_at_max_steps(learner, 
     learner.start_stage(lr=1e-2)
     samples, advantages = rl_batch(tiny_policy)
     rl = RLConfig(lr_schedule="linear", max_steps=4)
-    rates = [learner.rl_step(samples, advantages, rl, step=step)["lr"] for step in (0, 1, 3)]
+    rates = [rl_step(learner, samples, advantages, rl, step=step)["lr"] for step in (0, 1, 3)]
     assert rates == pytest.approx([1e-2, 7.5e-3, 2.5e-3])
     before = snapshot(learner)
-    assert learner.rl_step(samples, advantages, rl, step=4)["lr"] == 0.0
+    assert rl_step(learner, samples, advantages, rl, step=4)["lr"] == 0.0
     assert max_change(before, snapshot(learner)) == 0.0  # the last scheduled step moves nothing
-    assert learner.rl_step(samples, advantages, RLConfig(lr_schedule="constant"), step=3)["lr"] == pytest.approx(1e-2)
+    assert rl_step(learner, samples, advantages, RLConfig(lr_schedule="constant"), step=3)["lr"] == pytest.approx(1e-2)

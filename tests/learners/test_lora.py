@@ -18,6 +18,7 @@ from rlplatform.policy import load_policy
 from rlplatform.transport.adapters import AdapterSnapshot
 from rlplatform.transport.weights import to_snapshot
 from tests.learners.test_learner import ROWS, rl_batch
+from tests.learners.steps import rl_step
 
 LORA = LoraConfig(enabled=True, rank=1, alpha=2.0)
 
@@ -47,8 +48,8 @@ def test_sft_and_rl_steps_train_the_adapters_alone_against_the_base(lora_learner
     assert second["loss"] < first["loss"]
     lora_learner.start_stage(lr=1e-2, keep_reference=True)
     samples, advantages = rl_batch(tiny_policy)
-    rl_first = lora_learner.rl_step(samples, advantages, RLConfig())
-    rl_second = lora_learner.rl_step(samples, advantages, RLConfig())
+    rl_first = rl_step(lora_learner, samples, advantages, RLConfig())
+    rl_second = rl_step(lora_learner, samples, advantages, RLConfig())
     after = module_state(lora_learner)
     adapters = [k for k in before if ".lora_" in k]
     assert adapters and all(".lora_" in k for k in after if k not in before or k in adapters)

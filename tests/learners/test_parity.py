@@ -15,6 +15,7 @@ from rlplatform.config import LearnerConfig, RLConfig, _default_alerts
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.monitoring.alerts import AlertRules, StepFigures
 from rlplatform.transport.samples import Sample
+from tests.learners.steps import rl_step
 
 
 def sampled(engine: TransformersEngine, version: int):
@@ -35,15 +36,15 @@ def test_a_layer_the_engine_did_not_load_raises_the_parity_alert(ray_session, ti
         learner.start_stage(lr=1e-6)
         engine = TransformersEngine(tiny_policy)
         samples, advantages = sampled(engine, version=0)
-        fresh = learner.rl_step(samples, advantages, RLConfig(), step=0)
-        stale = learner.rl_step(samples, advantages, RLConfig(), step=1)  # every token a version behind
+        fresh = rl_step(learner, samples, advantages, RLConfig(), step=0)
+        stale = rl_step(learner, samples, advantages, RLConfig(), step=1)  # every token a version behind
         for sample in samples:  # a swap in flight: the last token by version 1, on a cache version 0 wrote
             sample.token_versions = [0] * (len(sample.token_versions) - 1) + [1]
-        swapped = learner.rl_step(samples, advantages, RLConfig(), step=1)
+        swapped = rl_step(learner, samples, advantages, RLConfig(), step=1)
         with torch.no_grad():  # a tensor of the first layer left as other values: a sync that skipped it
             torch.manual_seed(0)
             engine.model.model.layers[0].mlp.down_proj.weight.normal_(0.0, 1.0)
-        broken = learner.rl_step(*sampled(engine, version=2), RLConfig(), step=2)
+        broken = rl_step(learner, *sampled(engine, version=2), RLConfig(), step=2)
     finally:
         learner.shutdown()
     print({k: v for k, v in fresh.items() if k.startswith("parity")},

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from rlplatform.config import EvalConfig, RewardSpec, RLConfig, RolloutConfig
-from rlplatform.monitoring.evaluation import evaluation_figures, pass_at_k
+from rlplatform.monitoring.eval_figures import evaluation_figures, pass_at_k
 from rlplatform.rewards.registry import resolve
 from rlplatform.rewards.scoring import Scorer
 from rlplatform.transport.samples import Sample
