@@ -111,6 +111,7 @@ class OpenAIBridge:
         self._announced: Optional[Tuple[RewardQueue, str]] = None  # (queue, job status field) naming the URL
         self.url: Optional[str] = None  # where it serves, once announced
         self._in_progress = 0  # chat requests being answered (server thread only)
+        self._stopping = False  # set once `stop` begins: requests arriving on open connections get 503 at once
 
     # the worker loop's side
     def admit(self, batch: DecodeBatch) -> None:
@@ -174,6 +175,7 @@ class OpenAIBridge:
         self._loop.close()
 
     async def _shutdown(self) -> None:
+        self._stopping = True
         for generation in list(self._decoding.values()) + _drain(self._pending):
             if not generation.future.done():
                 generation.future.set_exception(RequestError(503, "the rollout worker stopped", "unavailable"))
@@ -250,6 +252,8 @@ class OpenAIBridge:
         return prompt_ids
 
     async def _generate(self, prompt_ids: List[int], params: ChatParams) -> List[Completion]:
+        if self._stopping:  # the worker loop no longer decodes: nothing would answer it
+            raise RequestError(503, "the rollout worker stopped", "unavailable")
         future = self._loop.create_future()
         self._pending.put(_Generation(next(self._keys), prompt_ids, params, future))
         return await future
