@@ -1,9 +1,13 @@
-"""A verifiers taskset for `configs/verifiers_sums.yaml`: tasks "<a>+<a>=" whose reward is 1 when the
-reply is the sum. The job's rollout workers play it themselves (`env.kind: verifiers`,
+"""A verifiers taskset for `configs/verifiers_sums.yaml`: tasks "<a>+<b>=" of two-digit numbers (400
+pairs, a fixed seeded draw) whose reward is 1 when the reply is the sum. The job's rollout workers play it themselves (`env.kind: verifiers`,
 `env.taskset: examples/my_sums.py`); an agent outside can play it through a running job's OpenAI
 bridge from this folder: `cd examples && rlp verifiers my_sums --url http://127.0.0.1:8000/v1 --group-size 8`."""
 
+import random
+
 import verifiers.v1 as vf
+
+TASKS = 400
 
 
 class SumData(vf.TaskData):
@@ -18,8 +22,9 @@ class SumTask(vf.Task[SumData]):
 
 class SumTaskset(vf.Taskset[SumTask, vf.TasksetConfig]):
     def load(self):
-        for a in range(10, 60):
-            yield SumTask(SumData(prompt=f"{a}+{a}=", answer=str(2 * a)), self.config.task)
+        pairs = random.Random(0).sample([(a, b) for a in range(10, 100) for b in range(10, 100)], TASKS)
+        for a, b in pairs:
+            yield SumTask(SumData(prompt=f"{a}+{b}=", answer=str(a + b)), self.config.task)
 
 
 __all__ = ["SumTaskset"]
