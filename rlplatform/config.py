@@ -653,10 +653,6 @@ def _check_policy(config, prefix: str, source: str) -> None:
     if lora.enabled and (lora.dropout >= 1 or not lora.target_modules):
         raise ConfigError(f"{source}: '{prefix}model.lora' needs a dropout below 1 and at least one target module, "
                           f"got dropout {lora.dropout} and target_modules {lora.target_modules}")
-    if config.weights.delta and (config.weights.transport == "cuda_ipc" or lora.enabled):
-        why = "LoRA streams the adapters alone" if lora.enabled else "cuda_ipc moves no bytes between devices"
-        raise ConfigError(f"{source}: '{prefix}weights.delta' is true, but {why}; turn it off (it saves bytes sent "
-                          f"over object_store or broadcast)")
     learner = config.learner
     if learner.num_ranks > 1 and learner.num_gpus is not None and 0 < learner.num_gpus < 1:
         raise ConfigError(f"{source}: '{prefix}learner.num_gpus' is {learner.num_gpus} with {learner.num_ranks} ranks: "

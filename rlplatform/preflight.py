@@ -34,6 +34,7 @@ def check_without_models(config: JobConfig, source: str) -> None:
     check_data(config, source)
     check_taskset(config, source)
     check_engines(config, source)
+    check_weights(config, source)
     check_bridges(config, source)
     check_ray_address(config, source)
 
@@ -100,6 +101,25 @@ def check_engines(config: JobConfig, source: str) -> None:
         if not (config.ray.address or os.environ.get("RAY_ADDRESS")) and not torch.cuda.is_available():
             raise ConfigError(f"{source}: '{key}' is vllm, which needs a CUDA GPU, but this machine has none "
                               f"(torch {torch.__version__}); use rollout.engine: transformers")
+
+
+def check_weights(config: JobConfig, source: str) -> None:
+    """`weights.delta` only where it saves bytes: full weights (LoRA streams the adapters alone) through a
+    transport that moves them between devices."""
+    from rlplatform.transport.weight_transports import weight_transport
+
+    for i, policy in enumerate(config.policy_list()):
+        if not policy.weights.delta:
+            continue
+        if policy.model.lora.enabled:
+            why = "LoRA streams the adapters alone"
+        elif not weight_transport(policy.weights).moves_bytes:
+            why = f"weights.transport {policy.weights.transport} moves no bytes between devices"
+        else:
+            continue
+        prefix = f"policies[{i}]." if config.policies else ""
+        raise ConfigError(f"{source}: '{prefix}weights.delta' is true, but {why}; turn it off (it saves bytes sent "
+                          f"over object_store or broadcast)")
 
 
 def _check_vllm_lora(model, prefix: str, source: str) -> None:

@@ -41,6 +41,7 @@ class WeightTransport:
     delta_full_every: int = 0  # with delta sync, a full version every this many (0: every version is full)
     # whether a version travels as a full snapshot in the object store that the evaluator can read as it is
     snapshots_in_store: ClassVar[bool] = False
+    moves_bytes: ClassVar[bool] = True  # whether the weights' bytes cross between devices (delta sync saves some)
 
     def sender(self):
         """Learner rank 0's end: `send(weights, version)`."""
@@ -73,6 +74,7 @@ class ObjectStoreTransport(WeightTransport):
 @dataclass(frozen=True)
 class CudaIpcTransport(WeightTransport):
     name: ClassVar[str] = "cuda_ipc"
+    moves_bytes: ClassVar[bool] = False  # engines map learner rank 0's GPU copy
 
     def sender(self) -> "StoreSender":
         return StoreSender(IpcSender().handles)

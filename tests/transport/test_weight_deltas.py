@@ -15,6 +15,7 @@ import torch
 
 from rlplatform.config import ConfigError, LearnerConfig, WeightsConfig, load_config
 from rlplatform.learners.group import LearnerGroup
+from rlplatform.preflight import check_weights
 from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import PolicyKeys
 from rlplatform.transport.weight_deltas import DELTA_OF, IDX, MASK, DeltaEncoder, combine, delta_of, load_delta, \
@@ -103,10 +104,11 @@ def test_a_delta_from_a_version_the_engine_does_not_hold_is_refused():
 def test_delta_sync_is_a_setting_of_the_transports_that_move_bytes():
     assert weight_transport(WeightsConfig(delta=True, delta_full_every=9)) == ObjectStoreTransport(delta_full_every=9)
     assert weight_transport(WeightsConfig(delta=False)).delta_full_every == 0
-    for override, why in (("weights.transport=cuda_ipc", "cuda_ipc moves no bytes"),
+    check_weights(load_config(QUICKSTART, ["weights.delta=true"]), "job.yaml")
+    for override, why in (("weights.transport=cuda_ipc", "weights.transport cuda_ipc moves no bytes"),
                           ("model.lora.enabled=true", "LoRA streams the adapters alone")):
-        with pytest.raises(ConfigError, match=f"'weights.delta' is true, but {why}"):
-            load_config(QUICKSTART, ["weights.delta=true", override])
+        with pytest.raises(ConfigError, match=f"job.yaml: 'weights.delta' is true, but {why}"):
+            check_weights(load_config(QUICKSTART, ["weights.delta=true", override]), "job.yaml")
 
 
 @ray.remote(num_cpus=0)
