@@ -50,6 +50,7 @@ from rlplatform.transport.samples import Sample
 # request fields whose effect the recorded log-probs would not reflect, with the value that means "off"
 _UNSUPPORTED = {"stream": False, "stop": None, "top_p": 1, "top_logprobs": 0, "frequency_penalty": 0,
                 "presence_penalty": 0, "logit_bias": None, "tools": None, "response_format": None}
+STOP_WAIT_S = 5.0  # the longest a stopping bridge waits for requests still being answered
 
 
 class RequestError(Exception):
@@ -141,13 +142,13 @@ class OpenAIBridge:
     # the server
     def start(self, host: str, port: int) -> int:
         """Serve on `host`:`port` (0: a free port) from a background thread; returns the port."""
-        app = web.Application(middlewares=[_openai_errors, self._authorised],
+        app = web.Application(middlewares=[self._closing_when_stopping, _openai_errors, self._authorised],
                               client_max_size=self.limits.max_body_bytes)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1" + FINISH_ROUTE, self._finish)
         app.router.add_delete("/v1" + DISCARD_ROUTE, self._discard)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=STOP_WAIT_S)
         self._loop.run_until_complete(self._runner.setup())
         try:
             self._loop.run_until_complete(web.TCPSite(self._runner, host, port).start())
@@ -180,6 +181,15 @@ class OpenAIBridge:
             if not generation.future.done():
                 generation.future.set_exception(RequestError(503, "the rollout worker stopped", "unavailable"))
         await self._runner.cleanup()
+
+    @web.middleware
+    async def _closing_when_stopping(self, request: web.Request, handler) -> web.StreamResponse:
+        """While the bridge stops, each response closes its connection: a client retrying on a kept-alive
+        one would otherwise hold the server's graceful shutdown open."""
+        response = await handler(request)
+        if self._stopping:
+            response.force_close()
+        return response
 
     @web.middleware
     async def _authorised(self, request: web.Request, handler) -> web.StreamResponse:
