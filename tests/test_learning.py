@@ -1,14 +1,11 @@
 """Learning on the demo addition task (1-digit operands, so a test runs in seconds): the SFT stage
 stops at the first held-out check that reaches `sft.stop_at_accuracy`; from that checkpoint,
 asynchronous GRPO and asynchronous RLOO each raise held-out greedy accuracy by at least 10
-points, so does GRPO training LoRA adapters alone (streaming under 5% of the model's bytes per
-sync), and so does GRPO on a verifiers taskset its rollout workers play themselves (held-out tasks'
-pass@1 by the tasks' own reward, every trained group issued by the prompt ledger); a staleness-2
-run keeps its bound and accounts for every sample."""
+points, and so does GRPO training LoRA adapters alone (streaming under 5% of the model's bytes per
+sync); a staleness-2 run keeps its bound and accounts for every sample."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -26,9 +23,6 @@ SFT_STOP = ["sft.stop_at_accuracy=0.3", "sft.eval_every=20"]
 RL_STEPS = 40
 LORA = ["model.lora.enabled=true", "model.lora.rank=2", "model.lora.alpha=4", "rl.lr=2e-3"]
 LORA_STEPS = 60
-VERIFIERS_STEPS = 30
-VERIFIERS_HELD_OUT = 30  # of the taskset's 200 tasks (each one-digit sum twice)
-VERIFIERS_GAIN = 3  # held-out tasks solved after RL, net (10 points): 2 measured runs gained 6 and 7 (0.37 -> 0.57, 0.60)
 
 
 @pytest.fixture(scope="module")
@@ -101,20 +95,3 @@ def test_lora_rl_raises_held_out_accuracy_streaming_adapters_only(sft_checkpoint
     # the merged export is the policy the evaluator scored: plain HF generate on model/ agrees
     config = load_config(os.path.join(summary["run_dir"], "config.yaml"))
     assert greedy_accuracy(os.path.join(summary["run_dir"], "model"), config) == pytest.approx(end, abs=0.011)
-
-
-def test_rl_on_a_verifiers_taskset_played_by_the_job_raises_held_out_pass_at_1(sft_checkpoint, tmp_path):
-    pytest.importorskip("verifiers.v1")
-    summary = rl_from(sft_checkpoint, tmp_path, "env.kind=verifiers", "env.taskset=tests/envs/digit_sums.py",
-                      f"env.test_tasks={VERIFIERS_HELD_OUT}", "rewards=[{name: verifiers_reward}]",
-                      f"rl.max_steps={VERIFIERS_STEPS}", "rl.batch_prompts=8", "eval.pass_reward=verifiers_reward")
-    start, end = summary["eval"]["after_sft"]["pass_at_1"], summary["eval"]["after_rl"]["pass_at_1"]
-    assert summary["eval"]["after_rl"]["rows"] == VERIFIERS_HELD_OUT  # the held-out tasks, scored by their reward
-    gained = round((end - start) * VERIFIERS_HELD_OUT)  # tasks newly solved, net
-    assert gained >= VERIFIERS_GAIN, f"verifiers taskset: held-out pass@1 {start:.3f} -> {end:.3f}"
-    rl = summary["rl"]
-    ledger = rl["ledger"]
-    assert ledger["admitted"] == 0 and ledger["trained"] == VERIFIERS_STEPS * 8  # every group issued by the ledger
-    lines = [json.loads(line) for line in open(os.path.join(summary["run_dir"], "trained.jsonl"))]
-    positions = [p for line in lines for p in line["prompts"]]
-    assert len(positions) == len(set(positions)) == VERIFIERS_STEPS * 8 and None not in positions
