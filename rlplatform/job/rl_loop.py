@@ -285,6 +285,7 @@ class PolicyRun:
             "weight_publish_s": summary["weight_publish_s"], "weight_sync_s": summary["weight_sync_s"]}
         summary["eval_history"] = self.monitor.eval_history
         summary["parity"] = self.monitor.parity_totals()
+        summary["rewards"] = self.monitor.reward_totals()
         summary["ledger"] = self.schedule.ledger.counts()
         summary["first_step_at"] = self.first_step_at
         summary["ended_by"] = "max_steps" if self.version >= self.rl.max_steps else \

@@ -79,6 +79,8 @@ class RLMonitor:
         self._parity: List[Dict[str, float]] = []  # each step's parity figures, where it measured any
         self._canary: List[Dict] = []  # the engines' parity canary checks (`parity_canary`)
         self._canary_id: Optional[str] = None  # the newest check read
+        self._reward_sums: Dict[str, float] = {}  # the trained samples' reward ("total") and components, summed
+        self._rewarded = 0  # the trained samples those sums cover
 
     def _worker_counters(self) -> Dict[str, float]:
         rollout = self.queue.counters(self.keys.rollout_stats)
@@ -161,6 +163,11 @@ class RLMonitor:
                 "abs_max": max(p["abs_max"] for p in self._parity),
                 "k3": sum(p["k3"] for p in self._parity) / steps, "steps_measured": steps, "canary": canary}
 
+    def reward_totals(self) -> Dict:
+        """The stage's trained samples: how many, their mean reward and each component's mean."""
+        means = {name: total / max(self._rewarded, 1) for name, total in self._reward_sums.items()}
+        return {"samples": self._rewarded, "mean": means.pop("total", 0.0), "components": means}
+
     def _canary_checks(self) -> Optional[Dict[str, float]]:
         """The parity canary checks engines recorded since the last step: the worst one's figures (W&B `canary/…`)."""
         checks, self._canary_id = checks_since(self.queue.client, self.keys.canary_checks, self._canary_id)
@@ -192,6 +199,10 @@ class RLMonitor:
                   / len(batch.groups), "groups_dropped_no_signal": float(batch.signal_drops)}
         for name in samples[0].components:
             values[f"component/{name}"] = sum(s.components.get(name, 0.0) for s in samples) / len(samples)
+        self._rewarded += len(samples)
+        for name, mean in [("total", values["total"])] + [(k[len("component/"):], v) for k, v in values.items()
+                                                          if k.startswith("component/")]:
+            self._reward_sums[name] = self._reward_sums.get(name, 0.0) + mean * len(samples)
         values.update({f"reason/{name}": float(count) for name, count in counters.reward_reasons.items()})
         return values
 

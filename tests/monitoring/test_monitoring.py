@@ -49,6 +49,7 @@ def test_alert_fires_once_on_a_forced_reward_collapse(redis_client, tmp_path, ca
         monitor.step(version, learner, batch, [1] * 4, counters, publish_s=0.01)
     events = [json.loads(line) for line in open(tmp_path / "events.jsonl")]
     assert [e["kind"] for e in events] == ["reward_collapse"]
+    assert monitor.reward_totals() == {"samples": 240, "mean": 0.5, "components": {"exact_match": 0.5}}
     # window 20, threshold 0.5 x best 1.0: the 20-step mean first drops below 0.5 at step 41
     assert events[0]["step"] == 41
     assert "WARNING [reward_collapse] rl step 41" in capsys.readouterr().out
