@@ -79,7 +79,8 @@ class RLMonitor:
         self._parity: List[Dict[str, float]] = []  # each step's parity figures, where it measured any
         self._canary: List[Dict] = []  # the engines' parity canary checks (`parity_canary`)
         self._canary_id: Optional[str] = None  # the newest check read
-        self._reward_sums: Dict[str, float] = {}  # the trained samples' reward ("total") and components, summed
+        self._reward_sum = 0.0  # the trained samples' rewards, summed
+        self._component_sums: Dict[str, float] = {}  # and each reward component's scores
         self._rewarded = 0  # the trained samples those sums cover
 
     def _worker_counters(self) -> Dict[str, float]:
@@ -165,8 +166,9 @@ class RLMonitor:
 
     def reward_totals(self) -> Dict:
         """The stage's trained samples: how many, their mean reward and each component's mean."""
-        means = {name: total / max(self._rewarded, 1) for name, total in self._reward_sums.items()}
-        return {"samples": self._rewarded, "mean": means.pop("total", 0.0), "components": means}
+        count = max(self._rewarded, 1)
+        return {"samples": self._rewarded, "mean": self._reward_sum / count,
+                "components": {name: total / count for name, total in self._component_sums.items()}}
 
     def _canary_checks(self) -> Optional[Dict[str, float]]:
         """The parity canary checks engines recorded since the last step: the worst one's figures (W&B `canary/…`)."""
@@ -192,17 +194,18 @@ class RLMonitor:
         now = (counters.samples_scored, counters.reward_errors, counters.reward_timeouts, counters.samples_filtered)
         scored, errors, timeouts, filtered = (a - b for a, b in zip(now, self._scored))
         self._scored = now
-        values = {"total": sum(s.reward for s in samples) / len(samples),
+        components = {name: sum(s.components.get(name, 0.0) for s in samples) for name in samples[0].components}
+        reward = sum(s.reward for s in samples)
+        self._rewarded += len(samples)
+        self._reward_sum += reward
+        for name, total in components.items():
+            self._component_sums[name] = self._component_sums.get(name, 0.0) + total
+        values = {"total": reward / len(samples),
                   "error_fraction": errors / max(scored, 1), "timeout_fraction": timeouts / max(scored, 1),
                   "filtered_fraction": filtered / max(scored, 1),
                   "zero_advantage_group_fraction": sum(not has_signal(g) for g in batch.groups)
                   / len(batch.groups), "groups_dropped_no_signal": float(batch.signal_drops)}
-        for name in samples[0].components:
-            values[f"component/{name}"] = sum(s.components.get(name, 0.0) for s in samples) / len(samples)
-        self._rewarded += len(samples)
-        for name, mean in [("total", values["total"])] + [(k[len("component/"):], v) for k, v in values.items()
-                                                          if k.startswith("component/")]:
-            self._reward_sums[name] = self._reward_sums.get(name, 0.0) + mean * len(samples)
+        values.update({f"component/{name}": total / len(samples) for name, total in components.items()})
         values.update({f"reason/{name}": float(count) for name, count in counters.reward_reasons.items()})
         return values
 

@@ -19,6 +19,7 @@ from typing import Dict, Iterator, Optional
 
 import torch
 
+from rlplatform.transport.weight_store import full_version
 from rlplatform.transport.weights import unique_weights
 
 Weights = Dict[str, torch.Tensor]
@@ -50,7 +51,7 @@ class DeltaEncoder:
         """Full weights for the first version and every `full_every`-th, else the delta from the last one;
         each storage once (a tied output head travels as the embedding)."""
         weights = unique_weights(weights)
-        if self._held is None or version % self.full_every == 0:
+        if self._held is None or full_version(version, self.full_every):
             self._held = {name: t.detach().clone() for name, t in weights.items()}
             self._version = version
             return weights
@@ -113,6 +114,7 @@ def combine(held: Optional[Weights], newer: Weights) -> Weights:
             out[name] = out[name].clone()
         apply_delta(out, newer)
         return out
+    held_changes = set(changed_names(held))
     for name in changed_names(newer):
         for suffix in (IDX, MASK, VAL):
             out.pop(name + suffix, None)
@@ -122,7 +124,7 @@ def combine(held: Optional[Weights], newer: Weights) -> Weights:
             out[name] = held[name].clone()
             apply_delta(out, {name + IDX: _positions(newer, name), name + VAL: newer[name + VAL]})
         else:  # the elements of both, the newer value where both changed one
-            old = _positions(held, name) if name in set(changed_names(held)) else torch.zeros(0, dtype=torch.int64)
+            old = _positions(held, name) if name in held_changes else torch.zeros(0, dtype=torch.int64)
             old_values = held.get(name + VAL, newer[name + VAL][:0])
             new = _positions(newer, name)
             kept = ~torch.isin(old, new)

@@ -17,6 +17,11 @@ import ray
 Update = Tuple[int, List[ray.ObjectRef]]  # (version, [ref of what the transport put in the object store])
 
 
+def full_version(version: int, full_every: int) -> bool:
+    """Whether delta sync sends `version` whole (every `full_every`-th; without deltas, every version)."""
+    return not full_every or version % full_every == 0
+
+
 @ray.remote(num_cpus=0)
 class WeightStore:
     """Holds the newest full version of one policy, and with delta sync the deltas published after it."""
@@ -28,7 +33,7 @@ class WeightStore:
     def publish(self, version: int, refs: List[ray.ObjectRef]) -> None:
         if self._chain and version <= self._chain[-1][0]:
             return
-        if not self._chain or not self.full_every or version % self.full_every == 0:  # the learner sent it whole
+        if not self._chain or full_version(version, self.full_every):  # the learner sent it whole
             self._chain = []
         self._chain.append((version, refs))
 

@@ -150,9 +150,9 @@ class StoreReceiver:
         if updates is None:
             return None
         weights = None
-        for version, (ref,) in updates:
-            weights = combine(weights, self.unpack(ray.get(ref)))
-        return version, weights
+        for payload in ray.get([ref for _, (ref,) in updates]):  # fetched together, folded in order
+            weights = combine(weights, self.unpack(payload))
+        return updates[-1][0], weights
 
 
 class GroupEnd:
