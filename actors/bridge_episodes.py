@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List
 
-from rlplatform.actors.engine import Completion
+from rlplatform.actors.completions import Completion
 from rlplatform.actors.token_trace import TokenTrace
 from rlplatform.tokenization import CONTENT_MARK, encode_marked, holds_control_text, uses_chat_template
 from rlplatform.transport.samples import Sample

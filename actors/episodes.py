@@ -24,7 +24,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, Hashable, List, Optional, Tuple
 
-from rlplatform.actors.engine import Completion, DecodeBatch
+from rlplatform.actors.completions import Completion
+from rlplatform.actors.decode_batch import DecodeBatch
 from rlplatform.actors.token_trace import TokenTrace
 from rlplatform.config import EnvConfig
 from rlplatform.envs.environment import Environment, Message, Reply, environment_factory

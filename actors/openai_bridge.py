@@ -40,7 +40,9 @@ import ray
 from aiohttp import web
 
 from rlplatform.actors.bridge_episodes import ChatRenderer, Episode, ExtensionError
-from rlplatform.actors.engine import Completion, DecodeBatch, TransformersEngine
+from rlplatform.actors.completions import Completion
+from rlplatform.actors.decode_batch import DecodeBatch
+from rlplatform.actors.engine import TransformersEngine
 from rlplatform.config import OpenAIBridgeConfig, RLConfig
 from rlplatform.preflight import is_loopback
 from rlplatform.transport.bridge_protocol import DISCARD_ROUTE, EPISODE_HEADER, FINISH_ROUTE, bridge_status_field

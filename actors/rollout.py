@@ -28,7 +28,8 @@ from typing import Dict, Hashable, List, Optional, Tuple
 import ray
 import torch
 
-from rlplatform.actors.engine import Completion, ContinuousBatch, build_engine
+from rlplatform.actors.completions import Completion
+from rlplatform.actors.engine import ContinuousBatch, build_engine
 from rlplatform.actors.episodes import MultiTurn, SingleTurn, WaitOccupancy, run_episodes
 from rlplatform.actors.openai_bridge import OpenAIBridge, serve_worker
 from rlplatform.actors.rollout_spec import RolloutSpec

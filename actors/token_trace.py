@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List
 
-from rlplatform.actors.engine import Completion
+from rlplatform.actors.completions import Completion
 
 
 @dataclass

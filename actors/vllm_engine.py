@@ -26,7 +26,8 @@ from typing import Dict, Hashable, List, Optional, Tuple
 import torch
 from transformers import GenerationConfig
 
-from rlplatform.actors.engine import BatchGenerate, Completion, _Row
+from rlplatform.actors.completions import Completion, Row
+from rlplatform.actors.engine import BatchGenerate
 from rlplatform.config import LoraConfig
 from rlplatform.lora import peft_config
 from rlplatform.policy import load_tokenizer
@@ -168,7 +169,7 @@ class VLLMBatch:
     def __init__(self, engine: VLLMEngine, max_new_tokens: int, temperature: float) -> None:
         self.engine = engine
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
-        self.rows: Dict[str, _Row] = {}  # request id -> its sequence so far
+        self.rows: Dict[str, Row] = {}  # request id -> its sequence so far
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -180,14 +181,14 @@ class VLLMBatch:
         limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         temperature = self.temperature if temperature is None else temperature
         for prompt, key in zip(prompts, keys):
-            self._submit(_Row(key, list(prompt), limit, temperature))
+            self._submit(Row(key, list(prompt), limit, temperature))
 
     def follow_adapters(self) -> None:
         """Re-add every request under the engine's current LoRA request, its tokens so far as prompt and
         the rest of its length to go: recomputed, never dropped."""
         self.resume(self.set_aside())
 
-    def set_aside(self) -> List[_Row]:
+    def set_aside(self) -> List[Row]:
         """Abort every request, keeping its sequence so far for `resume`."""
         if not self.rows:
             return []
@@ -195,12 +196,12 @@ class VLLMBatch:
         rows, self.rows = list(self.rows.values()), {}
         return rows
 
-    def resume(self, rows: List[_Row]) -> None:
+    def resume(self, rows: List[Row]) -> None:
         """Re-add `rows` (from `set_aside`), each with its tokens so far as prompt."""
         for row in rows:
             self._submit(row)
 
-    def _submit(self, row: _Row) -> None:
+    def _submit(self, row: Row) -> None:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -230,7 +231,7 @@ class VLLMBatch:
                 done.append((row.key, self._completion(self.rows.pop(output.request_id))))
         return done
 
-    def _completion(self, row: _Row) -> Completion:
+    def _completion(self, row: Row) -> Completion:
         return Completion(prompt_ids=row.prompt_ids, completion_ids=row.tokens,
                           text=self.engine.tokenizer.decode(row.tokens, skip_special_tokens=True),
                           logprobs=row.logprobs, versions=row.versions)

@@ -1,5 +1,6 @@
 """Accelerator figures for a small real-architecture policy: generation tokens/s (rlplatform's
-transformers engine, and its vLLM engine when vllm is installed and CUDA is present), seconds per weight
+transformers engine as configured by default, i.e. its slot decoder with CUDA graphs on a GPU, and its dynamic
+loop beside it; its vLLM engine when vllm is installed and CUDA is present), seconds per weight
 sync for each `weights.transport` (learner rank 0's weights loaded into an engine in another process:
 object_store, broadcast, cuda_ipc), and learner tokens/s and MFU (one DeepSpeed learner rank, in this
 process, running the RL step the jobs run), and the whole job beside its peer: `rlp run` on the same
@@ -81,15 +82,20 @@ def random_prompts(n: int, vocab_size: int, seed: int = 0) -> List[str]:
 
 
 def engine_generation(engine: TransformersEngine, prompts: List[str], group: int, new_tokens: int) -> Dict:
+    """Tokens/s of one `generate` of every prompt; the engine has run the same shapes once before (with the slot
+    decoder that run sizes its cache and captures its graphs, and its seconds are kept as `first_seconds`)."""
     prompts = engine.tokenizer(prompts)["input_ids"]
-    engine.generate(prompts[:2], 1, 4, 1.0)  # warm-up
-    _synchronize()
-    start = time.perf_counter()
-    groups = engine.generate(prompts, group, new_tokens, 1.0)
-    _synchronize()
-    seconds = time.perf_counter() - start
+    timed = []
+    for run in range(2 if engine.slot_decoder else 1):
+        if not engine.slot_decoder:
+            engine.generate(prompts[:2], 1, 4, 1.0)  # warm-up
+        _synchronize()
+        start = time.perf_counter()
+        groups = engine.generate(prompts, group, new_tokens, 1.0)
+        _synchronize()
+        timed.append(time.perf_counter() - start)
     tokens = sum(len(c.completion_ids) for g in groups for c in g)
-    return {"tokens": tokens, "seconds": seconds, "groups": groups}
+    return {"tokens": tokens, "seconds": timed[-1], "first_seconds": timed[0], "groups": groups}
 
 
 @ray.remote(num_cpus=0)
@@ -291,10 +297,18 @@ def main() -> None:
     prompts = random_prompts(args.prompts, SIZES[args.size]["vocab_size"])
     job_rows = whole_job_rows(model_dir, prompts, args) if args.job_steps else []  # first: the whole device is free
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    engine = TransformersEngine(model_dir, device, dtype)
+    engine = TransformersEngine(model_dir, device, dtype)  # rollout.kv_cache: auto
     engine.version = 0
     generated = engine_generation(engine, prompts, args.group, args.new_tokens)
     print(f"generation: {generated['tokens']} tokens in {generated['seconds']:.2f} s", flush=True)
+    dynamic = None
+    if engine.slot_decoder:  # the dynamic loop beside it, on the same weights
+        dynamic_engine = TransformersEngine(model_dir, device, dtype, kv_cache="dynamic")
+        dynamic_engine.version = 0
+        dynamic = engine_generation(dynamic_engine, prompts, args.group, args.new_tokens)
+        del dynamic_engine
+        torch.cuda.empty_cache()
+        print(f"generation, dynamic loop: {dynamic['tokens']} tokens in {dynamic['seconds']:.2f} s", flush=True)
     if args.profile:
         _profile_generation(engine, engine.tokenizer(prompts)["input_ids"], args.group)
     vllm, vllm_note = None, "not measured: needs CUDA" if device != "cuda" else "not measured: vllm is not installed"
@@ -311,9 +325,16 @@ def main() -> None:
     print(f"learner: {trained['tokens'] / trained['seconds']:.0f} tokens/s, MFU {trained['mfu']:.1%}", flush=True)
     params = sum(p.numel() for p in engine.model.parameters())
     name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({os.cpu_count()} cores)"
-    rows = [(f"generation, rlplatform transformers engine ({dtype})",
+    loop = ("slot decoder, CUDA graphs" if engine.slot_decoder.graphs else "slot decoder") if engine.slot_decoder \
+        else "dynamic cache"
+    captured = (f"; the first run of these shapes, which sizes the cache and captures the graphs, took "
+                f"{generated['first_seconds']:.2f} s") if engine.slot_decoder else ""
+    rows = [(f"generation, rlplatform transformers engine ({dtype}, {loop}: the default)",
              f"{generated['tokens'] / generated['seconds']:.0f} tokens/s",
-             f"{args.prompts} prompts x {args.group}, up to {args.new_tokens} new tokens"),
+             f"{args.prompts} prompts x {args.group}, up to {args.new_tokens} new tokens{captured}"),
+            *([(f"generation, rlplatform transformers engine ({dtype}, `rollout.kv_cache: dynamic`)",
+                f"{dynamic['tokens'] / dynamic['seconds']:.0f} tokens/s",
+                "the same prompts through Hugging Face's growing cache, one forward per step")] if dynamic else []),
             (f"generation, vLLM ({dtype})", f"{vllm['tokens'] / vllm['seconds']:.0f} tokens/s" if vllm else vllm_note,
              "rlplatform's vLLM engine, same prompts (continuous batching, log-probs and versions recorded)"),
             *[(f"weight sync, {name}", *row) for name, row in syncs.items()],

@@ -162,6 +162,7 @@ class RolloutConfig:
     num_gpus: Optional[float] = at_least(None, 0)  # Ray GPUs per worker (fractions share one); unset: 1 on a GPU device, else 0
     resources: Dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker (and the evaluator), e.g. {rollout_node: 1} places them on nodes started with that resource
     engine: str = one_of("auto", "transformers", "vllm")  # auto: vllm where it is installed and the worker has a CUDA GPU, else transformers; transformers: CPU or GPU; vllm: vLLM on the worker's GPU (the vllm extra)
+    kv_cache: str = one_of("auto", "static", "dynamic")  # transformers engine: auto is static on CUDA for qwen2/llama policies without LoRA (each decode step a replayed CUDA graph), dynamic elsewhere; static: the slot cache on any device; dynamic: Hugging Face's growing cache (docs/devices.md)
     prefill_tokens: int = at_least(8192, 1)  # transformers engine: padded prompt tokens per prefill forward; more waiting prompts prefill in chunks
     gpu_memory_utilization: float = above(0.5, 0)  # vllm: fraction of the GPU's memory vLLM takes for weights and KV cache
     openai_bridge: OpenAIBridgeConfig = field(default_factory=OpenAIBridgeConfig)  # agents sample trainable episodes over HTTP

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlplatform.actors.bridge_episodes import ChatRenderer, Episode, ExtensionError
-from rlplatform.actors.engine import Completion
+from rlplatform.actors.completions import Completion
 from rlplatform.policy import demo_tokenizer
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'][0] + ':' + m['content'] + eos_token }}{% endfor %}"

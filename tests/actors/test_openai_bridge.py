@@ -16,7 +16,7 @@ import openai
 import pytest
 import torch
 
-from rlplatform.actors.engine import DecodeBatch
+from rlplatform.actors.decode_batch import DecodeBatch
 from rlplatform.actors.openai_bridge import OpenAIBridge
 from rlplatform.actors.rollout import RolloutWorker
 from rlplatform.actors.rollout_spec import RolloutSpec
