@@ -9,13 +9,22 @@ log-normaliser; backward recomputes a chunk's logits and turns them into their g
 (d log p_t / d z = onehot_t - p, d H / d z = -p (log p + H)), then into the hidden states' and the
 weight's gradients with two matmuls. One vocabulary-wide float32 tensor is alive at a time, and
 the weight is cast to the compute dtype once per pass.
+
+On CUDA the per-chunk arithmetic between the matmuls (`chunk_stats`, `chunk_grad`) is compiled with
+`torch.compile`, which fuses its passes over the logits into a few kernels that read the matmul's output
+once or twice: eagerly each pass reads and writes a float32 (chunk, vocabulary) tensor, and those passes
+cost a 0.5B policy's step more GPU time than the head's matmuls. Elsewhere, or where compiling fails, the
+in-place eager code below runs.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import logging
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def fused_head(head: torch.nn.Module) -> Optional[torch.Tensor]:
@@ -56,9 +65,19 @@ class HeadScores(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
         with torch.autocast(weight.device.type, enabled=False):
             w = weight.to(ctx.dtype)
+            fused = _fused(weight.device, chunk_grad)
+            dh = grad_entropy if ctx.entropy_grad else None
             for start in range(0, hidden.shape[0], ctx.chunk):
                 rows = slice(start, start + ctx.chunk)
                 h = hidden[rows].to(ctx.dtype)
+                if fused is not None:
+                    grad = fused(h @ w.t(), targets[rows], normalisers[rows], entropy[rows], grad_logprobs[rows],
+                                 None if dh is None else dh[rows], ctx.temperature, ctx.dtype)
+                    if want_hidden:
+                        grad_hidden[rows] = grad @ w
+                    if want_weight:
+                        grad_weight += grad.t() @ h
+                    continue
                 logp = _logits(h, w, ctx.temperature).sub_(normalisers[rows, None])
                 grad = logp.exp()  # p, then the gradient of the chunk's logits, in place
                 if ctx.entropy_grad and grad_entropy is not None:
@@ -86,8 +105,13 @@ def score_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
     logprobs, entropy, normalisers = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(3))
     with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
         w = weight.to(dtype)
+        fused = _fused(weight.device, chunk_stats)
         for start in range(0, n, chunk):
             rows = slice(start, start + chunk)
+            if fused is not None:
+                logprobs[rows], entropy[rows], normalisers[rows] = fused(hidden[rows].to(dtype) @ w.t(), targets[rows],
+                                                                         temperature)
+                continue
             logits = _logits(hidden[rows].to(dtype), w, temperature)
             normaliser = torch.logsumexp(logits, dim=-1)
             normalisers[rows] = normaliser
@@ -105,3 +129,62 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> t
 def _scaled(temperature: float) -> bool:
     """Whether logits are divided by the temperature (0 stands for greedy, scored at temperature 1)."""
     return temperature > 0 and temperature != 1.0
+
+
+def chunk_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log p(target), entropy, log-normaliser) in float32 of one chunk's logits, as one expression
+    for the compiler."""
+    z = logits.float()
+    if _scaled(temperature):
+        z = z / temperature
+    normaliser = torch.logsumexp(z, dim=-1)
+    logp = z - normaliser[:, None]
+    return logp.gather(-1, targets[:, None]).squeeze(-1), -(torch.exp(logp) * logp).sum(-1), normaliser
+
+
+def chunk_grad(logits: torch.Tensor, targets: torch.Tensor, normaliser: torch.Tensor, entropy: torch.Tensor,
+               grad_logprobs: torch.Tensor, grad_entropy: Optional[torch.Tensor], temperature: float,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The gradient of one chunk's logits in `dtype`, as one expression for the compiler: HeadScores.backward's
+    arithmetic (onehot_t - p) dlogp - p (log p + H) dH, over the temperature."""
+    z = logits.float()
+    if _scaled(temperature):
+        z = z / temperature
+    logp = z - normaliser[:, None]
+    p = torch.exp(logp)
+    grad = -p * grad_logprobs[:, None]
+    if grad_entropy is not None:
+        grad = grad - p * (logp + entropy[:, None]) * grad_entropy[:, None]
+    hit = torch.arange(z.shape[-1], device=z.device)[None] == targets[:, None]
+    grad = grad + hit * grad_logprobs[:, None]
+    if _scaled(temperature):
+        grad = grad / temperature
+    return grad.to(dtype)
+
+
+_COMPILED: Dict[str, Callable] = {}
+_FAILED: list = []  # the error that made this process give up compiling, once there is one
+
+
+def _fused(device: torch.device, fn: Callable) -> Optional[Callable]:
+    """`fn` (`chunk_stats` or `chunk_grad`) compiled for a CUDA device, once per process; None elsewhere or
+    after compiling failed in this process (the eager code runs instead; the failure is logged once)."""
+    if device.type != "cuda" or _FAILED:
+        return None
+    if fn.__name__ not in _COMPILED:
+        _COMPILED[fn.__name__] = _falling_back(torch.compile(fn, dynamic=True), fn)
+    return _COMPILED[fn.__name__]
+
+
+def _falling_back(compiled: Callable, fn: Callable) -> Callable:
+    def call(*args):
+        try:
+            return compiled(*args)
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, torch._dynamo.exc.TorchDynamoException) as error:  # no Triton, an inductor failure
+            logger.warning("the output head's arithmetic runs uncompiled: torch.compile failed: %s", error)
+            _FAILED.append(error)
+            return fn(*args)
+    return call

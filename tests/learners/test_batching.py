@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rlplatform.learners.batching import _shared_prompt_tokens, completion_logprobs
+from rlplatform.learners import head_scores
 from rlplatform.learners.head_scores import HeadScores, compute_dtype, fused_head
 from rlplatform.policy import enable_activation_checkpointing, load_policy
 
@@ -97,15 +98,24 @@ def stock_scores(hidden, weight, targets, temperature):
     return all_logprobs.gather(-1, targets[:, None]).squeeze(-1), entropy
 
 
+@pytest.fixture(params=["in place", "one expression"])
+def chunk_arithmetic(request, monkeypatch):
+    """Each form of the head's per-chunk arithmetic: the eager in-place code, and the expressions CUDA compiles
+    (`chunk_stats`, `chunk_grad`), run here uncompiled."""
+    if request.param == "one expression":
+        monkeypatch.setattr(head_scores, "_fused", lambda device, fn: fn)
+    return request.param
+
+
 @pytest.mark.parametrize("temperature,entropy_grad", [(0.7, True), (1.0, False), (0.0, True)])
-def test_fused_head_scores_equal_stock_autograd(temperature, entropy_grad):
+def test_fused_head_scores_equal_stock_autograd(temperature, entropy_grad, chunk_arithmetic, device="cpu"):
     """The one-node head (forward keeps log-normalisers, backward recomputes each chunk) gives the
     stock computation's values and its gradients for the hidden states and the weight."""
     generator = torch.Generator().manual_seed(0)
-    hidden = torch.randn(23, 16, generator=generator, requires_grad=True)
-    weight = torch.randn(50, 16, generator=generator, requires_grad=True)
-    targets = torch.randint(0, 50, (23,), generator=generator)
-    logprob_weight, entropy_weight = torch.randn(23, generator=generator), torch.randn(23, generator=generator)
+    hidden = torch.randn(23, 16, generator=generator).to(device).requires_grad_()
+    weight = torch.randn(50, 16, generator=generator).to(device).requires_grad_()
+    targets = torch.randint(0, 50, (23,), generator=generator).to(device)
+    logprob_weight, entropy_weight = (torch.randn(23, generator=generator).to(device) for _ in range(2))
 
     def run(scores):
         logprobs, entropy = scores
@@ -121,7 +131,14 @@ def test_fused_head_scores_equal_stock_autograd(temperature, entropy_grad):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_fused_head_under_bfloat16_autocast_tracks_float32():
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature,entropy_grad", [(0.7, True), (1.0, False)])
+def test_the_compiled_head_arithmetic_on_cuda_equals_stock_autograd(temperature, entropy_grad):
+    test_fused_head_scores_equal_stock_autograd(temperature, entropy_grad, "compiled", device="cuda")
+    assert set(head_scores._COMPILED) == {"chunk_stats", "chunk_grad"} and not head_scores._FAILED
+
+
+def test_fused_head_under_bfloat16_autocast_tracks_float32(chunk_arithmetic):
     """Under bfloat16 autocast the head's matmuls run in bfloat16 and the softmax in float32: values
     and gradients stay within bfloat16 rounding of the float32 computation."""
     generator = torch.Generator().manual_seed(1)
