@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import wandb
 
@@ -55,12 +55,13 @@ class TrailingRate:
 
 class RLMonitor:
     def __init__(self, config: JobConfig, rl: RLConfig, metrics: Metrics, queue: RewardQueue, policy: str,
-                 keys: PolicyKeys, rollout_workers: int):
+                 keys: PolicyKeys, rollout_workers: int, clock: Callable[[], float] = time.perf_counter):
+        """`clock`: seconds, for the stage's wall time, rates and when lines are due (tests pass their own)."""
         self.config, self.rl, self.metrics, self.queue, self.policy = config, rl, metrics, queue, policy
-        self.keys = keys
+        self.keys, self.clock = keys, clock
         self.rollout_workers = rollout_workers
         self.alerts = AlertRules(config.monitoring.alerts)
-        self.start = self.last_step = self.last_stall_check = self.last_line = time.perf_counter()
+        self.start = self.last_step = self.last_stall_check = self.last_line = clock()
         self.samples_seen = 0
         self.last_accuracy = None
         self.eval_history: List[Dict[str, float]] = []  # held-out accuracy by version, for the summary
@@ -86,7 +87,7 @@ class RLMonitor:
     def _worker_counters(self) -> Dict[str, float]:
         rollout = self.queue.counters(self.keys.rollout_stats)
         reward = self.queue.counters(self.queue.keys.reward_stats)
-        return {"time": time.perf_counter(), **{f"rollout_{k}": v for k, v in rollout.items()},
+        return {"time": self.clock(), **{f"rollout_{k}": v for k, v in rollout.items()},
                 **{f"reward_{k}": v for k, v in reward.items()}}
 
     def step(self, version: int, learner_metrics: Dict[str, float], batch: Batch, gaps: List[int], counters,
@@ -94,7 +95,7 @@ class RLMonitor:
         """Report learner step `version` (just published) trained on `batch`, whose samples were
         `gaps` versions behind the weights that trained them."""
         self.samples_seen += len(batch.samples)
-        self._published[version] = (time.perf_counter() - self.start, self.samples_seen)
+        self._published[version] = (self.clock() - self.start, self.samples_seen)
         families = {"learning": self._learning(learner_metrics, batch),
                     "rewards": self._rewards(batch, counters),
                     "async": self._async(version, gaps, counters, publish_s)}
@@ -115,7 +116,7 @@ class RLMonitor:
         if self.config.monitoring.samples_every and version % self.config.monitoring.samples_every == 0:
             families["samples"] = {"table": self._samples_table(version, batch)}
         self.metrics.log_rl(self.policy, families, self._axes(version))
-        self.last_step = time.perf_counter()
+        self.last_step = self.clock()
         figures = StepFigures(version, families["rewards"]["total"], families["rewards"]["error_fraction"],
                               families["async"]["queue_depth"], 0.0, parity or None, canary)
         for alert in self.alerts.check(figures):
@@ -126,12 +127,12 @@ class RLMonitor:
     def started(self, version: int) -> None:
         """The stage's first progress line, at its start (fresh or resumed), before any step ends."""
         self._first_version = version
-        self._waiting_line(version, time.perf_counter())
+        self._waiting_line(version, self.clock())
 
-    def idle(self, version: int, now: Optional[float] = None) -> None:
+    def idle(self, version: int) -> None:
         """Between steps: check the no-progress rule every few seconds, and show a progress line when none
-        was shown for PROGRESS_EVERY_S (`now`: a `time.perf_counter` reading, that of the call by default)."""
-        now = time.perf_counter() if now is None else now
+        was shown for PROGRESS_EVERY_S."""
+        now = self.clock()
         if self._line_due(now):
             self._waiting_line(version, now)
         if now - self.last_stall_check >= STALL_CHECK_S:
@@ -182,7 +183,7 @@ class RLMonitor:
 
     def _axes(self, version: int) -> Dict[str, float]:
         return {"learner_step": version, "samples_seen": self.samples_seen,
-                "wall_time_s": time.perf_counter() - self.start}
+                "wall_time_s": self.clock() - self.start}
 
     def _learning(self, learner_metrics: Dict[str, float], batch: Batch) -> Dict[str, float]:
         lengths = [s.completion_tokens for s in batch.samples]
@@ -214,7 +215,7 @@ class RLMonitor:
         delta = {k: current.get(k, 0.0) - self._previous.get(k, 0.0) for k in current}
         self._previous = current
         elapsed = max(delta["time"], 1e-9)
-        wall = time.perf_counter() - self.start
+        wall = self.clock() - self.start
         return {
             "policy_version": version, "staleness": wandb.Histogram(gaps), "staleness_max": max(gaps),
             "samples_dropped_stale": counters.samples_dropped_stale,
@@ -260,7 +261,7 @@ class RLMonitor:
         return now - self.last_line >= PROGRESS_EVERY_S
 
     def _progress(self, version: int, families: Dict[str, Dict]) -> None:
-        self._line(version, time.perf_counter(), families["rewards"]["total"], families["async"]["samples_per_s"],
+        self._line(version, self.clock(), families["rewards"]["total"], families["async"]["samples_per_s"],
                    families["async"]["queue_depth"], families["async"]["staleness_max"])
 
     def _waiting_line(self, version: int, now: float) -> None:

@@ -233,10 +233,11 @@ def test_wait_counts_after_the_last_submit_reach_redis_at_the_stop(tiny_policy, 
         loop.start()
         try:
             deadline = time.monotonic() + 120
-            while not worker.episodes.waiting:
-                assert time.monotonic() < deadline and loop.is_alive(), "no episode called its tool"
+            # within the tool's 3 s: the talkers decode on while callers wait, then the batch empties
+            while not (worker.occupancy.counts.get("decode_steps_while_waiting", 0)
+                       or worker.occupancy.counts.get("idle_s_while_waiting", 0)):
+                assert time.monotonic() < deadline and loop.is_alive(), "no decode step or idle time while waiting"
                 time.sleep(0.01)
-            time.sleep(1.0)  # within the tool's 3 s: the talkers decode on, then the batch empties
         finally:
             worker.queue.request_stop()
             loop.join(timeout=60)

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -86,19 +85,26 @@ def _cpu_priorities(sid: int) -> dict:
     return found
 
 
+def _checkpointed(log: Path) -> bool:
+    """Whether the job noted a checkpoint (with `checkpoint.every_steps` 0: the one the RL loop saves on a stop)."""
+    return any(line.startswith("checkpoint ") for line in log.read_text().splitlines())
+
+
 def _signal_group(job: subprocess.Popen, tmp_path: Path, run_files, signals: int, priorities: Optional[dict] = None):
-    """Send SIGTERM `signals` times to the job's whole group once it trained a step; (exit code, redis pid).
+    """Send SIGTERM `signals` times to the job's whole group once it trained a step, each after the one before
+    was handled (the RL loop stopped and saved its checkpoint); (exit code, redis pid).
     `priorities` gets the job's processes' CPU priorities (`_cpu_priorities`) just before."""
-    run_dir = tmp_path / "sigterm"
+    run_dir, log = tmp_path / "sigterm", tmp_path / "log.txt"
     try:
         run_files.wait_for(lambda: run_files.trained_steps(str(run_dir)) >= 1, timeout_s=300)
         redis_pid, redis_dir = _redis_child(run_dir)
         if priorities is not None:  # once the evaluator, started after the learner, has evaluated the start
-            run_files.wait_for(lambda: "eval policy after_sft" in (tmp_path / "log.txt").read_text(), timeout_s=120)
+            run_files.wait_for(lambda: "eval policy after_sft" in log.read_text(), timeout_s=120)
             priorities.update(_cpu_priorities(job.pid))
-        for _ in range(signals):
+        for sent in range(signals):
+            if sent:
+                run_files.wait_for(lambda: _checkpointed(log), timeout_s=120, poll_s=0.05)
             os.killpg(job.pid, signal.SIGTERM)
-            time.sleep(0.5)
         return job.wait(timeout=300), redis_pid, redis_dir
     finally:
         if job.poll() is None:

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -78,30 +77,36 @@ def test_progress_line_shows_throughput_between_steps_that_saw_no_new_samples(re
     config = load_config(QUICKSTART, [f"output_dir={tmp_path}", "name=rate", "wandb.mode=disabled",
                                       "rl.log_every=1"])
     queue, keys = RewardQueue(redis_client, "rate"), PolicyKeys("rate", "policy")
-    monitor = RLMonitor(config, config.rl, Metrics(config, str(tmp_path)), queue, "policy", keys, rollout_workers=1)
+    now = [100.0]
+    monitor = RLMonitor(config, config.rl, Metrics(config, str(tmp_path)), queue, "policy", keys, rollout_workers=1,
+                        clock=lambda: now[0])
     counters, learner = RLCounters(), {"loss": 0.1, "grad_norm": 1.0, "lr": 3e-4}
     queue.add_counters(keys.rollout_stats, samples=64, tokens=128, busy_s=0.1)
-    time.sleep(0.1)
-    for version in (1, 2):  # both steps land before another group finishes
+    for version in (1, 2):  # both steps land before another group finishes, 2 s apart
+        now[0] += 2.0
         monitor.step(version, learner, Batch(groups=[scored_group(f"g{version}", 1.0, 0)]), [0] * 4, counters, 0.01)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("stage rl")]
     rates = [float(line.split("samples/s ")[1].split()[0]) for line in lines]
-    assert len(rates) == 2 and all(rate > 0 for rate in rates), lines
+    assert rates == [64 / 2.0, 64 / 4.0], lines  # the 64 samples over the 2 s, then the 4 s, since the stage began
 
 
 def test_the_rl_stage_shows_a_line_at_its_start_and_by_time_while_no_step_ends(redis_client, tmp_path, capsys):
     config = load_config(QUICKSTART, [f"output_dir={tmp_path}", "name=rare", "wandb.mode=disabled",
                                       "rl.log_every=1000"])
     queue, keys = RewardQueue(redis_client, "rare"), PolicyKeys("rare", "policy")
-    monitor = RLMonitor(config, config.rl, Metrics(config, str(tmp_path)), queue, "policy", keys, rollout_workers=1)
+    now = [100.0]
+    monitor = RLMonitor(config, config.rl, Metrics(config, str(tmp_path)), queue, "policy", keys, rollout_workers=1,
+                        clock=lambda: now[0])
     monitor.started(0)
-    start = monitor.last_line
     queue.add_counters(keys.rollout_stats, samples=640, tokens=1280, busy_s=1.0)
-    monitor.idle(0, now=start + PROGRESS_EVERY_S - 1)  # too soon for another line
-    monitor.idle(0, now=start + PROGRESS_EVERY_S)
+    now[0] += PROGRESS_EVERY_S - 1
+    monitor.idle(0)  # too soon for another line
+    now[0] += 1
+    monitor.idle(0)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("stage rl")]
     assert len(lines) == 2 and all(f"step 0/{config.rl.max_steps}  eta_s -  reward -" in line for line in lines)
-    assert float(lines[1].split("samples/s ")[1].split()[0]) > 0  # the workers' rate, with no step yet
+    # the workers' rate, with no step yet: 640 samples over the 30 s since the stage began
+    assert float(lines[1].split("samples/s ")[1].split()[0]) == pytest.approx(640 / PROGRESS_EVERY_S, abs=1e-3)
 
 
 def test_rlp_status_prints_a_jobs_progress_from_redis(redis_server, redis_client, tmp_path):

@@ -23,6 +23,7 @@ from rlplatform.rewards.worker import RewardWorker, job_rewards_json
 from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import GROUP, RewardQueue
 from rlplatform.transport.samples import Sample
+from tests.transport.queue_events import scripts_run, wait_for_refusals, wait_until_idle
 
 RLP = str(Path(sys.executable).parent / "rlp")
 REPO = Path(__file__).resolve().parents[2]
@@ -91,9 +92,9 @@ def test_request_delivered_too_often_goes_to_dead_letters(redis_server, redis_cl
     queue.create_group()
     queue.submit(make_samples(1))
     assert len(queue.fetch("ghost-1", 10, 10)) == 1  # delivered once, its worker dies
-    time.sleep(0.05)
+    wait_until_idle(redis_client, queue.keys.requests, GROUP, 10)
     assert [t[2] for t in queue.reclaim("ghost-2", 10, 10)] == [1]  # delivered twice, dies again
-    time.sleep(0.05)
+    wait_until_idle(redis_client, queue.keys.requests, GROUP, 10)
     worker = RewardWorker("survivor", [RewardSpec(name="exact_match")], redis_server, job,
                           RewardWorkersConfig(claim_idle_s=0.01, max_deliveries=2))
     worker.step(block_ms=10)
@@ -107,8 +108,9 @@ def test_producer_waits_on_a_full_queue_and_loses_nothing(redis_server, redis_cl
     queue.create_group()
     queue.submit(make_samples(5, "a"))
     producer = threading.Thread(target=queue.submit, args=(make_samples(3, "b"),))
+    since = scripts_run(redis_client)
     producer.start()
-    time.sleep(0.3)
+    wait_for_refusals(redis_client, producer, since)
     assert producer.is_alive() and queue.pending() == 5  # waiting, not dropping
     worker = RewardWorker("w", [RewardSpec(name="exact_match")], redis_server, job, RewardWorkersConfig(batch_size=2))
     results: list = []

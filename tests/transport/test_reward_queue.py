@@ -5,7 +5,6 @@ producer bound every producer of a job honours."""
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 
 import msgpack
@@ -17,6 +16,7 @@ from rlplatform.rewards.worker import RewardWorker
 from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import GROUP, RewardQueue
 from rlplatform.transport.samples import Sample, ScoredSample, decode_sample
+from tests.transport.queue_events import scripts_run, wait_for_refusals, wait_until
 
 
 def make_sample(index: int, completion: str, answer: str = "85", group: str = "g0") -> Sample:
@@ -234,15 +234,13 @@ def test_producers_built_without_a_bound_wait_at_the_jobs_bound_until_a_consumer
     producer = RewardQueue(connect(redis_server), job)  # as a rollout worker builds it, no bound given
     producer.submit([make_sample(i, "85", group="a") for i in range(4)])
     blocked = threading.Thread(target=producer.submit, args=([make_sample(i, "85", group="b") for i in range(3)],))
+    since = scripts_run(controller.client)
     blocked.start()
-    lengths = []
-    for _ in range(20):
-        lengths.append(controller.pending())
-        time.sleep(0.02)
-    assert blocked.is_alive() and max(lengths) == 4  # waiting at the bound, not growing past it
+    wait_for_refusals(controller.client, blocked, since)
+    assert blocked.is_alive() and controller.pending() == 4  # waiting at the bound, not growing past it
     worker = worker_for(redis_server, job, batch_size=2)
     assert worker.step(block_ms=50) == 2
-    time.sleep(0.1)
+    wait_for_refusals(controller.client, blocked, scripts_run(controller.client))
     assert blocked.is_alive() and controller.pending() == 2  # 2 + 3 would pass the bound: still waiting
     assert worker.step(block_ms=50) == 2
     blocked.join(timeout=5)
@@ -258,10 +256,8 @@ def test_submit_counts_samples_and_tokens_as_the_stream_takes_each_part(redis_se
     counters = f"rlp:{job}:policy:p:rollout-stats"
     done = threading.Thread(target=queue.submit, args=([make_sample(i, "85") for i in range(5)], counters))
     done.start()  # parts of 3 and 2: the second waits at the bound
-    deadline = time.monotonic() + 10
-    while not queue.counters(counters) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.1)  # (time enough to count the second part, were it counted before the stream took it)
+    wait_until(lambda: queue.counters(counters), "the first part counted")
+    wait_for_refusals(queue.client, done, scripts_run(queue.client))  # the second part tried and refused: not counted
     assert queue.counters(counters) == {"samples": 3.0, "tokens": 6.0}  # only what the stream holds
     worker_for(redis_server, job, batch_size=3).step(block_ms=50)
     done.join(timeout=5)
