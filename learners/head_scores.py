@@ -169,16 +169,21 @@ _FAILED: list = []  # the error that made this process give up compiling, once t
 
 def _fused(device: torch.device, fn: Callable) -> Optional[Callable]:
     """`fn` (`chunk_stats` or `chunk_grad`) compiled for a CUDA device, once per process; None elsewhere or
-    after compiling failed in this process (the eager code runs instead; the failure is logged once)."""
+    after compiling failed in this process (the eager code runs instead; the failure is logged once).
+    The rows of a chunk vary (a pass's last chunk is shorter), the vocabulary does not: only the rows are
+    compiled as a dynamic size, so the reduction over the vocabulary is generated for its known length."""
     if device.type != "cuda" or _FAILED:
         return None
     if fn.__name__ not in _COMPILED:
-        _COMPILED[fn.__name__] = _falling_back(torch.compile(fn, dynamic=True), fn)
+        _COMPILED[fn.__name__] = _falling_back(torch.compile(fn), fn)
     return _COMPILED[fn.__name__]
 
 
 def _falling_back(compiled: Callable, fn: Callable) -> Callable:
     def call(*args):
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                torch._dynamo.maybe_mark_dynamic(arg, 0)
         try:
             return compiled(*args)
         except torch.OutOfMemoryError:
