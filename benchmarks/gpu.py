@@ -252,6 +252,7 @@ def whole_job_rows(model_dir: str, prompts: List[str], args: argparse.Namespace)
     except Exception as error:  # noqa: BLE001 (reported in the table)
         job, job_figure, job_how = None, f"failed: {type(error).__name__}", str(error)[:200]
     print(f"whole job: {job_figure} ({job_how})", flush=True)
+    print("\n".join(job["progress"] if job else []), flush=True)  # when each step ended, for the log
     if importlib.util.find_spec("trl") is None:
         return [("whole job, rlplatform", job_figure, job_how),
                 ("whole job, TRL GRPOTrainer (peer)", "not measured: trl is not installed", "the bench extra has it")]

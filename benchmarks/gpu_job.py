@@ -26,8 +26,9 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import yaml
 
@@ -63,15 +64,27 @@ def job_figures(model_dir: str, prompts: List[str], group: int, new_tokens: int,
     path = os.path.join(work_dir, "gpu-job.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(config, f)
-    done = subprocess.run(["rlp", "run", path], timeout=timeout_s, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"rlp run exit {done.returncode}: {(done.stdout + done.stderr).strip().splitlines()[-3:]}")
+    lines = timed_output(["rlp", "run", path], timeout_s)
+    if lines[-1][1] != "exit 0":
+        raise RuntimeError(f"rlp run {lines[-1][1]}: {[line for _, line in lines[-4:-1]]}")
     with open(os.path.join(work_dir, "runs", "gpu-job", "summary.json")) as f:
         rl = json.load(f)["rl"]
     syncs = max(rl["weight_syncs"], 1)
     return {"trained_per_s": rl["trained_per_s"], "learner_busy": rl["learner_busy_fraction"],
             "sync_s": rl["weight_sync_s"] / syncs, "steps": rl["steps"], "trained": rl["samples_trained"],
-            "mfu": rl["learner_mfu"]}
+            "mfu": rl["learner_mfu"], "progress": [f"{t:6.1f} s  {line}" for t, line in lines if line.startswith("stage")]}
+
+
+def timed_output(command: List[str], timeout_s: float) -> List[Tuple[float, str]]:
+    """(seconds since the start, line) of each line the command prints (stderr with stdout), then its exit."""
+    start = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = threading.Timer(timeout_s, process.kill)
+    deadline.start()
+    lines = [(time.perf_counter() - start, line.rstrip()) for line in process.stdout]
+    process.wait()
+    deadline.cancel()
+    return lines + [(time.perf_counter() - start, f"exit {process.returncode}")]
 
 
 def trl_figures(model_dir: str, prompts: List[str], group: int, new_tokens: int, steps: int, work_dir: str,
