@@ -46,9 +46,10 @@ from ray._private.state import state as ray_state  # the GCS actor table: names,
 from rlplatform.config import JobConfig, load_config, to_yaml
 from rlplatform.job.checkpoint import latest_checkpoint, read_state
 from rlplatform.job.controller import run_job
+from rlplatform.job.run_dir import RUN_ID
 from rlplatform.transport.deadlines import JobFailed
 from rlplatform.transport.redis_server import EmbeddedRedis, connect
-from rlplatform.transport.reward_queue import JobKeys
+from rlplatform.transport.reward_queue import JobKeys, run_scope
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RLP = os.path.join(os.path.dirname(sys.executable), "rlp")
@@ -149,6 +150,12 @@ def job_redis_url(run_dir: str) -> str:
         return f.read().strip()
 
 
+def job_keys(run_dir: str) -> JobKeys:
+    """The Redis keys of the run in `run_dir` (named by the job's name and the run id kept there)."""
+    with open(os.path.join(run_dir, RUN_ID)) as f:
+        return JobKeys(run_scope(os.path.basename(run_dir), f.read().strip()))
+
+
 def kill_embedded_redis(fault: Fault, job: Running) -> float:
     """SIGKILL the redis-server listening on the port of the job's Redis URL."""
     port = int(job_redis_url(job.run_dir).rsplit(":", 1)[1].split("/")[0])
@@ -174,19 +181,17 @@ def restart_external_redis(server: EmbeddedRedis, down_s: float = 3.0) -> Callab
     return inject
 
 
-def write_malformed(name: str) -> Callable[[Fault, Running], float]:
+def write_malformed(fault: Fault, job: Running) -> float:
     """Malformed records into the requests stream (reward workers read them) and the results stream
     (the job reads them)."""
-    def inject(fault: Fault, job: Running) -> float:
-        struck = time.time()
-        client, keys = connect(job_redis_url(job.run_dir)), JobKeys(name)
-        for payload in MALFORMED:
-            client.xadd(keys.requests, {"data": payload})
-            client.xadd(keys.results, {"data": payload})
-        client.xadd(keys.requests, {"other": b"no data field"})
-        client.close()
-        return struck
-    return inject
+    struck = time.time()
+    client, keys = connect(job_redis_url(job.run_dir)), job_keys(job.run_dir)
+    for payload in MALFORMED:
+        client.xadd(keys.requests, {"data": payload})
+        client.xadd(keys.results, {"data": payload})
+    client.xadd(keys.requests, {"other": b"no data field"})
+    client.close()
+    return struck
 
 
 def flood_bridge(requests: int = 240) -> Callable[[Fault, Running], float]:
@@ -218,7 +223,7 @@ def flood_bridge(requests: int = 240) -> Callable[[Fault, Running], float]:
 def _bridge_url(job: Running) -> str:
     client = connect(job_redis_url(job.run_dir))
     deadline = time.monotonic() + 60
-    while (url := client.hget(JobKeys(os.path.basename(job.run_dir)).status, "openai_bridge/policy/0")) is None:
+    while (url := client.hget(job_keys(job.run_dir).status, "openai_bridge/policy/0")) is None:
         if time.monotonic() > deadline:
             raise TimeoutError("rollout worker 0's bridge never appeared in the job status")
         time.sleep(0.2)
@@ -527,7 +532,7 @@ SCENARIOS = [
         Fault("SIGKILL embedded redis-server", s, kill_embedded_redis) for s in fault_steps(rng, steps, 2)]),
     Scenario("external-redis-restart", [], lambda job, rng, steps: [], external_redis=True),
     Scenario("malformed-messages", [], lambda job, rng, steps: [
-        Fault(f"{2 * len(MALFORMED) + 1} malformed stream entries", s, write_malformed(job))
+        Fault(f"{2 * len(MALFORMED) + 1} malformed stream entries", s, write_malformed)
         for s in fault_steps(rng, steps, 2)]),
     Scenario("learner-kill-resume", ["checkpoint.every_steps=3"],
              _kills("learner rank, then `rlp run --resume`", lambda job: [f"{job}-policy-learner-0"]),
