@@ -332,6 +332,7 @@ class Scenario:
     external_redis: bool = False
     alert: Optional[str] = None  # the event kind the job must raise for the fault (events.jsonl)
     steps: Optional[int] = None  # RL steps of its job, where a fault takes longer than --steps leave it
+    restarts: Optional[str] = None  # the restart kind (summary's rl.restarts) each landed fault must add
 
 
 @dataclass
@@ -387,6 +388,13 @@ def run_scenario(scenario: Scenario, out_dir: str, steps: int, seed: int) -> Out
         outcome.checks.append(f"{len(orphans)} processes outlived the job: {'; '.join(orphans)[:300]}")
     if scenario.alert and not outcome.alerts.get(scenario.alert):
         outcome.checks.append(f"no {scenario.alert} alert")
+    landed = sum(fault.at is not None for fault in faults)
+    if landed < len(faults):
+        outcome.checks.append(f"{len(faults) - landed} of {len(faults)} planned faults did not land before the job "
+                              f"ended")
+    if scenario.restarts and outcome.restarts.get(scenario.restarts, 0) != landed:
+        outcome.checks.append(f"{landed} faults landed but the job counted "
+                              f"{outcome.restarts.get(scenario.restarts, 0)} {scenario.restarts} restarts")
     return outcome
 
 
@@ -500,14 +508,15 @@ def account(config: JobConfig, faults: List[Fault]) -> Outcome:
 
 
 # the scenarios
-def _kills(kind: str, actors: Callable[[str], List[str]]):
+def _kills(kind: str, actors: Callable[[str], List[str]], first_steps: Optional[int] = None):
     """A SIGKILL of each of `actors(job)` in a seeded order (a restart takes long enough on a busy
-    machine that killing one actor again would often land after the job's last step)."""
+    machine that killing one actor again would often land after the job's last step), planned within the
+    job's steps or its `first_steps`."""
     def faults(job: str, rng: random.Random, steps: int) -> List[Fault]:
         names = actors(job)
         rng.shuffle(names)
-        return [Fault(f"SIGKILL {kind}", s, kill_actor(name)) for s, name in zip(fault_steps(rng, steps, len(names)),
-                                                                                   names)]
+        planned = fault_steps(rng, first_steps or steps, len(names))
+        return [Fault(f"SIGKILL {kind}", s, kill_actor(name)) for s, name in zip(planned, names)]
     return faults
 
 
@@ -526,8 +535,9 @@ SCENARIOS = [
              _kills("rollout worker", lambda job: [f"{job}-policy-rollout-{i}" for i in range(3)])),
     Scenario("reward-kill", ["reward_workers.num_workers=3"],
              _kills("reward worker", lambda job: [f"{job}-reward-{i}" for i in range(3)])),
-    Scenario("evaluator-kill", ["eval.every_steps=1", "eval.priority=normal"],  # alive within the run's steps
-             _kills("evaluator", lambda job: [f"{job}-policy-rollout-1"] * 2), steps=60),  # it starts after step 1
+    Scenario("evaluator-kill", ["eval.every_steps=1", "eval.priority=normal"],  # it evaluates all along
+             _kills("evaluator", lambda job: [f"{job}-policy-rollout-1"] * 2, first_steps=60), steps=300,
+             restarts="evaluator"),  # its start-up outlasts a short job's RL: each kill waits until it is alive
     Scenario("embedded-redis-kill", [], lambda job, rng, steps: [
         Fault("SIGKILL embedded redis-server", s, kill_embedded_redis) for s in fault_steps(rng, steps, 2)]),
     Scenario("external-redis-restart", [], lambda job, rng, steps: [], external_redis=True),
