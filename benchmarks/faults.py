@@ -134,11 +134,13 @@ def actor_pid(name: str, not_pid: Optional[int] = None, timeout_s: float = 120.0
     raise TimeoutError(f"actor {name} is not alive")
 
 
-def kill_actor(name: str) -> Callable[[Fault, Running], float]:
+def kill_actor(name: str, settle_s: float = 0.0) -> Callable[[Fault, Running], float]:
+    """SIGKILL the live actor `name` (a restarted one, after a first kill) once it has been alive `settle_s`."""
     killed: List[int] = []
 
     def inject(fault: Fault, job: Running) -> float:
         pid = actor_pid(name, killed[-1] if killed else None)
+        time.sleep(settle_s)
         os.kill(pid, signal.SIGKILL)
         killed.append(pid)
         return time.time()
@@ -508,15 +510,15 @@ def account(config: JobConfig, faults: List[Fault]) -> Outcome:
 
 
 # the scenarios
-def _kills(kind: str, actors: Callable[[str], List[str]], first_steps: Optional[int] = None):
+def _kills(kind: str, actors: Callable[[str], List[str]], first_steps: Optional[int] = None, settle_s: float = 0.0):
     """A SIGKILL of each of `actors(job)` in a seeded order (a restart takes long enough on a busy
     machine that killing one actor again would often land after the job's last step), planned within the
-    job's steps or its `first_steps`."""
+    job's steps or its `first_steps`, each `settle_s` after its actor is alive."""
     def faults(job: str, rng: random.Random, steps: int) -> List[Fault]:
         names = actors(job)
         rng.shuffle(names)
         planned = fault_steps(rng, first_steps or steps, len(names))
-        return [Fault(f"SIGKILL {kind}", s, kill_actor(name)) for s, name in zip(planned, names)]
+        return [Fault(f"SIGKILL {kind}", s, kill_actor(name, settle_s)) for s, name in zip(planned, names)]
     return faults
 
 
@@ -536,8 +538,10 @@ SCENARIOS = [
     Scenario("reward-kill", ["reward_workers.num_workers=3"],
              _kills("reward worker", lambda job: [f"{job}-reward-{i}" for i in range(3)])),
     Scenario("evaluator-kill", ["eval.every_steps=1", "eval.priority=normal"],  # it evaluates all along
-             _kills("evaluator", lambda job: [f"{job}-policy-rollout-1"] * 2, first_steps=60), steps=300,
-             restarts="evaluator"),  # its start-up outlasts a short job's RL: each kill waits until it is alive
+             _kills("evaluator", lambda job: [f"{job}-policy-rollout-1"] * 2, first_steps=60, settle_s=5.0),
+             steps=300, restarts="evaluator"),  # its start-up outlasts a short job's RL: each kill waits until it
+    # is alive, then 5 s more, so that the job calls it again (a kill before the job's probe saw it back would
+    # make one restart of two)
     Scenario("embedded-redis-kill", [], lambda job, rng, steps: [
         Fault("SIGKILL embedded redis-server", s, kill_embedded_redis) for s in fault_steps(rng, steps, 2)]),
     Scenario("external-redis-restart", [], lambda job, rng, steps: [], external_redis=True),
