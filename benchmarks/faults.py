@@ -139,9 +139,14 @@ def kill_actor(name: str, settle_s: float = 0.0) -> Callable[[Fault, Running], f
     killed: List[int] = []
 
     def inject(fault: Fault, job: Running) -> float:
-        pid = actor_pid(name, killed[-1] if killed else None)
-        time.sleep(settle_s)
-        os.kill(pid, signal.SIGKILL)
+        while True:
+            pid = actor_pid(name, killed[-1] if killed else None)
+            time.sleep(settle_s)
+            try:
+                os.kill(pid, signal.SIGKILL)
+                break
+            except ProcessLookupError:  # gone while it settled (Ray replaced its process): aim at the next one
+                continue
         killed.append(pid)
         return time.time()
     return inject
