@@ -543,10 +543,9 @@ SCENARIOS = [
     Scenario("reward-kill", ["reward_workers.num_workers=3"],
              _kills("reward worker", lambda job: [f"{job}-reward-{i}" for i in range(3)])),
     Scenario("evaluator-kill", ["eval.every_steps=1", "eval.priority=normal"],  # it evaluates all along
-             _kills("evaluator", lambda job: [f"{job}-policy-rollout-1"] * 2, first_steps=60, settle_s=5.0),
-             steps=300, restarts="evaluator"),  # its start-up outlasts a short job's RL: each kill waits until it
-    # is alive, then 5 s more, so that the job calls it again (a kill before the job's probe saw it back would
-    # make one restart of two)
+             _kills("evaluator", lambda job: [f"{job}-policy-rollout-1"], first_steps=60, settle_s=5.0),
+             steps=300, restarts="evaluator"),  # its start-up outlasts a short job's RL: the kill waits until it
+    # is alive, then 5 s more, so that it is evaluating (one killed between evaluations goes uncounted)
     Scenario("embedded-redis-kill", [], lambda job, rng, steps: [
         Fault("SIGKILL embedded redis-server", s, kill_embedded_redis) for s in fault_steps(rng, steps, 2)]),
     Scenario("external-redis-restart", [], lambda job, rng, steps: [], external_redis=True),
@@ -565,7 +564,7 @@ SCENARIOS = [
                                       for s in fault_steps(rng, 60, 2)], steps=300),  # the job outlives both
     Scenario("same-name-beside", [], lambda job, rng, steps: [
         Fault("`rlp run` of the same name: same run directory, then same Redis", s, start_beside)
-        for s in fault_steps(rng, steps, 1)], in_process=False),
+        for s in fault_steps(rng, 16, 1)], in_process=False, steps=100),  # live through both refused starts
     Scenario("reward-sigstop", ["reward_workers.num_workers=1", "monitoring.scoring_stall_s=10"],
              lambda job, rng, steps: [Fault("SIGSTOP the only reward worker for 20 s", s,
                                             stop_reward_worker(f"{job}-reward-0"))
