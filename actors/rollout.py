@@ -64,7 +64,7 @@ class _OpenGroup:
 
 class RolloutWorker:
     def __init__(self, spec: RolloutSpec) -> None:
-        rl, rollout, job, policy, index = spec.rl, spec.rollout, spec.job, spec.policy, spec.index
+        rl, rollout, run, policy, index = spec.rl, spec.rollout, spec.run, spec.policy, spec.index
         torch.set_num_threads(rollout.num_threads)
         set_cpu_priority(spec.priority)
         torch.manual_seed(spec.seed + 1000 * (index + 1))
@@ -77,16 +77,16 @@ class RolloutWorker:
         self.weights_in = transport.receiver(store, self.engine.device)  # weights.transport's worker end
         self.redis_url = spec.redis_url
         client = connect(spec.redis_url, wait_s=RECONNECT_S)  # a restart may meet the job's Redis restarting
-        self.queue = RewardQueue(client, job)
-        self.keys = PolicyKeys(job, policy)
-        self.schedule = GroupSchedule(client, job, policy, StalenessRule.of(rl))
+        self.queue = RewardQueue(client, run)
+        self.keys = PolicyKeys(run, policy)
+        self.schedule = GroupSchedule(client, run, policy, StalenessRule.of(rl))
         self.seed, self.chat_template = spec.seed, spec.chat_template
         self.env = spec.env
-        self.episodes = self._episodes(client, job, spec.chat_template, rl.max_new_tokens)
+        self.episodes = self._episodes(client, run, spec.chat_template, rl.max_new_tokens)
         self.occupancy = WaitOccupancy()  # the decode batch while episodes wait on tools
         self._scorer = None  # the job's rewards, built on the first evaluation
         self._unreported_busy_s = 0.0
-        self.heartbeats = Heartbeats(client, job)
+        self.heartbeats = Heartbeats(client, run)
         self.canary = CanaryCheck(client, self.keys.canary_reference, self.keys.canary_checks, spec.parity_every,
                                   index) if spec.parity_every else None  # the parity canary (`parity_canary`)
         self.label = f"rollout worker {index} of policy '{policy}'"  # as silent workers are named
@@ -111,11 +111,11 @@ class RolloutWorker:
         if self.sync_weights() != held:
             self._count(weight_syncs=1, weight_sync_s=time.perf_counter() - start)
 
-    def _episodes(self, client, job: str, chat_template: str, max_new_tokens: int):
+    def _episodes(self, client, run: str, chat_template: str, max_new_tokens: int):
         """How this worker's completions become episodes: single turns, or the job's multi-turn environment."""
         if not self.env.multi_turn:
             return SingleTurn()
-        tools = ToolQueue(client, job)
+        tools = ToolQueue(client, run)
         return MultiTurn(self.env, max_new_tokens, Renderer(self.engine.tokenizer, chat_template), tools,
                          tools.tool_keys.results(f"{self.policy}-{self.index}"))
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 class RolloutSpec:
     index: int  # the worker's index among the policy's rollout workers (the evaluator: rollout.num_workers)
     policy: str  # the policy's name
-    job: str  # the job's name (its Redis keys)
+    run: str  # the run's `run_scope`, which names its Redis keys
     model_path: str  # the initial policy's Hugging Face directory
     prompts_path: str  # the policy's encoded prompts file
     redis_url: str

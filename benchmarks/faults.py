@@ -46,9 +46,10 @@ from ray._private.state import state as ray_state  # the GCS actor table: names,
 from rlplatform.config import JobConfig, load_config, to_yaml
 from rlplatform.job.checkpoint import latest_checkpoint, read_state
 from rlplatform.job.controller import run_job
+from rlplatform.job.run_dir import RUN_ID
 from rlplatform.transport.deadlines import JobFailed
 from rlplatform.transport.redis_server import EmbeddedRedis, connect
-from rlplatform.transport.reward_queue import JobKeys
+from rlplatform.transport.reward_queue import JobKeys, run_scope
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RLP = os.path.join(os.path.dirname(sys.executable), "rlp")
@@ -133,12 +134,19 @@ def actor_pid(name: str, not_pid: Optional[int] = None, timeout_s: float = 120.0
     raise TimeoutError(f"actor {name} is not alive")
 
 
-def kill_actor(name: str) -> Callable[[Fault, Running], float]:
+def kill_actor(name: str, settle_s: float = 0.0) -> Callable[[Fault, Running], float]:
+    """SIGKILL the live actor `name` (a restarted one, after a first kill) once it has been alive `settle_s`."""
     killed: List[int] = []
 
     def inject(fault: Fault, job: Running) -> float:
-        pid = actor_pid(name, killed[-1] if killed else None)
-        os.kill(pid, signal.SIGKILL)
+        while True:
+            pid = actor_pid(name, killed[-1] if killed else None)
+            time.sleep(settle_s)
+            try:
+                os.kill(pid, signal.SIGKILL)
+                break
+            except ProcessLookupError:  # gone while it settled (Ray replaced its process): aim at the next one
+                continue
         killed.append(pid)
         return time.time()
     return inject
@@ -147,6 +155,12 @@ def kill_actor(name: str) -> Callable[[Fault, Running], float]:
 def job_redis_url(run_dir: str) -> str:
     with open(os.path.join(run_dir, "redis.url")) as f:
         return f.read().strip()
+
+
+def job_keys(run_dir: str) -> JobKeys:
+    """The Redis keys of the run in `run_dir` (named by the job's name and the run id kept there)."""
+    with open(os.path.join(run_dir, RUN_ID)) as f:
+        return JobKeys(run_scope(os.path.basename(run_dir), f.read().strip()))
 
 
 def kill_embedded_redis(fault: Fault, job: Running) -> float:
@@ -174,19 +188,17 @@ def restart_external_redis(server: EmbeddedRedis, down_s: float = 3.0) -> Callab
     return inject
 
 
-def write_malformed(name: str) -> Callable[[Fault, Running], float]:
+def write_malformed(fault: Fault, job: Running) -> float:
     """Malformed records into the requests stream (reward workers read them) and the results stream
     (the job reads them)."""
-    def inject(fault: Fault, job: Running) -> float:
-        struck = time.time()
-        client, keys = connect(job_redis_url(job.run_dir)), JobKeys(name)
-        for payload in MALFORMED:
-            client.xadd(keys.requests, {"data": payload})
-            client.xadd(keys.results, {"data": payload})
-        client.xadd(keys.requests, {"other": b"no data field"})
-        client.close()
-        return struck
-    return inject
+    struck = time.time()
+    client, keys = connect(job_redis_url(job.run_dir)), job_keys(job.run_dir)
+    for payload in MALFORMED:
+        client.xadd(keys.requests, {"data": payload})
+        client.xadd(keys.results, {"data": payload})
+    client.xadd(keys.requests, {"other": b"no data field"})
+    client.close()
+    return struck
 
 
 def flood_bridge(requests: int = 240) -> Callable[[Fault, Running], float]:
@@ -218,7 +230,7 @@ def flood_bridge(requests: int = 240) -> Callable[[Fault, Running], float]:
 def _bridge_url(job: Running) -> str:
     client = connect(job_redis_url(job.run_dir))
     deadline = time.monotonic() + 60
-    while (url := client.hget(JobKeys(os.path.basename(job.run_dir)).status, "openai_bridge/policy/0")) is None:
+    while (url := client.hget(job_keys(job.run_dir).status, "openai_bridge/policy/0")) is None:
         if time.monotonic() > deadline:
             raise TimeoutError("rollout worker 0's bridge never appeared in the job status")
         time.sleep(0.2)
@@ -327,6 +339,7 @@ class Scenario:
     external_redis: bool = False
     alert: Optional[str] = None  # the event kind the job must raise for the fault (events.jsonl)
     steps: Optional[int] = None  # RL steps of its job, where a fault takes longer than --steps leave it
+    restarts: Optional[str] = None  # the restart kind (summary's rl.restarts) each landed fault must add
 
 
 @dataclass
@@ -382,6 +395,13 @@ def run_scenario(scenario: Scenario, out_dir: str, steps: int, seed: int) -> Out
         outcome.checks.append(f"{len(orphans)} processes outlived the job: {'; '.join(orphans)[:300]}")
     if scenario.alert and not outcome.alerts.get(scenario.alert):
         outcome.checks.append(f"no {scenario.alert} alert")
+    landed = sum(fault.at is not None for fault in faults)
+    if landed < len(faults):
+        outcome.checks.append(f"{len(faults) - landed} of {len(faults)} planned faults did not land before the job "
+                              f"ended")
+    if scenario.restarts and outcome.restarts.get(scenario.restarts, 0) != landed:
+        outcome.checks.append(f"{landed} faults landed but the job counted "
+                              f"{outcome.restarts.get(scenario.restarts, 0)} {scenario.restarts} restarts")
     return outcome
 
 
@@ -495,14 +515,15 @@ def account(config: JobConfig, faults: List[Fault]) -> Outcome:
 
 
 # the scenarios
-def _kills(kind: str, actors: Callable[[str], List[str]]):
+def _kills(kind: str, actors: Callable[[str], List[str]], first_steps: Optional[int] = None, settle_s: float = 0.0):
     """A SIGKILL of each of `actors(job)` in a seeded order (a restart takes long enough on a busy
-    machine that killing one actor again would often land after the job's last step)."""
+    machine that killing one actor again would often land after the job's last step), planned within the
+    job's steps or its `first_steps`, each `settle_s` after its actor is alive."""
     def faults(job: str, rng: random.Random, steps: int) -> List[Fault]:
         names = actors(job)
         rng.shuffle(names)
-        return [Fault(f"SIGKILL {kind}", s, kill_actor(name)) for s, name in zip(fault_steps(rng, steps, len(names)),
-                                                                                   names)]
+        planned = fault_steps(rng, first_steps or steps, len(names))
+        return [Fault(f"SIGKILL {kind}", s, kill_actor(name, settle_s)) for s, name in zip(planned, names)]
     return faults
 
 
@@ -521,13 +542,15 @@ SCENARIOS = [
              _kills("rollout worker", lambda job: [f"{job}-policy-rollout-{i}" for i in range(3)])),
     Scenario("reward-kill", ["reward_workers.num_workers=3"],
              _kills("reward worker", lambda job: [f"{job}-reward-{i}" for i in range(3)])),
-    Scenario("evaluator-kill", ["eval.every_steps=1", "eval.priority=normal"],  # alive within the run's steps
-             _kills("evaluator", lambda job: [f"{job}-policy-rollout-1"] * 2), steps=60),  # it starts after step 1
+    Scenario("evaluator-kill", ["eval.every_steps=1", "eval.priority=normal"],  # it evaluates all along
+             _kills("evaluator", lambda job: [f"{job}-policy-rollout-1"], first_steps=60, settle_s=5.0),
+             steps=300, restarts="evaluator"),  # its start-up outlasts a short job's RL: the kill waits until it
+    # is alive, then 5 s more, so that it is evaluating (one killed between evaluations goes uncounted)
     Scenario("embedded-redis-kill", [], lambda job, rng, steps: [
         Fault("SIGKILL embedded redis-server", s, kill_embedded_redis) for s in fault_steps(rng, steps, 2)]),
     Scenario("external-redis-restart", [], lambda job, rng, steps: [], external_redis=True),
     Scenario("malformed-messages", [], lambda job, rng, steps: [
-        Fault(f"{2 * len(MALFORMED) + 1} malformed stream entries", s, write_malformed(job))
+        Fault(f"{2 * len(MALFORMED) + 1} malformed stream entries", s, write_malformed)
         for s in fault_steps(rng, steps, 2)]),
     Scenario("learner-kill-resume", ["checkpoint.every_steps=3"],
              _kills("learner rank, then `rlp run --resume`", lambda job: [f"{job}-policy-learner-0"]),
@@ -541,7 +564,7 @@ SCENARIOS = [
                                       for s in fault_steps(rng, 60, 2)], steps=300),  # the job outlives both
     Scenario("same-name-beside", [], lambda job, rng, steps: [
         Fault("`rlp run` of the same name: same run directory, then same Redis", s, start_beside)
-        for s in fault_steps(rng, steps, 1)], in_process=False),
+        for s in fault_steps(rng, 16, 1)], in_process=False, steps=100),  # live through both refused starts
     Scenario("reward-sigstop", ["reward_workers.num_workers=1", "monitoring.scoring_stall_s=10"],
              lambda job, rng, steps: [Fault("SIGSTOP the only reward worker for 20 s", s,
                                             stop_reward_worker(f"{job}-reward-0"))

@@ -88,9 +88,9 @@ class LearnerGroup:
         return merge_rank_metrics(deadline_get([rank.sft_step.remote(p) for rank, p in zip(self.ranks, parts)],
                                                "a learner rank's SFT step", LEARNER_TIMEOUT_S))
 
-    def connect_results(self, redis_url: str, job: str) -> None:
-        """Let every rank fetch the job's scored samples from Redis (`rl_step_async`)."""
-        deadline_get([rank.connect_results.remote(redis_url, job) for rank in self.ranks], "a learner rank",
+    def connect_results(self, redis_url: str, run: str) -> None:
+        """Let every rank fetch the run's scored samples from Redis (`rl_step_async`; `run`: its `run_scope`)."""
+        deadline_get([rank.connect_results.remote(redis_url, run) for rank in self.ranks], "a learner rank",
                      LEARNER_TIMEOUT_S)
 
     def watch_parity(self, prompt_ids: List[List[int]], reference_key: str) -> None:

@@ -483,8 +483,8 @@ class LearnerRank:
                 return cast_weights(module.state_dict(), dtype, copy=True) if wanted else None
         return cast_weights(module.state_dict(), dtype) if wanted else None
 
-    def connect_results(self, redis_url: str, job: str) -> None:
-        self.results = ResultStore(connect(redis_url), JobKeys(job).result_prefix)
+    def connect_results(self, redis_url: str, run: str) -> None:
+        self.results = ResultStore(connect(redis_url), JobKeys(run).result_prefix)
 
     def watch_parity(self, prompt_ids: List[List[int]], reference_key: str) -> None:
         """Score the parity canary of `prompt_ids` with every version streamed; rank 0 stores it under

@@ -174,21 +174,33 @@ def _rewards_test(args) -> int:
 
 
 def _reward_worker(args) -> int:
-    """A standalone reward worker serving job `args.job` until the job stops."""
+    """A standalone reward worker serving job `args.job`'s newest run until that run stops."""
     from rlplatform.config import RewardWorkersConfig
     from rlplatform.rewards.worker import RewardWorker, default_worker_name, job_rewards_from_json
     from rlplatform.transport.redis_server import connect
-    from rlplatform.transport.reward_queue import RewardQueue
+    from rlplatform.transport.reward_queue import JobKeys
 
-    queue = RewardQueue(connect(_redis(args)), args.job)
-    rewards, imports = job_rewards_from_json(_published(queue.rewards_json, f"job '{args.job}' to start"))
+    client = connect(_redis(args))
+    run, specs = _published(lambda: _newest_run_with(client, args.job, lambda run: JobKeys(run).rewards),
+                            f"job '{args.job}' to start")
+    rewards, imports = job_rewards_from_json(specs.decode())
     config = RewardWorkersConfig(concurrency=args.concurrency, batch_size=args.batch_size)
-    worker = RewardWorker(args.name or default_worker_name(args.job), rewards, _redis(args), args.job, config, imports)
-    print(f"rlp: reward worker {worker.name} serving job '{args.job}'", file=sys.stderr)
+    worker = RewardWorker(args.name or default_worker_name(args.job), rewards, _redis(args), run, config, imports)
+    print(f"rlp: reward worker {worker.name} serving job '{args.job}' (run {run})", file=sys.stderr)
     stats = worker.run()
     print(f"rlp: job '{args.job}' stopped; scored {stats.scored} samples, {stats.errors} errors, "
           f"{stats.dead_letters} dead letters", file=sys.stderr)
     return 0
+
+
+def _newest_run_with(client, job: str, key):
+    """(the `run_scope` of job `job`'s newest run, the value it keeps under `key(run)`) once it keeps one, else
+    None: read afresh each time, so a worker started before the job, or beside an ended run, finds the new run."""
+    from rlplatform.transport.job_lease import newest_run
+
+    run = newest_run(client, job)
+    value = client.get(key(run)) if run is not None else None
+    return (run, value) if value is not None else None
 
 
 def _published(read, what: str):
@@ -202,18 +214,19 @@ def _published(read, what: str):
 
 
 def _tool_worker(args) -> int:
-    """A standalone tool worker serving job `args.job`'s tool calls until the job stops."""
+    """A standalone tool worker serving the tool calls of job `args.job`'s newest run until that run stops."""
     from rlplatform.config import RewardWorkersConfig
     from rlplatform.envs.tool_worker import ToolWorker, default_tool_worker_name, job_tools_from_json
     from rlplatform.transport.redis_server import connect
     from rlplatform.transport.tool_queue import ToolKeys
 
     client = connect(_redis(args))
-    specs = _published(lambda: client.get(ToolKeys(args.job).specs), f"job '{args.job}' to start (with env.tools)")
+    run, specs = _published(lambda: _newest_run_with(client, args.job, lambda run: ToolKeys(run).specs),
+                            f"job '{args.job}' to start (with env.tools)")
     tools, imports = job_tools_from_json(specs.decode())
     config = RewardWorkersConfig(concurrency=args.concurrency, batch_size=args.batch_size)
-    worker = ToolWorker(args.name or default_tool_worker_name(args.job), tools, _redis(args), args.job, config, imports)
-    print(f"rlp: tool worker {worker.name} serving job '{args.job}'", file=sys.stderr)
+    worker = ToolWorker(args.name or default_tool_worker_name(args.job), tools, _redis(args), run, config, imports)
+    print(f"rlp: tool worker {worker.name} serving job '{args.job}' (run {run})", file=sys.stderr)
     stats = worker.run()
     print(f"rlp: job '{args.job}' stopped; {stats.calls} tool calls, {stats.errors} errors, "
           f"{stats.dead_letters} dead letters", file=sys.stderr)
@@ -246,9 +259,12 @@ def _status(args) -> int:
     import time
 
     from rlplatform.monitoring.job_status import JobStatus, format_status
+    from rlplatform.transport.job_lease import newest_run
     from rlplatform.transport.redis_server import connect
 
-    fields = JobStatus(connect(_redis(args)), args.job).read()
+    client = connect(_redis(args))
+    run = newest_run(client, args.job)  # the name's newest run: the live one, while one is
+    fields = JobStatus(client, run).read() if run is not None else {}
     if not fields:
         print(f"rlp: no status for job '{args.job}' on this Redis (not started, or expired)", file=sys.stderr)
         return 1

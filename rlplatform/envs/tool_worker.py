@@ -51,17 +51,18 @@ def job_tools_from_json(text: str) -> Tuple[List[ToolSpec], List[str]]:
 
 
 class ToolWorker(QueueWorker):
-    def __init__(self, name: str, tools: List[ToolSpec], redis_url: str, job: str,
+    def __init__(self, name: str, tools: List[ToolSpec], redis_url: str, run: str,
                  config: Optional[RewardWorkersConfig] = None, imports: Optional[List[str]] = None) -> None:
+        """`run`: the `run_scope` of the run it serves."""
         config = config or RewardWorkersConfig()
         import_modules(imports or [])
         self.tools = resolve_tools(tools)
         self.timeouts = {spec.label: spec.timeout_s for spec in tools}
         self._pool = ThreadPoolExecutor(config.concurrency, thread_name_prefix="tool")
         client = connect(redis_url, wait_s=RECONNECT_S)  # a restart may meet the job's Redis restarting
-        self.tool_queue = ToolQueue(client, job)
-        super().__init__(name, self.tool_queue, RewardQueue(client, job), config, ToolStats(),
-                         Heartbeats(client, job), f"tool worker {name}")
+        self.tool_queue = ToolQueue(client, run)
+        super().__init__(name, self.tool_queue, RewardQueue(client, run), config, ToolStats(),
+                         Heartbeats(client, run), f"tool worker {name}")
 
     def decode(self, raw: bytes) -> ToolCall:
         return decode_call(raw)

@@ -23,7 +23,7 @@ from rlplatform.data import load_rows
 from rlplatform.devices import gpus_per_actor, resolve_dtype
 from rlplatform.job.checkpoint import latest_checkpoint, read_state
 from rlplatform.job.cluster import cpus_needed, start_ray
-from rlplatform.job.run_dir import RunLock, check_fresh_start, move_aside
+from rlplatform.job.run_dir import RunLock, check_fresh_start, move_aside, run_id
 from rlplatform.job.rl_loop import Resume, run_rl
 from rlplatform.job.sft import run_sft
 from rlplatform.job.signals import Interrupted, StopSignals
@@ -37,7 +37,7 @@ from rlplatform.tokenization import encode_prompts, save_prompts, within_limit
 from rlplatform.transport.deadlines import LEARNER_TIMEOUT_S, JobFailed, LearnerDied
 from rlplatform.transport.job_lease import JobLease
 from rlplatform.transport.redis_server import EmbeddedRedis, connect
-from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
+from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue, run_scope
 from rlplatform.transport.weight_store import WeightStore
 from rlplatform.transport.weight_transports import weight_transport
 
@@ -66,13 +66,15 @@ def _run_locked(config: JobConfig, started_at: float, shutdown_ray: Optional[boo
                      "startup_s": {"job_started_s": round(time.time() - started_at, 2)}}  # interpreter, config, imports
     metrics: Optional[Metrics] = None
     resume = find_resume(config)
+    summary["run_id"] = run_id(run_dir, resuming=resume is not None)  # a resumed run keeps its keys
+    run = run_scope(config.name, summary["run_id"])
     stop = StopSignals()
     if shutdown_ray is None:
         shutdown_ray = not ray.is_initialized()
     try:
         stop.install()  # kept until the summary is out and Ray is left
         with ExitStack() as resources:
-            redis_url, embedded = _start_services(config, resources)
+            redis_url, embedded = _start_services(config, summary["run_id"], resources)
             summary["startup_s"]["services_ready_s"] = round(time.time() - started_at, 2)  # Redis and Ray up
             _record_redis_url(redis_url, run_dir)
             learners = {p.name: _start_learner(config, p) for p in config.policy_list()}  # set up in _start_policy
@@ -81,10 +83,10 @@ def _run_locked(config: JobConfig, started_at: float, shutdown_ray: Optional[boo
                                  f"--job {config.name}")
             if embedded is not None:
                 embedded.keep_alive(lambda text: metrics.event("redis_restart", text))
-            metrics.status = JobStatus(connect(redis_url), config.name)
+            metrics.status = JobStatus(connect(redis_url), run)
             summary["wandb_dir"] = metrics.wandb_dir
             try:
-                _run_stages(config, redis_url, learners, metrics, summary, stop, resume, started_at)
+                _run_stages(config, run, redis_url, learners, metrics, summary, stop, resume, started_at)
                 summary["status"] = "interrupted" if stop.requested else "completed"
             finally:
                 final = summary["status"] if summary["status"] != "running" else "failed"
@@ -134,8 +136,9 @@ def _record_redis_url(url: str, run_dir: str) -> None:
         f.write(url + "\n")
 
 
-def _start_services(config: JobConfig, resources: ExitStack) -> Tuple[str, Optional[EmbeddedRedis]]:
-    """Reach or start Redis and take the job's name there (a lease held to the end); join or start Ray;
+def _start_services(config: JobConfig, run_id: str, resources: ExitStack) -> Tuple[str, Optional[EmbeddedRedis]]:
+    """Reach or start Redis and take the job's name there for run `run_id` (a lease held to the end); join or
+    start Ray;
     returns the Redis URL and the embedded server (None when `redis.url` names one). Redis stops on exit;
     `run_job` leaves Ray last."""
     embedded = None
@@ -144,7 +147,8 @@ def _start_services(config: JobConfig, resources: ExitStack) -> Tuple[str, Optio
     else:
         embedded = resources.enter_context(EmbeddedRedis(os.path.join(config.run_dir, "redis")))
         redis_url = embedded.url
-    resources.enter_context(JobLease(connect(redis_url), config.name, config.run_dir))  # connect: clear if unreachable
+    # connect: a clear error when unreachable
+    resources.enter_context(JobLease(connect(redis_url), config.name, run_id, config.run_dir))
     if not ray.is_initialized():  # else `rlp run` started it (rlplatform.job.cluster), or the caller did
         start_ray(config)
     _check_cluster(config, cpus_needed(config))
@@ -201,20 +205,21 @@ def _gpus_needed(config: JobConfig, cluster_gpus: float) -> float:
                for p in config.policy_list())
 
 
-def _run_stages(config: JobConfig, redis_url: str, learners: Dict[str, LearnerGroup], metrics: Metrics,
+def _run_stages(config: JobConfig, run: str, redis_url: str, learners: Dict[str, LearnerGroup], metrics: Metrics,
                 summary: Dict, stop: StopSignals, resume: Optional[Resume], started_at: float) -> None:
+    """`run`: the run's `run_scope`, which names every Redis key its workers share."""
     train_rows, test_rows = load_rows(config.data, config.seed)
     client = connect(redis_url)
-    queue = _open_queue(config, client)
+    queue = _open_queue(config, run, client)
     policies: List[PolicyWorkers] = []
     reward_actors: List = []
     tool_actors: List = []
     try:
         for policy in config.policy_list():
             policies.append(_start_policy(config, policy, learners[policy.name], train_rows, test_rows, redis_url,
-                                          client))
-        reward_actors = _start_reward_workers(config, redis_url)  # needed from RL on
-        tool_actors = _start_tool_workers(config, redis_url, client)
+                                          run))
+        reward_actors = _start_reward_workers(config, run, redis_url)  # needed from RL on
+        tool_actors = _start_tool_workers(config, run, redis_url, client)
         summary["startup_s"]["learners_ready_s"] = round(max(p.learner.ready_at for p in policies) - started_at, 2)
         summary["startup_s"]["workers_ready_s"] = round(time.time() - started_at, 2)  # every actor constructed
         results = resume.state["results"] if resume else \
@@ -260,42 +265,42 @@ def _save_final(config: JobConfig, policies: List[PolicyWorkers]) -> None:
             workers.learner.save(checkpoint, model)
 
 
-def _open_queue(config: JobConfig, client) -> RewardQueue:
+def _open_queue(config: JobConfig, run: str, client) -> RewardQueue:
     from rlplatform.rewards.worker import job_rewards_json
 
-    queue = RewardQueue(client, config.name, config.redis.max_stream_len)
+    queue = RewardQueue(client, run, config.redis.max_stream_len)
     queue.reset()
     queue.create_group()
     queue.publish_rewards(job_rewards_json(config.rewards, config.imports))
     return queue
 
 
-def _start_reward_workers(config: JobConfig, redis_url: str) -> List:
+def _start_reward_workers(config: JobConfig, run: str, redis_url: str) -> List:
     from rlplatform.rewards.worker import RewardActor
 
     return [RewardActor.options(num_cpus=config.reward_workers.num_cpus, resources=config.reward_workers.resources,
                                 max_restarts=MAX_RESTARTS, name=f"{config.name}-reward-{i}").remote(
-        f"{config.name}-reward-{i}", config.rewards, redis_url, config.name, config.reward_workers, config.imports)
+        f"{config.name}-reward-{i}", config.rewards, redis_url, run, config.reward_workers, config.imports)
         for i in range(config.reward_workers.num_workers)]
 
 
-def _start_tool_workers(config: JobConfig, redis_url: str, client) -> List:
+def _start_tool_workers(config: JobConfig, run: str, redis_url: str, client) -> List:
     """The job's tool workers, serving from now on (SFT's evaluations run episodes too); none without tools."""
     if not (config.env.multi_turn and config.env.tools):
         return []
     from rlplatform.envs.tool_worker import ToolActor, job_tools_json
     from rlplatform.transport.tool_queue import ToolKeys, ToolQueue
 
-    ToolQueue(client, config.name).create_group()
-    client.set(ToolKeys(config.name).specs, job_tools_json(config.env.tools, config.imports))
+    ToolQueue(client, run).create_group()
+    client.set(ToolKeys(run).specs, job_tools_json(config.env.tools, config.imports))
     workers = config.env.tool_workers
     return [ToolActor.options(num_cpus=workers.num_cpus, max_restarts=MAX_RESTARTS, name=f"{config.name}-tool-{i}"
-                              ).remote(f"{config.name}-tool-{i}", config.env.tools, redis_url, config.name, workers,
+                              ).remote(f"{config.name}-tool-{i}", config.env.tools, redis_url, run, workers,
                                        config.imports) for i in range(workers.num_workers)]
 
 
 def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup, train_rows, test_rows,
-                  redis_url: str, client) -> PolicyWorkers:
+                  redis_url: str, run: str) -> PolicyWorkers:
     """A policy's initial weights on disk, its learner ranks, rollout workers and evaluator (the last
     rollout actor, started last: `Evaluator`). Actors are named `<job>-<policy>-rollout-<i>`,
     `<job>-<policy>-learner-<rank>` and `<job>-<policy>-weights`; rollout workers find the weight store
@@ -311,7 +316,7 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup
     prompts_path = save_prompts(train, os.path.join(config.policy_dir(policy.name), "train_prompts.jsonl"))
     store_name = f"{config.name}-{policy.name}-weights"
     store = WeightStore.options(name=store_name).remote(weight_transport(policy.weights).delta_full_every)
-    start_rollout = partial(_start_rollout_actor, config, policy, model_path, prompts_path, redis_url, store_name)
+    start_rollout = partial(_start_rollout_actor, config, policy, run, model_path, prompts_path, redis_url, store_name)
     if policy.sft.enabled:
         learner.set_up()
         rollout = [start_rollout(i) for i in range(policy.rollout.num_workers)]
@@ -320,12 +325,13 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup
         learner.set_up()
     evaluator = Evaluator(start_rollout(policy.rollout.num_workers), test, config.eval,
                           config.rewards, config.imports)  # after the learner's set-up (`Evaluator`)
-    learner.connect_results(redis_url, config.name)
+    learner.connect_results(redis_url, run)
+    keys = PolicyKeys(run, policy.name)
     if config.monitoring.parity_every:
-        learner.watch_parity([p.ids for p in train], PolicyKeys(config.name, policy.name).canary_reference)
-    weight_transport(policy.weights).connect(learner.ranks[0], rollout + [evaluator.actor], redis_url,
-                                             PolicyKeys(config.name, policy.name).version, LEARNER_TIMEOUT_S)
-    return PolicyWorkers(policy, learner, rollout, store, evaluator, PolicyKeys(config.name, policy.name),
+        learner.watch_parity([p.ids for p in train], keys.canary_reference)
+    weight_transport(policy.weights).connect(learner.ranks[0], rollout + [evaluator.actor], redis_url, keys.version,
+                                             LEARNER_TIMEOUT_S)
+    return PolicyWorkers(policy, learner, rollout, store, evaluator, keys,
                          [p.row for p in train], data)
 
 
@@ -341,8 +347,8 @@ def _start_learner(config: JobConfig, policy: PolicyConfig) -> LearnerGroup:
                         transport=weight_transport(policy.weights), lora=policy.model.lora, set_up=False)
 
 
-def _start_rollout_actor(config: JobConfig, policy: PolicyConfig, model_path: str, prompts_path: str, redis_url: str,
-                         store_name: str, index: int):
+def _start_rollout_actor(config: JobConfig, policy: PolicyConfig, run: str, model_path: str, prompts_path: str,
+                         redis_url: str, store_name: str, index: int):
     """Rollout actor `index` of the policy, or its evaluator at index `rollout.num_workers` (an
     `EvaluatorActor`, at `eval.priority` from its first import): it reads its prompts from `prompts_path`
     and finds the weight store by `store_name`."""
@@ -354,7 +360,7 @@ def _start_rollout_actor(config: JobConfig, policy: PolicyConfig, model_path: st
     options = dict(num_cpus=policy.rollout.num_cpus, num_gpus=gpus, resources=policy.rollout.resources,
                    max_restarts=MAX_RESTARTS, name=f"{config.name}-{policy.name}-rollout-{index}")
     evaluator = index == policy.rollout.num_workers
-    spec = RolloutSpec(index, policy.name, config.name, model_path, prompts_path, redis_url, policy.rl, policy.rollout,
+    spec = RolloutSpec(index, policy.name, run, model_path, prompts_path, redis_url, policy.rl, policy.rollout,
                        config.seed, store_name, policy.model.dtype, weight_transport(policy.weights), policy.model.lora,
                        config.data.chat_template, config.env,
                        config.eval.priority if evaluator else policy.rollout.priority,

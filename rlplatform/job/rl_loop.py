@@ -87,7 +87,7 @@ class PolicyRun:
         self.train_rows, self.metrics = train_rows, metrics
         self.counters, self.buffer = RLCounters(), GroupBuffer(self.rl.group_size)
         self.rule = StalenessRule.of(self.rl)
-        self.schedule = GroupSchedule(queue.client, job.name, workers.name, self.rule)
+        self.schedule = GroupSchedule(queue.client, queue.keys.run, workers.name, self.rule)
         self.monitor = RLMonitor(job, self.rl, metrics, queue, workers.name, workers.keys, len(workers.rollout))
         self.monitor.last_accuracy = workers.evaluator.last_accuracy
         self.version, self.start = 0, time.perf_counter()
@@ -323,7 +323,7 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
         run.monitor.started(run.version)
     supervisor = _start_loops(job, policies, reward_actors, metrics)
     checkpoints = Checkpoints(job, runs, job_state, attempt)
-    heartbeats = Heartbeats(queue.client, job.name)
+    heartbeats = Heartbeats(queue.client, queue.keys.run)
     watch = WorkerWatch(SilentWorkers(heartbeats, job.monitoring.worker_silent_s),
                         ScoringStall(heartbeats, job.monitoring.scoring_stall_s), queue, metrics)
     with stop.polled():

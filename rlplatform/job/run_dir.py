@@ -4,7 +4,8 @@
 however the process ends, SIGKILL included), taken before the job writes anything, so a second job
 of the same name refuses to start instead of overwriting a live job's files. A start that does not
 resume refuses where an earlier run left checkpoints (`check_fresh_start`), unless asked to move
-that run aside (`move_aside`, `rlp run --fresh`).
+that run aside (`move_aside`, `rlp run --fresh`). Each run has an id (`run_id`, kept in `<run_dir>/run_id`)
+that scopes its Redis keys: new on a fresh start, the same when the run resumes.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from __future__ import annotations
 import fcntl
 import os
 import time
+import uuid
 from typing import Optional
 
 from rlplatform.config import ConfigError, JobConfig
 from rlplatform.job.checkpoint import latest_checkpoint
 
 LOCK = ".lock"
+RUN_ID = "run_id"
 
 
 class RunLock:
@@ -71,3 +74,16 @@ def move_aside(run_dir: str) -> Optional[str]:
     for name in entries:
         os.rename(os.path.join(run_dir, name), os.path.join(moved, name))
     return moved
+
+
+def run_id(run_dir: str, resuming: bool) -> str:
+    """This run's id: the one `run_dir` keeps when the run resumes a checkpoint of it, else a new one, kept there
+    for a later resume."""
+    path = os.path.join(run_dir, RUN_ID)
+    if resuming and os.path.isfile(path):
+        with open(path) as f:
+            return f.read().strip()
+    new = uuid.uuid4().hex[:12]
+    with open(path, "w") as f:
+        f.write(new + "\n")
+    return new

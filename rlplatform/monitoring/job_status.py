@@ -1,6 +1,6 @@
 """A job's live progress on Redis: written by the controller, read by `rlp status` anywhere.
 
-The status hash `rlp:<job>:status` holds the fields of the console's progress line (stage,
+The status hash `rlp:<job>:<run id>:status` holds the fields of the console's progress line (stage,
 step, reward, accuracy, samples/s, queue depth, staleness, ETA), the workers gone silent (while
 any are), the OpenAI bridges' URLs (while they serve) and when they were written.
 """
@@ -20,9 +20,9 @@ SILENT_WORKERS = "silent_workers"
 
 
 class JobStatus:
-    def __init__(self, client: redis.Redis, job: str) -> None:
+    def __init__(self, client: redis.Redis, run: str) -> None:
         self.client = client
-        self.key = JobKeys(job).status
+        self.key = JobKeys(run).status
 
     def write(self, fields: Dict[str, object]) -> None:
         """A progress line: its fields replace the previous line's, so a stage's own figures (SFT's loss)

@@ -234,7 +234,7 @@ class RLMonitor:
 
     def _episode_counters(self) -> Tuple[Dict[str, float], Dict[str, float]]:
         """(the policy's rollout counters, the job's tool counters) as they stand."""
-        return self.queue.counters(self.keys.rollout_stats), self.queue.counters(ToolKeys(self.config.name).stats)
+        return self.queue.counters(self.keys.rollout_stats), self.queue.counters(ToolKeys(self.queue.keys.run).stats)
 
     def _tools(self) -> Dict[str, float]:
         """Episodes and tool calls since the previous step."""

@@ -34,10 +34,10 @@ return grant
 class GroupSchedule:
     """One policy's groups: the ledger and the staleness capacity, changed only through these events."""
 
-    def __init__(self, client: redis.Redis, job: str, policy: str, rule: StalenessRule) -> None:
+    def __init__(self, client: redis.Redis, run: str, policy: str, rule: StalenessRule) -> None:
         self.client, self.rule = client, rule
-        self.ledger = PromptLedger(client, job, policy)
-        keys = PolicyKeys(job, policy)
+        self.ledger = PromptLedger(client, run, policy)
+        keys = PolicyKeys(run, policy)
         self._started, self._ended = keys.groups_started, keys.groups_dropped
         self._claim = client.register_script(_CLAIM)
 

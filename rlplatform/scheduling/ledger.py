@@ -98,10 +98,11 @@ def prompt_row(position: int, rows: int, seed: int) -> int:
 class PromptLedger:
     """One policy's ledger on Redis, shared by its rollout workers and the RL loop."""
 
-    def __init__(self, client: redis.Redis, job: str, policy: str, clock: Callable[[], float] = time.time) -> None:
-        """`clock`: wall-clock seconds, shared by every process that holds this ledger (tests pass their own)."""
+    def __init__(self, client: redis.Redis, run: str, policy: str, clock: Callable[[], float] = time.time) -> None:
+        """`run`: the run's `run_scope`. `clock`: wall-clock seconds, shared by every process that holds this
+        ledger (tests pass their own)."""
         self.client, self.policy, self.clock = client, policy, clock
-        prefix = f"rlp:{job}:policy:{policy}:ledger"
+        prefix = f"rlp:{run}:policy:{policy}:ledger"
         self.open, self.claimed, self.counts_key = f"{prefix}:open", f"{prefix}:claimed", f"{prefix}:counts"
         self.reissue, self.cursor, self.seq = f"{prefix}:reissue", f"{prefix}:cursor", f"{prefix}:seq"
         self.attempt = f"{prefix}:attempt"

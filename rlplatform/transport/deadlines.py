@@ -60,8 +60,8 @@ class Heartbeats:
     """The job's heartbeat hash on Redis: worker label (`rollout worker 0 of policy 'p'`,
     `reward worker <name>`) -> when its loop last went round."""
 
-    def __init__(self, client: redis.Redis, job: str) -> None:
-        self.client, self.key = client, JobKeys(job).heartbeats
+    def __init__(self, client: redis.Redis, run: str) -> None:
+        self.client, self.key = client, JobKeys(run).heartbeats
         self._last: Dict[str, float] = {}
 
     def beat(self, worker: str) -> None:

@@ -1,11 +1,12 @@
-"""One live job per name on a Redis: a job's keys are touched by that job alone.
+"""One live job per name on a Redis, and which run of the name is the newest.
 
-A job's Redis keys are named after the job (`rlp:<name>:…`), and a starting job resets them. So that
-a same-name job started elsewhere against the same Redis (another run directory, another machine)
-never resets a live job's queue, status or counters, a job holds the lease `rlp:<name>:owner` from
-before it writes any key of its name until it ends. The lease names its holder (host, pid, run
-directory) and expires `ttl_s` after its last renewal, renewed by a daemon thread, so a job killed
-outright frees its name within `ttl_s`. A second job of the name refuses to start in one line.
+A run's keys are scoped by its name and run id (`rlp:<name>:<run id>:…`, `reward_queue.run_scope`), so a
+run touches no other run's keys. Two keys belong to the name itself. The lease `rlp:<name>:owner`: a job
+holds it from before it writes any key until it ends, so a same-name job started elsewhere against the
+same Redis (another run directory, another machine) refuses to start in one line. It names its holder
+(host, pid, run directory) and expires `ttl_s` after its last renewal, renewed by a daemon thread, so a job
+killed outright frees its name within `ttl_s`. And `rlp:<name>:run`, the run id of the name's newest run,
+set by the lease's holder: where standalone workers and `rlp status`, given only the name, find the run.
 """
 
 from __future__ import annotations
@@ -19,24 +20,38 @@ from typing import Optional
 import redis
 
 from rlplatform.config import ConfigError
-from rlplatform.transport.reward_queue import JobKeys
+from rlplatform.transport.reward_queue import run_scope
 
 TTL_S = 30.0
 
-# renew the lease only while this holder still holds it
+# KEYS: the lease, the newest-run key. ARGV: holder, TTL in ms, run id. Renews the lease while this holder
+# still holds it; takes it back, with its run the newest, when it is free (a Redis that restarted empty).
 _RENEW = """
 if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
-return redis.call('set', KEYS[1], ARGV[1], 'px', ARGV[2], 'nx') and 1 or 0
+if redis.call('set', KEYS[1], ARGV[1], 'px', ARGV[2], 'nx') then
+  redis.call('set', KEYS[2], ARGV[3])
+  return 1
+end
+return 0
 """
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 
 
-class JobLease:
-    """`with JobLease(client, job, run_dir):` holds job `job`'s name on `client`'s Redis."""
+def owner_key(job: str) -> str:
+    return f"rlp:{job}:owner"
 
-    def __init__(self, client: redis.Redis, job: str, run_dir: str, ttl_s: float = TTL_S) -> None:
-        self.client, self.job, self.ttl_s = client, job, ttl_s
-        self.key = JobKeys(job).owner
+
+def newest_run_key(job: str) -> str:
+    return f"rlp:{job}:run"
+
+
+class JobLease:
+    """`with JobLease(client, job, run_id, run_dir):` holds job `job`'s name on `client`'s Redis, its run
+    `run_id` the name's newest."""
+
+    def __init__(self, client: redis.Redis, job: str, run_id: str, run_dir: str, ttl_s: float = TTL_S) -> None:
+        self.client, self.job, self.run_id, self.ttl_s = client, job, run_id, ttl_s
+        self.key = owner_key(job)
         self.holder = f"{socket.gethostname()} pid {os.getpid()}, {os.path.abspath(run_dir)} [{uuid.uuid4().hex[:8]}]"
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
@@ -46,6 +61,7 @@ class JobLease:
     def __enter__(self) -> "JobLease":
         if not self.client.set(self.key, self.holder, px=int(self.ttl_s * 1000), nx=True):
             raise ConfigError(live_job_message(self.client, self.job) or f"job '{self.job}' started twice")
+        self.client.set(newest_run_key(self.job), self.run_id)
         self._thread = threading.Thread(target=self._keep, name=f"lease-{self.job}", daemon=True)
         self._thread.start()
         return self
@@ -62,15 +78,23 @@ class JobLease:
         """Renew every third of the TTL; a Redis that restarted empty gets the lease back."""
         while not self._stop.wait(self.ttl_s / 3):
             try:
-                self._renew(keys=[self.key], args=[self.holder, int(self.ttl_s * 1000)])
+                self._renew(keys=[self.key, newest_run_key(self.job)],
+                            args=[self.holder, int(self.ttl_s * 1000), self.run_id])
             except redis.RedisError:  # Redis restarting: try again at the next renewal
                 pass
 
 
+def newest_run(client: redis.Redis, job: str) -> Optional[str]:
+    """The `run_scope` of the newest run named `job` on `client`'s Redis (None: no run of the name started there)."""
+    run_id = client.get(newest_run_key(job))
+    return run_scope(job, run_id.decode()) if run_id is not None else None
+
+
 def live_job_message(client: redis.Redis, job: str) -> Optional[str]:
     """The line refusing a second job named `job` while one holds the name on `client`'s Redis (None: free)."""
-    holder = client.get(JobKeys(job).owner)
+    holder = client.get(owner_key(job))
     if holder is None:
         return None
-    return (f"a job named '{job}' is running on this Redis ({holder.decode(errors='replace')}): its queue and "
-            f"status would be reset; give this run another name, or wait for that job to end")
+    return (f"a job named '{job}' is running on this Redis ({holder.decode(errors='replace')}): one job of a name "
+            f"runs at a time (standalone workers and `rlp status` find a job by its name); give this run another "
+            f"name, or wait for that job to end")

@@ -9,11 +9,12 @@ cannot be decoded go to a dead-letter stream with the reason. Producers append o
 requests stream stays within the job's bound (recorded on Redis by the controller), and
 otherwise wait: backpressure, never dropping.
 
-`RewardQueue` is the reward service's queue: requests `rlp:<job>:requests` (consumer group
-`reward-workers`), dead letters `rlp:<job>:dead`. Each new result is stored whole under its sample
-id (`results.ResultStore`) and its small `ResultMeta` goes to `rlp:<job>:results`, in the same
+`RewardQueue` is the reward service's queue: requests `rlp:<run>:requests` (consumer group
+`reward-workers`), dead letters `rlp:<run>:dead`. Each new result is stored whole under its sample
+id (`results.ResultStore`) and its small `ResultMeta` goes to `rlp:<run>:results`, in the same
 atomic step: the controller reads the metadata in order, learner ranks read the samples themselves
-by id. It also holds the job's shared flags and counters.
+by id. It also holds the run's shared flags and counters. A run's keys are scoped by `<job name>:<run
+id>` (`run_scope`), so a run touches the keys of no other run, of its name or another.
 """
 
 from __future__ import annotations
@@ -72,11 +73,17 @@ return 1
 DEFAULT_MAX_PENDING = 10000  # the producer bound when the job recorded none (redis.max_stream_len's default)
 
 
-class JobKeys:
-    """Names of one job's Redis keys shared by all its policies."""
+def run_scope(job: str, run_id: str) -> str:
+    """What one run's Redis keys are scoped by: `<job name>:<run id>` (`rlplatform.job.run_dir.run_id`)."""
+    return f"{job}:{run_id}"
 
-    def __init__(self, job: str) -> None:
-        self.prefix = f"rlp:{job}"
+
+class JobKeys:
+    """Names of one run's Redis keys shared by all its policies; `run` is its `run_scope`."""
+
+    def __init__(self, run: str) -> None:
+        self.run = run
+        self.prefix = f"rlp:{run}"
         self.requests = f"{self.prefix}:requests"
         self.results = f"{self.prefix}:results"  # the metadata of each new result
         self.result_prefix = f"{self.prefix}:result:"  # + sample id: the whole result, until trained or dropped
@@ -88,14 +95,13 @@ class JobKeys:
         self.rewards = f"{self.prefix}:rewards"  # the job's reward list, read by standalone reward workers
         self.max_pending = f"{self.prefix}:max-pending"  # the job's producer bound (redis.max_stream_len)
         self.heartbeats = f"{self.prefix}:heartbeats"  # worker label -> time its loop last went round
-        self.owner = f"{self.prefix}:owner"  # the live job's lease on its name (job_lease.py)
 
 
 class PolicyKeys:
-    """Names of one policy's Redis keys within its job."""
+    """Names of one policy's Redis keys within its run (`run`: the run's `run_scope`)."""
 
-    def __init__(self, job: str, policy: str) -> None:
-        prefix = f"rlp:{job}:policy:{policy}"
+    def __init__(self, run: str, policy: str) -> None:
+        prefix = f"{JobKeys(run).prefix}:policy:{policy}"
         self.version = f"{prefix}:version"  # newest published weight version
         self.groups_started = f"{prefix}:groups-started"
         self.groups_dropped = f"{prefix}:groups-dropped"
@@ -216,12 +222,12 @@ class StreamQueue:
 
 
 class RewardQueue(StreamQueue):
-    """Both ends of one job's reward queue, and the job's shared flags and counters."""
+    """Both ends of one run's reward queue, and the run's shared flags and counters."""
 
-    def __init__(self, client: redis.Redis, job: str, max_pending: Optional[int] = None) -> None:
-        """`max_pending`: the job's bound on unscored requests. The controller passes it and
-        `reset` records it on Redis; producers built without it read it from there."""
-        self.keys = JobKeys(job)
+    def __init__(self, client: redis.Redis, run: str, max_pending: Optional[int] = None) -> None:
+        """`run`: the run's `run_scope`. `max_pending`: the job's bound on unscored requests. The controller
+        passes it and `reset` records it on Redis; producers built without it read it from there."""
+        self.keys = JobKeys(run)
         super().__init__(client, self.keys.requests, self.keys.scored_ids, self.keys.dead, GROUP,
                          self.keys.max_pending, max_pending)
         self.results = ResultStore(client, self.keys.result_prefix)
@@ -268,10 +274,6 @@ class RewardQueue(StreamQueue):
         """The job's reward list (JSON) for reward workers started outside the job."""
         self.client.set(self.keys.rewards, specs_json)
 
-    def rewards_json(self) -> Optional[str]:
-        value = self.client.get(self.keys.rewards)
-        return value.decode() if value is not None else None
-
     def request_stop(self, keep_s: int = 3600) -> None:
         """Tell every worker of the job to stop; the flag outlives the job for `keep_s`."""
         self.client.set(self.keys.stop, 1, ex=keep_s)
@@ -280,15 +282,16 @@ class RewardQueue(StreamQueue):
         return bool(self.client.exists(self.keys.stop))
 
     def reset(self) -> None:
-        """Before a job starts, holding its name's lease: nothing left from an earlier run of the same name,
-        and the job's producer bound recorded for every producer."""
-        self._delete_all_but({self.keys.status, self.keys.owner})
+        """Before a run starts or resumes: nothing left of its own earlier attempt but its status (the keys
+        of other runs, of its name or another, are never touched), and the job's producer bound recorded
+        for every producer."""
+        self._delete_all_but({self.keys.status})
         self.client.set(self.keys.max_pending, self.bound())
 
     def clear(self) -> None:
-        """After a job ends: its queues and counters go, its status and stop flag stay (and its lease, which
-        the job gives back last)."""
-        self._delete_all_but({self.keys.status, self.keys.stop, self.keys.owner})
+        """After a run ends: its queues and counters go; its status and stop flag stay until they expire
+        (a week, `job_status.STATUS_TTL_S`; an hour, `request_stop`)."""
+        self._delete_all_but({self.keys.status, self.keys.stop})
 
     def _delete_all_but(self, keep: set) -> None:
         doomed = [k for k in self.client.scan_iter(match=f"{self.keys.prefix}:*", count=1000) if _text(k) not in keep]

@@ -1,6 +1,6 @@
 """The tool queue on Redis Streams: rollout workers submit their episodes' tool calls, tool workers run them.
 
-Requests go to `rlp:<job>:tools:requests` (consumer group `tool-workers`); each names the stream its
+Requests go to `rlp:<run>:tools:requests` (consumer group `tool-workers`); each names the stream its
 result goes back to, one per rollout worker, which only that worker reads. Delivery is the reward
 queue's (`StreamQueue`): at least once, results stored once per call id, reclaim of calls a dead
 worker held, dead letters. Calls and results travel as msgpack maps with a schema version, checked
@@ -41,10 +41,10 @@ class ToolResult:
 
 
 class ToolKeys:
-    """Names of one job's tool-queue keys."""
+    """Names of one run's tool-queue keys (`run`: its `run_scope`)."""
 
-    def __init__(self, job: str) -> None:
-        prefix = f"{JobKeys(job).prefix}:tools"
+    def __init__(self, run: str) -> None:
+        prefix = f"{JobKeys(run).prefix}:tools"
         self.requests = f"{prefix}:requests"
         self.done_ids = f"{prefix}:done-ids"
         self.dead = f"{prefix}:dead"
@@ -58,12 +58,12 @@ class ToolKeys:
 
 
 class ToolQueue(StreamQueue):
-    """Both ends of one job's tool queue."""
+    """Both ends of one run's tool queue."""
 
-    def __init__(self, client: redis.Redis, job: str) -> None:
-        self.tool_keys = ToolKeys(job)
+    def __init__(self, client: redis.Redis, run: str) -> None:
+        self.tool_keys = ToolKeys(run)
         super().__init__(client, self.tool_keys.requests, self.tool_keys.done_ids, self.tool_keys.dead, GROUP,
-                         JobKeys(job).max_pending)
+                         JobKeys(run).max_pending)
 
     def submit(self, calls: List[ToolCall]) -> None:
         self.submit_payloads([encode_call(call) for call in calls])

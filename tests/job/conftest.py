@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from rlplatform.config import JobConfig, load_config
+from rlplatform.job.run_dir import RUN_ID
+from rlplatform.transport.reward_queue import run_scope
 
 TINY = ["model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=128", "sft.enabled=false",
         "data.train_size=300", "data.test_size=8", "eval.batch_size=8", "rl.batch_prompts=2", "rl.group_size=4",
@@ -49,6 +51,11 @@ class RunFiles:
     def redis_url(self, run_dir: str) -> str:
         self.wait_for(lambda: os.path.exists(os.path.join(run_dir, "redis.url")))
         return Path(run_dir, "redis.url").read_text().strip()
+
+    def run(self, config: JobConfig) -> str:
+        """The `run_scope` of the job's run: what its Redis keys are named by."""
+        self.wait_for(lambda: os.path.exists(os.path.join(config.run_dir, RUN_ID)))
+        return run_scope(config.name, Path(config.run_dir, RUN_ID).read_text().strip())
 
 
 @pytest.fixture

@@ -55,7 +55,7 @@ def test_a_bridge_only_job_trains_on_an_agents_groups_through_the_ledger(ray_ses
 
     def agent():
         client = connect(run_files.redis_url(config.run_dir))
-        status = JobKeys(config.name).status
+        status = JobKeys(run_files.run(config)).status
         run_files.wait_for(lambda: client.hget(status, bridge_status_field("policy", 0)) is not None)
         url = client.hget(status, bridge_status_field("policy", 0)).decode()
         for group in groups:

@@ -28,7 +28,7 @@ def mixed_faults(job: str, rng: random.Random, steps: int) -> List:
     return [faults.Fault("SIGKILL rollout worker", 1, faults.kill_actor(f"{job}-policy-rollout-0")),
             faults.Fault("SIGKILL reward worker", 1, faults.kill_actor(f"{job}-reward-0")),
             faults.Fault("SIGKILL evaluator", 2, faults.kill_actor(f"{job}-policy-rollout-1")),
-            faults.Fault("malformed stream entries", 3, faults.write_malformed(job)),
+            faults.Fault("malformed stream entries", 3, faults.write_malformed),
             faults.Fault("SIGKILL embedded redis-server", 3, faults.kill_embedded_redis)]
 
 

@@ -43,7 +43,7 @@ def test_a_stopped_standalone_reward_worker_is_named_in_an_alert_and_rlp_status(
         worker = subprocess.Popen([RLP, "reward-worker", "--redis", url, "--job", config.name, "--name", "outside"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            beating = Heartbeats(connect(url), config.name)
+            beating = Heartbeats(connect(url), run_files.run(config))
             run_files.wait_for(lambda: {stuck, "reward worker quiet-reward-0", "rollout worker 0 of policy 'policy'"}
                                <= set(beating.silent(-1e9)))
             worker.send_signal(signal.SIGSTOP)  # alive, holding its requests, and making no progress

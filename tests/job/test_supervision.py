@@ -88,13 +88,13 @@ def test_sample_lost_to_dead_letters_expires_its_group_instead_of_deadlocking(ra
     job_over = threading.Event()
 
     def serve_rewards():
-        queue = RewardQueue(connect(run_files.redis_url(config.run_dir)), config.name)
-        run_files.wait_for(lambda: queue.rewards_json() is not None)
+        queue = RewardQueue(connect(run_files.redis_url(config.run_dir)), run_files.run(config))
+        run_files.wait_for(lambda: queue.client.exists(queue.keys.rewards))
         taken = []
         run_files.wait_for(lambda: taken.extend(queue.fetch("dropper", 1, 100)) or taken)
         queue.dead_letter(taken[0][0], taken[0][1], "lost on purpose")
         try:
-            RewardWorker("scorer", config.rewards, run_files.redis_url(config.run_dir), config.name,
+            RewardWorker("scorer", config.rewards, run_files.redis_url(config.run_dir), queue.keys.run,
                          config.reward_workers).run()
         except ConnectionError:
             assert job_over.is_set()  # Redis went away with the job

@@ -1,6 +1,7 @@
 """A job's name on a shared Redis belongs to one live job: a second job of the name refuses before it touches
 a key (the live job's queue and status stay), the lease survives the job's own reset, and a job killed
-outright frees its name within the lease's TTL."""
+outright frees its name within the lease's TTL. Each run's keys are its own: a later run of the name
+resets its own keys only, and is the run the name leads to."""
 
 from __future__ import annotations
 
@@ -12,31 +13,32 @@ import time
 import pytest
 
 from rlplatform.config import ConfigError
-from rlplatform.transport.job_lease import JobLease, live_job_message
-from rlplatform.transport.reward_queue import RewardQueue
+from rlplatform.transport.job_lease import JobLease, live_job_message, newest_run
+from rlplatform.transport.reward_queue import RewardQueue, run_scope
 
 HOLD = ("import sys, time\nfrom rlplatform.transport.job_lease import JobLease\n"
         "from rlplatform.transport.redis_server import connect\n"
-        "JobLease(connect(sys.argv[1]), 'shared', '/runs/a', ttl_s=1.0).__enter__()\nprint('held', flush=True)\n"
+        "JobLease(connect(sys.argv[1]), 'shared', 'a1', '/runs/a', ttl_s=1.0).__enter__()\nprint('held', flush=True)\n"
         "time.sleep(120)\n")
 
 
 def test_a_second_job_of_a_live_name_refuses_and_leaves_its_keys_alone(redis_client, tmp_path):
-    live = RewardQueue(redis_client, "shared")
-    with JobLease(redis_client, "shared", str(tmp_path / "a")):
+    live = RewardQueue(redis_client, run_scope("shared", "a1"))
+    with JobLease(redis_client, "shared", "a1", str(tmp_path / "a")):
         live.reset()  # the live job's own reset keeps its lease
         live.create_group()
         live.client.xadd(live.keys.requests, {"sample": b"in flight"})
         live.client.hset(live.keys.status, "stage", "rl")
         assert f"{tmp_path / 'a'}" in live_job_message(redis_client, "shared")
         with pytest.raises(ConfigError, match=f"a job named 'shared' is running on this Redis .*{tmp_path / 'a'}"):
-            with JobLease(redis_client, "shared", str(tmp_path / "b")):
+            with JobLease(redis_client, "shared", "b1", str(tmp_path / "b")):
                 pass
+        assert newest_run(redis_client, "shared") == live.keys.run  # the refused run did not take the name
         assert redis_client.xlen(live.keys.requests) == 1 and redis_client.hget(live.keys.status, "stage") == b"rl"
         live.clear()  # its end keeps the lease until the job gives it back
         assert live_job_message(redis_client, "shared") is not None
     assert live_job_message(redis_client, "shared") is None  # given back at the end
-    with JobLease(redis_client, "shared", str(tmp_path / "b")):
+    with JobLease(redis_client, "shared", "b1", str(tmp_path / "b")):
         assert live_job_message(redis_client, "other") is None  # names are leased one by one
 
 
@@ -53,5 +55,28 @@ def test_a_job_killed_outright_frees_its_name_within_the_ttl(redis_server, redis
     while live_job_message(redis_client, "shared") is not None:
         assert time.time() < deadline, "a killed job's lease never expired"
         time.sleep(0.1)
-    with JobLease(redis_client, "shared", str(tmp_path / "b")):
+    with JobLease(redis_client, "shared", "b1", str(tmp_path / "b")):
         pass
+
+
+def test_a_later_run_of_the_name_resets_its_own_keys_only_and_the_name_leads_to_it(redis_client, tmp_path):
+    earlier = RewardQueue(redis_client, run_scope("shared", "a1"))
+    with JobLease(redis_client, "shared", "a1", str(tmp_path / "a")):
+        earlier.reset()
+        earlier.create_group()
+        earlier.client.xadd(earlier.keys.requests, {"sample": b"in flight"})  # killed outright: its keys stay
+        earlier.client.hset(earlier.keys.status, "stage", "rl")
+    keys_before = sorted(redis_client.scan_iter(match="rlp:shared:a1:*"))
+    assert newest_run(redis_client, "shared") == "shared:a1"
+    later = RewardQueue(redis_client, run_scope("shared", "b2"))
+    with JobLease(redis_client, "shared", "b2", str(tmp_path / "b")):
+        assert newest_run(redis_client, "shared") == "shared:b2"  # standalone workers and `rlp status` find it
+        later.reset()
+        later.create_group()
+        later.client.xadd(later.keys.requests, {"sample": b"the later run's"})
+        later.request_stop()
+        later.clear()
+    assert sorted(redis_client.scan_iter(match="rlp:shared:a1:*")) == keys_before
+    assert redis_client.xlen(earlier.keys.requests) == 1 and redis_client.hget(earlier.keys.status, "stage") == b"rl"
+    assert not earlier.stop_requested()  # the later run's stop flag is its own
+    assert newest_run(redis_client, "shared") == "shared:b2" and newest_run(redis_client, "other") is None

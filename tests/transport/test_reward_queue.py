@@ -223,7 +223,7 @@ def test_stop_flag(redis_server, job, queue):
     assert stats.scored == 0
     queue.clear()  # the end of a job: standalone workers must still see the flag
     assert queue.stop_requested()
-    queue.reset()  # the start of the next run of the same job name
+    queue.reset()  # the run resumed
     assert not queue.stop_requested()
 
 
