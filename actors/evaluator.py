@@ -5,12 +5,14 @@ Ray imports an actor's module before its constructor runs, and the rollout worke
 torch and transformers: seconds of CPU at the priority the process started with. This module loads
 neither; its constructor lowers the process's priority first, then imports and builds the rollout
 worker. At `eval.priority: idle` the evaluator's whole start-up so runs on the CPU time the rest of
-the job leaves, beside RL's first steps.
+the job leaves, beside RL's first steps. Each answer names the process that gave it (an id, and whether
+Ray started it as a restart), so the job sees a restart that happened between two evaluations.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+import uuid
+from typing import Any, Dict, List, Tuple
 
 import ray
 
@@ -20,22 +22,24 @@ from rlplatform.priority import set_cpu_priority
 
 class EvaluatorWorker:
     """A `RolloutWorker` built after the process took its spec's priority; it serves what the job asks of its
-    evaluator."""
+    evaluator, each answer as ((this process's id, whether it is a restart), the answer)."""
 
     def __init__(self, spec: RolloutSpec) -> None:
         set_cpu_priority(spec.priority)
         from rlplatform.actors.rollout import RolloutWorker
 
         self.worker = RolloutWorker(spec)
+        self.instance = (uuid.uuid4().hex, ray.get_runtime_context().was_current_actor_reconstructed)
 
     def open_broadcast(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
         self.worker.open_broadcast(host, port, rank, world_size, backend)
 
-    def evaluate_snapshot(self, snapshot: Dict, prompts: List, config, rewards: List, imports: List[str]) -> Dict:
-        return self.worker.evaluate_snapshot(snapshot, prompts, config, rewards, imports)
+    def evaluate_snapshot(self, snapshot: Dict, prompts: List, config, rewards: List, imports: List[str]
+                          ) -> Tuple[Tuple[str, bool], Dict]:
+        return self.instance, self.worker.evaluate_snapshot(snapshot, prompts, config, rewards, imports)
 
-    def evaluate_latest(self, prompts: List, config, rewards: List, imports: List[str]) -> Tuple[int, Dict]:
-        return self.worker.evaluate_latest(prompts, config, rewards, imports)
+    def evaluate_latest(self, prompts: List, config, rewards: List, imports: List[str]) -> Tuple[Tuple[str, bool], Any]:
+        return self.instance, self.worker.evaluate_latest(prompts, config, rewards, imports)
 
 
 EvaluatorActor = ray.remote(EvaluatorWorker)

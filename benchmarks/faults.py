@@ -539,13 +539,14 @@ def _terminate(fault: Fault, job: Running) -> float:
 
 SCENARIOS = [
     Scenario("rollout-kill", ["rollout.num_workers=3"],
-             _kills("rollout worker", lambda job: [f"{job}-policy-rollout-{i}" for i in range(3)])),
+             _kills("rollout worker", lambda job: [f"{job}-policy-rollout-{i}" for i in range(3)]),
+             alert="worker_restart"),
     Scenario("reward-kill", ["reward_workers.num_workers=3"],
-             _kills("reward worker", lambda job: [f"{job}-reward-{i}" for i in range(3)])),
+             _kills("reward worker", lambda job: [f"{job}-reward-{i}" for i in range(3)]), alert="worker_restart"),
     Scenario("evaluator-kill", ["eval.every_steps=1", "eval.priority=normal"],  # it evaluates all along
              _kills("evaluator", lambda job: [f"{job}-policy-rollout-1"], first_steps=60, settle_s=5.0),
-             steps=300, restarts="evaluator"),  # its start-up outlasts a short job's RL: the kill waits until it
-    # is alive, then 5 s more, so that it is evaluating (one killed between evaluations goes uncounted)
+             steps=300, restarts="evaluator", alert="worker_restart"),  # its start-up outlasts a short job's
+    # RL: the kill waits until it is alive, then 5 s more
     Scenario("embedded-redis-kill", [], lambda job, rng, steps: [
         Fault("SIGKILL embedded redis-server", s, kill_embedded_redis) for s in fault_steps(rng, steps, 2)]),
     Scenario("external-redis-restart", [], lambda job, rng, steps: [], external_redis=True),

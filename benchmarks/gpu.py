@@ -263,9 +263,16 @@ def whole_job_rows(model_dir: str, prompts: List[str], args: argparse.Namespace)
         trl_how = (f"GRPOTrainer {trl['steps']} steps of {args.prompts} prompts x {args.group} in {trl['wall_s']} s "
                    f"(Hugging Face generation, {'bf16' if gpu else 'fp32'}){ratio}")
     except Exception as error:  # noqa: BLE001 (reported in the table)
-        trl_figure, trl_how = f"failed: {type(error).__name__}", str(error)[:200]
+        trl, trl_figure, trl_how = None, f"failed: {type(error).__name__}", str(error)[:200]
     print(f"TRL: {trl_figure} ({trl_how})", flush=True)
-    return [("whole job, rlplatform", job_figure, job_how), ("whole job, TRL GRPOTrainer (peer)", trl_figure, trl_how)]
+    rows = [("whole job, rlplatform", job_figure, job_how), ("whole job, TRL GRPOTrainer (peer)", trl_figure, trl_how)]
+    if job and trl and job["after_first_per_s"] and trl["after_first_per_s"]:
+        rows.append(("whole job after its first step, rlplatform vs TRL",
+                     f"{job['after_first_per_s']:.0f} vs {trl['after_first_per_s']:.0f} trained samples/s",
+                     f"from the end of step 1 to the end of the last (rlplatform: `rlp run`'s progress lines; TRL: a "
+                     f"callback at each optimizer step's end): start-up, first generation and compiles left out on both "
+                     f"sides; rlplatform {job['after_first_per_s'] / trl['after_first_per_s']:.2f}x"))
+    return rows
 
 
 def _synchronize() -> None:

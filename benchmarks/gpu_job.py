@@ -70,9 +70,13 @@ def job_figures(model_dir: str, prompts: List[str], group: int, new_tokens: int,
     with open(os.path.join(work_dir, "runs", "gpu-job", "summary.json")) as f:
         rl = json.load(f)["rl"]
     syncs = max(rl["weight_syncs"], 1)
+    ends = [t for t, line in lines if re.match(r"stage rl +step [1-9]", line)]  # when each RL step ended
+    per_step = rl["samples_trained"] / max(rl["steps"], 1)
     return {"trained_per_s": rl["trained_per_s"], "learner_busy": rl["learner_busy_fraction"],
             "sync_s": rl["weight_sync_s"] / syncs, "steps": rl["steps"], "trained": rl["samples_trained"],
-            "mfu": rl["learner_mfu"], "progress": [f"{t:6.1f} s  {line}" for t, line in lines if line.startswith("stage")]}
+            "mfu": rl["learner_mfu"],
+            "after_first_per_s": (len(ends) - 1) * per_step / (ends[-1] - ends[0]) if len(ends) > 1 else None,
+            "progress": [f"{t:6.1f} s  {line}" for t, line in lines if line.startswith("stage")]}
 
 
 def timed_output(command: List[str], timeout_s: float) -> List[Tuple[float, str]]:
@@ -108,6 +112,7 @@ def _trl_main(args: argparse.Namespace) -> None:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
+    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from rlplatform.policy import load_tokenizer  # the saved tokenizer.json (AutoTokenizer would pick Qwen2's)
@@ -125,12 +130,21 @@ def _trl_main(args: argparse.Namespace) -> None:
     trainer = GRPOTrainer(model=model, reward_funcs=coin_flip, args=config,
                           train_dataset=Dataset.from_list(rows * (args.steps * args.group)),
                           processing_class=tokenizer)
+    step_ends: List[float] = []
+
+    class StepEnds(TrainerCallback):
+        def on_step_end(self, *_, **__):
+            step_ends.append(time.time())
+
+    trainer.add_callback(StepEnds())
     start = time.time()
     trainer.train()
     wall = time.time() - start
     completions = args.steps * args.prompts * args.group
+    after_first = (len(step_ends) - 1) * args.prompts * args.group / (step_ends[-1] - step_ends[0]) \
+        if len(step_ends) > 1 else None
     print(json.dumps({"steps": args.steps, "trained": completions, "wall_s": round(wall, 1),
-                      "trained_per_s": round(completions / wall, 1)}))
+                      "trained_per_s": round(completions / wall, 1), "after_first_per_s": after_first}))
 
 
 def main() -> None:

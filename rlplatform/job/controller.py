@@ -14,7 +14,7 @@ import signal
 import time
 from contextlib import ExitStack
 from functools import partial
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import ray
 
@@ -217,7 +217,7 @@ def _run_stages(config: JobConfig, run: str, redis_url: str, learners: Dict[str,
     try:
         for policy in config.policy_list():
             policies.append(_start_policy(config, policy, learners[policy.name], train_rows, test_rows, redis_url,
-                                          run))
+                                          run, lambda text: metrics.event("worker_restart", text)))
         reward_actors = _start_reward_workers(config, run, redis_url)  # needed from RL on
         tool_actors = _start_tool_workers(config, run, redis_url, client)
         summary["startup_s"]["learners_ready_s"] = round(max(p.learner.ready_at for p in policies) - started_at, 2)
@@ -300,7 +300,7 @@ def _start_tool_workers(config: JobConfig, run: str, redis_url: str, client) -> 
 
 
 def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup, train_rows, test_rows,
-                  redis_url: str, run: str) -> PolicyWorkers:
+                  redis_url: str, run: str, on_restart: Callable[[str], None]) -> PolicyWorkers:
     """A policy's initial weights on disk, its learner ranks, rollout workers and evaluator (the last
     rollout actor, started last: `Evaluator`). Actors are named `<job>-<policy>-rollout-<i>`,
     `<job>-<policy>-learner-<rank>` and `<job>-<policy>-weights`; rollout workers find the weight store
@@ -324,7 +324,7 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup
         rollout = [start_rollout(i) for i in range(policy.rollout.num_workers)]
         learner.set_up()
     evaluator = Evaluator(start_rollout(policy.rollout.num_workers), test, config.eval,
-                          config.rewards, config.imports)  # after the learner's set-up (`Evaluator`)
+                          config.rewards, config.imports, on_restart)  # after the learner's set-up (`Evaluator`)
     learner.connect_results(redis_url, run)
     keys = PolicyKeys(run, policy.name)
     if config.monitoring.parity_every:

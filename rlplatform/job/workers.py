@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import ray
 from ray.exceptions import RayActorError
@@ -28,11 +28,15 @@ class Evaluator:
     Its actor is started once the learner is set up, so its start-up (torch, the model) runs beside
     the first steps rather than beside the workers the first step waits for; without SFT it evaluates
     the starting weights in the background (`start_baseline`). Ray restarts the actor when its process
-    dies; the evaluation it was running starts again once the actor answers."""
+    dies; the evaluation it was running starts again once the actor answers. Every restart, during an
+    evaluation or between two (seen from the process each answer names), is counted and told to `on_restart`."""
 
     def __init__(self, actor, prompts: List[Prompt], config: EvalConfig, rewards: List[RewardSpec],
-                 imports: List[str]) -> None:
+                 imports: List[str], on_restart: Callable[[str], None]) -> None:
         self.actor, self.prompts, self.config, self.rewards, self.imports = actor, prompts, config, rewards, imports
+        self.on_restart = on_restart
+        self._heard: Set[str] = set()  # the actor processes that have answered
+        self._counted_unheard = 0  # restarts counted when a call failed, whose new process has not answered yet
         self._pending: Optional[ray.ObjectRef] = None  # a background evaluation of the newest weights
         self._baseline: Optional[Tuple[ray.ObjectRef, Callable[[Dict], None]]] = None  # (weights, their callback)
         self._baseline_pending: Optional[ray.ObjectRef] = None  # its evaluation, on the actor behind `_pending`
@@ -54,7 +58,7 @@ class Evaluator:
         ref = made if made is not None else call()
         while True:
             try:
-                return deadline_get(ref, "the evaluator", EVAL_TIMEOUT_S)
+                return self._answer(deadline_get(ref, "the evaluator", EVAL_TIMEOUT_S))
             except RayActorError:
                 self._restarted()
                 self._revival.wait()
@@ -120,10 +124,10 @@ class Evaluator:
             self._start_baseline_call()
         try:
             if self._baseline_pending is not None and ray.wait([self._baseline_pending], timeout=0)[0]:
-                self._baseline_done(ray.get(self._baseline_pending))
+                self._baseline_done(self._answer(ray.get(self._baseline_pending)))
             if self._pending is None or not ray.wait([self._pending], timeout=0)[0]:
                 return None
-            result = ray.get(self._pending)
+            result = self._answer(ray.get(self._pending))
         except RayActorError:  # both calls are lost; the baseline's is made again with the next `start`
             self._restarted()
             self._pending = self._baseline_pending = None
@@ -131,11 +135,29 @@ class Evaluator:
         self._pending = None
         return self._newest_done(result)
 
+    def _answer(self, answer: Tuple[Tuple[str, bool], Any]) -> Any:
+        """An evaluator call's result. A process not heard from before that Ray started as a restart is a restart:
+        counted here, unless a failed call counted it already."""
+        (process, restarted), result = answer
+        if process not in self._heard:
+            self._heard.add(process)
+            if restarted and self._counted_unheard:
+                self._counted_unheard -= 1
+            elif restarted:
+                self._count_restart("the evaluator was restarted between two evaluations")
+        return result
+
     def _restarted(self) -> None:
+        """A call failed because the actor's process died: counted, and waited for while Ray restarts it."""
+        self._count_restart("the evaluator died during an evaluation; it is evaluating again once Ray restarted it")
+        self._counted_unheard += 1
+        self._revival = Revival(self.actor, "the evaluator")
+
+    def _count_restart(self, text: str) -> None:
         self.restarts += 1
+        self.on_restart(text)
         if self.restarts > MAX_RESTARTS:
             raise JobFailed(f"the evaluator died {self.restarts} times; see the Ray logs") from None
-        self._revival = Revival(self.actor, "the evaluator")
 
 
 @dataclass

@@ -27,11 +27,13 @@ from rlplatform.envs.tool_worker import ToolWorker, job_tools_json
 from rlplatform.learners.batching import completion_logprobs
 from rlplatform.policy import load_tokenizer
 from rlplatform.tokenization import Prompt, encode_prompts, save_prompts
-from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
+from rlplatform.transport.job_lease import newest_run_key
+from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue, run_scope
 from rlplatform.transport.tool_queue import ToolKeys, ToolQueue
 from tests.envs import tools_for_tests
 
-JOB = "episodes"
+JOB_NAME = "episodes"
+JOB = run_scope(JOB_NAME, "r1")  # the run every test here plays in
 ENV = "tests.envs.tools_for_tests:CallOnce"
 TOOLS = [ToolSpec(name="calculator"), ToolSpec(fn="tests.envs.tools_for_tests:wait_for_gate", timeout_s=60),
          ToolSpec(fn="tests.envs.tools_for_tests:slow_echo")]
@@ -143,10 +145,11 @@ def test_token_budget_truncates_the_episode(engine, redis_client, redis_server):
 
 
 def test_a_tool_worker_killed_mid_call_loses_no_episode(engine, redis_client, redis_server):
+    redis_client.set(newest_run_key(JOB_NAME), "r1")  # as the job's lease names its run: the worker finds it
     redis_client.set(ToolKeys(JOB).specs, job_tools_json(
         [ToolSpec(fn="tests.envs.tools_for_tests:slow_echo", params={"delay_s": 600})], []))
     doomed = subprocess.Popen([sys.executable, "-m", "rlplatform.cli", "tool-worker", "--redis", redis_server,
-                               "--job", JOB, "--name", "doomed"], cwd=os.path.dirname(os.path.dirname(
+                               "--job", JOB_NAME, "--name", "doomed"], cwd=os.path.dirname(os.path.dirname(
                                    os.path.dirname(os.path.abspath(__file__)))), stderr=subprocess.DEVNULL)
     episodes = runner(engine, redis_client)
     episodes.tools.create_group()  # the job's controller does this before any worker starts

@@ -46,6 +46,5 @@ def test_a_job_survives_worker_kills_a_redis_kill_and_malformed_messages(ray_ses
     assert counts["samples_lost"] == counts["samples_trained_twice"] == counts["prompts_trained_twice"] == 0
     assert counts["prompts_skipped"] == 0 and counts["groups_expired"] == 0
     assert outcome.restarts["rollout"] >= 1 and outcome.restarts["reward"] >= 1
-    # the evaluator's restart is counted when the kill interrupts an evaluation; one killed between
-    # evaluations is restarted by Ray before its next call and goes uncounted
-    assert outcome.restarts["evaluator"] <= 1
+    # the evaluator's restart is counted whether the kill interrupts an evaluation or lands between two
+    assert outcome.restarts["evaluator"] == 1

@@ -9,13 +9,16 @@ import os
 import signal
 import threading
 import time
+import uuid
 
 import pytest
 import ray
 
 from rlplatform.job.checkpoint import latest_checkpoint
 from rlplatform.job.controller import run_job
+from rlplatform.config import EvalConfig
 from rlplatform.job.supervision import Supervisor
+from rlplatform.job.workers import Evaluator
 from rlplatform.rewards.worker import RewardWorker
 from rlplatform.transport.deadlines import JobFailed
 from rlplatform.scheduling.ledger import balanced
@@ -78,6 +81,43 @@ def test_a_killed_worker_counts_one_restart_and_its_loop_runs_again(ray_session)
     assert supervisor.restarts["rollout"] == 1
     assert not ray.wait([loop.ref], timeout=0)[0]  # its loop was called again and runs
     ray.kill(actor, no_restart=True)
+
+
+@ray.remote(max_restarts=2)
+class AnsweringEvaluator:
+    """Answers as `EvaluatorWorker` does, naming its process: ((id, started as a restart), result)."""
+
+    def __init__(self) -> None:
+        self.process = (uuid.uuid4().hex, ray.get_runtime_context().was_current_actor_reconstructed)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def evaluate_latest(self, *_) -> tuple:
+        return self.process, (0, {"accuracy": 0.5})
+
+
+def _kill_and_wait(actor) -> None:
+    pid = ray.get(actor.pid.remote())
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while not _answers(actor, pid):
+        assert time.monotonic() < deadline
+
+
+@pytest.mark.parametrize("heard_before", [True, False])
+def test_an_evaluator_restarted_between_evaluations_counts_one_restart_and_raises_its_alert(ray_session,
+                                                                                            heard_before):
+    alerts = []
+    evaluator = Evaluator(AnsweringEvaluator.remote(), [], EvalConfig(), [], [], alerts.append)
+    if heard_before:  # else Ray restarts it before its first answer
+        assert evaluator.run_now() == (0, {"accuracy": 0.5})
+    _kill_and_wait(evaluator.actor)
+    for _ in range(3):  # no call fails: the restart is seen from the process that answers
+        assert evaluator.run_now() == (0, {"accuracy": 0.5})
+    assert evaluator.restarts == 1
+    assert alerts == ["the evaluator was restarted between two evaluations"]
+    ray.kill(evaluator.actor, no_restart=True)
 
 
 def test_sample_lost_to_dead_letters_expires_its_group_instead_of_deadlocking(ray_session, tiny_job, run_files):

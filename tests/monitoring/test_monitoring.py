@@ -20,7 +20,8 @@ from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.rl_monitor import PROGRESS_EVERY_S, RLMonitor, TrailingRate
 from rlplatform.scheduling.buffer import Batch
 from rlplatform.transport.bridge_protocol import bridge_status_field
-from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
+from rlplatform.transport.job_lease import newest_run_key
+from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue, run_scope
 from rlplatform.transport.samples import ResultMeta, Sample, ScoredSample
 
 REPO = Path(__file__).resolve().parents[2]
@@ -110,7 +111,8 @@ def test_the_rl_stage_shows_a_line_at_its_start_and_by_time_while_no_step_ends(r
 
 
 def test_rlp_status_prints_a_jobs_progress_from_redis(redis_server, redis_client, tmp_path):
-    status = JobStatus(redis_client, "elsewhere")
+    redis_client.set(newest_run_key("elsewhere"), "r1")  # as the job's lease names its run
+    status = JobStatus(redis_client, run_scope("elsewhere", "r1"))
     status.write({"stage": "sft", "step": "500/1500", "loss": 0.62})
     status.set("silent_workers", "reward worker 1")
     bridge = bridge_status_field("policy", 0)

@@ -21,7 +21,8 @@ import pytest
 from rlplatform.config import RewardSpec, RewardWorkersConfig, load_config
 from rlplatform.rewards.worker import RewardWorker, job_rewards_json
 from rlplatform.transport.redis_server import connect
-from rlplatform.transport.reward_queue import GROUP, RewardQueue
+from rlplatform.transport.job_lease import newest_run_key
+from rlplatform.transport.reward_queue import GROUP, RewardQueue, run_scope
 from rlplatform.transport.samples import Sample
 from tests.transport.queue_events import scripts_run, wait_for_refusals, wait_until_idle
 
@@ -39,8 +40,12 @@ def collect(queue: RewardQueue, into: list) -> None:
 
 
 @pytest.fixture
-def job():
-    return f"rel-{uuid.uuid4().hex[:8]}"
+def job(redis_client):
+    """A run's scope `<name>:r1`, registered as its name's newest run (as a job's lease does), so a standalone
+    `rlp reward-worker --job <name>` finds it."""
+    name = f"rel-{uuid.uuid4().hex[:8]}"
+    redis_client.set(newest_run_key(name), "r1")
+    return run_scope(name, "r1")
 
 
 @pytest.fixture
@@ -60,7 +65,8 @@ def test_worker_killed_mid_batch_loses_no_sample(redis_server, redis_client, job
     queue.publish_rewards(job_rewards_json([RewardSpec(fn="slow_rewards_mod:slow")], []))
     queue.submit(make_samples(200))
     env = dict(os.environ, PYTHONPATH=str(slow_reward_module))
-    victim = subprocess.Popen([RLP, "reward-worker", "--redis", redis_server, "--job", job, "--concurrency", "1",
+    victim = subprocess.Popen([RLP, "reward-worker", "--redis", redis_server, "--job", job.split(":")[0],
+                               "--concurrency", "1",
                                "--batch-size", "50", "--name", "victim"], env=env, stderr=subprocess.PIPE)
     results: list = []
     deadline = time.monotonic() + 60
