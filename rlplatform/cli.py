@@ -10,7 +10,7 @@ import argparse
 import importlib
 import os
 import sys
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from rlplatform import preflight
 from rlplatform.config import REDIS_URL_ENV, ConfigError, JobConfig, load_config, redact_url, redact_urls_in
@@ -262,14 +262,50 @@ def _status(args) -> int:
     from rlplatform.transport.job_lease import newest_run
     from rlplatform.transport.redis_server import connect
 
-    client = connect(_redis(args))
-    run = newest_run(client, args.job)  # the name's newest run: the live one, while one is
+    if args.run_dir:  # that run: its name, id and Redis from its directory
+        job, run = _run_in(args.run_dir)
+        client = connect(args.redis and _redis(args) or _redis_of(args.run_dir))
+    elif args.job:
+        job = args.job
+        client = connect(_redis(args))
+        run = newest_run(client, job)  # the name's newest run: the live one, while one is
+    else:
+        raise ConfigError("rlp status: give a run directory (rlp status runs/<name>) or --job NAME")
     fields = JobStatus(client, run).read() if run is not None else {}
     if not fields:
-        print(f"rlp: no status for job '{args.job}' on this Redis (not started, or expired)", file=sys.stderr)
+        print(f"rlp: no status for job '{job}' on this Redis (not started, or expired)", file=sys.stderr)
         return 1
-    print(f"{args.job}: {format_status(fields, time.time())}")
+    print(f"{job}: {format_status(fields, time.time())}")
     return 0
+
+
+def _run_in(run_dir: str) -> Tuple[str, str]:
+    """(job name, `run_scope`) of the run whose directory is `run_dir`: its config's name and its run id."""
+    import yaml
+
+    from rlplatform.job.run_dir import RUN_ID
+    from rlplatform.transport.reward_queue import run_scope
+
+    try:
+        with open(os.path.join(run_dir, "config.yaml")) as f:
+            name = yaml.safe_load(f)["name"]
+        with open(os.path.join(run_dir, RUN_ID)) as f:
+            return name, run_scope(name, f.read().strip())
+    except (OSError, KeyError, TypeError, yaml.YAMLError) as error:
+        raise ConfigError(f"rlp status: {run_dir} is not a run directory with a config.yaml and a run id "
+                          f"({error})") from None
+
+
+def _redis_of(run_dir: str) -> str:
+    """The run's Redis URL from its redis.url file (the job writes it, password included, readable by its owner
+    alone), else $RLP_REDIS_URL."""
+    try:
+        with open(os.path.join(run_dir, "redis.url")) as f:
+            return f.read().strip()
+    except OSError:
+        if os.environ.get(REDIS_URL_ENV):
+            return os.environ[REDIS_URL_ENV]
+        raise ConfigError(f"rlp status: {run_dir} holds no redis.url; give --redis or set {REDIS_URL_ENV}") from None
 
 
 def _dashboard(args) -> int:
@@ -362,8 +398,10 @@ def build_parser() -> argparse.ArgumentParser:
     verifiers.add_argument("--concurrency", type=int, default=8, help="rollouts in flight at once")
     verifiers.set_defaults(handler=_verifiers)
     status = commands.add_parser("status", help="progress of a job running anywhere, read from its Redis")
+    status.add_argument("run_dir", nargs="?", help="a run's directory (runs/<name>): that run, its Redis URL read "
+                        "from its redis.url file")
     status.add_argument("--redis", help=REDIS_HELP)
-    status.add_argument("--job", required=True, help="the job's name")
+    status.add_argument("--job", help="the job's name (its newest run), where no run directory is given")
     status.set_defaults(handler=_status)
     dashboard = commands.add_parser("dashboard", help="W&B dashboards")
     actions = dashboard.add_subparsers(dest="action", required=True)

@@ -79,8 +79,7 @@ def _run_locked(config: JobConfig, started_at: float, shutdown_ray: Optional[boo
             _record_redis_url(redis_url, run_dir)
             learners = {p.name: _start_learner(config, p) for p in config.policy_list()}  # set up in _start_policy
             metrics = Metrics(config, run_dir, run_id=resume.state["wandb_run_id"] if resume else None)
-            metrics.console.note(f"job status from anywhere: rlp status --redis @{run_dir}/redis.url "
-                                 f"--job {config.name}")
+            metrics.console.note(f"job status: rlp status {run_dir}")
             if embedded is not None:
                 embedded.keep_alive(lambda text: metrics.event("redis_restart", text))
             metrics.status = JobStatus(connect(redis_url), run)

@@ -143,6 +143,26 @@ def test_rlp_status_prints_a_jobs_progress_from_redis(redis_server, redis_client
     assert unset.returncode == 2 and "set RLP_REDIS_URL" in unset.stderr
 
 
+def test_rlp_status_of_a_run_directory_reads_that_runs_redis_and_status(redis_server, redis_client, tmp_path):
+    run_dir = tmp_path / "runs" / "mine"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("name: mine\n")
+    (run_dir / "run_id").write_text("first\n")
+    (run_dir / "redis.url").write_text(redis_server + "\n")
+    JobStatus(redis_client, run_scope("mine", "first")).write({"stage": "rl", "step": "3/10"})
+    JobStatus(redis_client, run_scope("mine", "later")).write({"stage": "sft", "step": "1/5"})
+    redis_client.set(newest_run_key("mine"), "later")  # a later run of the name: the directory's run is still shown
+    rlp = str(Path(sys.executable).parent / "rlp")
+    env = {k: v for k, v in os.environ.items() if k != "RLP_REDIS_URL"}
+    shown = subprocess.run([rlp, "status", str(run_dir)], capture_output=True, text=True, timeout=60, env=env)
+    assert shown.returncode == 0 and shown.stdout.startswith("mine: stage rl  step 3/10"), shown.stderr
+    newest = subprocess.run([rlp, "status", "--redis", f"@{run_dir}/redis.url", "--job", "mine"],
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert newest.stdout.startswith("mine: stage sft  step 1/5"), newest.stderr
+    neither = subprocess.run([rlp, "status"], capture_output=True, text=True, timeout=60, env=env)
+    assert neither.returncode == 2 and "rlp status runs/<name>" in neither.stderr
+
+
 def test_dashboard_dry_run_renders_every_section():
     text = render_layout("policy")
     for section in ("Learning", "Rewards", "Asynchrony", "Evaluation", "Samples"):
