@@ -24,11 +24,14 @@ class StepResult:
     tokens_total: float  # trained tokens of every rank
     figures: Mapping[str, float]  # every other metric by name (loss terms, KL, entropy, parity, grad_norm, lr)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "figures", MappingProxyType(dict(self.figures)))  # a copy, read-only
+
     @classmethod
     def of(cls, metrics: Mapping[str, float]) -> "StepResult":
-        """The result holding `metrics` (by name: `_NAMED` and any others); read-only."""
-        others = MappingProxyType({k: v for k, v in metrics.items() if k not in _NAMED})
-        return cls(**{name: metrics[name] for name in _NAMED}, figures=others)
+        """The result holding `metrics` by name (`_NAMED` and any others)."""
+        return cls(**{name: metrics[name] for name in _NAMED},
+                   figures={k: v for k, v in metrics.items() if k not in _NAMED})
 
     def metrics(self) -> Dict[str, float]:
         """Every metric by name, as W&B logs them."""

@@ -49,3 +49,12 @@ def test_rl_counters_keep_the_totals_under_the_checkpoint_keys():
     assert restored.state() == state
     older = {k: v for k, v in state.items() if not k.startswith("learner_") or k == "learner_busy_s"}
     assert RLCounters.from_state(older).learner == LearnerTotals()  # a checkpoint written before the totals
+
+
+def test_a_result_built_directly_holds_a_read_only_copy_of_its_figures():
+    figures = {"grad_norm": 1.0}
+    result = StepResult(loss=0.1, compute_s=0.0, model_tokens_per_s=0.0, mfu=0.0, tokens_total=0.0, figures=figures)
+    figures["grad_norm"] = 2.0
+    assert result.figures == {"grad_norm": 1.0}
+    with pytest.raises(TypeError):
+        result.figures["lr"] = 0.0
