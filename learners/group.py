@@ -16,6 +16,7 @@ import ray
 from rlplatform.config import LearnerConfig, LoraConfig, RLConfig
 from rlplatform.devices import gpus_per_actor
 from rlplatform.learners.rank import LearnerActor
+from rlplatform.learners.step_result import StepResult
 from rlplatform.transport.deadlines import LEARNER_TIMEOUT_S, deadline_get
 from rlplatform.transport.weight_transports import ObjectStoreTransport, WeightTransport
 
@@ -83,7 +84,7 @@ class LearnerGroup:
         deadline_get([rank.start_stage.remote(lr, keep_reference) for rank in self.ranks], "a learner rank",
                      LEARNER_TIMEOUT_S)
 
-    def sft_step(self, rows: List[Dict]) -> Dict[str, float]:
+    def sft_step(self, rows: List[Dict]) -> StepResult:
         parts = shard(rows, len(self.ranks))
         return merge_rank_metrics(deadline_get([rank.sft_step.remote(p) for rank, p in zip(self.ranks, parts)],
                                                "a learner rank's SFT step", LEARNER_TIMEOUT_S))
@@ -112,8 +113,8 @@ class LearnerGroup:
         return shard(sft_rows, len(self.ranks)) if sft_rows else [None] * len(self.ranks)
 
     @staticmethod
-    def gather(refs: List[ray.ObjectRef]) -> Tuple[Dict[str, float], ray.ObjectRef]:
-        """(rank-averaged metrics, what rank 0 streamed the new weights as) of a step started by `rl_step_async`."""
+    def gather(refs: List[ray.ObjectRef]) -> Tuple[StepResult, ray.ObjectRef]:
+        """(the ranks' merged metrics, what rank 0 streamed the new weights as) of a step started by `rl_step_async`."""
         results = deadline_get(refs, "a learner rank's RL step", LEARNER_TIMEOUT_S)
         return merge_rank_metrics([metrics for metrics, _ in results]), results[0][1][0]
 
@@ -144,12 +145,12 @@ class LearnerGroup:
             ray.kill(rank)
 
 
-def merge_rank_metrics(per_rank: List[Dict[str, float]]) -> Dict[str, float]:
+def merge_rank_metrics(per_rank: List[Dict[str, float]]) -> StepResult:
     """Rank-averaged metrics; maxima stay maxima; rates (`_per_s`) add up; `tokens_total` sums every rank's tokens."""
     merged = {k: (max if k.endswith("_max") else sum if k.endswith("_per_s") else _average)([m[k] for m in per_rank])
               for k in per_rank[0]}
     merged["tokens_total"] = sum(m.get("tokens", 0.0) for m in per_rank)
-    return merged
+    return StepResult.of(merged)
 
 
 def _average(values: List[float]) -> float:

@@ -127,7 +127,7 @@ def test_learner_rank_trains_on_its_ray_assigned_gpu_with_nccl(ray_session, tiny
         assert (placement["dtype"], placement["mode"]) == ("float32", "bf16")  # bfloat16 autocast, float32 weights
         learner.start_stage(lr=1e-2)
         first = learner.sft_step(ROWS)
-        assert learner.sft_step(ROWS)["loss"] < first["loss"]
+        assert learner.sft_step(ROWS).loss < first.loss
     finally:
         learner.shutdown()
 

@@ -68,7 +68,7 @@ def test_bfloat16_train_publish_generate_and_save(ray_session, bf16_policy, tmp_
             [{"device": "cpu", "backend": "gloo", "dtype": "float32", "mode": "bf16"}] * 2
         learner.start_stage(lr=1e-2)
         first = learner.sft_step(ROWS)
-        assert learner.sft_step(ROWS)["loss"] < first["loss"]
+        assert learner.sft_step(ROWS).loss < first.loss
 
         snapshot = ray.get(learner.snapshot_weights())
         assert {a.dtype for a in snapshot.values()} == {BFLOAT16}
@@ -83,8 +83,8 @@ def test_bfloat16_train_publish_generate_and_save(ray_session, bf16_policy, tmp_
         assert all(isinstance(lp, float) and lp <= 0 for s in samples for lp in s.behaviour_logprobs)
         metrics = rl_step(learner, samples, advantages, RLConfig())
         # the learner rescores the engine's tokens under the same bfloat16 weights, in float32 arithmetic
-        assert metrics["logprob_mismatch_abs"] < 0.05
-        assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+        assert metrics.figures["logprob_mismatch_abs"] < 0.05
+        assert np.isfinite(metrics.loss) and metrics.figures["grad_norm"] > 0
 
         model_dir = str(tmp_path / "model")
         learner.save(str(tmp_path / "checkpoint"), model_dir)
@@ -111,7 +111,7 @@ def sft_curve(policy: str, dtype: str, rows, steps: int):
     try:
         learner.start_stage(lr=TRACK_LR)
         rng = random.Random(0)
-        return [learner.sft_step(rng.sample(rows, 64))["loss"] for _ in range(steps)]
+        return [learner.sft_step(rng.sample(rows, 64)).loss for _ in range(steps)]
     finally:
         learner.shutdown()
 

@@ -27,6 +27,7 @@ from rlplatform.job.supervision import Supervisor
 from rlplatform.job.workers import PolicyWorkers, publish
 from rlplatform.learners.algorithms import ADVANTAGE_ESTIMATORS, grpo_advantages
 from rlplatform.learners.group import TrainItem
+from rlplatform.learners.step_result import LearnerTotals
 from rlplatform.monitoring.error_guard import RewardErrorGuard, Verdict
 from rlplatform.monitoring.job_status import SILENT_WORKERS
 from rlplatform.monitoring.metrics import Metrics
@@ -38,6 +39,10 @@ from rlplatform.scheduling.staleness import StalenessRule
 from rlplatform.transport.deadlines import Heartbeats, JobFailed, ScoringStall, SilentWorkers
 from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.samples import ResultMeta
+
+
+_LEARNER_TOTALS = {"learner_compute_s": "compute_s", "learner_model_tokens": "model_tokens",
+                   "learner_mfu_s": "mfu_s"}  # RLCounters.state's key -> LearnerTotals field
 
 
 @dataclass
@@ -61,21 +66,25 @@ class RLCounters:
     weight_publish_s: float = 0.0
     samples_generated_before: int = 0  # by earlier attempts, up to the checkpoint this attempt resumed from
     samples_abandoned: int = 0  # generated but neither trained nor dropped at a checkpoint resumed from
-    learner_compute_s: float = 0.0  # the ranks' own step time (their mean), waits for batches left out
-    learner_model_tokens: float = 0.0  # prompt and completion tokens the ranks trained through the model
-    learner_mfu_s: float = 0.0  # each step's MFU times its compute seconds (summary: their time-weighted mean)
+    learner: LearnerTotals = field(default_factory=LearnerTotals)  # the learner steps' compute, tokens and MFU
 
     def state(self) -> Dict:
         """The counters as JSON values: each Counter a plain dict with string keys (`asdict` would rebuild a
-        Counter from its (key, count) pairs, counting the pairs themselves)."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        Counter from its (key, count) pairs, counting the pairs themselves), the learner totals as
+        `learner_compute_s`, `learner_model_tokens` and `learner_mfu_s`."""
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "learner"}
         return {**values, "staleness_trained": {str(k): v for k, v in self.staleness_trained.items()},
-                "reward_reasons": dict(self.reward_reasons)}
+                "reward_reasons": dict(self.reward_reasons),
+                **{key: getattr(self.learner, name) for key, name in _LEARNER_TOTALS.items()}}
 
     @classmethod
     def from_state(cls, state: Dict) -> "RLCounters":
+        """Counters from `state` (a state without some counters, written before they existed, has them at 0)."""
         gaps = Counter({int(k): v for k, v in state["staleness_trained"].items()})
-        return cls(**{**state, "staleness_trained": gaps, "reward_reasons": Counter(state.get("reward_reasons", {}))})
+        counts = {k: v for k, v in state.items() if k not in _LEARNER_TOTALS}
+        learner = LearnerTotals(**{name: state.get(key, 0.0) for key, name in _LEARNER_TOTALS.items()})
+        return cls(**{**counts, "staleness_trained": gaps, "reward_reasons": Counter(state.get("reward_reasons", {})),
+                      "learner": learner})
 
 
 class PolicyRun:
@@ -217,12 +226,10 @@ class PolicyRun:
         refs, batch, started = self._step
         if len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
             return False
-        step_metrics, snapshot = self.workers.learner.gather(refs)
+        result, snapshot = self.workers.learner.gather(refs)
         self._step = None
         self.counters.learner_busy_s += time.perf_counter() - started
-        self.counters.learner_compute_s += step_metrics["compute_s"]
-        self.counters.learner_model_tokens += step_metrics["model_tokens_per_s"] * step_metrics["compute_s"]
-        self.counters.learner_mfu_s += step_metrics["mfu"] * step_metrics["compute_s"]
+        self.counters.learner.add(result)
         self.first_step_at = self.first_step_at or time.time()
         self.counters.samples_trained += len(batch.samples)
         gaps = [self.version - s.version for s in batch.samples]  # versions behind the weights trained
@@ -234,7 +241,7 @@ class PolicyRun:
         publish_s = publish(self.workers, self.queue.client, self.version, snapshot)
         self.counters.weight_publish_s += publish_s
         self._evaluate_in_background()
-        self.monitor.step(self.version, step_metrics, batch, gaps, self.counters, publish_s)
+        self.monitor.step(self.version, result, batch, gaps, self.counters, publish_s)
         self.queue.results.delete(s.sample_id for s in batch.samples)
         return True
 
@@ -560,8 +567,7 @@ def _stage_summary(counters: RLCounters, rollout: Dict[str, float], rollout_work
         "samples_per_s": round(generated / wall, 2),
         "trained_per_s": round((counters.samples_trained - trained_at_start) / wall, 2),
         "learner_busy_fraction": round(counters.learner_busy_s / wall, 3),
-        "learner_model_tokens_per_s": round(counters.learner_model_tokens / max(counters.learner_compute_s, 1e-9), 1),
-        "learner_mfu": round(counters.learner_mfu_s / max(counters.learner_compute_s, 1e-9), 5),
+        **counters.learner.figures(),
         "rollout_busy_fraction": round(rollout.get("busy_s", 0.0) / wall / max(rollout_workers, 1), 3),
         "weight_publish_s": round(counters.weight_publish_s, 3),
         "weight_syncs": syncs,

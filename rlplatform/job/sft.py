@@ -13,6 +13,7 @@ from typing import Callable, Dict, List, Optional
 
 from rlplatform.config import SFTConfig
 from rlplatform.learners.group import LearnerGroup
+from rlplatform.learners.step_result import LearnerTotals, StepResult
 from rlplatform.monitoring.metrics import Metrics
 
 
@@ -23,32 +24,29 @@ def run_sft(config: SFTConfig, learner: LearnerGroup, rows: List[Dict], metrics:
     rng = random.Random(seed)
     learner.start_stage(config.lr)
     start = time.perf_counter()
-    step_metrics: Dict[str, float] = {}
+    result: Optional[StepResult] = None
     checks: List[Dict] = []
     tokens, step, first_step_at = 0.0, 0, None
-    compute_s = model_tokens = mfu_s = 0.0  # the ranks' own step time, tokens through the model, MFU x seconds
+    totals = LearnerTotals()
     while step < config.steps and not _reached(checks, config.stop_at_accuracy):
         step += 1
-        step_metrics = learner.sft_step(rng.sample(rows, min(config.batch_size, len(rows))))
-        tokens += step_metrics["tokens_total"]
-        compute_s += step_metrics["compute_s"]
-        model_tokens += step_metrics["model_tokens_per_s"] * step_metrics["compute_s"]
-        mfu_s += step_metrics["mfu"] * step_metrics["compute_s"]
+        result = learner.sft_step(rng.sample(rows, min(config.batch_size, len(rows))))
+        tokens += result.tokens_total
+        totals.add(result)
         first_step_at = first_step_at or time.time()
         if config.stop_at_accuracy and accuracy is not None and step % config.eval_every == 0:
             checks.append({"step": step, "accuracy": accuracy()})
             metrics.log(stage, step, {"eval_accuracy": checks[-1]["accuracy"]})
         if step % config.log_every == 0 or step == config.steps:
             elapsed = time.perf_counter() - start
-            metrics.log(stage, step, {**step_metrics, "rows_per_s": step * config.batch_size / elapsed,
+            metrics.log(stage, step, {**result.metrics(), "rows_per_s": step * config.batch_size / elapsed,
                                       "tokens_per_s": tokens / elapsed})
-            metrics.progress({"stage": stage, "step": f"{step}/{config.steps}", "loss": step_metrics["loss"],
+            metrics.progress({"stage": stage, "step": f"{step}/{config.steps}", "loss": result.loss,
                               "accuracy": f"{checks[-1]['accuracy']:.3f}" if checks else "-",
                               "eta_s": elapsed / step * (config.steps - step)})
-    return {"steps": step, "wall_s": round(time.perf_counter() - start, 2), "final_loss": step_metrics.get("loss"),
-            "accuracy_checks": checks, "first_step_at": first_step_at,
-            "learner_model_tokens_per_s": round(model_tokens / max(compute_s, 1e-9), 1),
-            "learner_mfu": round(mfu_s / max(compute_s, 1e-9), 5)}
+    return {"steps": step, "wall_s": round(time.perf_counter() - start, 2),
+            "final_loss": result.loss if result is not None else None, "accuracy_checks": checks,
+            "first_step_at": first_step_at, **totals.figures()}
 
 
 def _reached(checks: List[Dict], threshold: float) -> bool:

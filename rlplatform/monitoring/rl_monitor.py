@@ -20,6 +20,7 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple
 import wandb
 
 from rlplatform.config import JobConfig, RLConfig
+from rlplatform.learners.step_result import StepResult
 from rlplatform.monitoring.alerts import AlertRules, StepFigures
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.parity_canary import checks_since
@@ -90,23 +91,23 @@ class RLMonitor:
         return {"time": self.clock(), **{f"rollout_{k}": v for k, v in rollout.items()},
                 **{f"reward_{k}": v for k, v in reward.items()}}
 
-    def step(self, version: int, learner_metrics: Dict[str, float], batch: Batch, gaps: List[int], counters,
+    def step(self, version: int, learner: StepResult, batch: Batch, gaps: List[int], counters,
              publish_s: float) -> None:
-        """Report learner step `version` (just published) trained on `batch`, whose samples were
-        `gaps` versions behind the weights that trained them."""
+        """Report learner step `version` (just published), `learner`'s result, trained on `batch`, whose
+        samples were `gaps` versions behind the weights that trained them."""
         self.samples_seen += len(batch.samples)
         self._published[version] = (self.clock() - self.start, self.samples_seen)
-        families = {"learning": self._learning(learner_metrics, batch),
+        families = {"learning": self._learning(learner, batch),
                     "rewards": self._rewards(batch, counters),
                     "async": self._async(version, gaps, counters, publish_s)}
         step_s = counters.learner_busy_s - self._learner_busy_s
         self._learner_busy_s = counters.learner_busy_s
-        families["async"]["learner_tokens_per_s"] = learner_metrics.get("tokens_total", 0.0) / max(step_s, 1e-9)
-        families["async"]["learner_model_tokens_per_s"] = learner_metrics.get("model_tokens_per_s", 0.0)  # ranks' own time
-        families["async"]["learner_mfu"] = learner_metrics.get("mfu", 0.0)
+        families["async"]["learner_tokens_per_s"] = learner.tokens_total / max(step_s, 1e-9)
+        families["async"]["learner_model_tokens_per_s"] = learner.model_tokens_per_s  # the ranks' own time
+        families["async"]["learner_mfu"] = learner.mfu
         if self.config.env.multi_turn:
             families["tools"] = self._tools()
-        parity = {k[len("parity_"):]: v for k, v in learner_metrics.items() if k.startswith("parity_")}
+        parity = {k[len("parity_"):]: v for k, v in learner.figures.items() if k.startswith("parity_")}
         if parity:
             families["parity"] = parity
             self._parity.append(parity)
@@ -185,8 +186,9 @@ class RLMonitor:
         return {"learner_step": version, "samples_seen": self.samples_seen,
                 "wall_time_s": self.clock() - self.start}
 
-    def _learning(self, learner_metrics: Dict[str, float], batch: Batch) -> Dict[str, float]:
+    def _learning(self, learner: StepResult, batch: Batch) -> Dict[str, float]:
         lengths = [s.completion_tokens for s in batch.samples]
+        learner_metrics = learner.metrics()
         values = {k: learner_metrics[k] for k in LEARNING_KEYS if k in learner_metrics}
         return {**values, "response_length_mean": sum(lengths) / len(lengths), "response_length_max": max(lengths)}
 

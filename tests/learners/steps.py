@@ -10,11 +10,12 @@ import ray
 
 from rlplatform.config import RLConfig
 from rlplatform.learners.group import LearnerGroup, merge_rank_metrics, shard, shard_minibatches
+from rlplatform.learners.step_result import StepResult
 from rlplatform.transport.samples import Sample
 
 
 def rl_step(learner: LearnerGroup, samples: List[Sample], advantages: List[float], rl: RLConfig,
-            sft_rows: Optional[List[Dict]] = None, step: int = 0, max_tokens: Optional[int] = None) -> Dict[str, float]:
+            sft_rows: Optional[List[Dict]] = None, step: int = 0, max_tokens: Optional[int] = None) -> StepResult:
     """RL step `step` of `learner` on `samples` (`max_tokens`: as `LearnerRank.rl_step`'s)."""
     n = len(learner.ranks)
     weights = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]

@@ -54,12 +54,12 @@ def trained(tiny_policy, batch, ranks, zero_stage, micro_batch_tokens, checkpoin
         learner.start_stage(lr=1e-3, keep_reference=True)
         reference_held = [p["reference_elements"] for p in learner.placements()]
         sft = learner.sft_step(ROWS[:5])  # 2 ranks: 3 and 2 rows of different lengths
-        metrics = rl_step(learner, *batch, RL, sft_rows=ROWS[:3])
+        step = rl_step(learner, *batch, RL, sft_rows=ROWS[:3])
         weights = ray.get(learner.snapshot_weights())
         learner.save(checkpoint_dir)  # the reference is saved gathered and loaded back into its shards
         learner.load_checkpoint(checkpoint_dir)
         assert all(np.array_equal(v, weights[k]) for k, v in ray.get(learner.snapshot_weights()).items())
-        metrics = {**metrics, "sft_step_loss": sft["loss"], "sft_step_grad_norm": sft["grad_norm"]}
+        metrics = {**step.metrics(), "sft_step_loss": sft.loss, "sft_step_grad_norm": sft.figures["grad_norm"]}
         return metrics, weights, reference_held
     finally:
         learner.shutdown()

@@ -67,11 +67,11 @@ def test_the_default_config_splits_a_large_minibatch(ray_session, tiny_policy):
 
         # a step reports its MFU: 6 x parameters x the tokens it trained through the model, per second, over the peak
         learner.start_stage(lr=1e-3)
-        metrics = learner.sft_step(ROWS)
+        step = learner.sft_step(ROWS)
         assert placement["params"] == params and placement["peak_flops"] > 0
-        assert metrics["model_tokens"] == sum(len(p) + len(t) for p, t, _ in (
+        assert step.figures["model_tokens"] == sum(len(p) + len(t) for p, t, _ in (
             encode_sft(load_tokenizer(tiny_policy), row, "auto") for row in ROWS))
-        assert metrics["mfu"] == pytest.approx(
-            6 * params * metrics["model_tokens"] / metrics["compute_s"] / placement["peak_flops"], rel=1e-6)
+        assert step.mfu == pytest.approx(
+            6 * params * step.figures["model_tokens"] / step.compute_s / placement["peak_flops"], rel=1e-6)
     finally:
         learner.shutdown()

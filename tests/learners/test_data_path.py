@@ -81,7 +81,7 @@ def test_ranks_fetch_their_own_shard_and_the_controller_reads_no_tokens(ray_sess
     assert all(shares)  # both ranks hold part of the batch
     expected = sorted(sorted(queue.results.key(item.sample_id) for item in share) for share in shares)
     assert sorted(sorted(keys) for keys in gets.values()) == expected  # one connection per rank, its shard only
-    assert steps[0]["tokens_total"] == sum(len(s.completion_ids) for s in samples)
+    assert steps[0].tokens_total == sum(len(s.completion_ids) for s in samples)
 
 
 def test_minibatch_blocks_go_to_the_rank_holding_the_fewest_tokens():

@@ -21,6 +21,6 @@ def test_ranks_started_before_the_policy_exists_load_it_at_set_up(ray_session, t
         group.set_up()
         group.start_stage(lr=1e-2)
         first, second = group.sft_step(ROWS), group.sft_step(ROWS)
-        assert second["loss"] < first["loss"]
+        assert second.loss < first.loss
     finally:
         group.shutdown()

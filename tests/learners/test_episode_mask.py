@@ -41,7 +41,7 @@ def learner(ray_session, tiny_policy):
 
 
 def figures(learner, samples, advantages):
-    metrics = rl_step(learner, samples, advantages, RL)
+    metrics = rl_step(learner, samples, advantages, RL).metrics()
     return {k: metrics[k] for k in COMPARED}
 
 
@@ -81,6 +81,7 @@ def test_fixed_length_divides_by_the_episode_budget(learner, tiny_policy):
     assert env.completion_tokens(rl.max_new_tokens) == 3 * rl.max_new_tokens
     assert dataclasses.replace(env, max_tokens=50).completion_tokens(rl.max_new_tokens) == 50
     assert EnvConfig(max_turns=3).completion_tokens(rl.max_new_tokens) == rl.max_new_tokens  # single turn
-    one_turn = rl_step(learner, samples, advantages, rl)["pg_loss"]
-    episodes = rl_step(learner, samples, advantages, rl, max_tokens=env.completion_tokens(rl.max_new_tokens))["pg_loss"]
+    one_turn = rl_step(learner, samples, advantages, rl).figures["pg_loss"]
+    episodes = rl_step(learner, samples, advantages, rl,
+                       max_tokens=env.completion_tokens(rl.max_new_tokens)).figures["pg_loss"]
     assert one_turn != 0 and episodes == pytest.approx(one_turn / 3, rel=1e-4)

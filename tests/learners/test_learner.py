@@ -38,7 +38,7 @@ def test_sft_step_changes_weights_and_lowers_loss(learner):
     assert max_change(before, snapshot(learner)) > 1e-4
     # the second step reports the loss of the updated weights on the same batch
     second = learner.sft_step(ROWS)
-    assert second["loss"] < first["loss"]
+    assert second.loss < first.loss
 
 
 def rl_batch(policy_path: str):
@@ -62,18 +62,19 @@ def test_rl_step_changes_weights_and_lowers_loss(ray_session, tiny_policy):
         before = snapshot(learner)
         first = rl_step(learner, samples, advantages, RLConfig())
         # fresh samples from these very weights: importance weights are 1, mismatch ~0
-        assert first["importance_weight_mean"] == pytest.approx(1.0, abs=1e-4)
-        assert first["logprob_mismatch_abs"] < 1e-4
+        assert first.figures["importance_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert first.figures["logprob_mismatch_abs"] < 1e-4
         assert max_change(before, snapshot(learner)) > 1e-4
         second = rl_step(learner, samples, advantages, RLConfig())
-        assert second["loss"] < first["loss"]
+        assert second.loss < first.loss
         # the reference is the stage's starting weights: no KL before the update, some after
-        assert first["kl_to_reference"] == pytest.approx(0.0, abs=1e-6)
-        assert second["kl_to_reference"] > 1e-5
+        assert first.figures["kl_to_reference"] == pytest.approx(0.0, abs=1e-6)
+        assert second.figures["kl_to_reference"] > 1e-5
         # without a KL term the reference is scored every reference_kl_every steps only; with one, every step
-        assert "kl_to_reference" not in rl_step(learner, samples, advantages, RLConfig(reference_kl_every=2), step=3)
-        assert rl_step(learner, samples, advantages, RLConfig(reference_kl_every=2), step=4)["kl_to_reference"] > 1e-5
-        assert "kl_to_reference" in rl_step(learner, samples, advantages, RLConfig(kl_coef=0.1), step=3)
+        every_second = RLConfig(reference_kl_every=2)
+        assert "kl_to_reference" not in rl_step(learner, samples, advantages, every_second, step=3).figures
+        assert rl_step(learner, samples, advantages, every_second, step=4).figures["kl_to_reference"] > 1e-5
+        assert "kl_to_reference" in rl_step(learner, samples, advantages, RLConfig(kl_coef=0.1), step=3).figures
     finally:
         learner.shutdown()
 
@@ -87,7 +88,7 @@ def test_two_ranks_zero3_train_and_publish_full_weights(ray_session, tiny_policy
         after = snapshot(learner)
         assert set(after) == set(before) and all(after[k].shape == before[k].shape for k in before)
         assert max_change(before, after) > 1e-4
-        assert learner.sft_step(ROWS)["loss"] < first["loss"]
+        assert learner.sft_step(ROWS).loss < first.loss
     finally:
         learner.shutdown()
 
@@ -101,19 +102,20 @@ def test_ppo_epochs_minibatches_corrections_and_auxiliary_terms(learner, tiny_po
     first = rl_step(learner, samples, advantages, rl, sft_rows=ROWS)
     assert max_change(before, snapshot(learner)) > 1e-4
     # averaged over 4 updates, 3 of them after the weights left the batch's proximal ones: ratios moved
-    assert 0.0 < first["clip_fraction"] < 1.0 and first["importance_weight_mean"] > 0
+    assert 0.0 < first.figures["clip_fraction"] < 1.0 and first.figures["importance_weight_mean"] > 0
     second = rl_step(learner, samples, advantages, rl, sft_rows=ROWS)
-    assert second["sft_loss"] < first["sft_loss"]  # the SFT term trains on its rows too
-    assert {"pg_loss", "entropy", "sft_loss", "loss", "grad_norm", "lr"} <= set(second)
+    assert second.figures["sft_loss"] < first.figures["sft_loss"]  # the SFT term trains on its rows too
+    assert {"pg_loss", "entropy", "sft_loss", "loss", "grad_norm", "lr"} <= set(second.metrics())
 
 
 def test_linear_lr_schedule_decays_the_stage_rate_to_zero_at_max_steps(learner, tiny_policy):
     learner.start_stage(lr=1e-2)
     samples, advantages = rl_batch(tiny_policy)
     rl = RLConfig(lr_schedule="linear", max_steps=4)
-    rates = [rl_step(learner, samples, advantages, rl, step=step)["lr"] for step in (0, 1, 3)]
+    rates = [rl_step(learner, samples, advantages, rl, step=step).figures["lr"] for step in (0, 1, 3)]
     assert rates == pytest.approx([1e-2, 7.5e-3, 2.5e-3])
     before = snapshot(learner)
-    assert rl_step(learner, samples, advantages, rl, step=4)["lr"] == 0.0
+    assert rl_step(learner, samples, advantages, rl, step=4).figures["lr"] == 0.0
     assert max_change(before, snapshot(learner)) == 0.0  # the last scheduled step moves nothing
-    assert rl_step(learner, samples, advantages, RLConfig(lr_schedule="constant"), step=3)["lr"] == pytest.approx(1e-2)
+    constant = rl_step(learner, samples, advantages, RLConfig(lr_schedule="constant"), step=3)
+    assert constant.figures["lr"] == pytest.approx(1e-2)

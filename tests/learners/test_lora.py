@@ -45,7 +45,7 @@ def test_sft_and_rl_steps_train_the_adapters_alone_against_the_base(lora_learner
     lora_learner.start_stage(lr=1e-2)
     before = module_state(lora_learner)
     first, second = lora_learner.sft_step(ROWS), lora_learner.sft_step(ROWS)
-    assert second["loss"] < first["loss"]
+    assert second.loss < first.loss
     lora_learner.start_stage(lr=1e-2, keep_reference=True)
     samples, advantages = rl_batch(tiny_policy)
     rl_first = rl_step(lora_learner, samples, advantages, RLConfig())
@@ -56,7 +56,7 @@ def test_sft_and_rl_steps_train_the_adapters_alone_against_the_base(lora_learner
     assert all(np.array_equal(before[k], after[k]) for k in before if k not in adapters)  # the base is frozen
     assert all(not np.array_equal(before[k], after[k]) for k in adapters if ".lora_B." in k)
     # the reference is the base: adapters trained by SFT already put the RL start away from it
-    assert rl_first["kl_to_reference"] > 1e-6 and rl_second["kl_to_reference"] > 1e-6
+    assert rl_first.figures["kl_to_reference"] > 1e-6 and rl_second.figures["kl_to_reference"] > 1e-6
     assert lora_learner.placements()[0]["reference_elements"] == 0  # and it holds no weights of its own
 
 

@@ -36,15 +36,15 @@ def test_a_layer_the_engine_did_not_load_raises_the_parity_alert(ray_session, ti
         learner.start_stage(lr=1e-6)
         engine = TransformersEngine(tiny_policy)
         samples, advantages = sampled(engine, version=0)
-        fresh = rl_step(learner, samples, advantages, RLConfig(), step=0)
-        stale = rl_step(learner, samples, advantages, RLConfig(), step=1)  # every token a version behind
+        fresh = rl_step(learner, samples, advantages, RLConfig(), step=0).figures
+        stale = rl_step(learner, samples, advantages, RLConfig(), step=1).figures  # every token a version behind
         for sample in samples:  # a swap in flight: the last token by version 1, on a cache version 0 wrote
             sample.token_versions = [0] * (len(sample.token_versions) - 1) + [1]
-        swapped = rl_step(learner, samples, advantages, RLConfig(), step=1)
+        swapped = rl_step(learner, samples, advantages, RLConfig(), step=1).figures
         with torch.no_grad():  # a tensor of the first layer left as other values: a sync that skipped it
             torch.manual_seed(0)
             engine.model.model.layers[0].mlp.down_proj.weight.normal_(0.0, 1.0)
-        broken = rl_step(learner, *sampled(engine, version=2), RLConfig(), step=2)
+        broken = rl_step(learner, *sampled(engine, version=2), RLConfig(), step=2).figures
     finally:
         learner.shutdown()
     print({k: v for k, v in fresh.items() if k.startswith("parity")},

@@ -14,6 +14,7 @@ import pytest
 
 from rlplatform.config import load_config
 from rlplatform.job.rl_loop import RLCounters
+from rlplatform.learners.step_result import StepResult
 from rlplatform.monitoring.dashboard import build_workspace, render_layout
 from rlplatform.monitoring.job_status import JobStatus
 from rlplatform.monitoring.metrics import Metrics
@@ -26,6 +27,8 @@ from rlplatform.transport.samples import ResultMeta, Sample, ScoredSample
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
+LEARNER_STEP = StepResult(loss=0.1, compute_s=0.0, model_tokens_per_s=0.0, mfu=0.0, tokens_total=0.0,
+                          figures={"grad_norm": 1.0, "lr": 3e-4})
 
 
 def scored_group(group: str, reward: float, version: int) -> list:
@@ -41,7 +44,7 @@ def test_alert_fires_once_on_a_forced_reward_collapse(redis_client, tmp_path, ca
     monitor = RLMonitor(config, config.rl, metrics, RewardQueue(redis_client, "collapse"), "policy",
                         PolicyKeys("collapse", "policy"), rollout_workers=1)
     counters = RLCounters()
-    learner = {"loss": 0.1, "grad_norm": 1.0, "lr": 3e-4}
+    learner = LEARNER_STEP
     for version in range(1, 61):  # reward 1.0 for 30 steps, then it collapses to 0
         reward = 1.0 if version <= 30 else 0.0
         batch = Batch(groups=[scored_group(f"g{version}", reward, version - 1)])
@@ -81,7 +84,7 @@ def test_progress_line_shows_throughput_between_steps_that_saw_no_new_samples(re
     now = [100.0]
     monitor = RLMonitor(config, config.rl, Metrics(config, str(tmp_path)), queue, "policy", keys, rollout_workers=1,
                         clock=lambda: now[0])
-    counters, learner = RLCounters(), {"loss": 0.1, "grad_norm": 1.0, "lr": 3e-4}
+    counters, learner = RLCounters(), LEARNER_STEP
     queue.add_counters(keys.rollout_stats, samples=64, tokens=128, busy_s=0.1)
     for version in (1, 2):  # both steps land before another group finishes, 2 s apart
         now[0] += 2.0

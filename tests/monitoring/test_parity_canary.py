@@ -14,6 +14,7 @@ import ray
 from rlplatform.actors.engine import TransformersEngine
 from rlplatform.config import LearnerConfig, load_config
 from rlplatform.learners.group import LearnerGroup
+from rlplatform.learners.step_result import StepResult
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.parity_canary import CANARY_PROMPTS, CanaryCheck
 from rlplatform.monitoring.rl_monitor import RLMonitor
@@ -27,6 +28,7 @@ QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "qui
 PROMPTS = ["1+2=", "40+45=", "7+7=", "12+30=", "99+1="]
 LAYER = "model.layers.0."  # the layer the broken syncs leave behind
 ROWS = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+3=", "answer": "5"}]
+LEARNER_STEP = StepResult(loss=0.1, compute_s=0.0, model_tokens_per_s=0.0, mfu=0.0, tokens_total=0.0, figures={})
 
 
 def one_group(version: int) -> Batch:
@@ -62,7 +64,7 @@ def test_an_engine_that_left_a_layer_behind_raises_the_parity_alert_at_its_next_
             if check.due(version):
                 figures[version] = check.run(version, engine.score)
             if version:
-                monitor.step(version, {"loss": 0.1}, one_group(version), [0], RLCounters(), publish_s=0.01)
+                monitor.step(version, LEARNER_STEP, one_group(version), [0], RLCounters(), publish_s=0.01)
     finally:
         learner.shutdown()
     assert sorted(figures) == [0, 2, 4]  # every second version loaded
