@@ -32,9 +32,8 @@ from rlplatform.config import LoraConfig
 from rlplatform.lora import peft_config
 from rlplatform.policy import load_tokenizer
 from rlplatform.tokenization import stop_token_ids
-from rlplatform.transport.adapters import AdapterSnapshot
+from rlplatform.transport.adapters import save_adapter_dir
 from rlplatform.transport.weight_deltas import changed_names, delta_of, load_delta
-from rlplatform.transport.weights import to_snapshot
 
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's LoRAConfig.max_lora_rank takes
 
@@ -63,7 +62,7 @@ class AdapterVersions:
         lora_id = next(self.ids)
         name = f"v{version}-{lora_id}"
         directory = os.path.join(self.root, name)
-        AdapterSnapshot(to_snapshot(state), self.config).save(directory)
+        save_adapter_dir(state, self.config, directory)
         return name, lora_id, directory
 
 

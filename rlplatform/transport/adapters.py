@@ -3,7 +3,9 @@
 An `AdapterSnapshot` is a weight snapshot (a dict of arrays, read by `from_snapshot` like any
 other) holding only the adapter tensors, under peft's names (those of `adapter_model.safetensors`),
 plus the peft adapter config: enough for an engine that serves LoRA requests, which can `save`
-it as a peft adapter directory. It is a small fraction of the model's bytes.
+it as a peft adapter directory. It is a small fraction of the model's bytes. An engine holding the
+adapters as tensors writes them with `save_adapter_dir` directly: tensors stay tensors until a file is
+needed.
 """
 
 from __future__ import annotations
@@ -35,9 +37,14 @@ class AdapterSnapshot(dict):
 
     def save(self, directory: str) -> None:
         """A peft adapter directory: adapter_model.safetensors and adapter_config.json."""
-        os.makedirs(directory, exist_ok=True)
-        tensors = {name: tensor.contiguous() for name, tensor in from_snapshot(self).items()}
-        save_file(tensors, os.path.join(directory, "adapter_model.safetensors"))
-        config = {key: sorted(value) if isinstance(value, set) else value for key, value in self.config.items()}
-        with open(os.path.join(directory, "adapter_config.json"), "w") as f:
-            json.dump(config, f, indent=1)
+        save_adapter_dir(from_snapshot(self), self.config, directory)
+
+
+def save_adapter_dir(tensors: Dict[str, torch.Tensor], config: Dict, directory: str) -> None:
+    """A peft adapter directory of adapter tensors (peft names) and peft's adapter config."""
+    os.makedirs(directory, exist_ok=True)
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()},
+              os.path.join(directory, "adapter_model.safetensors"))
+    config = {key: sorted(value) if isinstance(value, set) else value for key, value in config.items()}
+    with open(os.path.join(directory, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=1)
