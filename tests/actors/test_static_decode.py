@@ -31,16 +31,21 @@ def scripted(engine: TransformersEngine, updated: dict):
     return finished
 
 
+def same_start(*engines: TransformersEngine) -> dict:
+    """Every engine loads the first one's weights as version 0; returns the weights `scripted` updates them to."""
+    start = {k: v.clone() for k, v in engines[0].model.state_dict().items()}
+    for engine in engines:
+        engine.load_weights(start, version=0)
+    torch.manual_seed(1)
+    return {k: v + 0.05 * torch.randn_like(v) for k, v in start.items()}
+
+
 def test_the_slot_decoder_decodes_as_the_dynamic_loop_through_joins_leaves_growth_and_updates(tiny_policy):
     dynamic = TransformersEngine(tiny_policy, kv_cache="dynamic")
     static = TransformersEngine(tiny_policy, kv_cache="static")
     assert static.slot_decoder is not None and dynamic.slot_decoder is None
     assert isinstance(static.decode_batch(4, 0.0), StaticDecodeBatch)
-    start = {k: v.clone() for k, v in dynamic.model.state_dict().items()}
-    torch.manual_seed(1)
-    updated = {k: v + 0.05 * torch.randn_like(v) for k, v in start.items()}
-    for engine in (dynamic, static):
-        engine.load_weights(start, version=0)
+    updated = same_start(dynamic, static)
     expected, got = scripted(dynamic, updated), scripted(static, updated)
     assert sorted(got) == sorted(expected) and len(got) == 14
     for key, completion in expected.items():
@@ -83,11 +88,7 @@ def test_captured_decode_steps_on_cuda_match_the_dynamic_loop(tiny_policy):
     dynamic = TransformersEngine(tiny_policy, "cuda", kv_cache="dynamic")
     captured = TransformersEngine(tiny_policy, "cuda")  # auto: the slot decoder, each step a CUDA graph
     assert captured.slot_decoder is not None and captured.slot_decoder.graphs
-    start = {k: v.clone() for k, v in dynamic.model.state_dict().items()}
-    torch.manual_seed(1)
-    updated = {k: v + 0.05 * torch.randn_like(v) for k, v in start.items()}
-    for engine in (dynamic, captured):
-        engine.load_weights(start, version=0)
+    updated = same_start(dynamic, captured)
     expected, got = scripted(dynamic, updated), scripted(captured, updated)
     assert captured.slot_decoder.captured  # the steps replayed graphs
     for key, completion in expected.items():
