@@ -143,7 +143,8 @@ class SlotDecoder:
             self._forward(bucket)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: a weight receiver's thread that touches CUDA meanwhile does not invalidate the capture
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             logits = self._forward(bucket)
         return graph, logits
 
