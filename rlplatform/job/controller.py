@@ -27,6 +27,7 @@ from rlplatform.job.run_dir import RunLock, check_fresh_start, move_aside, run_i
 from rlplatform.job.rl_loop import Resume, run_rl
 from rlplatform.job.sft import run_sft
 from rlplatform.job.signals import Interrupted, StopSignals
+from rlplatform.job.summaries import PolicyResults
 from rlplatform.job.supervision import MAX_RESTARTS
 from rlplatform.job.workers import Evaluator, PolicyWorkers, publish
 from rlplatform.learners.group import LearnerGroup
@@ -221,28 +222,33 @@ def _run_stages(config: JobConfig, run: str, redis_url: str, learners: Dict[str,
         tool_actors = _start_tool_workers(config, run, redis_url, client)
         summary["startup_s"]["learners_ready_s"] = round(max(p.learner.ready_at for p in policies) - started_at, 2)
         summary["startup_s"]["workers_ready_s"] = round(time.time() - started_at, 2)  # every actor constructed
-        results = resume.state["results"] if resume else \
-            {p.name: {"data": p.data, "stages": {}, "eval": {}} for p in policies}
+        results = {name: PolicyResults.from_state(state) for name, state in resume.state["results"].items()} \
+            if resume else {p.name: PolicyResults(p.data) for p in policies}
         resumed = resume.state["policies"] if resume else {}
         for workers in policies:
             if workers.name not in resumed:
                 _supervised_stage(config, workers, train_rows, metrics, client, results[workers.name])
         if any(p.config.rl.enabled for p in policies):
-            job_state = {"results": results, "wandb_run_id": metrics.run.id if metrics.run else None}
+            job_state = partial(_job_state, results, metrics.run.id if metrics.run else None)
             _rl_stage(config, [p for p in policies if p.config.rl.enabled], queue, reward_actors, metrics,
                       train_rows, results, stop, job_state, resume)
         if not stop.requested:
             _save_final(config, policies)
         summary["startup_s"].update(_startup(results, started_at))
-        summary.update(results[policies[0].name])  # a one-policy job's figures sit at the top level
+        summary.update(results[policies[0].name].to_json())  # a one-policy job's figures sit at the top level
         if config.policies:
-            summary["policies"] = results
+            summary["policies"] = {name: r.to_json() for name, r in results.items()}
     except LearnerDied as err:
         raise JobFailed(_resume_hint(config, str(err))) from None
     finally:
         queue.request_stop()
         queue.clear()
         _stop(policies, reward_actors + tool_actors)
+
+
+def _job_state(results: Dict[str, PolicyResults], wandb_run_id: Optional[str]) -> Dict:
+    """The job's part of a checkpoint's state: every policy's results so far and the W&B run to continue."""
+    return {"results": {name: result.state() for name, result in results.items()}, "wandb_run_id": wandb_run_id}
 
 
 def _resume_hint(config: JobConfig, what: str) -> str:
@@ -388,21 +394,22 @@ def _context_length(model_path: str) -> int:
 
 
 def _supervised_stage(config: JobConfig, workers: PolicyWorkers, train_rows, metrics: Metrics, client,
-                      result: Dict) -> None:
-    """SFT (when enabled), then version 0 published and evaluated (in the background when RL follows)."""
+                      result: PolicyResults) -> None:
+    """SFT (when enabled), then version 0 published and evaluated (in the background when RL follows); the
+    SFT summary and the evaluation go into `result`."""
     if workers.config.sft.enabled:
         stage = "sft" if not config.policies else f"{workers.name}/sft"
-        result["stages"]["sft"] = run_sft(workers.config.sft, workers.learner, workers.sft_rows, metrics,
+        result.sft = run_sft(workers.config.sft, workers.learner, workers.sft_rows, metrics,
                                           config.seed, stage,
                                           lambda: workers.evaluator.score(workers.learner.snapshot_weights()))
     streamed = workers.learner.stream_weights(0)
     publish(workers, client, 0, streamed)
     if workers.config.rl.enabled and not workers.config.sft.enabled:  # the evaluator is still starting: it
         # evaluates version 0 while RL runs, and the RL stage waits for the figures at its end
-        workers.evaluator.start_baseline(_baseline_snapshot(workers, streamed), lambda figures: result["eval"].update(
+        workers.evaluator.start_baseline(_baseline_snapshot(workers, streamed), lambda figures: result.eval.update(
             after_sft=_report(workers, metrics, "after_sft", 0, figures)))
     else:
-        result["eval"]["after_sft"] = _evaluate(workers, metrics, "after_sft")
+        result.eval["after_sft"] = _evaluate(workers, metrics, "after_sft")
 
 
 def _baseline_snapshot(workers: PolicyWorkers, streamed) -> ray.ObjectRef:
@@ -414,16 +421,14 @@ def _baseline_snapshot(workers: PolicyWorkers, streamed) -> ray.ObjectRef:
 
 
 def _rl_stage(config: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, reward_actors: List,
-              metrics: Metrics, train_rows, results: Dict, stop: StopSignals, job_state: Dict,
-              resume: Optional[Resume]) -> None:
-    figures = run_rl(config, policies, queue, reward_actors, metrics, train_rows, stop, job_state, resume)
+              metrics: Metrics, train_rows, results: Dict[str, PolicyResults], stop: StopSignals,
+              job_state: Callable[[], Dict], resume: Optional[Resume]) -> None:
+    summaries = run_rl(config, policies, queue, reward_actors, metrics, train_rows, stop, job_state, resume)
     for workers in policies:
-        rl = figures[workers.name]
-        results[workers.name]["stages"]["rl"] = {"steps": rl["steps"], "wall_s": rl["wall_s"]}
-        results[workers.name]["rl"] = {**rl, "wandb_dir": metrics.wandb_dir}
+        results[workers.name].rl = summaries[workers.name]
         if not stop.requested:
             workers.evaluator.finish_baseline()
-            results[workers.name]["eval"]["after_rl"] = _evaluate(workers, metrics, "after_rl")
+            results[workers.name].eval["after_rl"] = _evaluate(workers, metrics, "after_rl")
 
 
 def _stop(policies: List[PolicyWorkers], reward_actors: List) -> None:
@@ -450,15 +455,14 @@ def _report(workers: PolicyWorkers, metrics: Metrics, label: str, version: int, 
     return {**figures, "policy_version": version}
 
 
-def _startup(results: Dict, started_at: float) -> Dict[str, Optional[float]]:
-    """Seconds from start-up to the first SFT and the first RL learner step (of any policy);
-    moves each stage's `first_step_at` clock reading out of the per-policy figures."""
+def _startup(results: Dict[str, PolicyResults], started_at: float) -> Dict[str, Optional[float]]:
+    """Seconds from start-up to the first SFT and the first RL learner step (of any policy), from each stage
+    summary's `first_step_at` clock reading."""
     firsts: Dict[str, List[float]] = {"sft": [], "rl": []}
     for result in results.values():
-        for stage, figures in (("sft", result["stages"].get("sft", {})), ("rl", result.get("rl", {}))):
-            at = figures.pop("first_step_at", None)
-            if at is not None:
-                firsts[stage].append(at)
+        for stage, summary in (("sft", result.sft), ("rl", result.rl)):
+            if summary is not None and summary.first_step_at is not None:
+                firsts[stage].append(summary.first_step_at)
     return {f"to_first_{stage}_step_s": round(min(times) - started_at, 2) if times else None
             for stage, times in firsts.items()}
 

@@ -16,13 +16,14 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field, fields, replace
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import ray
 
 from rlplatform.config import JobConfig
 from rlplatform.job.checkpoint import latest_checkpoint, learner_dir, write_checkpoint
 from rlplatform.job.signals import StopSignals
+from rlplatform.job.summaries import RLSummary
 from rlplatform.job.supervision import Supervisor
 from rlplatform.job.workers import PolicyWorkers, publish
 from rlplatform.learners.algorithms import ADVANTAGE_ESTIMATORS, grpo_advantages
@@ -85,6 +86,16 @@ class RLCounters:
         learner = LearnerTotals(**{name: state.get(key, 0.0) for key, name in _LEARNER_TOTALS.items()})
         return cls(**{**counts, "staleness_trained": gaps, "reward_reasons": Counter(state.get("reward_reasons", {})),
                       "learner": learner})
+
+
+@dataclass(frozen=True)
+class StageEnd:
+    """The figures every policy's summary shares at the stage's end."""
+    restarts: Mapping[str, int]  # the supervisor's restarts of rollout and reward workers, by kind
+    checkpoint: Optional[str]  # the newest checkpoint
+    results_held: int  # results stored and neither trained nor dropped, all policies'
+    controller_cpu_s: float  # the controller's CPU time in the stage, all policies'
+    wandb_dir: Optional[str]
 
 
 class PolicyRun:
@@ -276,30 +287,31 @@ class PolicyRun:
         if finished:
             self.monitor.evaluation(*finished)
 
-    def summary(self, unused: Dict[str, int]) -> Dict:
+    def summary(self, unused: Dict[str, int], end: StageEnd) -> RLSummary:
         """The stage's figures once every worker has stopped; worker counters come from Redis alone."""
         rollout = self.queue.counters(self.workers.keys.rollout_stats)
-        summary = _stage_summary(self.counters, rollout, len(self.workers.rollout), unused, self.version,
-                                 self.start, self.trained_at_start)
+        wall = time.perf_counter() - self.start
+        figures = _stage_summary(self.counters, rollout, len(self.workers.rollout), unused, self.version, wall,
+                                 self.trained_at_start)
         reward = {k: v - self._reward_counters_at_start.get(k, 0.0)
                   for k, v in self.queue.counters(self.queue.keys.reward_stats).items()}
-        summary["time_breakdown"] = {
+        time_breakdown = {
             "generation_s": round(rollout.get("busy_s", 0.0), 2),
             "queue_submit_s": round(rollout.get("submit_s", 0.0), 2),
             "reward_busy_s": round(reward.get("busy_s", 0.0), 2),  # all policies' reward work
             "reward_latency_s_mean": round(reward.get("latency_s", 0.0) / max(reward.get("scored", 0.0), 1.0), 4),
             "learner_step_s": round(self.counters.learner_busy_s, 2),
-            "weight_publish_s": summary["weight_publish_s"], "weight_sync_s": summary["weight_sync_s"]}
-        summary["eval_history"] = self.monitor.eval_history
-        summary["parity"] = self.monitor.parity_totals()
-        summary["rewards"] = self.monitor.reward_totals()
-        summary["ledger"] = self.schedule.ledger.counts()
-        summary["first_step_at"] = self.first_step_at
-        summary["ended_by"] = "max_steps" if self.version >= self.rl.max_steps else \
-            "idle_timeout" if self.idle else "stop"
-        if self.job.env.multi_turn:
-            summary["tools"] = self.monitor.tool_totals()
-        return summary
+            "weight_publish_s": figures["weight_publish_s"], "weight_sync_s": figures["weight_sync_s"]}
+        return RLSummary(
+            steps=self.version, wall_s=round(wall, 2), figures=figures, time_breakdown=time_breakdown,
+            eval_history=self.monitor.eval_history, parity=self.monitor.parity_totals(),
+            rewards=self.monitor.reward_totals(), ledger=self.schedule.ledger.counts(),
+            first_step_at=self.first_step_at,
+            ended_by="max_steps" if self.version >= self.rl.max_steps else "idle_timeout" if self.idle else "stop",
+            tools=self.monitor.tool_totals() if self.job.env.multi_turn else None,
+            restarts={"rollout": 0, "reward": 0, **end.restarts, "evaluator": self.workers.evaluator.restarts},
+            checkpoint=end.checkpoint, results_held_at_end=end.results_held, controller_cpu_s=end.controller_cpu_s,
+            wandb_dir=end.wandb_dir)
 
 
 @dataclass
@@ -314,11 +326,12 @@ class Resume:
 
 
 def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, reward_actors: List,
-           metrics: Metrics, train_rows: List[Dict], stop: StopSignals, job_state: Dict,
-           resume: Optional[Resume] = None) -> Dict[str, Dict]:
+           metrics: Metrics, train_rows: List[Dict], stop: StopSignals, job_state: Callable[[], Dict],
+           resume: Optional[Resume] = None) -> Dict[str, RLSummary]:
     """Train every policy to `rl.max_steps` from its version 0 (already published) or from `resume`,
     learner steps of different policies running at once, checkpoints every `checkpoint.every_steps`
-    and at the end; a stop signal ends it early, checkpointed. Returns each policy's figures by name."""
+    and at the end; a stop signal ends it early, checkpointed. `job_state()`: the job's own part of each
+    checkpoint's state, as it stands when the checkpoint is written. Returns each policy's summary by name."""
     controller_cpu_start = time.process_time()
     runs = {p.name: PolicyRun(job, p, queue, metrics, train_rows) for p in policies}
     attempt = resume.attempt if resume else 0
@@ -348,19 +361,15 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
     supervisor.wait_ended("reward", 600.0)
     supervisor.wait_ended("rollout", 600.0)
     unused = _unused_at_end(runs, queue)
-    held = queue.results.held()  # results stored and neither trained nor dropped: those unused
-    figures = {}
-    for name, run in runs.items():
-        figures[name] = run.summary(unused[name])
-        figures[name]["restarts"] = {"rollout": 0, "reward": 0, **supervisor.restarts,
-                                     "evaluator": run.workers.evaluator.restarts}
-        figures[name]["checkpoint"] = checkpoints.latest
-        figures[name]["results_held_at_end"] = held  # all policies'
-        figures[name]["controller_cpu_s"] = round(time.process_time() - controller_cpu_start, 3)  # all policies'
-    if not stop.requested:  # an in-run evaluation still under way joins each curve, after the stage's figures
-        for run in runs.values():
-            run.finish_evaluation()
-    return figures
+    end = StageEnd(supervisor.restarts, checkpoints.latest, queue.results.held(),
+                   round(time.process_time() - controller_cpu_start, 3), metrics.wandb_dir)
+    summaries = {name: run.summary(unused[name], end) for name, run in runs.items()}
+    if stop.requested:
+        return summaries
+    for run in runs.values():  # an in-run evaluation still under way joins each curve, after the stage's figures
+        run.finish_evaluation()
+    return {name: replace(summary, eval_history=runs[name].monitor.eval_history)
+            for name, summary in summaries.items()}
 
 
 class WorkerWatch:
@@ -421,7 +430,8 @@ class Checkpoints:
     A checkpoint is taken between learner steps: when one is due, no new step starts until
     every step in flight has ended, then all policies are saved together."""
 
-    def __init__(self, job: JobConfig, runs: Dict[str, PolicyRun], job_state: Dict, attempt: int) -> None:
+    def __init__(self, job: JobConfig, runs: Dict[str, PolicyRun], job_state: Callable[[], Dict],
+                 attempt: int) -> None:
         self.job, self.runs, self.job_state, self.attempt = job, runs, job_state, attempt
         self.saved = {name: run.version for name, run in runs.items()}
         self.latest: Optional[str] = latest_checkpoint(job.run_dir)
@@ -450,7 +460,7 @@ class Checkpoints:
         self._save()
 
     def _save(self) -> None:
-        state = {**self.job_state, "attempt": self.attempt,
+        state = {**self.job_state(), "attempt": self.attempt,
                  "policies": {name: run.state() for name, run in self.runs.items()}}
         step = sum(run.version for run in self.runs.values())
         self.latest = write_checkpoint(self.job.run_dir, step, state, self._save_learners,
@@ -537,14 +547,13 @@ def _keep_lines(path: str, last_step: int) -> None:
 
 
 def _stage_summary(counters: RLCounters, rollout: Dict[str, float], rollout_workers: int, unused: Dict[str, int],
-                   version: int, start: float, trained_at_start: int) -> Dict:
-    """The stage's figures from the loop's counters and the rollout workers' (summed on Redis): counts over
-    every attempt (samples_generated = trained + dropped + abandoned + unused), rates over this one."""
-    wall = time.perf_counter() - start
+                   version: int, wall: float, trained_at_start: int) -> Dict:
+    """The stage's counts and rates from the loop's counters and the rollout workers' (summed on Redis) after
+    `wall` seconds of this attempt: counts over every attempt (samples_generated = trained + dropped +
+    abandoned + unused), rates over this one."""
     generated = int(rollout.get("samples", 0))  # by this attempt
     syncs = int(rollout.get("weight_syncs", 0))
     return {
-        "steps": version, "wall_s": round(wall, 2),
         "samples_generated": counters.samples_generated_before + generated,
         "tokens_generated": int(rollout.get("tokens", 0)),
         "samples_scored": counters.samples_scored,

@@ -12,13 +12,14 @@ import time
 from typing import Callable, Dict, List, Optional
 
 from rlplatform.config import SFTConfig
+from rlplatform.job.summaries import SFTSummary
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.learners.step_result import LearnerTotals, StepResult
 from rlplatform.monitoring.metrics import Metrics
 
 
 def run_sft(config: SFTConfig, learner: LearnerGroup, rows: List[Dict], metrics: Metrics, seed: int,
-            stage: str = "sft", accuracy: Optional[Callable[[], float]] = None) -> Dict:
+            stage: str = "sft", accuracy: Optional[Callable[[], float]] = None) -> SFTSummary:
     """Train up to `config.steps` steps on random batches; `accuracy()` measures the learner's current
     weights on held-out rows for the stop rule. Returns the stage's figures."""
     rng = random.Random(seed)
@@ -44,9 +45,9 @@ def run_sft(config: SFTConfig, learner: LearnerGroup, rows: List[Dict], metrics:
             metrics.progress({"stage": stage, "step": f"{step}/{config.steps}", "loss": result.loss,
                               "accuracy": f"{checks[-1]['accuracy']:.3f}" if checks else "-",
                               "eta_s": elapsed / step * (config.steps - step)})
-    return {"steps": step, "wall_s": round(time.perf_counter() - start, 2),
-            "final_loss": result.loss if result is not None else None, "accuracy_checks": checks,
-            "first_step_at": first_step_at, **totals.figures()}
+    return SFTSummary(steps=step, wall_s=round(time.perf_counter() - start, 2),
+                      final_loss=result.loss if result is not None else None, accuracy_checks=tuple(checks),
+                      first_step_at=first_step_at, **totals.figures())
 
 
 def _reached(checks: List[Dict], threshold: float) -> bool:

@@ -41,7 +41,7 @@ class Recorded(Checkpoints):
 def schedule(tmp_path, every: int, start: int, turns: int) -> List[int]:
     job = load_config(overrides=[f"checkpoint.every_steps={every}", f"output_dir={tmp_path}"])
     run = Stepping(start)
-    checkpoints = Recorded(job, {"policy": run}, {}, 0)
+    checkpoints = Recorded(job, {"policy": run}, dict, 0)
     for _ in range(turns):
         run.turn()
         checkpoints.maybe_save()

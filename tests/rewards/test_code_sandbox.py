@@ -228,6 +228,6 @@ def test_why_a_sample_scored_zero_reaches_the_summary_counted_per_reason(redis_s
     counters = RLCounters()
     for scored in queue.read_results():
         _count_scored(scored, counters)
-    summary = _stage_summary(counters, {}, 1, {}, 0, time.perf_counter(), trained_at_start=0)
+    summary = _stage_summary(counters, {}, 1, {}, 0, wall=1.0, trained_at_start=0)
     assert summary["reward_reasons"] == {"code_tests/failed": 1, "code_tests/network": 1, "code_tests/passed": 1,
                                          "code_tests/timeout": 1}

@@ -1,0 +1,105 @@
+"""What each stage reports to the job, and a policy's results as summary.json and state.json hold them.
+
+`run_sft` returns a frozen `SFTSummary` and `run_rl` a frozen `RLSummary` per policy; the controller
+keeps them in each policy's `PolicyResults` with its data counts and evaluations. `to_json` gives the
+figures summary.json and W&B show; `state` what a checkpoint keeps, read back by `from_state`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class SFTSummary:
+    """The SFT stage's figures (`run_sft`)."""
+    steps: int
+    wall_s: float
+    final_loss: Optional[float]  # the last step's loss (None without a step)
+    accuracy_checks: Tuple[Mapping[str, float], ...]  # {"step", "accuracy"} of each `sft.stop_at_accuracy` check
+    first_step_at: Optional[float]  # wall-clock time the first step ended (summary.json turns it into startup_s)
+    learner_model_tokens_per_s: float  # `LearnerTotals.figures`
+    learner_mfu: float
+
+    def to_json(self) -> Dict[str, Any]:
+        """The figures summary.json shows under `stages/sft` (the first step's clock reading left out)."""
+        return {key: value for key, value in self.state().items() if key != "first_step_at"}
+
+    def state(self) -> Dict[str, Any]:
+        """Every field as JSON values, as a checkpoint's state.json keeps them."""
+        return {"steps": self.steps, "wall_s": self.wall_s, "final_loss": self.final_loss,
+                "accuracy_checks": [dict(check) for check in self.accuracy_checks],
+                "first_step_at": self.first_step_at,
+                "learner_model_tokens_per_s": self.learner_model_tokens_per_s, "learner_mfu": self.learner_mfu}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> "SFTSummary":
+        return cls(**{**state, "accuracy_checks": tuple(state["accuracy_checks"])})
+
+
+@dataclass(frozen=True)
+class RLSummary:
+    """A policy's RL stage figures (`run_rl`), written once every worker has stopped."""
+    steps: int  # the policy version reached
+    wall_s: float  # this attempt's
+    figures: Mapping[str, Any]  # the counts over every attempt and this attempt's rates (`rl_loop._stage_summary`)
+    time_breakdown: Mapping[str, float]  # seconds of generation, queue submits, reward work, learner steps, weights
+    eval_history: Tuple[Mapping[str, float], ...]  # held-out accuracy by version (`RLMonitor.evaluation`)
+    parity: Mapping[str, Any]  # `RLMonitor.parity_totals`
+    rewards: Mapping[str, Any]  # `RLMonitor.reward_totals`
+    ledger: Mapping[str, int]  # the prompt ledger's counts
+    first_step_at: Optional[float]  # wall-clock time the first learner step ended
+    ended_by: str  # "max_steps", "idle_timeout" or "stop"
+    tools: Optional[Mapping[str, float]]  # `RLMonitor.tool_totals` of a multi-turn job, else None
+    restarts: Mapping[str, int]  # worker restarts by kind: rollout, reward, evaluator
+    checkpoint: Optional[str]  # the newest checkpoint
+    results_held_at_end: int  # results stored and neither trained nor dropped, all policies'
+    controller_cpu_s: float  # the controller's CPU time in the stage, all policies'
+    wandb_dir: Optional[str]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "figures", MappingProxyType(dict(self.figures)))  # a copy, read-only
+        object.__setattr__(self, "eval_history", tuple(self.eval_history))
+
+    def to_json(self) -> Dict[str, Any]:
+        """The figures summary.json shows under `rl` (the first step's clock reading left out)."""
+        tools = {"tools": dict(self.tools)} if self.tools is not None else {}
+        return {"steps": self.steps, "wall_s": self.wall_s, **self.figures,
+                "time_breakdown": dict(self.time_breakdown), "eval_history": [dict(h) for h in self.eval_history],
+                "parity": dict(self.parity), "rewards": dict(self.rewards), "ledger": dict(self.ledger),
+                "ended_by": self.ended_by, **tools, "restarts": dict(self.restarts), "checkpoint": self.checkpoint,
+                "results_held_at_end": self.results_held_at_end, "controller_cpu_s": self.controller_cpu_s,
+                "wandb_dir": self.wandb_dir}
+
+
+@dataclass
+class PolicyResults:
+    """A policy's results as the controller gathers them: its data counts, each stage's summary as the stage
+    returns it, and its evaluations by label ("after_sft", "after_rl")."""
+    data: Dict[str, int]
+    sft: Optional[SFTSummary] = None
+    rl: Optional[RLSummary] = None
+    eval: Dict[str, Dict] = field(default_factory=dict)
+
+    def to_json(self) -> Dict[str, Any]:
+        """The policy's part of summary.json: `stages` holds each stage's steps and wall time (SFT's every
+        figure), `rl` the RL stage's figures."""
+        stages: Dict[str, Any] = {}
+        if self.sft is not None:
+            stages["sft"] = self.sft.to_json()
+        if self.rl is not None:
+            stages["rl"] = {"steps": self.rl.steps, "wall_s": self.rl.wall_s}
+        rl = {"rl": self.rl.to_json()} if self.rl is not None else {}
+        return {"data": self.data, "stages": stages, "eval": self.eval, **rl}
+
+    def state(self) -> Dict[str, Any]:
+        """What a checkpoint keeps (taken during RL, before its summary exists): data, SFT summary, evaluations."""
+        return {"data": self.data, "stages": {"sft": self.sft.state()} if self.sft is not None else {},
+                "eval": self.eval}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> "PolicyResults":
+        sft = state["stages"].get("sft")
+        return cls(state["data"], SFTSummary.from_state(sft) if sft is not None else None, eval=state["eval"])
