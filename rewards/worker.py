@@ -70,13 +70,13 @@ class RewardWorker(QueueWorker):
             self.stats.errors += result.error is not None
         self.stats.scored += len(scored)
         latency = sum(s.scored_at - s.sample.created_at for s in scored)
-        self.job.add_counters(self.job.keys.reward_stats, busy_s=time.perf_counter() - start, scored=len(scored),
+        self.run_queue.add_counters(self.run_queue.keys.reward_stats, busy_s=time.perf_counter() - start, scored=len(scored),
                               latency_s=latency)
         return scored
 
     def store(self, msg_ids: List[str], results: List[ScoredSample]) -> None:
         """Each result whole under its sample id and its metadata on the results stream (`store_results`)."""
-        self.job.store_results(list(zip(msg_ids, results)))
+        self.run_queue.store_results(list(zip(msg_ids, results)))
 
 
 def default_worker_name(job: str) -> str:

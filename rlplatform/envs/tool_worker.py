@@ -100,7 +100,7 @@ class ToolWorker(QueueWorker):
                 counters[key] = counters.get(key, 0.0) + float(value)
         self.stats.calls += len(results)
         self.stats.errors += sum(r.error is not None for r in results)
-        self.job.add_counters(self.tool_queue.tool_keys.stats, **counters)
+        self.run_queue.add_counters(self.tool_queue.tool_keys.stats, **counters)
 
 
 def default_tool_worker_name(job: str) -> str:

@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from contextlib import ExitStack
+from dataclasses import replace
 from functools import partial
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -429,6 +430,10 @@ def _rl_stage(config: JobConfig, policies: List[PolicyWorkers], queue: RewardQue
         if not stop.requested:
             workers.evaluator.finish_baseline()
             results[workers.name].eval["after_rl"] = _evaluate(workers, metrics, "after_rl")
+        # the evaluator's restarts as of its last answer: a restart is seen when the restarted process answers,
+        # which may be the final evaluation
+        rl = results[workers.name].rl
+        results[workers.name].rl = replace(rl, restarts={**rl.restarts, "evaluator": workers.evaluator.restarts})
 
 
 def _stop(policies: List[PolicyWorkers], reward_actors: List) -> None:

@@ -31,12 +31,12 @@ class QueueWorker:
     requests a dead worker held, fetch new ones, dead-letter what cannot be decoded or was
     delivered too often, `handle` the rest and store their results idempotently. Subclasses give
     `decode` and `handle`; `stats` (a `QueueStats`) counts `dead_letters` and `reclaimed` and time spent `busy_s`.
-    `job` is the job's reward queue: its stop flag ends `run`, its counters collect the figures;
+    `run_queue` is the run's reward queue: its stop flag ends `run`, its counters collect the figures;
     `label` names the worker on the job's heartbeat hash (`heartbeats`), as silent workers are named."""
 
-    def __init__(self, name: str, queue: StreamQueue, job: RewardQueue, config: RewardWorkersConfig, stats,
+    def __init__(self, name: str, queue: StreamQueue, run_queue: RewardQueue, config: RewardWorkersConfig, stats,
                  heartbeats: Heartbeats, label: str) -> None:
-        self.name, self.queue, self.job, self.config, self.stats = name, queue, job, config, stats
+        self.name, self.queue, self.run_queue, self.config, self.stats = name, queue, run_queue, config, stats
         self.heartbeats, self.label = heartbeats, label
         set_cpu_priority(config.priority)
         self.queue.create_group()
@@ -103,7 +103,7 @@ class QueueWorker:
         """Serve until the job's stop flag is set, beating on the job's heartbeat hash each round;
         returns the stats."""
         try:
-            while not self.job.stop_requested():
+            while not self.run_queue.stop_requested():
                 self.heartbeats.beat(self.label)
                 self.step()
         finally:
