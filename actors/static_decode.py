@@ -211,10 +211,9 @@ class StaticDecodeBatch(DecodeBatch):
     def __init__(self, engine: TransformersEngine, max_new_tokens: int, temperature: float) -> None:
         super().__init__(engine, max_new_tokens, temperature)
         self.decoder: SlotDecoder = engine.slot_decoder
-        self.slots: List[int] = []  # each row's slot, in row order
+        self.slots: List[int] = []  # each row's slot, in row order (changed in place: the finalizer holds it)
         self.active = torch.zeros(0, dtype=torch.long, device=self.device)
-        self.held: Set[int] = set()
-        weakref.finalize(self, self.decoder.release, self.held)
+        weakref.finalize(self, self.decoder.release, self.slots)
 
     def _decode(self) -> torch.Tensor:
         return self.decoder.step(max(self.slots))[self.active]
@@ -222,7 +221,6 @@ class StaticDecodeBatch(DecodeBatch):
     def _join(self, new_rows: List[Row], cache: DynamicCache, attention: torch.Tensor, owner: torch.Tensor) -> None:
         slots = self.decoder.reserve(len(new_rows), max(len(r.prompt_ids) + r.max_new_tokens for r in new_rows))
         self.decoder.load(torch.tensor(slots, device=self.device), cache, attention, owner)
-        self.held.update(slots)
         self.slots += slots
         self.active = torch.tensor(self.slots, device=self.device)
 
@@ -230,9 +228,7 @@ class StaticDecodeBatch(DecodeBatch):
         self.decoder.feed(self.active, token)
         if not any(finished):
             return
-        done = [slot for slot, f in zip(self.slots, finished) if f]
-        self.held.difference_update(done)
-        self.decoder.release(done)
+        self.decoder.release(slot for slot, f in zip(self.slots, finished) if f)
         self.rows = [row for row, f in zip(self.rows, finished) if not f]
-        self.slots = [slot for slot, f in zip(self.slots, finished) if not f]
+        self.slots[:] = [slot for slot, f in zip(self.slots, finished) if not f]
         self.active = torch.tensor(self.slots, dtype=torch.long, device=self.device)

@@ -82,20 +82,26 @@ def random_prompts(n: int, vocab_size: int, seed: int = 0) -> List[str]:
 
 
 def engine_generation(engine: TransformersEngine, prompts: List[str], group: int, new_tokens: int) -> Dict:
-    """Tokens/s of one `generate` of every prompt; the engine has run the same shapes once before (with the slot
-    decoder that run sizes its cache and captures its graphs, and its seconds are kept as `first_seconds`)."""
+    """Tokens/s of one `generate` of every prompt, after a warm-up: with the slot decoder a run of the same
+    shapes, which sizes its cache and captures its graphs (its seconds kept as `first_seconds`), else a short one."""
     prompts = engine.tokenizer(prompts)["input_ids"]
-    timed = []
-    for run in range(2 if engine.slot_decoder else 1):
-        if not engine.slot_decoder:
-            engine.generate(prompts[:2], 1, 4, 1.0)  # warm-up
-        _synchronize()
-        start = time.perf_counter()
-        groups = engine.generate(prompts, group, new_tokens, 1.0)
-        _synchronize()
-        timed.append(time.perf_counter() - start)
+    first = None
+    if engine.slot_decoder:
+        first = _timed(lambda: engine.generate(prompts, group, new_tokens, 1.0))[0]
+    else:
+        engine.generate(prompts[:2], 1, 4, 1.0)
+    seconds, groups = _timed(lambda: engine.generate(prompts, group, new_tokens, 1.0))
     tokens = sum(len(c.completion_ids) for g in groups for c in g)
-    return {"tokens": tokens, "seconds": timed[-1], "first_seconds": timed[0], "groups": groups}
+    return {"tokens": tokens, "seconds": seconds, "first_seconds": first, "groups": groups}
+
+
+def _timed(run) -> tuple:
+    """(seconds, result) of `run()`, the device synchronised on both sides."""
+    _synchronize()
+    start = time.perf_counter()
+    result = run()
+    _synchronize()
+    return time.perf_counter() - start, result
 
 
 @ray.remote(num_cpus=0)

@@ -264,7 +264,7 @@ def _status(args) -> int:
 
     if args.run_dir:  # that run: its name, id and Redis from its directory
         job, run = _run_in(args.run_dir)
-        client = connect(args.redis and _redis(args) or _redis_of(args.run_dir))
+        client = connect(_redis(args, os.path.join(args.run_dir, "redis.url")))
     elif args.job:
         job = args.job
         client = connect(_redis(args))
@@ -281,31 +281,18 @@ def _status(args) -> int:
 
 def _run_in(run_dir: str) -> Tuple[str, str]:
     """(job name, `run_scope`) of the run whose directory is `run_dir`: its config's name and its run id."""
-    import yaml
+    from omegaconf import OmegaConf
 
-    from rlplatform.job.run_dir import RUN_ID
+    from rlplatform.job.run_dir import kept_run_id
     from rlplatform.transport.reward_queue import run_scope
 
-    try:
-        with open(os.path.join(run_dir, "config.yaml")) as f:
-            name = yaml.safe_load(f)["name"]
-        with open(os.path.join(run_dir, RUN_ID)) as f:
-            return name, run_scope(name, f.read().strip())
-    except (OSError, KeyError, TypeError, yaml.YAMLError) as error:
-        raise ConfigError(f"rlp status: {run_dir} is not a run directory with a config.yaml and a run id "
-                          f"({error})") from None
-
-
-def _redis_of(run_dir: str) -> str:
-    """The run's Redis URL from its redis.url file (the job writes it, password included, readable by its owner
-    alone), else $RLP_REDIS_URL."""
-    try:
-        with open(os.path.join(run_dir, "redis.url")) as f:
-            return f.read().strip()
-    except OSError:
-        if os.environ.get(REDIS_URL_ENV):
-            return os.environ[REDIS_URL_ENV]
-        raise ConfigError(f"rlp status: {run_dir} holds no redis.url; give --redis or set {REDIS_URL_ENV}") from None
+    config = os.path.join(run_dir, "config.yaml")
+    name = OmegaConf.load(config).get("name") if os.path.isfile(config) else None
+    run_id = kept_run_id(run_dir) if os.path.isdir(run_dir) else None
+    if name is None or run_id is None:
+        raise ConfigError(f"rlp status: {run_dir} is not a run directory (it needs the config.yaml and run_id "
+                          f"a job writes there)")
+    return name, run_scope(name, run_id)
 
 
 def _dashboard(args) -> int:
@@ -325,9 +312,11 @@ REDIS_HELP = (f"the job's Redis URL, or @FILE to read it from a file (runs/<name
               f"unset: ${REDIS_URL_ENV}. A URL given here is visible to other users in `ps`")
 
 
-def _redis(args) -> str:
-    """The Redis URL of `--redis` (read from the file `@FILE` names), else of $RLP_REDIS_URL."""
-    value = args.redis or os.environ.get(REDIS_URL_ENV)
+def _redis(args, url_file: Optional[str] = None) -> str:
+    """The Redis URL of `--redis` (read from the file `@FILE` names), else the one `url_file` holds where it
+    exists (a run directory's redis.url), else $RLP_REDIS_URL."""
+    kept = f"@{url_file}" if url_file and os.path.isfile(url_file) else None
+    value = args.redis or kept or os.environ.get(REDIS_URL_ENV)
     if not value:
         raise ConfigError(f"rlp {args.command}: give --redis URL, --redis @runs/<name>/redis.url, "
                           f"or set {REDIS_URL_ENV}")

@@ -426,13 +426,12 @@ def _rl_stage(config: JobConfig, policies: List[PolicyWorkers], queue: RewardQue
               job_state: Callable[[], Dict], resume: Optional[Resume]) -> None:
     summaries = run_rl(config, policies, queue, reward_actors, metrics, train_rows, stop, job_state, resume)
     for workers in policies:
-        results[workers.name].rl = summaries[workers.name]
         if not stop.requested:
             workers.evaluator.finish_baseline()
             results[workers.name].eval["after_rl"] = _evaluate(workers, metrics, "after_rl")
         # the evaluator's restarts as of its last answer: a restart is seen when the restarted process answers,
         # which may be the final evaluation
-        rl = results[workers.name].rl
+        rl = summaries[workers.name]
         results[workers.name].rl = replace(rl, restarts={**rl.restarts, "evaluator": workers.evaluator.restarts})
 
 

@@ -79,11 +79,19 @@ def move_aside(run_dir: str) -> Optional[str]:
 def run_id(run_dir: str, resuming: bool) -> str:
     """This run's id: the one `run_dir` keeps when the run resumes a checkpoint of it, else a new one, kept there
     for a later resume."""
-    path = os.path.join(run_dir, RUN_ID)
-    if resuming and os.path.isfile(path):
-        with open(path) as f:
-            return f.read().strip()
+    kept = kept_run_id(run_dir) if resuming else None
+    if kept is not None:
+        return kept
     new = uuid.uuid4().hex[:12]
-    with open(path, "w") as f:
+    with open(os.path.join(run_dir, RUN_ID), "w") as f:
         f.write(new + "\n")
     return new
+
+
+def kept_run_id(run_dir: str) -> Optional[str]:
+    """The id of the run whose directory is `run_dir` (None: it keeps none)."""
+    try:
+        with open(os.path.join(run_dir, RUN_ID)) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return None
