@@ -28,7 +28,7 @@ from rlplatform.job.run_dir import RunLock, check_fresh_start, move_aside, run_i
 from rlplatform.job.rl_loop import Resume, run_rl
 from rlplatform.job.sft import run_sft
 from rlplatform.job.signals import Interrupted, StopSignals
-from rlplatform.job.summaries import PolicyResults
+from rlplatform.job.summaries import JobSummary, PolicyResults, RLSummary, SFTSummary, StartupTimes
 from rlplatform.job.supervision import MAX_RESTARTS
 from rlplatform.job.workers import Evaluator, PolicyWorkers, publish
 from rlplatform.learners.group import LearnerGroup
@@ -64,20 +64,21 @@ def _run_locked(config: JobConfig, started_at: float, shutdown_ray: Optional[boo
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
         f.write(to_yaml(config))
     start = time.perf_counter()
-    summary: Dict = {"status": "running", "name": config.name, "run_dir": os.path.abspath(run_dir),
-                     "startup_s": {"job_started_s": round(time.time() - started_at, 2)}}  # interpreter, config, imports
+    startup = StartupTimes(started_at)
+    startup.mark("job_started_s")  # interpreter, config, imports
     metrics: Optional[Metrics] = None
     resume = find_resume(config)
-    summary["run_id"] = run_id(run_dir, resuming=resume is not None)  # a resumed run keeps its keys
-    run = run_scope(config.name, summary["run_id"])
+    summary = JobSummary(config.name, os.path.abspath(run_dir), run_id(run_dir, resuming=resume is not None),
+                         startup, several_policies=bool(config.policies))  # a resumed run keeps its keys
+    run = run_scope(config.name, summary.run_id)
     stop = StopSignals()
     if shutdown_ray is None:
         shutdown_ray = not ray.is_initialized()
     try:
         stop.install()  # kept until the summary is out and Ray is left
         with ExitStack() as resources:
-            redis_url, embedded = _start_services(config, summary["run_id"], resources)
-            summary["startup_s"]["services_ready_s"] = round(time.time() - started_at, 2)  # Redis and Ray up
+            redis_url, embedded = _start_services(config, summary.run_id, resources)
+            startup.mark("services_ready_s")  # Redis and Ray up
             _record_redis_url(redis_url, run_dir)
             learners = {p.name: _start_learner(config, p) for p in config.policy_list()}  # set up in _start_policy
             metrics = Metrics(config, run_dir, run_id=resume.state["wandb_run_id"] if resume else None)
@@ -85,36 +86,37 @@ def _run_locked(config: JobConfig, started_at: float, shutdown_ray: Optional[boo
             if embedded is not None:
                 embedded.keep_alive(lambda text: metrics.event("redis_restart", text))
             metrics.status = JobStatus(connect(redis_url), run)
-            summary["wandb_dir"] = metrics.wandb_dir
+            summary.wandb_dir = metrics.wandb_dir
             try:
-                _run_stages(config, run, redis_url, learners, metrics, summary, stop, resume, started_at)
-                summary["status"] = "interrupted" if stop.requested else "completed"
+                summary.results = _run_stages(config, run, redis_url, learners, metrics, startup, stop, resume)
+                summary.status = "interrupted" if stop.requested else "completed"
             finally:
-                final = summary["status"] if summary["status"] != "running" else "failed"
+                final = summary.status if summary.status != "running" else "failed"
                 metrics.status.write({"stage": final, "wall_s": round(time.perf_counter() - start, 2)})
     except Interrupted as err:
-        summary.update(status="interrupted", error=str(err))
+        summary.status, summary.error = "interrupted", str(err)
     except BaseException as err:
         if not stop.requested:
-            summary.update(status="failed", error=f"{type(err).__name__}: {err}")
+            summary.status, summary.error = "failed", f"{type(err).__name__}: {err}"
             raise
         # a signal's Interrupted raised inside library code can surface as another error
-        summary.update(status="interrupted", error=f"stopped by {signal.Signals(stop.signum).name}")
+        summary.status, summary.error = "interrupted", f"stopped by {signal.Signals(stop.signum).name}"
     finally:
-        summary["wall_s"] = round(time.perf_counter() - start, 2)
+        summary.wall_s = round(time.perf_counter() - start, 2)
         if stop.requested:
-            summary["exit_code"] = stop.exit_code
+            summary.exit_code = stop.exit_code
+        shown = summary.to_json()
         try:
             with open(os.path.join(run_dir, "summary.json"), "w") as f:  # first: a further signal cannot lose it
-                json.dump(summary, f, indent=2)
+                json.dump(shown, f, indent=2)
             if metrics is not None:
-                metrics.summary(_flat(summary))
-                metrics.finish(failed=summary["status"] != "completed")
+                metrics.summary(_flat(shown))
+                metrics.finish(failed=summary.status != "completed")
         finally:
             if shutdown_ray and ray.is_initialized():
                 ray.shutdown()  # last: it resets SIGTERM to the default beneath Python's handler
             stop.restore()  # and this sets the handlers the job found back
-    return summary
+    return shown
 
 
 def find_resume(config: JobConfig) -> Optional[Resume]:
@@ -207,8 +209,10 @@ def _gpus_needed(config: JobConfig, cluster_gpus: float) -> float:
 
 
 def _run_stages(config: JobConfig, run: str, redis_url: str, learners: Dict[str, LearnerGroup], metrics: Metrics,
-                summary: Dict, stop: StopSignals, resume: Optional[Resume], started_at: float) -> None:
-    """`run`: the run's `run_scope`, which names every Redis key its workers share."""
+                startup: StartupTimes, stop: StopSignals, resume: Optional[Resume]) -> Dict[str, PolicyResults]:
+    """Every policy's stages, from its workers' start to its final model; returns each policy's results.
+    `run`: the run's `run_scope`, which names every Redis key its workers share; `startup` is marked as the
+    workers become ready and the first steps end."""
     train_rows, test_rows = load_rows(config.data, config.seed)
     client = connect(redis_url)
     queue = _open_queue(config, run, client)
@@ -221,24 +225,25 @@ def _run_stages(config: JobConfig, run: str, redis_url: str, learners: Dict[str,
                                           run, lambda text: metrics.event("worker_restart", text)))
         reward_actors = _start_reward_workers(config, run, redis_url)  # needed from RL on
         tool_actors = _start_tool_workers(config, run, redis_url, client)
-        summary["startup_s"]["learners_ready_s"] = round(max(p.learner.ready_at for p in policies) - started_at, 2)
-        summary["startup_s"]["workers_ready_s"] = round(time.time() - started_at, 2)  # every actor constructed
+        startup.mark("learners_ready_s", at=max(p.learner.ready_at for p in policies))
+        startup.mark("workers_ready_s")  # every actor constructed
         results = {name: PolicyResults.from_state(state) for name, state in resume.state["results"].items()} \
             if resume else {p.name: PolicyResults(p.data) for p in policies}
         resumed = resume.state["policies"] if resume else {}
         for workers in policies:
             if workers.name not in resumed:
-                _supervised_stage(config, workers, train_rows, metrics, client, results[workers.name])
+                results[workers.name].sft = _supervised_stage(config, workers, train_rows, metrics, client,
+                                                              results[workers.name].record_eval)
         if any(p.config.rl.enabled for p in policies):
             job_state = partial(_job_state, results, metrics.run.id if metrics.run else None)
-            _rl_stage(config, [p for p in policies if p.config.rl.enabled], queue, reward_actors, metrics,
-                      train_rows, results, stop, job_state, resume)
+            summaries = _rl_stage(config, [p for p in policies if p.config.rl.enabled], queue, reward_actors,
+                                  metrics, train_rows, results, stop, job_state, resume)
+            for name, rl in summaries.items():
+                results[name].rl = rl
         if not stop.requested:
             _save_final(config, policies)
-        summary["startup_s"].update(_startup(results, started_at))
-        summary.update(results[policies[0].name].to_json())  # a one-policy job's figures sit at the top level
-        if config.policies:
-            summary["policies"] = {name: r.to_json() for name, r in results.items()}
+        startup.mark_first_steps(results)
+        return results
     except LearnerDied as err:
         raise JobFailed(_resume_hint(config, str(err))) from None
     finally:
@@ -395,22 +400,23 @@ def _context_length(model_path: str) -> int:
 
 
 def _supervised_stage(config: JobConfig, workers: PolicyWorkers, train_rows, metrics: Metrics, client,
-                      result: PolicyResults) -> None:
-    """SFT (when enabled), then version 0 published and evaluated (in the background when RL follows); the
-    SFT summary and the evaluation go into `result`."""
+                      record_eval: Callable[[str, Dict], None]) -> Optional[SFTSummary]:
+    """SFT (when enabled), then version 0 published and evaluated (in the background when RL follows);
+    returns the SFT summary (None without SFT) and hands the evaluation to `record_eval` as "after_sft"."""
+    sft = None
     if workers.config.sft.enabled:
         stage = "sft" if not config.policies else f"{workers.name}/sft"
-        result.sft = run_sft(workers.config.sft, workers.learner, workers.sft_rows, metrics,
-                                          config.seed, stage,
-                                          lambda: workers.evaluator.score(workers.learner.snapshot_weights()))
+        sft = run_sft(workers.config.sft, workers.learner, workers.sft_rows, metrics, config.seed, stage,
+                      lambda: workers.evaluator.score(workers.learner.snapshot_weights()))
     streamed = workers.learner.stream_weights(0)
     publish(workers, client, 0, streamed)
     if workers.config.rl.enabled and not workers.config.sft.enabled:  # the evaluator is still starting: it
         # evaluates version 0 while RL runs, and the RL stage waits for the figures at its end
-        workers.evaluator.start_baseline(_baseline_snapshot(workers, streamed), lambda figures: result.eval.update(
-            after_sft=_report(workers, metrics, "after_sft", 0, figures)))
+        workers.evaluator.start_baseline(_baseline_snapshot(workers, streamed), lambda figures: record_eval(
+            "after_sft", _report(workers, metrics, "after_sft", 0, figures)))
     else:
-        result.eval["after_sft"] = _evaluate(workers, metrics, "after_sft")
+        record_eval("after_sft", _evaluate(workers, metrics, "after_sft"))
+    return sft
 
 
 def _baseline_snapshot(workers: PolicyWorkers, streamed) -> ray.ObjectRef:
@@ -423,16 +429,18 @@ def _baseline_snapshot(workers: PolicyWorkers, streamed) -> ray.ObjectRef:
 
 def _rl_stage(config: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, reward_actors: List,
               metrics: Metrics, train_rows, results: Dict[str, PolicyResults], stop: StopSignals,
-              job_state: Callable[[], Dict], resume: Optional[Resume]) -> None:
+              job_state: Callable[[], Dict], resume: Optional[Resume]) -> Dict[str, RLSummary]:
+    """RL for `policies`, then each one's final evaluation (recorded in `results` as "after_rl"); returns each
+    policy's RL summary."""
     summaries = run_rl(config, policies, queue, reward_actors, metrics, train_rows, stop, job_state, resume)
     for workers in policies:
         if not stop.requested:
             workers.evaluator.finish_baseline()
-            results[workers.name].eval["after_rl"] = _evaluate(workers, metrics, "after_rl")
-        # the evaluator's restarts as of its last answer: a restart is seen when the restarted process answers,
-        # which may be the final evaluation
-        rl = summaries[workers.name]
-        results[workers.name].rl = replace(rl, restarts={**rl.restarts, "evaluator": workers.evaluator.restarts})
+            results[workers.name].record_eval("after_rl", _evaluate(workers, metrics, "after_rl"))
+    # the evaluator's restarts as of its last answer: a restart is seen when the restarted process answers,
+    # which may be the final evaluation
+    return {w.name: replace(summaries[w.name], restarts={**summaries[w.name].restarts,
+                                                          "evaluator": w.evaluator.restarts}) for w in policies}
 
 
 def _stop(policies: List[PolicyWorkers], reward_actors: List) -> None:
@@ -457,18 +465,6 @@ def _report(workers: PolicyWorkers, metrics: Metrics, label: str, version: int, 
                          f"{figures['reward_mean']:.3f} on {figures['rows']} held-out rows ({how}, "
                          f"policy version {version})")
     return {**figures, "policy_version": version}
-
-
-def _startup(results: Dict[str, PolicyResults], started_at: float) -> Dict[str, Optional[float]]:
-    """Seconds from start-up to the first SFT and the first RL learner step (of any policy), from each stage
-    summary's `first_step_at` clock reading."""
-    firsts: Dict[str, List[float]] = {"sft": [], "rl": []}
-    for result in results.values():
-        for stage, summary in (("sft", result.sft), ("rl", result.rl)):
-            if summary is not None and summary.first_step_at is not None:
-                firsts[stage].append(summary.first_step_at)
-    return {f"to_first_{stage}_step_s": round(min(times) - started_at, 2) if times else None
-            for stage, times in firsts.items()}
 
 
 def _flat(summary: Dict, prefix: str = "") -> Dict:

@@ -1,12 +1,14 @@
-"""What each stage reports to the job, and a policy's results as summary.json and state.json hold them.
+"""What each stage reports to the job, a policy's results, and the job's summary.json.
 
 `run_sft` returns a frozen `SFTSummary` and `run_rl` a frozen `RLSummary` per policy; the controller
-keeps them in each policy's `PolicyResults` with its data counts and evaluations. `to_json` gives the
-figures summary.json and W&B show; `state` what a checkpoint keeps, read back by `from_state`.
+keeps them in each policy's `PolicyResults` with its data counts and evaluations, and the job's status,
+start-up times and policies' results in its `JobSummary`. `to_json` gives the figures summary.json and
+W&B show; `state` what a checkpoint keeps, read back by `from_state`.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Dict, Mapping, Optional, Tuple
@@ -83,6 +85,11 @@ class PolicyResults:
     rl: Optional[RLSummary] = None
     eval: Dict[str, Dict] = field(default_factory=dict)
 
+    def record_eval(self, label: str, figures: Dict) -> None:
+        """An evaluation's figures under `label`; the background evaluation of version 0 records from its
+        own thread when it ends."""
+        self.eval[label] = figures
+
     def to_json(self) -> Dict[str, Any]:
         """The policy's part of summary.json: `stages` holds each stage's steps and wall time (SFT's every
         figure), `rl` the RL stage's figures."""
@@ -103,3 +110,51 @@ class PolicyResults:
     def from_state(cls, state: Mapping[str, Any]) -> "PolicyResults":
         sft = state["stages"].get("sft")
         return cls(state["data"], SFTSummary.from_state(sft) if sft is not None else None, eval=state["eval"])
+
+
+@dataclass
+class StartupTimes:
+    """Seconds from the job's start (`started_at`, wall clock) to each start-up milestone it reached, in order."""
+    started_at: float
+    seconds: Dict[str, Optional[float]] = field(default_factory=dict)
+
+    def mark(self, milestone: str, at: Optional[float] = None) -> None:
+        """`milestone` reached at `at` (wall clock, default now)."""
+        self.seconds[milestone] = round((time.time() if at is None else at) - self.started_at, 2)
+
+    def mark_first_steps(self, results: Mapping[str, PolicyResults]) -> None:
+        """The first SFT and the first RL learner step of any policy, from each stage summary's `first_step_at`
+        clock reading (None for a stage that took no step)."""
+        for stage in ("sft", "rl"):
+            times = [s.first_step_at for s in (getattr(r, stage) for r in results.values())
+                     if s is not None and s.first_step_at is not None]
+            self.seconds[f"to_first_{stage}_step_s"] = round(min(times) - self.started_at, 2) if times else None
+
+
+@dataclass
+class JobSummary:
+    """The job's summary.json: its status, start-up times and every policy's results. A one-policy job's
+    figures sit at the top level; a job with `policies` also lists each under `policies`."""
+    name: str
+    run_dir: str
+    run_id: str
+    startup: StartupTimes
+    several_policies: bool
+    status: str = "running"  # then completed, interrupted or failed
+    results: Dict[str, PolicyResults] = field(default_factory=dict)  # set when the stages end
+    wandb_dir: Optional[str] = None
+    error: Optional[str] = None
+    wall_s: Optional[float] = None
+    exit_code: Optional[int] = None  # a signal's: set when one stopped the job
+
+    def to_json(self) -> Dict[str, Any]:
+        shown: Dict[str, Any] = {"status": self.status, "name": self.name, "run_dir": self.run_dir,
+                                 "startup_s": dict(self.startup.seconds), "run_id": self.run_id,
+                                 "wandb_dir": self.wandb_dir}
+        if self.results:
+            shown.update(next(iter(self.results.values())).to_json())
+            if self.several_policies:
+                shown["policies"] = {name: r.to_json() for name, r in self.results.items()}
+        optional = {"error": self.error, "wall_s": self.wall_s, "exit_code": self.exit_code}
+        shown.update({key: value for key, value in optional.items() if value is not None})
+        return shown

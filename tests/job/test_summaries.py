@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from rlplatform.job.controller import _job_state, _startup
-from rlplatform.job.summaries import PolicyResults, RLSummary, SFTSummary
+from rlplatform.job.controller import _job_state
+from rlplatform.job.summaries import JobSummary, PolicyResults, RLSummary, SFTSummary, StartupTimes
 
 # one policy's results in a checkpoint's state.json, as the controller wrote them before the summaries were typed
 OLD_STATE_RESULTS = """{"data": {"train_rows": 90, "test_rows": 10, "train_skipped_long_prompt": 0,
@@ -43,7 +43,7 @@ def test_a_checkpoint_written_before_the_summaries_were_typed_reads_back_unchang
 
 def test_the_job_state_reads_evaluations_that_finish_after_the_stage_began():
     results = {"main": PolicyResults({"train_rows": 4})}
-    results["main"].eval["after_sft"] = {"pass_at_1": 0.25, "policy_version": 0}  # the background evaluation
+    results["main"].record_eval("after_sft", {"pass_at_1": 0.25, "policy_version": 0})  # the background evaluation
     assert _job_state(results, "abc") == {"results": {"main": {"data": {"train_rows": 4}, "stages": {},
                                                                 "eval": {"after_sft": {"pass_at_1": 0.25,
                                                                                        "policy_version": 0}}}},
@@ -80,6 +80,27 @@ def test_both_stages_appear_under_stages_and_their_first_steps_give_the_startup_
     assert list(shown) == ["data", "stages", "eval", "rl"]
     assert shown["stages"]["rl"] == {"steps": 4, "wall_s": 9.5} and shown["rl"] == results.rl.to_json()
     before = results.to_json()
-    assert _startup({"main": results}, started_at=1700000000.0) == {"to_first_sft_step_s": 10.5,
-                                                                   "to_first_rl_step_s": 20.0}
+    startup = StartupTimes(started_at=1700000000.0)
+    startup.mark("learners_ready_s", at=1700000004.25)
+    startup.mark_first_steps({"main": results})
+    assert startup.seconds == {"learners_ready_s": 4.25, "to_first_sft_step_s": 10.5, "to_first_rl_step_s": 20.0}
     assert results.to_json() == before and results.sft.first_step_at == 1700000010.5  # read, not moved out
+
+
+def test_the_job_summary_shows_a_one_policy_job_at_the_top_level_and_every_policy_of_several():
+    startup = StartupTimes(started_at=1700000000.0)
+    startup.mark_first_steps({})
+    running = JobSummary("job", "/runs/job", "r1", startup, several_policies=False)
+    assert running.to_json() == {"status": "running", "name": "job", "run_dir": "/runs/job",
+                                 "startup_s": {"to_first_sft_step_s": None, "to_first_rl_step_s": None},
+                                 "run_id": "r1", "wandb_dir": None}  # a job that failed before its stages ended
+    one = PolicyResults.from_state(json.loads(OLD_STATE_RESULTS))
+    done = JobSummary("job", "/runs/job", "r1", startup, several_policies=False, status="completed",
+                      results={"main": one}, wall_s=30.0)
+    assert done.to_json() == {**running.to_json(), "status": "completed", **one.to_json(), "wall_s": 30.0}
+    two = PolicyResults({"train_rows": 4})
+    both = JobSummary("job", "/runs/job", "r1", startup, several_policies=True, status="interrupted",
+                      results={"a": one, "b": two}, wall_s=30.0, exit_code=130, error="stopped by SIGINT")
+    shown = both.to_json()
+    assert shown["policies"] == {"a": one.to_json(), "b": two.to_json()} and shown["stages"] == one.to_json()["stages"]
+    assert (shown["exit_code"], shown["error"]) == (130, "stopped by SIGINT")
