@@ -1,4 +1,6 @@
-"""A verifiers taskset for the tests: every sum of two digits, "<a>+<b>=", rewarded 1 when the reply is the sum."""
+"""A verifiers taskset for the tests: every sum of two digits, "<a>+<b>=", rewarded 1 when the reply is the sum.
+`copies` (a taskset config field, `env.taskset_args.copies`) lists each sum that many times, as distinct tasks:
+held-out tasks then ask sums that training tasks ask too, as the held-out rows of the one-digit addition data do."""
 
 import verifiers.v1 as vf
 
@@ -13,11 +15,16 @@ class SumTask(vf.Task[SumData]):
         return float(trace.last_reply.strip() == self.data.answer)
 
 
-class DigitSums(vf.Taskset[SumTask, vf.TasksetConfig]):
+class DigitSumsConfig(vf.TasksetConfig):
+    copies: int = 1
+
+
+class DigitSums(vf.Taskset[SumTask, DigitSumsConfig]):
     def load(self):
-        for a in range(10):
-            for b in range(10):
-                yield SumTask(SumData(prompt=f"{a}+{b}=", answer=str(a + b)), self.config.task)
+        for _ in range(self.config.copies):
+            for a in range(10):
+                for b in range(10):
+                    yield SumTask(SumData(prompt=f"{a}+{b}=", answer=str(a + b)), self.config.task)
 
 
 __all__ = ["DigitSums"]
