@@ -2,7 +2,9 @@
 stops at the first held-out check that reaches `sft.stop_at_accuracy`; from that checkpoint,
 asynchronous GRPO and asynchronous RLOO each raise held-out greedy accuracy by at least 10
 points, and so does GRPO training LoRA adapters alone (streaming under 5% of the model's bytes per
-sync); a staleness-2 run keeps its bound and accounts for every sample."""
+sync); a staleness-2 run keeps its bound and accounts for every sample. Played as a verifiers taskset
+by the rollout workers themselves (`env.kind: verifiers`), the same sums are learned too: held-out
+pass@1 by the tasks' own reward rises."""
 
 from __future__ import annotations
 
@@ -23,6 +25,13 @@ SFT_STOP = ["sft.stop_at_accuracy=0.3", "sft.eval_every=20"]
 RL_STEPS = 40
 LORA = ["model.lora.enabled=true", "model.lora.rank=2", "model.lora.alpha=4", "rl.lr=2e-3"]
 LORA_STEPS = 60
+# the one-digit sums as verifiers tasks, each listed 4 times, so held-out tasks ask sums that training tasks
+# ask too (as the held-out rows of the one-digit data do); 100 held out, played by 2 rollout workers
+TASKSET = ["env.kind=verifiers", "env.taskset=tests/envs/digit_sums.py", "env.taskset_args.copies=4",
+           "env.test_tasks=100", "rewards=[{name: verifiers_reward}]", "eval.pass_reward=verifiers_reward",
+           "rollout.num_workers=2", "rollout.num_cpus=0.5"]
+TASKSET_STEPS = 20
+TASKSET_GAIN = 0.10
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +104,12 @@ def test_lora_rl_raises_held_out_accuracy_streaming_adapters_only(sft_checkpoint
     # the merged export is the policy the evaluator scored: plain HF generate on model/ agrees
     config = load_config(os.path.join(summary["run_dir"], "config.yaml"))
     assert greedy_accuracy(os.path.join(summary["run_dir"], "model"), config) == pytest.approx(end, abs=0.011)
+
+
+def test_rl_on_a_verifiers_taskset_raises_held_out_pass_at_1(sft_checkpoint, tmp_path):
+    pytest.importorskip("verifiers.v1")
+    summary = rl_from(sft_checkpoint, tmp_path, *TASKSET, f"rl.max_steps={TASKSET_STEPS}", "rl.max_staleness=1")
+    start, end = summary["eval"]["after_sft"]["pass_at_1"], summary["eval"]["after_rl"]["pass_at_1"]
+    assert summary["eval"]["after_rl"]["rows"] == 100  # the held-out tasks, scored by their own reward
+    assert end - start >= TASKSET_GAIN, f"taskset: held-out pass@1 {start:.3f} -> {end:.3f}"
+    assert summary["rl"]["ledger"]["admitted"] == 0  # every group a task the ledger issued
