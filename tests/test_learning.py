@@ -108,7 +108,8 @@ def test_lora_rl_raises_held_out_accuracy_streaming_adapters_only(sft_checkpoint
 
 def test_rl_on_a_verifiers_taskset_raises_held_out_pass_at_1(sft_checkpoint, tmp_path):
     pytest.importorskip("verifiers.v1")
-    summary = rl_from(sft_checkpoint, tmp_path, *TASKSET, f"rl.max_steps={TASKSET_STEPS}", "rl.max_staleness=1")
+    summary = rl_from(sft_checkpoint, tmp_path, *TASKSET, f"rl.max_steps={TASKSET_STEPS}", "rl.max_staleness=1",
+                      "eval.every_steps=0")
     start, end = summary["eval"]["after_sft"]["pass_at_1"], summary["eval"]["after_rl"]["pass_at_1"]
     assert summary["eval"]["after_rl"]["rows"] == 100  # the held-out tasks, scored by their own reward
     assert end - start >= TASKSET_GAIN, f"taskset: held-out pass@1 {start:.3f} -> {end:.3f}"
