@@ -70,8 +70,8 @@ class RewardWorker(QueueWorker):
             self.stats.errors += result.error is not None
         self.stats.scored += len(scored)
         latency = sum(s.scored_at - s.sample.created_at for s in scored)
-        self.run_queue.add_counters(self.run_queue.keys.reward_stats, busy_s=time.perf_counter() - start, scored=len(scored),
-                              latency_s=latency)
+        self.run_queue.add_counters(self.run_queue.keys.reward_stats, busy_s=time.perf_counter() - start,
+                                    scored=len(scored), latency_s=latency)
         return scored
 
     def store(self, msg_ids: List[str], results: List[ScoredSample]) -> None:
