@@ -23,7 +23,7 @@ from rlplatform.actors.completions import Completion
 from rlplatform.actors.decode_batch import DecodeBatch
 from rlplatform.actors.static_decode import SlotDecoder, StaticDecodeBatch, static_decoding
 from rlplatform.config import LoraConfig, RolloutConfig
-from rlplatform.devices import resolve_device
+from rlplatform.devices import resolve_device, share_kv_heads_on_cpu
 from rlplatform.lora import load_adapters, with_adapters
 from rlplatform.policy import kv_cache_keyword, load_policy
 from rlplatform.tokenization import stop_token_ids
@@ -114,6 +114,7 @@ class TransformersEngine(BatchGenerate):
                  lora: Optional[LoraConfig] = None, prefill_tokens: int = RolloutConfig.prefill_tokens,
                  kv_cache: str = RolloutConfig.kv_cache) -> None:
         self.device = resolve_device(device)
+        share_kv_heads_on_cpu(self.device)
         self.prefill_tokens = prefill_tokens  # padded prompt tokens one prefill forward runs at most
         self.model, self.tokenizer = load_policy(model_path, dtype)
         self.stop_ids = stop_token_ids(self.tokenizer, self.model.generation_config)

@@ -23,6 +23,10 @@ from rlplatform.learners.head_scores import HeadScores, compute_dtype, fused_hea
 from rlplatform.policy import kv_cache_keyword
 
 ROW_TOKENS = 64  # packed row length, unless one sequence is longer
+# tokens the shared-prompt layout must save to pay for its second forward pass: about the fixed cost of a
+# pass (Python, dispatch, DeepSpeed's hooks) in tokens of the demo model on one CPU core; a GRPO batch saves
+# hundreds, a handful of short sequences (the parity canary) none
+SHARED_PROMPT_MIN_SAVING = 64
 
 
 @dataclass
@@ -84,8 +88,9 @@ LOGIT_CHUNK_ELEMENTS = {"cuda": 2 ** 28, "cpu": 2 ** 25}  # vocabulary logits al
 def completion_logprobs(model, prompts: List[List[int]], completions: List[List[int]], pad_id: int,
                         temperature: float = 1.0, entropy_grad: bool = False,
                         chunk_tokens: int = 0, token_mask: Optional[List[List[int]]] = None) -> TokenScores:
-    """Score completions given prompts in whichever layout feeds the model fewer tokens; the entropy
-    carries a gradient only with `entropy_grad` (an entropy bonus needs it, metrics do not).
+    """Score completions given prompts in whichever layout costs less (shared prompts when they save at least
+    `SHARED_PROMPT_MIN_SAVING` tokens, the price of their second pass); the entropy carries a gradient only
+    with `entropy_grad` (an entropy bonus needs it, metrics do not).
     `token_mask` (0/1 per completion token) keeps only some completion tokens in the mask.
 
     `model` is a Hugging Face causal LM or a DeepSpeed engine around one. Its body runs once; the
@@ -94,8 +99,7 @@ def completion_logprobs(model, prompts: List[List[int]], completions: List[List[
     exist for the whole batch in either pass.
     """
     device = next(model.parameters()).device
-    packed_tokens = sum(len(p) + len(c) for p, c in zip(prompts, completions))
-    if _can_share_prompts(model) and _shared_prompt_tokens(prompts, completions) < packed_tokens:
+    if _can_share_prompts(model) and shares_prompts(prompts, completions):
         hidden, targets, index = _shared_prompt_forward(model, prompts, completions, pad_id, device)
     else:
         batch = pack(prompts, completions, pad_id)
@@ -206,6 +210,13 @@ def _spans(values_at: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
     offset = torch.arange(width) - starts.unsqueeze(1)
     inside = (offset >= 0) & (offset < lengths.unsqueeze(1))
     return torch.where(inside, values_at.unsqueeze(1) + offset, torch.zeros_like(offset))
+
+
+def shares_prompts(prompts: List[List[int]], completions: List[List[int]]) -> bool:
+    """Whether the shared-prompt layout pays: it feeds at least `SHARED_PROMPT_MIN_SAVING` tokens fewer than
+    packed rows do."""
+    packed_tokens = sum(len(p) + len(c) for p, c in zip(prompts, completions))
+    return _shared_prompt_tokens(prompts, completions) + SHARED_PROMPT_MIN_SAVING <= packed_tokens
 
 
 def _shared_prompt_tokens(prompts: List[List[int]], completions: List[List[int]]) -> int:

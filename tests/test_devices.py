@@ -9,7 +9,7 @@ import torch
 
 from rlplatform.actors.engine import TransformersEngine
 from rlplatform.config import ConfigError, JobConfig, LearnerConfig, load_config
-from rlplatform.devices import assigned_gpu, gpus_per_actor, resolve_device, resolve_dtype
+from rlplatform.devices import assigned_gpu, gpus_per_actor, resolve_device, resolve_dtype, share_kv_heads_on_cpu
 from rlplatform.job.controller import _check_cluster, _gpus_needed, _resolve_dtypes
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.tokenization import encode_prompts
@@ -101,6 +101,38 @@ def test_cpu_and_auto_resolve_to_cpu_in_an_actor_without_a_gpu(ray_session):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_grouped_kv_heads_are_read_in_place_on_cpu_with_the_same_scores(tiny_policy, monkeypatch):
+    """CPU attention reads each key/value head for its group of query heads in place (no `repeat_kv`
+    copy), masked passes included, with the same log-probs and gradients; CUDA keeps transformers' rule."""
+    from transformers.integrations import sdpa_attention
+
+    from rlplatform.learners.batching import completion_logprobs
+    from rlplatform.policy import load_policy
+
+    model, _ = load_policy(tiny_policy)
+    assert model.config.num_attention_heads > model.config.num_key_value_heads  # grouped-query attention
+    prompts = [[5, 6, 7, 8, 9] * 8] * 3 + [[6, 7] * 10] * 3  # shared prompts of two lengths: a masked pass
+    completions = [[10], [11, 12], [13, 5, 5], [7], [8, 8], [9, 10, 11]]
+    copies, repeat_kv = [], sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *args: copies.append(1) or repeat_kv(*args))
+
+    def scored():
+        copies.clear()
+        model.zero_grad()
+        scores = completion_logprobs(model, prompts, completions, pad_id=0)
+        (scores.logprobs * scores.mask).sum().backward()
+        return scores.logprobs.detach(), torch.cat([p.grad.flatten() for p in model.parameters()]), len(copies)
+
+    monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA", raising=False)
+    share_kv_heads_on_cpu(torch.device("cuda", 0))
+    copied, copied_grad, copy_calls = scored()
+    share_kv_heads_on_cpu(torch.device("cpu"))
+    in_place, in_place_grad, in_place_calls = scored()
+    assert copy_calls > 0 and in_place_calls == 0
+    torch.testing.assert_close(in_place, copied, atol=1e-6, rtol=0)
+    torch.testing.assert_close(in_place_grad, copied_grad, atol=1e-6, rtol=1e-5)
+
+
 def test_cuda_without_a_gpu_says_what_to_change():
     with pytest.raises(RuntimeError, match="device 'cuda' was asked for but this process sees no CUDA device"):
         resolve_device("cuda")

@@ -7,14 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlplatform.learners.batching import _shared_prompt_tokens, completion_logprobs
+from rlplatform.learners.batching import completion_logprobs, shares_prompts
 from rlplatform.learners import head_scores
 from rlplatform.learners.head_scores import HeadScores, compute_dtype, fused_head
 from rlplatform.policy import enable_activation_checkpointing, load_policy
 
 GROUPS = {
     "packed": ([[5, 6, 7, 8, 9], [6, 7], [8], [9, 10, 11]], [[10], [11, 12, 13], [5, 5, 5, 5], [7, 8]]),
-    "shared_prompt": ([[5, 6, 7, 8, 9]] * 3 + [[6, 7]] * 3, [[10], [11, 12], [13, 5, 5], [7], [8, 8], [9, 10, 11]]),
+    "shared_prompt": ([[5, 6, 7, 8, 9] * 8] * 3 + [[6, 7] * 10] * 3,
+                      [[10], [11, 12], [13, 5, 5], [7], [8, 8], [9, 10, 11]]),
 }
 TEMPERATURE = 0.7
 
@@ -38,8 +39,7 @@ def gradient(model, objective):
 def test_chunked_scores_and_gradients_equal_the_full_vocabulary_computation(tiny_policy, layout):
     model, _ = load_policy(tiny_policy)
     prompts, completions = GROUPS[layout]
-    packed_tokens = sum(len(p) + len(c) for p, c in zip(prompts, completions))
-    assert (_shared_prompt_tokens(prompts, completions) < packed_tokens) == (layout == "shared_prompt")
+    assert shares_prompts(prompts, completions) == (layout == "shared_prompt")
     tokens = sum(len(c) for c in completions)
     # fixed per-token weights make the objective touch every log-prob and entropy differently
     generator = torch.Generator().manual_seed(0)

@@ -75,7 +75,8 @@ def test_reference_kl_k3_estimate_by_hand():
 
 GROUPS = {  # (prompts, completions): distinct prompts pack into one row; groups share their prompt's pass
     "packed": ([[5, 6, 7, 8, 9], [6, 7], [8], [9, 10, 11]], [[10], [11, 12, 13], [5, 5, 5, 5], [7, 8]]),
-    "shared_prompt": ([[5, 6, 7, 8, 9]] * 3 + [[6, 7]] * 3, [[10], [11, 12], [13, 5, 5], [7], [8, 8], [9, 10, 11]]),
+    "shared_prompt": ([[5, 6, 7, 8, 9] * 8] * 3 + [[6, 7] * 10] * 3,
+                      [[10], [11, 12], [13, 5, 5], [7], [8, 8], [9, 10, 11]]),
 }
 
 
@@ -83,13 +84,12 @@ GROUPS = {  # (prompts, completions): distinct prompts pack into one row; groups
 def test_scores_and_gradients_match_each_sequence_scored_alone(tiny_policy, layout):
     """Sequences sharing a row, or a prompt's KV cache, must not attend to each other: every completion
     token's log-prob, and the gradient of their sum, is what the sequence alone gives."""
-    from rlplatform.learners.batching import _shared_prompt_tokens, completion_logprobs
+    from rlplatform.learners.batching import completion_logprobs, shares_prompts
     from rlplatform.policy import load_policy
 
     model, _ = load_policy(tiny_policy)
     prompts, completions = GROUPS[layout]
-    packed_tokens = sum(len(p) + len(c) for p, c in zip(prompts, completions))
-    assert (_shared_prompt_tokens(prompts, completions) < packed_tokens) == (layout == "shared_prompt")
+    assert shares_prompts(prompts, completions) == (layout == "shared_prompt")
 
     def scored(pairs):
         model.zero_grad()
