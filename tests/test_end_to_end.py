@@ -75,6 +75,20 @@ def test_synchronous_mode_trains_only_on_fresh_samples(ray_session, tmp_path):
     summary = run_job(config)
     assert summary["rl"]["staleness_histogram"] == {"0": 4 * 4 * 8}
     assert summary["rl"]["samples_dropped_stale"] == 0
+    assert summary["rl"]["learner_steps_queued"] == 0  # a step's samples come from the weights the one before made
+
+
+def test_a_learner_slower_than_generation_gets_its_next_step_queued_within_the_staleness_bound(ray_session,
+                                                                                              tmp_path):
+    """Four passes over each batch make the learner the bottleneck: the loop sends each next step while the one
+    before still runs, so the learner starts it the moment it is free, and no sample is staler than the bound."""
+    config = load_config(QUICKSTART, [f"output_dir={tmp_path}", "name=queued", "sft.enabled=false",
+                                      "rl.max_steps=6", "rl.max_staleness=1", "rl.ppo_epochs=4", "rl.minibatches=2",
+                                      "wandb.mode=disabled", "data.test_size=100", "rl.batch_prompts=4",
+                                      "rollout.prompts_per_batch=4"])
+    rl = run_job(config)["rl"]
+    assert rl["learner_steps_queued"] >= 3
+    assert rl["samples_trained"] == 6 * 4 * 8 and rl["max_staleness_trained"] <= 1
 
 
 def assert_dashboard_logged(summary: dict) -> None:

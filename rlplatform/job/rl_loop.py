@@ -14,9 +14,9 @@ import json
 import os
 import random
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field, fields, replace
-from typing import Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Mapping, Optional
 
 import ray
 
@@ -64,6 +64,7 @@ class RLCounters:
     reward_reasons: Counter = field(default_factory=Counter)  # "<reward>/<reason>" -> samples (rewards that say why)
     staleness_trained: Counter = field(default_factory=Counter)  # version gap -> samples
     learner_busy_s: float = 0.0
+    steps_queued: int = 0  # learner steps sent while another was running: queued on the learner, started as it ended
     weight_publish_s: float = 0.0
     samples_generated_before: int = 0  # by earlier attempts, up to the checkpoint this attempt resumed from
     samples_abandoned: int = 0  # generated but neither trained nor dropped at a checkpoint resumed from
@@ -98,8 +99,20 @@ class StageEnd:
     wandb_dir: Optional[str]
 
 
+STEPS_IN_FLIGHT = 2  # learner steps sent at most: the one running and the next, queued on the learner so it starts
+# the moment the first ends (a step's batch must still meet the staleness bound at the version it trains)
+
+
+@dataclass
+class StepInFlight:
+    refs: List[ray.ObjectRef]  # each learner rank's result
+    batch: Batch
+    version: int  # the weights' version the step starts from (its samples' staleness is measured against it)
+    sent: float  # perf_counter time it was sent
+
+
 class PolicyRun:
-    """One policy's RL stage: its buffer, counters and monitor, and the learner step in flight."""
+    """One policy's RL stage: its buffer, counters and monitor, and the learner steps in flight."""
 
     def __init__(self, job: JobConfig, workers: PolicyWorkers, queue: RewardQueue, metrics: Metrics,
                  train_rows: List[Dict]) -> None:
@@ -119,7 +132,8 @@ class PolicyRun:
         self._last_scored = time.monotonic()  # when a scored sample last arrived (the stage's start before one)
         self.first_step_at: Optional[float] = None  # wall-clock time the first learner step ended
         self._reward_counters_at_start = queue.counters(queue.keys.reward_stats)
-        self._step: Optional[Tuple[list, Batch, float]] = None  # (result refs, batch, start time)
+        self._steps: Deque[StepInFlight] = deque()  # learner steps sent and not yet finished, oldest first
+        self._last_step_end = 0.0  # perf_counter time the newest finished step was seen to end
         self.trained_at_start = 0  # samples trained before this attempt (a resumed job's)
         self._last_watch = time.monotonic()
         self.trained_log = os.path.join(job.policy_dir(workers.name), "trained.jsonl")
@@ -158,7 +172,7 @@ class PolicyRun:
 
     @property
     def done(self) -> bool:
-        return self._step is None and (self.version >= self.rl.max_steps or self.idle)
+        return not self._steps and (self.version >= self.rl.max_steps or self.idle)
 
     @property
     def idle(self) -> bool:
@@ -167,8 +181,12 @@ class PolicyRun:
 
     @property
     def step_refs(self) -> List[ray.ObjectRef]:
-        """The learner step in flight's result refs (empty when none is)."""
-        return self._step[0] if self._step is not None else []
+        """The result refs of the oldest learner step in flight, the next to end (empty when none is)."""
+        return self._steps[0].refs if self._steps else []
+
+    @property
+    def steps_in_flight(self) -> int:
+        return len(self._steps)
 
     def absorb(self, scored: ResultMeta) -> None:
         self._last_scored = time.monotonic()
@@ -203,51 +221,60 @@ class PolicyRun:
         self._forget_expired()
 
     def advance(self) -> bool:
-        """Finish the learner step in flight, or start one if a batch is ready; True if either happened."""
-        if self._step is not None:
-            return self._finish_step()
+        """Finish the oldest learner step if it has ended (and send the next), else send the next if fewer than
+        `STEPS_IN_FLIGHT` are in flight and a batch is ready; True if either happened. One new step per call at
+        most: between calls, `Checkpoints.maybe_save` counts the steps in flight against its boundary."""
+        if self._steps and self._finish_step():
+            return True
         return self._start_step()
 
     def _start_step(self) -> bool:
-        if self.version >= self.rl.max_steps or self.hold:
+        version = self.version + len(self._steps)  # the version this step starts from
+        if len(self._steps) >= STEPS_IN_FLIGHT or version >= self.rl.max_steps or self.hold:
             return False
         sampling = self.rl.dynamic_sampling and \
             self._signal_drops < self.rl.dynamic_sampling_limit * self.rl.batch_prompts
-        batch = self.buffer.take(self.version, self.rule, filter_zero_advantage=sampling)
+        batch = self.buffer.take(version, self.rule, filter_zero_advantage=sampling)
         self._signal_drops += len(batch.dropped_zero_advantage)
         _drop(batch, self.counters, self.schedule)
         self.queue.results.delete(batch.dropped_ids())
         if not batch.groups:
-            self.monitor.idle(self.version)
+            if not self._steps:
+                self.monitor.idle(self.version)
             return False
         batch.signal_drops, self._signal_drops = self._signal_drops, 0
         self.counters.groups_in_batches += len(batch.groups)
         self.counters.groups_with_signal += sum(map(has_signal, batch.groups))
         rewards = [[s.reward for s in group] for group in batch.groups]
         advantages = [a for group in _advantages(self.rl, rewards) for a in group]
-        sft_rows = random.Random(self.version).sample(self.train_rows, self.rl.batch_prompts) \
+        sft_rows = random.Random(version).sample(self.train_rows, self.rl.batch_prompts) \
             if self.rl.sft_coef else None
         items = [TrainItem(s.sample_id, a, s.tokens) for s, a in zip(batch.samples, advantages)]
-        refs = self.workers.learner.rl_step_async(items, self.rl, sft_rows, step=self.version,
+        refs = self.workers.learner.rl_step_async(items, self.rl, sft_rows, step=version,
                                                   max_tokens=self.job.env.completion_tokens(self.rl.max_new_tokens))
-        self._step = (refs, batch, time.perf_counter())
+        self.counters.steps_queued += bool(self._steps)
+        self._steps.append(StepInFlight(refs, batch, version, time.perf_counter()))
         return True
 
     def _finish_step(self) -> bool:
-        refs, batch, started = self._step
-        if len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
+        step = self._steps[0]
+        if len(ray.wait(step.refs, num_returns=len(step.refs), timeout=0)[0]) < len(step.refs):
             return False
-        result, snapshot = self.workers.learner.gather(refs)
-        self._step = None
-        self.counters.learner_busy_s += time.perf_counter() - started
+        result, snapshot = self.workers.learner.gather(step.refs)
+        self._steps.popleft()
+        ended = time.perf_counter()
+        # a queued step started on the learner when the one before it ended
+        self.counters.learner_busy_s += ended - max(step.sent, self._last_step_end)
+        self._last_step_end = ended
         self.counters.learner.add(result)
         self.first_step_at = self.first_step_at or time.time()
+        batch = step.batch
         self.counters.samples_trained += len(batch.samples)
-        gaps = [self.version - s.version for s in batch.samples]  # versions behind the weights trained
+        gaps = [step.version - s.version for s in batch.samples]  # versions behind the weights trained
         self.counters.staleness_trained.update(gaps)
         self.version += 1
         self._heed(self.error_guard.stepped())
-        self._start_step()  # the next step runs while this one is recorded and its weights published
+        self._start_step()  # the learner is running the queued step, if any: queue the next while this one is recorded
         self._record_trained(batch)
         publish_s = publish(self.workers, self.queue.client, self.version, snapshot)
         self.counters.weight_publish_s += publish_s
@@ -437,7 +464,7 @@ class Checkpoints:
         self.latest: Optional[str] = latest_checkpoint(job.run_dir)
 
     def maybe_save(self) -> None:
-        """Save at each multiple of `checkpoint.every_steps`: once the step in flight reaches it, no step
+        """Save at each multiple of `checkpoint.every_steps`: once the steps in flight reach it, no step
         starts past it, and the save follows when no step is in flight."""
         every = self.job.checkpoint.every_steps
         if not every:
@@ -445,7 +472,7 @@ class Checkpoints:
         due = False
         for name, run in self.runs.items():
             boundary = (self.saved[name] // every + 1) * every
-            if run.version + bool(run.step_refs) >= boundary:
+            if run.version + run.steps_in_flight >= boundary:
                 run.hold = True
                 due = due or run.version >= boundary
         if due and not any(run.step_refs for run in self.runs.values()):
@@ -576,6 +603,7 @@ def _stage_summary(counters: RLCounters, rollout: Dict[str, float], rollout_work
         "samples_per_s": round(generated / wall, 2),
         "trained_per_s": round((counters.samples_trained - trained_at_start) / wall, 2),
         "learner_busy_fraction": round(counters.learner_busy_s / wall, 3),
+        "learner_steps_queued": counters.steps_queued,
         **counters.learner.figures(),
         "rollout_busy_fraction": round(rollout.get("busy_s", 0.0) / wall / max(rollout_workers, 1), 3),
         "weight_publish_s": round(counters.weight_publish_s, 3),

@@ -1,7 +1,7 @@
 """SIGINT and SIGTERM for a running job: the first asks for an orderly stop, a second ends at once.
 
 While the RL loop runs, the first signal only sets a flag it polls: the loop finishes the learner
-step in flight, writes a checkpoint and returns. Anywhere else the first signal raises
+steps in flight, writes a checkpoint and returns. Anywhere else the first signal raises
 `Interrupted` (like Ctrl-C), and a second signal always does; either way the controller
 still writes summary.json (status `interrupted`) and stops every service it started.
 Services start under `sigterm_held`, so a SIGTERM to the job's whole process group (what Slurm

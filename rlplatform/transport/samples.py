@@ -11,7 +11,7 @@ reward, token counts), without its tokens or text.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields as dataclass_fields
 from typing import Any, Dict, List, Optional
 
 import msgpack
@@ -106,7 +106,7 @@ _META_TYPES = {"sample_id": str, "group_id": str, "policy": str, "version": int,
 
 
 def encode_meta(meta: ResultMeta) -> bytes:
-    return msgpack.packb({"v": SCHEMA_VERSION, **asdict(meta)})
+    return msgpack.packb({"v": SCHEMA_VERSION, **_field_map(meta)})
 
 
 def decode_meta(data: bytes) -> ResultMeta:
@@ -137,7 +137,7 @@ _ELEMENT_TYPES = {
 
 
 def encode_sample(sample: Sample) -> bytes:
-    return msgpack.packb({"v": SCHEMA_VERSION, "sample": asdict(sample)})
+    return msgpack.packb({"v": SCHEMA_VERSION, "sample": _field_map(sample)})
 
 
 def decode_sample(data: bytes) -> Sample:
@@ -147,7 +147,7 @@ def decode_sample(data: bytes) -> Sample:
 
 def encode_scored(scored: ScoredSample) -> bytes:
     return msgpack.packb({
-        "v": SCHEMA_VERSION, "sample": asdict(scored.sample), "reward": float(scored.reward),
+        "v": SCHEMA_VERSION, "sample": _field_map(scored.sample), "reward": float(scored.reward),
         "components": {k: float(v) for k, v in scored.components.items()}, "error": scored.error,
         "filtered": bool(scored.filtered), "drop": bool(scored.drop), "scored_at": float(scored.scored_at),
         "reasons": dict(scored.reasons),
@@ -168,6 +168,12 @@ def decode_scored(data: bytes) -> ScoredSample:
     return ScoredSample(_sample_from(body.get("sample")), float(reward),
                         {str(k): float(v) for k, v in components.items()}, error, filtered, drop, float(scored_at),
                         _reasons_from(body.get("reasons", {})))
+
+
+def _field_map(record: Any) -> Dict[str, Any]:
+    """A record's fields by name, its lists and maps as they are (msgpack reads them; `asdict` would deep-copy
+    every token list first, a fifth of a reward worker's time with an instant reward)."""
+    return {f.name: getattr(record, f.name) for f in dataclass_fields(record)}
 
 
 def _reasons_from(reasons: Any) -> Dict[str, str]:

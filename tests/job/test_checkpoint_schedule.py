@@ -1,27 +1,32 @@
 """When periodic checkpoints land: at the multiples of `checkpoint.every_steps`, although an asynchronous
-RL loop starts each learner step as the previous one ends (so a step is nearly always in flight)."""
+RL loop keeps learner steps in flight (one running, the next queued behind it) nearly all the time."""
 
 from __future__ import annotations
 
 from typing import List
 
 from rlplatform.config import load_config
-from rlplatform.job.rl_loop import Checkpoints
+from rlplatform.job.rl_loop import STEPS_IN_FLIGHT, Checkpoints
 
 
 class Stepping:
-    """A policy's RL loop as `Checkpoints` sees it: its version, the step in flight, and the hold flag; a
-    finished step starts the next at once unless held (`PolicyRun._finish_step`)."""
+    """A policy's RL loop as `Checkpoints` sees it: its version, the steps in flight, and the hold flag. Each
+    turn sends one more step while fewer than `STEPS_IN_FLIGHT` are in flight; once that many are, the oldest
+    ends and the next is sent at once, unless held (`PolicyRun.advance`)."""
 
     def __init__(self, version: int = 0) -> None:
-        self.version, self.hold, self.step_refs = version, False, ["step"]
+        self.version, self.hold, self.steps_in_flight = version, False, 0
+
+    @property
+    def step_refs(self) -> List[str]:
+        return ["step"] if self.steps_in_flight else []
 
     def turn(self) -> None:
-        if self.step_refs:
+        if self.steps_in_flight == STEPS_IN_FLIGHT or (self.hold and self.steps_in_flight):
             self.version += 1
-            self.step_refs = [] if self.hold else ["step"]
-        elif not self.hold:
-            self.step_refs = ["step"]
+            self.steps_in_flight -= 1
+        if not self.hold:
+            self.steps_in_flight += 1
 
 
 class Recorded(Checkpoints):
