@@ -295,7 +295,7 @@ class PolicyRun:
     def _record_trained(self, batch: Batch) -> None:
         """Close the batch's groups in the ledger and append its sample ids and the groups' prompt
         positions (null for a group the ledger had already closed) to trained.jsonl."""
-        prompts = [self.schedule.trained(group[0].group_id) for group in batch.groups]
+        prompts = self.schedule.trained([group[0].group_id for group in batch.groups])
         with open(self.trained_log, "a") as f:
             f.write(json.dumps({"step": self.version, "sample_ids": [s.sample_id for s in batch.samples],
                                 "prompts": prompts}) + "\n")

@@ -63,11 +63,10 @@ class GroupSchedule:
         """These groups are in the reward queue: a restart of their worker no longer abandons them."""
         self.ledger.submitted(group_ids)
 
-    def trained(self, group_id: str) -> Optional[int]:
-        """The learner trained on the group (its capacity stays used); its prompt position, or None for an
-        agent's group or one the ledger did not hold open."""
-        position = self.ledger.close(group_id, "trained")
-        return None if position == AGENT else position
+    def trained(self, group_ids: List[str]) -> List[Optional[int]]:
+        """The learner trained on these groups (their capacity stays used); each one's prompt position, or None
+        for an agent's group or one the ledger did not hold open."""
+        return [None if position == AGENT else position for position in self.ledger.close_all(group_ids, "trained")]
 
     def dropped(self, group_id: str, reason: str) -> bool:
         """The group will never be trained (`reason`: a ledger outcome such as dropped_stale); True if it

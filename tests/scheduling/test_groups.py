@@ -55,7 +55,7 @@ def test_every_end_but_training_gives_capacity_back_once(redis_client, job):
     groups = schedule(redis_client, job)
     issued = [group_id for group_id, _ in groups.issue(0, 8, version=0)]
     assert groups.issue(0, 1, version=0) == []
-    assert groups.trained(issued[0]) is not None  # trained: its capacity stays used
+    assert groups.trained([issued[0]]) == [0]  # trained: its capacity stays used
     assert groups.issue(0, 1, version=0) == []
     assert groups.dropped(issued[1], "dropped_stale") and groups.expired(issued[2])
     assert not groups.dropped(issued[1], "dropped_error")  # already ended: counts once, frees nothing more
@@ -75,7 +75,7 @@ def test_an_agents_group_claims_capacity_once_at_admission_and_is_never_issued_a
     assert not groups.admit("task-9", version=0) and groups.issue(0, 1, version=0) == []  # the bound holds for agents
     assert groups.expired("task-7")  # its capacity back, and no prompt to issue again
     assert [position for _, position in groups.issue(0, 1, version=0)] == [6]
-    assert groups.trained("task-8") is None and groups.ledger.counts()["trained"] == 1  # no data position
+    assert groups.trained(["task-8"]) == [None] and groups.ledger.counts()["trained"] == 1  # no data position
     state = groups.ledger.state()
     assert sorted(state["in_flight_prompts"]) == list(range(7))  # the data's prompts only
     counts = groups.ledger.counts()
@@ -97,8 +97,7 @@ def test_a_restarted_worker_takes_over_its_predecessors_groups(redis_client, job
 
 def test_resume_restores_the_allowance_the_learner_used(redis_client, job):
     first = schedule(redis_client, job, max_staleness=0, batch_prompts=4)
-    for group_id, _ in first.issue(0, 4, version=0):
-        first.trained(group_id)
+    first.trained([group_id for group_id, _ in first.issue(0, 4, version=0)])
     state = first.ledger.state()
     resumed = schedule(redis_client, job, max_staleness=0, batch_prompts=4)
     resumed.resume(state, attempt=1, learner_version=1)  # one step trained: (1 + 0 + 1) * 4 - 4 = 4 more

@@ -29,6 +29,15 @@ def test_groups_end_once_and_the_counts_balance(redis_client):
     assert [ledger.is_open(g) for g, _ in issued] == [False, False, True] and not ledger.is_open("agent-7")
 
 
+def test_closing_a_batch_of_groups_ends_each_once_in_one_call(redis_client):
+    ledger = PromptLedger(redis_client, "job-batch", "p")
+    groups = [group for group, _ in ledger.issue(worker=0, groups=4)]
+    assert ledger.close_all(groups[:3], "trained") == [0, 1, 2]
+    assert ledger.close_all([groups[1], groups[3], "agent-7"], "trained") == [None, 3, None]  # each ends once
+    counts = ledger.counts()
+    assert counts["trained"] == 4 and counts["open"] == 0 and balanced(counts)
+
+
 def test_a_restarted_worker_abandons_only_its_unsubmitted_groups_and_they_are_issued_again(redis_client):
     ledger = PromptLedger(redis_client, "job", "p")
     mine = ledger.issue(worker=1, groups=3)
