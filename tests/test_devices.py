@@ -100,7 +100,6 @@ def test_cpu_and_auto_resolve_to_cpu_in_an_actor_without_a_gpu(ray_session):
         ray.kill(probe)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_grouped_kv_heads_are_read_in_place_on_cpu_with_the_same_scores(tiny_policy, monkeypatch):
     """CPU attention reads each key/value head for its group of query heads in place (no `repeat_kv`
     copy), masked passes included, with the same log-probs and gradients; CUDA keeps transformers' rule."""
@@ -133,6 +132,7 @@ def test_grouped_kv_heads_are_read_in_place_on_cpu_with_the_same_scores(tiny_pol
     torch.testing.assert_close(in_place_grad, copied_grad, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cuda_without_a_gpu_says_what_to_change():
     with pytest.raises(RuntimeError, match="device 'cuda' was asked for but this process sees no CUDA device"):
         resolve_device("cuda")

@@ -106,6 +106,7 @@ class PromptLedger:
         self.open, self.claimed, self.counts_key = f"{prefix}:open", f"{prefix}:claimed", f"{prefix}:counts"
         self.reissue, self.cursor, self.seq = f"{prefix}:reissue", f"{prefix}:cursor", f"{prefix}:seq"
         self.attempt = f"{prefix}:attempt"
+        self._ending_keys = [self.open, self.claimed, self.counts_key, self.reissue]  # what ending a group touches
         self._issue = client.register_script(_ISSUE)
         self._close = client.register_script(_CLOSE)
         self._abandon = client.register_script(_ABANDON)
@@ -132,21 +133,19 @@ class PromptLedger:
         """End a group as `outcome` (with `reissue`, its prompt is issued again, an agent's group having none);
         returns its prompt position (`AGENT` for an agent's group), or None when it had already ended (it
         counts once)."""
-        position = self._close(keys=[self.open, self.claimed, self.counts_key, self.reissue],
-                               args=[group_id, outcome, int(reissue)])
+        position = self._close(keys=self._ending_keys, args=[group_id, outcome, int(reissue)])
         return int(position) if position is not None else None
 
     def close_all(self, group_ids: List[str], outcome: str) -> List[Optional[int]]:
         """`close` for each group (no re-issue), in one round trip to Redis."""
         pipe = self.client.pipeline(transaction=False)
         for group_id in group_ids:
-            self._close(keys=[self.open, self.claimed, self.counts_key, self.reissue], args=[group_id, outcome, 0],
-                        client=pipe)
+            self._close(keys=self._ending_keys, args=[group_id, outcome, 0], client=pipe)
         return [int(position) if position is not None else None for position in pipe.execute()]
 
     def abandon_worker(self, worker: int) -> int:
         """A restarted worker's predecessor's unsubmitted groups: closed, their prompts queued for re-issue."""
-        return int(self._abandon(keys=[self.open, self.claimed, self.counts_key, self.reissue], args=[worker]))
+        return int(self._abandon(keys=self._ending_keys, args=[worker]))
 
     def is_open(self, group_id: str) -> bool:
         """Whether the ledger issued or admitted `group_id` and it has not ended."""
