@@ -1,11 +1,15 @@
 """Turning token-id sequences into model inputs and per-token log-probs under a model.
 
-Both the SFT and the RL step score completions given prompts, with the cheaper of two layouts:
+Both the SFT and the RL step score completions given prompts, in the cheapest of three layouts
+(`choose_layout`):
 - packed rows: sequences back to back several to a row (first fit, longest first) with positions
   restarting at each, so attention stays within each sequence and no compute goes to padding
   when lengths vary;
-- shared prompts: when many completions answer the same prompt (a GRPO group), each distinct
-  prompt runs once and its KV cache, repeated per completion, serves all of them.
+- grouped rows: when many completions answer the same prompt (a GRPO group) and a group fits a
+  short row, one row per distinct prompt holds the prompt once and then each of its completions,
+  and an attention mask keeps every completion on its prompt and itself: one forward pass;
+- shared prompts: for groups too long for one row, each distinct prompt runs once and its KV
+  cache, repeated per completion, serves all of them in a second pass.
 Either way only the completion positions go through the output head, a bounded number of tokens
 at a time, and the log-prob of every completion token comes back in one row per sequence.
 """
@@ -27,6 +31,10 @@ ROW_TOKENS = 64  # packed row length, unless one sequence is longer
 # pass (Python, dispatch, DeepSpeed's hooks) in tokens of the demo model on one CPU core; a GRPO batch saves
 # hundreds, a handful of short sequences (the parity canary) none
 SHARED_PROMPT_MIN_SAVING = 64
+# the longest grouped row, in units of the model's hidden size: each query of a row attends to all of it
+# (masked), about 4·L·H operations per token and layer against 24·H² and more in the matmuls, so rows up to
+# the hidden size keep attention under a sixth of a layer's work
+GROUPED_ROW_PER_HIDDEN = 1
 
 
 @dataclass
@@ -88,9 +96,8 @@ LOGIT_CHUNK_ELEMENTS = {"cuda": 2 ** 28, "cpu": 2 ** 25}  # vocabulary logits al
 def completion_logprobs(model, prompts: List[List[int]], completions: List[List[int]], pad_id: int,
                         temperature: float = 1.0, entropy_grad: bool = False,
                         chunk_tokens: int = 0, token_mask: Optional[List[List[int]]] = None) -> TokenScores:
-    """Score completions given prompts in whichever layout costs less (shared prompts when they save at least
-    `SHARED_PROMPT_MIN_SAVING` tokens, the price of their second pass); the entropy carries a gradient only
-    with `entropy_grad` (an entropy bonus needs it, metrics do not).
+    """Score completions given prompts in the layout `choose_layout` picks; the entropy carries a gradient
+    only with `entropy_grad` (an entropy bonus needs it, metrics do not).
     `token_mask` (0/1 per completion token) keeps only some completion tokens in the mask.
 
     `model` is a Hugging Face causal LM or a DeepSpeed engine around one. Its body runs once; the
@@ -99,7 +106,10 @@ def completion_logprobs(model, prompts: List[List[int]], completions: List[List[
     exist for the whole batch in either pass.
     """
     device = next(model.parameters()).device
-    if _can_share_prompts(model) and shares_prompts(prompts, completions):
+    layout = choose_layout(model, prompts, completions)
+    if layout == "grouped":
+        hidden, targets, index = _grouped_forward(model, prompts, completions, pad_id, device)
+    elif layout == "shared_prompt":
         hidden, targets, index = _shared_prompt_forward(model, prompts, completions, pad_id, device)
     else:
         batch = pack(prompts, completions, pad_id)
@@ -212,11 +222,30 @@ def _spans(values_at: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
     return torch.where(inside, values_at.unsqueeze(1) + offset, torch.zeros_like(offset))
 
 
-def shares_prompts(prompts: List[List[int]], completions: List[List[int]]) -> bool:
-    """Whether the shared-prompt layout pays: it feeds at least `SHARED_PROMPT_MIN_SAVING` tokens fewer than
-    packed rows do."""
+def choose_layout(model, prompts: List[List[int]], completions: List[List[int]]) -> str:
+    """"grouped" where one row per distinct prompt is no longer than `GROUPED_ROW_PER_HIDDEN` hidden sizes and
+    feeds fewer tokens than packed rows (the attention takes a mask: SDPA); else "shared_prompt" where it saves
+    at least `SHARED_PROMPT_MIN_SAVING` tokens, the price of its second pass (and the KV cache survives the
+    forward); else "packed"."""
+    module = _unwrap(model)
     packed_tokens = sum(len(p) + len(c) for p, c in zip(prompts, completions))
-    return _shared_prompt_tokens(prompts, completions) + SHARED_PROMPT_MIN_SAVING <= packed_tokens
+    groups = _group_lengths(prompts, completions)
+    grouped_tokens = len(groups) * max(groups)
+    if (module.config._attn_implementation == "sdpa" and grouped_tokens < packed_tokens
+            and max(groups) <= GROUPED_ROW_PER_HIDDEN * module.config.hidden_size):
+        return "grouped"
+    if _can_share_prompts(model) and _shared_prompt_tokens(prompts, completions) + SHARED_PROMPT_MIN_SAVING \
+            <= packed_tokens:
+        return "shared_prompt"
+    return "packed"
+
+
+def _group_lengths(prompts: List[List[int]], completions: List[List[int]]) -> List[int]:
+    """Each distinct prompt's grouped row length: the prompt once, then every completion that answers it."""
+    lengths: dict = {}
+    for p, c in zip(prompts, completions):
+        lengths[tuple(p)] = lengths.get(tuple(p), len(p)) + len(c)
+    return list(lengths.values())
 
 
 def _shared_prompt_tokens(prompts: List[List[int]], completions: List[List[int]]) -> int:
@@ -254,6 +283,49 @@ def _shared_prompt_forward(model, prompts: List[List[int]], completions: List[Li
                                       position_ids=positions[owner, -1:] + 1 + torch.arange(completion_len, device=device),
                                       use_cache=True, **{cache_keyword: cache})[:, :-1]
     return torch.cat([prompt_hidden[owner].unsqueeze(1), completion_hidden], dim=1), targets, index
+
+
+def _grouped_forward(model, prompts: List[List[int]], completions: List[List[int]], pad_id: int,
+                     device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden states, target tokens, index) from one pass over a row per distinct prompt: the prompt, then
+    each of its completions at the positions that follow the prompt, under a mask that lets a completion
+    token see its prompt and the completion's earlier tokens only (padding sees itself).
+
+    The hidden states come back one per completion token, (N, 1, H) with targets (N, 1): a completion's
+    first token is predicted by its prompt's last position, which every completion of the group shares.
+    `index` places them as `pack` does: (batch, W), position t of sequence i holding the row of the
+    prediction of its token t + 1."""
+    distinct: dict = {}
+    rows: List[List[int]] = []
+    segments: List[List[int]] = []  # 0: the prompt, i + 1: completion i, -1: padding
+    positions: List[List[int]] = []
+    predictors: List[int] = []  # flat (row, column) of each completion token's prediction, in sequence order
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        r = distinct.setdefault(tuple(p), len(distinct))
+        if r == len(rows):
+            rows.append(list(p))
+            segments.append([0] * len(p))
+            positions.append(list(range(len(p))))
+        start = len(rows[r])
+        rows[r] += c
+        segments[r] += [i + 1] * len(c)
+        positions[r] += range(len(p), len(p) + len(c))
+        predictors += [(r, len(p) - 1)] + [(r, start + j) for j in range(len(c) - 1)]
+    length = max(len(row) for row in rows)
+    input_ids = torch.tensor([row + [pad_id] * (length - len(row)) for row in rows], device=device)
+    position_ids = torch.tensor([pos + list(range(len(pos), length)) for pos in positions], device=device)
+    segment = torch.tensor([seg + [-1] * (length - len(seg)) for seg in segments], device=device)
+    query, key = segment.unsqueeze(2), segment.unsqueeze(1)
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    mask = (causal & ((key == 0) | (key == query))) | torch.eye(length, dtype=torch.bool, device=device)
+    hidden = _final_hidden(model, input_ids=input_ids, position_ids=position_ids, attention_mask=mask.unsqueeze(1),
+                           use_cache=False)
+    flat = torch.tensor([r * length + column for r, column in predictors], device=device)
+    targets = torch.tensor([t for c in completions for t in c], device=device)
+    counts = _lengths(completions)
+    index = _spans(counts.cumsum(0) - counts, _lengths(prompts) - 1, counts,
+                   max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1)
+    return hidden.flatten(0, 1)[flat].unsqueeze(1), targets.unsqueeze(1), index.to(device)
 
 
 def align_per_token(values: List[List[float]], prompts: List[List[int]], width: int) -> torch.Tensor:

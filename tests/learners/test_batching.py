@@ -7,16 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlplatform.learners.batching import completion_logprobs, shares_prompts
+from rlplatform.learners.batching import choose_layout, completion_logprobs
 from rlplatform.learners import head_scores
 from rlplatform.learners.head_scores import HeadScores, compute_dtype, fused_head
 from rlplatform.policy import enable_activation_checkpointing, load_policy
+from tests.learners.layouts import LAYOUT_EXAMPLES
 
-GROUPS = {
-    "packed": ([[5, 6, 7, 8, 9], [6, 7], [8], [9, 10, 11]], [[10], [11, 12, 13], [5, 5, 5, 5], [7, 8]]),
-    "shared_prompt": ([[5, 6, 7, 8, 9] * 8] * 3 + [[6, 7] * 10] * 3,
-                      [[10], [11, 12], [13, 5, 5], [7], [8, 8], [9, 10, 11]]),
-}
 TEMPERATURE = 0.7
 
 
@@ -35,11 +31,11 @@ def gradient(model, objective):
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
-@pytest.mark.parametrize("layout", sorted(GROUPS))
+@pytest.mark.parametrize("layout", sorted(LAYOUT_EXAMPLES))
 def test_chunked_scores_and_gradients_equal_the_full_vocabulary_computation(tiny_policy, layout):
     model, _ = load_policy(tiny_policy)
-    prompts, completions = GROUPS[layout]
-    assert shares_prompts(prompts, completions) == (layout == "shared_prompt")
+    prompts, completions = LAYOUT_EXAMPLES[layout]
+    assert choose_layout(model, prompts, completions) == layout
     tokens = sum(len(c) for c in completions)
     # fixed per-token weights make the objective touch every log-prob and entropy differently
     generator = torch.Generator().manual_seed(0)
@@ -50,7 +46,7 @@ def test_chunked_scores_and_gradients_equal_the_full_vocabulary_computation(tiny
                                  entropy_grad=True, chunk_tokens=7)
     mask = scores.mask.bool()
     chunked = scores.logprobs[mask], scores.entropy[mask]
-    assert 7 < tokens < 14
+    assert tokens > 7 and tokens % 7
     chunked_grad = gradient(model, (chunked[0] * logprob_weight).sum() + (chunked[1] * entropy_weight).sum())
 
     plain = [torch.cat(parts) for parts in zip(*(plain_scores(model, p, c) for p, c in zip(prompts, completions)))]
@@ -65,21 +61,24 @@ def test_chunked_scores_and_gradients_equal_the_full_vocabulary_computation(tiny
 
 def test_entropy_carries_no_gradient_unless_asked(tiny_policy):
     model, _ = load_policy(tiny_policy)
-    prompts, completions = GROUPS["packed"]
+    prompts, completions = LAYOUT_EXAMPLES["packed"]
     scores = completion_logprobs(model, prompts, completions, pad_id=0, chunk_tokens=3)
     assert scores.logprobs.requires_grad and not scores.entropy.requires_grad
 
 
-def test_activation_checkpointing_scores_shared_prompt_groups_correctly(tiny_policy):
+@pytest.mark.parametrize("layout,checkpointed_layout", [("grouped", "grouped"), ("shared_prompt", "packed")])
+def test_activation_checkpointing_scores_prompt_groups_correctly(tiny_policy, layout, checkpointed_layout):
     """Hugging Face layers drop the KV cache under activation checkpointing in training mode, so such a
-    model must get packed rows even where sharing prompts is cheaper: same scores and gradients."""
-    prompts, completions = GROUPS["shared_prompt"]
+    model must get packed rows where it would share prompts' caches; a grouped row needs no cache. Same
+    scores and gradients either way."""
+    prompts, completions = LAYOUT_EXAMPLES[layout]
 
     def scored(checkpointing):
         model, _ = load_policy(tiny_policy)
         if checkpointing:
             enable_activation_checkpointing(model)
             model.train()
+        assert choose_layout(model, prompts, completions) == (checkpointed_layout if checkpointing else layout)
         scores = completion_logprobs(model, prompts, completions, pad_id=0)
         return scores.logprobs.detach(), gradient(model, (scores.logprobs * scores.mask).sum())
 

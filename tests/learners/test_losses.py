@@ -10,6 +10,7 @@ import torch
 
 from rlplatform.learners.batching import align_per_token, pack
 from rlplatform.learners.losses import reference_kl, sft_loss
+from tests.learners.layouts import LAYOUT_EXAMPLES
 
 
 def test_sft_loss_on_a_tiny_tensor():
@@ -73,23 +74,16 @@ def test_reference_kl_k3_estimate_by_hand():
     assert reference_kl(logprobs, reference).tolist()[0] == pytest.approx([0.0, 0.306853, 0.367879], abs=1e-6)
 
 
-GROUPS = {  # (prompts, completions): distinct prompts pack into one row; groups share their prompt's pass
-    "packed": ([[5, 6, 7, 8, 9], [6, 7], [8], [9, 10, 11]], [[10], [11, 12, 13], [5, 5, 5, 5], [7, 8]]),
-    "shared_prompt": ([[5, 6, 7, 8, 9] * 8] * 3 + [[6, 7] * 10] * 3,
-                      [[10], [11, 12], [13, 5, 5], [7], [8, 8], [9, 10, 11]]),
-}
-
-
-@pytest.mark.parametrize("layout", sorted(GROUPS))
+@pytest.mark.parametrize("layout", sorted(LAYOUT_EXAMPLES))
 def test_scores_and_gradients_match_each_sequence_scored_alone(tiny_policy, layout):
     """Sequences sharing a row, or a prompt's KV cache, must not attend to each other: every completion
     token's log-prob, and the gradient of their sum, is what the sequence alone gives."""
-    from rlplatform.learners.batching import completion_logprobs, shares_prompts
+    from rlplatform.learners.batching import choose_layout, completion_logprobs
     from rlplatform.policy import load_policy
 
     model, _ = load_policy(tiny_policy)
-    prompts, completions = GROUPS[layout]
-    assert shares_prompts(prompts, completions) == (layout == "shared_prompt")
+    prompts, completions = LAYOUT_EXAMPLES[layout]
+    assert choose_layout(model, prompts, completions) == layout
 
     def scored(pairs):
         model.zero_grad()
