@@ -1,5 +1,5 @@
 """How an RL step is cut up must not change the update: the same batch trained by one rank at once and
-by two ranks with uneven shares (5 samples) in micro-batches under ZeRO-2 and ZeRO-3 gives the same
+by two ranks with uneven shares (5 samples) in micro-batches under ZeRO-0, 2 and 3 gives the same
 weights, gradient norm and metrics (real DeepSpeed, gloo); so does an SFT step before it on 5 rows split
 3 and 2 (the loss is a mean over every rank's tokens). Under ZeRO-3 the KL reference is sharded like the
 policy and gives the same KL."""
@@ -20,6 +20,7 @@ from tests.learners.steps import rl_step
 RL = RLConfig(minibatches=2, entropy_coef=0.01, kl_coef=0.1, sft_coef=0.5)
 SETTINGS = {  # name: (ranks, zero stage, micro_batch_tokens)
     "one_rank_whole": (1, 1, 10 ** 6),
+    "two_ranks_zero0_micro": (2, 0, 12),
     "two_ranks_zero2_micro": (2, 2, 12),
     "two_ranks_zero3_micro": (2, 3, 12),
 }
