@@ -94,10 +94,10 @@ class LearnerGroup:
         deadline_get([rank.connect_results.remote(redis_url, run) for rank in self.ranks], "a learner rank",
                      LEARNER_TIMEOUT_S)
 
-    def watch_parity(self, prompt_ids: List[List[int]], reference_key: str) -> None:
-        """Score the parity canary with every version streamed (`LearnerRank.watch_parity`)."""
-        deadline_get([rank.watch_parity.remote(prompt_ids, reference_key) for rank in self.ranks], "a learner rank",
-                     LEARNER_TIMEOUT_S)
+    def watch_parity(self, prompt_ids: List[List[int]], reference_key: str, every: int) -> None:
+        """Score the parity canary with every `every`-th version streamed (`LearnerRank.watch_parity`)."""
+        deadline_get([rank.watch_parity.remote(prompt_ids, reference_key, every) for rank in self.ranks],
+                     "a learner rank", LEARNER_TIMEOUT_S)
 
     def rl_step_async(self, batch: List[TrainItem], rl: RLConfig, sft_rows: Optional[List[Dict]] = None,
                       step: int = 0, max_tokens: Optional[int] = None) -> List[ray.ObjectRef]:

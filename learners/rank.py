@@ -44,7 +44,7 @@ from rlplatform.transport.results import ResultStore
 from rlplatform.transport.reward_queue import JobKeys
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.weight_transports import ObjectStoreTransport, WeightTransport
-from rlplatform.monitoring.parity_canary import canary_sequences, store_reference
+from rlplatform.monitoring.parity_canary import canary_sequences, canary_version, store_reference
 from rlplatform.transport.weight_deltas import DeltaEncoder
 from rlplatform.transport.weights import cast_weights, from_snapshot, to_snapshot
 
@@ -115,7 +115,7 @@ class LearnerRank:
         # weights.delta: each version after a full one as the elements that changed
         self.updates = DeltaEncoder(transport.delta_full_every) if transport.delta_full_every else None
         self.results: Optional[ResultStore] = None  # the job's scored samples on Redis
-        self.canary: Optional[Tuple] = None  # (first tokens, scored tokens, Redis key): `watch_parity`
+        self.canary: Optional[Tuple] = None  # (first tokens, scored tokens, Redis key, every): `watch_parity`
         # DeepSpeed picks its accelerator once, at import: the rank's device, not whatever the node has.
         # Imported here, so that the import runs while the job writes the policy that `setup` loads
         os.environ["DS_ACCELERATOR"] = self.device.type
@@ -499,11 +499,11 @@ class LearnerRank:
     def connect_results(self, redis_url: str, run: str) -> None:
         self.results = ResultStore(connect(redis_url), JobKeys(run).result_prefix)
 
-    def watch_parity(self, prompt_ids: List[List[int]], reference_key: str) -> None:
-        """Score the parity canary of `prompt_ids` with every version streamed; rank 0 stores it under
+    def watch_parity(self, prompt_ids: List[List[int]], reference_key: str, every: int) -> None:
+        """Score the parity canary of `prompt_ids` with every `every`-th version streamed; rank 0 stores it under
         `reference_key` for the engines to check (`parity_canary`; after `connect_results`)."""
         first, scored = canary_sequences(prompt_ids)
-        self.canary = (first, scored, reference_key) if first else None
+        self.canary = (first, scored, reference_key, every) if first else None
 
     def rl_step_and_stream(self, sample_ids: List[str], advantages: List[float], rl: RLConfig,
                             sft_rows: Optional[List[Dict]] = None, step: int = 0,
@@ -518,7 +518,7 @@ class LearnerRank:
     def stream_weights(self, version: int) -> Optional[List]:
         """[what the weight store gets] for `version` through `weights.transport` (rank 0): a snapshot or
         IPC-handle ref, or the version itself once broadcast; the parity canary's scores stored first."""
-        if self.canary is not None:
+        if self.canary is not None and canary_version(version, self.canary[3]):
             self._score_canary(version)
         state = self._streamed_state()
         if state is None:
@@ -529,7 +529,7 @@ class LearnerRank:
 
     def _score_canary(self, version: int) -> None:
         """The learner's log-probs of the parity canary at `version`, stored by rank 0 (every rank scores: ZeRO-3)."""
-        first, scored, key = self.canary
+        first, scored, key, _ = self.canary
         with torch.no_grad():
             scores = self._scores(self.engine, first, scored)
         if self.rank == 0:

@@ -339,7 +339,7 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup
     learner.connect_results(redis_url, run)
     keys = PolicyKeys(run, policy.name)
     if config.monitoring.parity_every:
-        learner.watch_parity([p.ids for p in train], keys.canary_reference)
+        learner.watch_parity([p.ids for p in train], keys.canary_reference, config.monitoring.parity_every)
     weight_transport(policy.weights).connect(learner.ranks[0], rollout + [evaluator.actor], redis_url, keys.version,
                                              LEARNER_TIMEOUT_S)
     return PolicyWorkers(policy, learner, rollout, store, evaluator, keys,

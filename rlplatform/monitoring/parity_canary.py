@@ -1,12 +1,13 @@
 """The parity canary: fixed token sequences scored by the learner and by each rollout engine at the
-same weight version, so a weight sync that left part of the model behind shows at once, before any
-sampled token is trained on (`monitoring.parity_every`).
+same weight version, so a weight sync that left part of the model behind shows within
+`monitoring.parity_every` versions (its first check comes before any sampled token is trained on).
 
 Data flow: the canary is the first `CANARY_PROMPTS` training prompts of the policy (each scored on its
-tokens after the first, teacher-forced) -> the learner scores it with each version it streams and rank
-0 stores the sequences and log-probs on Redis (`PolicyKeys.canary_reference`, the newest version only)
-before the version is announced -> a rollout worker that loaded a version `parity_every` versions past
-its last check scores the same sequences with its engine, compares (mean and max |Δ log-prob|) and
+tokens after the first, teacher-forced) -> the learner scores it with each canary version it streams (the
+multiples of `parity_every`: `canary_version`) and rank 0 stores the sequences and log-probs on Redis
+(`PolicyKeys.canary_reference`, the newest version only) before the version is announced -> a rollout
+worker that loads a canary version scores the same sequences with its engine, compares (mean and max
+|Δ log-prob|) and
 adds the result to the policy's `canary_checks` stream -> the RL monitor reports each new check (W&B
 `canary/…`, summary `rl.parity.canary`) and the `parity` alert rule fires on it as on the learner's
 own parity figures.
@@ -27,6 +28,11 @@ def canary_sequences(prompt_ids: Sequence[List[int]]) -> Tuple[List[List[int]], 
     return [ids[:1] for ids in chosen], [ids[1:] for ids in chosen]
 
 
+def canary_version(version: int, every: int) -> bool:
+    """Whether `version` is checked: the learner scores, and engines check, every `every`-th version."""
+    return version % every == 0
+
+
 def store_reference(client, key: str, version: int, first: List[List[int]], scored: List[List[int]],
                     logprobs: List[List[float]]) -> None:
     """The canary and the learner's log-probs of it for `version` (only the newest is kept)."""
@@ -40,15 +46,16 @@ def compare(reference: List[List[float]], engine: List[List[float]]) -> Dict[str
 
 
 class CanaryCheck:
-    """A rollout worker's side: checks the engine against the learner's reference every `every` versions."""
+    """A rollout worker's side: checks the engine against the learner's reference at each canary version it
+    loads (one it skips waits for the next)."""
 
     def __init__(self, client, reference_key: str, checks_key: str, every: int, worker: int) -> None:
         self.client, self.reference_key, self.checks_key = client, reference_key, checks_key
         self.every, self.worker = every, worker
-        self.last_checked = -every  # the first version loaded is checked
+        self.last_checked: Optional[int] = None
 
     def due(self, version: int) -> bool:
-        return version >= self.last_checked + self.every
+        return canary_version(version, self.every) and version != self.last_checked
 
     def run(self, version: int, score) -> Optional[Dict[str, float]]:
         """Compare `score(first tokens, scored tokens)` (the engine's log-probs) with the learner's for
