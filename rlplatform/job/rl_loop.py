@@ -24,7 +24,7 @@ from rlplatform.config import JobConfig
 from rlplatform.job.checkpoint import latest_checkpoint, learner_dir, write_checkpoint
 from rlplatform.job.signals import StopSignals
 from rlplatform.job.summaries import RLSummary
-from rlplatform.job.supervision import Supervisor
+from rlplatform.job.supervision import RESTART_TIMEOUT_S, Supervisor
 from rlplatform.job.workers import PolicyWorkers, publish
 from rlplatform.learners.algorithms import ADVANTAGE_ESTIMATORS, grpo_advantages
 from rlplatform.learners.group import TrainItem
@@ -360,6 +360,7 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
     and at the end; a stop signal ends it early, checkpointed. `job_state()`: the job's own part of each
     checkpoint's state, as it stands when the checkpoint is written. Returns each policy's summary by name."""
     controller_cpu_start = time.process_time()
+    _await_construction([actor for p in policies for actor in p.rollout] + reward_actors)
     runs = {p.name: PolicyRun(job, p, queue, metrics, train_rows) for p in policies}
     attempt = resume.attempt if resume else 0
     for name, run in runs.items():
@@ -426,6 +427,14 @@ class WorkerWatch:
     def _show(self, listing: str) -> None:
         if self.metrics.status is not None:
             self.metrics.status.set(SILENT_WORKERS, listing)
+
+
+def _await_construction(actors: List, timeout_s: float = RESTART_TIMEOUT_S) -> None:
+    """Wait (at most `timeout_s`) until `actors` are constructed (a rollout worker has loaded its model), so the
+    stage's clock starts with its workers ready and its first batch is generation, not start-up. An actor whose
+    construction failed or hangs is the supervisor's to restart or report once its loop starts."""
+    ready = [actor.__ray_ready__.remote() for actor in actors]
+    ray.wait(ready, num_returns=len(ready), timeout=timeout_s)
 
 
 def _start_loops(job: JobConfig, policies: List[PolicyWorkers], reward_actors: List, metrics: Metrics) -> Supervisor:
