@@ -268,7 +268,9 @@ def main() -> None:
         f"(TRL's clock stops while it evaluates; rlplatform evaluates on a spare worker at idle CPU priority, "
         f"`eval.priority`, and dates each result when the evaluated version was published). Trained completions/s: "
         f"TRL trains every completion it generates; rlplatform's figure counts only samples the learner trained on. "
-        f"End-to-end is the whole process, start-up and evaluations included.", "",
+        f"Train wall: TRL's `trainer.train()` with its model loaded; rlplatform's RL stage from the moment its "
+        f"rollout and reward workers are constructed (model loaded) to its last step, its first batch's generation "
+        f"included. End-to-end is the whole process, start-up and evaluations included.", "",
         f"![held-out accuracy against training time]({os.path.basename(image)})", "", *sections])
     print(report)
     with open(args.out, "w") as f:
