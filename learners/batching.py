@@ -299,7 +299,7 @@ def _grouped_forward(model, prompts: List[List[int]], completions: List[List[int
     rows: List[List[int]] = []
     segments: List[List[int]] = []  # 0: the prompt, i + 1: completion i, -1: padding
     positions: List[List[int]] = []
-    predictors: List[int] = []  # flat (row, column) of each completion token's prediction, in sequence order
+    predictors: List[Tuple[int, int]] = []  # (row, column) of each completion token's prediction, in order
     for i, (p, c) in enumerate(zip(prompts, completions)):
         r = distinct.setdefault(tuple(p), len(distinct))
         if r == len(rows):
@@ -310,7 +310,7 @@ def _grouped_forward(model, prompts: List[List[int]], completions: List[List[int
         rows[r] += c
         segments[r] += [i + 1] * len(c)
         positions[r] += range(len(p), len(p) + len(c))
-        predictors += [(r, len(p) - 1)] + [(r, start + j) for j in range(len(c) - 1)]
+        predictors += [(r, start + j - 1 if j else len(p) - 1) for j in range(len(c))]
     length = max(len(row) for row in rows)
     input_ids = torch.tensor([row + [pad_id] * (length - len(row)) for row in rows], device=device)
     position_ids = torch.tensor([pos + list(range(len(pos), length)) for pos in positions], device=device)
