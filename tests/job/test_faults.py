@@ -19,19 +19,19 @@ sys.modules[_spec.name] = faults  # its dataclasses look their module up there
 _spec.loader.exec_module(faults)
 
 
-STEPS = 24  # the faults land by step 3; the steps after it are the margin for the injector to keep up (with 10, a
-# step of a few tens of ms left the last three faults unlanded in some runs: the evaluator's kill waits for
-# Ray's actor table, the Redis kill for Redis to be back)
+STEPS = 24  # the faults land by step 5; the steps after it are the margin for the injector to keep up (with 10 steps
+# and the faults by step 3, steps of a few tens of ms left the last faults unlanded in some runs)
 
 
 def mixed_faults(job: str, rng: random.Random, steps: int) -> List:
-    # the Redis kill comes last: its recovery takes seconds, while the steps before it can take
-    # well under one, and every fault has to land before the job's last step ends
+    # the Redis kill's recovery takes seconds, while the steps before it can take well under one, and every
+    # fault has to land before the job's last step ends; the evaluator is killed once Redis is back (step 5
+    # needs it), so its restarted process never starts while Redis is down, which would fail and restart it again
     return [faults.Fault("SIGKILL rollout worker", 1, faults.kill_actor(f"{job}-policy-rollout-0")),
             faults.Fault("SIGKILL reward worker", 1, faults.kill_actor(f"{job}-reward-0")),
-            faults.Fault("SIGKILL evaluator", 2, faults.kill_actor(f"{job}-policy-rollout-1")),
             faults.Fault("malformed stream entries", 3, faults.write_malformed),
-            faults.Fault("SIGKILL embedded redis-server", 3, faults.kill_embedded_redis)]
+            faults.Fault("SIGKILL embedded redis-server", 3, faults.kill_embedded_redis),
+            faults.Fault("SIGKILL evaluator", 5, faults.kill_actor(f"{job}-policy-rollout-1"))]
 
 
 def test_a_job_survives_worker_kills_a_redis_kill_and_malformed_messages(ray_session, tmp_path):
