@@ -79,6 +79,14 @@ class SFTPart:
 
 
 @dataclass
+class Canary:
+    first: List[List[int]]  # each canary sequence's first token
+    scored: List[List[int]]  # the tokens after it, teacher-forced
+    reference_key: str  # where rank 0 stores the learner's log-probs for the engines (`parity_canary`)
+    every: int  # the versions scored: every `every`-th (`canary_version`)
+
+
+@dataclass
 class Minibatch:
     """One optimizer step's samples on this rank, in micro-batches, and the totals of the whole
     minibatch over every rank that its loss is normalised by."""
@@ -115,7 +123,7 @@ class LearnerRank:
         # weights.delta: each version after a full one as the elements that changed
         self.updates = DeltaEncoder(transport.delta_full_every) if transport.delta_full_every else None
         self.results: Optional[ResultStore] = None  # the job's scored samples on Redis
-        self.canary: Optional[Tuple] = None  # (first tokens, scored tokens, Redis key, every): `watch_parity`
+        self.canary: Optional[Canary] = None  # `watch_parity`
         # DeepSpeed picks its accelerator once, at import: the rank's device, not whatever the node has.
         # Imported here, so that the import runs while the job writes the policy that `setup` loads
         os.environ["DS_ACCELERATOR"] = self.device.type
@@ -503,7 +511,7 @@ class LearnerRank:
         """Score the parity canary of `prompt_ids` with every `every`-th version streamed; rank 0 stores it under
         `reference_key` for the engines to check (`parity_canary`; after `connect_results`)."""
         first, scored = canary_sequences(prompt_ids)
-        self.canary = (first, scored, reference_key, every) if first else None
+        self.canary = Canary(first, scored, reference_key, every) if first else None
 
     def rl_step_and_stream(self, sample_ids: List[str], advantages: List[float], rl: RLConfig,
                             sft_rows: Optional[List[Dict]] = None, step: int = 0,
@@ -518,7 +526,7 @@ class LearnerRank:
     def stream_weights(self, version: int) -> Optional[List]:
         """[what the weight store gets] for `version` through `weights.transport` (rank 0): a snapshot or
         IPC-handle ref, or the version itself once broadcast; the parity canary's scores stored first."""
-        if self.canary is not None and canary_version(version, self.canary[3]):
+        if self.canary is not None and canary_version(version, self.canary.every):
             self._score_canary(version)
         state = self._streamed_state()
         if state is None:
@@ -529,12 +537,13 @@ class LearnerRank:
 
     def _score_canary(self, version: int) -> None:
         """The learner's log-probs of the parity canary at `version`, stored by rank 0 (every rank scores: ZeRO-3)."""
-        first, scored, key, _ = self.canary
+        canary = self.canary
         with torch.no_grad():
-            scores = self._scores(self.engine, first, scored)
+            scores = self._scores(self.engine, canary.first, canary.scored)
         if self.rank == 0:
             logprobs = [row[mask.bool()].tolist() for row, mask in zip(scores.logprobs.float(), scores.mask)]
-            store_reference(self.results.client, key, version, first, scored, logprobs)
+            store_reference(self.results.client, canary.reference_key, version, canary.first, canary.scored,
+                            logprobs)
 
     def _streamed_state(self) -> Optional[Dict[str, torch.Tensor]]:
         """What each version sends (rank 0; None elsewhere): the full weights, or with LoRA the adapters

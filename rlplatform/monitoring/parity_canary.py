@@ -52,20 +52,19 @@ class CanaryCheck:
     def __init__(self, client, reference_key: str, checks_key: str, every: int, worker: int) -> None:
         self.client, self.reference_key, self.checks_key = client, reference_key, checks_key
         self.every, self.worker = every, worker
-        self.last_checked: Optional[int] = None
 
     def due(self, version: int) -> bool:
-        return canary_version(version, self.every) and version != self.last_checked
+        """Whether a newly loaded `version` is checked."""
+        return canary_version(version, self.every)
 
     def run(self, version: int, score) -> Optional[Dict[str, float]]:
         """Compare `score(first tokens, scored tokens)` (the engine's log-probs) with the learner's for
-        `version`; None (and checked again at the next load) when the learner's reference is another version."""
+        `version`; None (the next canary version loaded is checked) when the learner's reference is another version."""
         raw = self.client.get(self.reference_key)
         reference = json.loads(raw) if raw else None
         if reference is None or reference["version"] != version:
             return None
         figures = compare(reference["logprobs"], score(reference["first"], reference["scored"]))
-        self.last_checked = version
         record = {"version": version, "worker": self.worker, **figures}
         self.client.xadd(self.checks_key, {"check": json.dumps(record)}, maxlen=CHECKS_KEPT, approximate=True)
         return figures
