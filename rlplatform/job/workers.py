@@ -41,6 +41,7 @@ class Evaluator:
         self._baseline: Optional[Tuple[ray.ObjectRef, Callable[[Dict], None]]] = None  # (weights, their callback)
         self._baseline_pending: Optional[ray.ObjectRef] = None  # its evaluation, on the actor behind `_pending`
         self._revival: Optional[Revival] = None  # the actor died: it is restarting
+        self._lost: Set[ray.ObjectRef] = set()  # calls still held that went to a process already counted dead
         self.last_accuracy: Optional[float] = None  # pass@1 of the newest finished evaluation
         self.restarts = 0
 
@@ -60,9 +61,13 @@ class Evaluator:
             try:
                 return self._answer(deadline_get(ref, "the evaluator", EVAL_TIMEOUT_S))
             except RayActorError:
-                self._restarted()
-                self._revival.wait()
-                self._revival, ref = None, call()
+                if ref in self._lost:  # its process's death is counted: only the call is made again
+                    self._lost.discard(ref)
+                else:
+                    self._restarted()
+                    self._revival.wait()
+                    self._revival = None
+                ref = call()
 
     def run_now(self) -> Tuple[int, Dict]:
         """(version, figures) of the newest published weights, evaluated now."""
@@ -151,6 +156,7 @@ class Evaluator:
         """A call failed because the actor's process died: counted, and waited for while Ray restarts it."""
         self._count_restart("the evaluator died during an evaluation; it is evaluating again once Ray restarted it")
         self._counted_unheard += 1
+        self._lost.update(ref for ref in (self._pending, self._baseline_pending) if ref is not None)
         self._revival = Revival(self.actor, "the evaluator")
 
     def _count_restart(self, text: str) -> None:
