@@ -356,7 +356,7 @@ def main() -> None:
              f"{args.learner_steps} RL steps on the generated groups; micro-batches of {learner.micro_batch_tokens} "
              f"tokens (the default: from free memory)"),
             ("learner MFU", f"{trained['mfu']:.1%}",
-             f"6 x {params / 1e6:.1f}M parameters x tokens/s over the device's peak ({learner.peak_flops / 1e12:.1f} "
+             f"6 x {params / 1e6:.1f}M parameters x tokens/s over the device's peak ({learner.peak.flops / 1e12:.1f} "
              f"TFLOP/s{'' if device == 'cuda' else ', a measured matmul peak'})"),
             *job_rows]
     report = "\n".join([

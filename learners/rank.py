@@ -31,7 +31,7 @@ from rlplatform.learners.algorithms import (Totals, entropy_bonus, parity_figure
                                             sft_auxiliary_loss, token_mean)
 from rlplatform.learners.batching import TokenScores, align_per_token, completion_logprobs
 from rlplatform.learners.budget import free_device_bytes, micro_batch_tokens
-from rlplatform.learners.flops import mfu, peak_flops
+from rlplatform.learners.flops import DevicePeak
 from rlplatform.learners.lora import AdaptersOff, adapter_state, copy_head_weight_per_call, save_adapters
 from rlplatform.learners.losses import reference_kl, sft_loss
 from rlplatform.lora import with_adapters
@@ -115,7 +115,7 @@ class LearnerRank:
         self.tokenizer = None
         self.micro_batch_tokens = 0  # tokens per forward/backward: learner.micro_batch_tokens, or from memory at setup
         self.params = 0  # the model's parameters, for MFU (6 x params x tokens)
-        self.peak_flops = 0.0  # the device's peak FLOP/s in the compute dtype
+        self.peak: Optional[DevicePeak] = None  # the device's peak FLOP/s in the compute dtype
         self.reference = None  # frozen policy for KL, kept during RL when asked
         self.stage_lr = 0.0
         self.transport = transport  # weights.transport's strategy
@@ -164,7 +164,7 @@ class LearnerRank:
         optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0, fused=True)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=self._deepspeed_config())
         self.params = sum(p.numel() for p in model.parameters())
-        self.peak_flops = peak_flops(self.device, torch_dtype(self.dtype))  # the dtype the matmuls run in
+        self.peak = DevicePeak(self.device, torch_dtype(self.dtype))  # the dtype the matmuls run in
         self.micro_batch_tokens = self.config.micro_batch_tokens or micro_batch_tokens(
             free_device_bytes(self.device, self.world_size, self.config.num_gpus), sum(p.numel() for p in trainable),
             model.config, torch_dtype(self.dtype).itemsize, self.config.activation_checkpointing)
@@ -178,7 +178,7 @@ class LearnerRank:
                 "backend": torch.distributed.get_backend(), "ray_gpu_ids": [str(i) for i in ray.get_gpu_ids()],
                 "dtype": str(next(self.engine.module.parameters()).dtype).removeprefix("torch."), "mode": mode,
                 "reference_elements": self._reference_elements(), "micro_batch_tokens": self.micro_batch_tokens,
-                "params": self.params, "peak_flops": self.peak_flops}
+                "params": self.params, "peak_flops": self.peak.flops}
 
     def _reference_elements(self) -> Optional[int]:
         """Reference weights this rank holds (its ZeRO-3 shard, or the whole model); None without one."""
@@ -283,10 +283,10 @@ class LearnerRank:
 
     def _throughput(self, metrics: Dict[str, float], model_tokens: float, started: float) -> Dict[str, float]:
         """`metrics` with this rank's step time, the tokens it trained through the model (prompt and completion,
-        once per update), their rate and the step's MFU."""
+        once per update), their rate, the step's MFU and the peak it is a fraction of."""
         seconds = time.perf_counter() - started
         metrics.update(compute_s=seconds, model_tokens=float(model_tokens), model_tokens_per_s=model_tokens / seconds,
-                       mfu=mfu(self.params, model_tokens, seconds, self.peak_flops))
+                       mfu=self.peak.mfu(self.params, model_tokens, seconds), peak_flops=self.peak.flops)
         return metrics
 
     def _sft_parts(self, rows: List[Dict]) -> Tuple[List["SFTPart"], float]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlplatform.learners.flops import measured_matmul_flops, mfu, table_peak_flops
+from rlplatform.learners.flops import DevicePeak, measured_matmul_flops, mfu, table_peak_flops
 
 
 def test_data_sheet_peaks_by_gpu_name_and_dtype():
@@ -26,3 +26,14 @@ def test_mfu_of_the_first_gpu_learner_run_by_hand():
 def test_a_cpu_peak_is_measured():
     flops = measured_matmul_flops(torch.device("cpu"), torch.float32)
     assert 1e8 < flops < 1e13  # between a slow core and far more than two cores reach
+
+
+def test_a_measured_peak_that_a_step_outruns_is_measured_again():
+    peak = DevicePeak(torch.device("cpu"), torch.float32)
+    assert peak.measured and 1e8 < peak.flops < 1e13
+    peak.flops = 1e6  # as if measured while other work held the cores
+    assert peak.mfu(1_000_000, 1_000, 1.0) < 1  # 6e9 FLOP/s beats 1e6: measured again, far above both
+    assert peak.flops > 6e9
+    kept = peak.flops
+    assert peak.mfu(1, 1, 1.0) == pytest.approx(6 / kept)  # a slower step keeps the peak
+    assert peak.flops == kept
