@@ -55,6 +55,9 @@ from rlplatform.user_code import import_modules
 from rlplatform.transport.weights import from_snapshot
 
 
+POLL_S = 0.005  # the generation loop reads the stop flag and the published version at most this often
+
+
 @dataclass
 class _OpenGroup:
     """A claimed prompt whose completions are still being decoded."""
@@ -90,10 +93,13 @@ class RolloutWorker:
         self.canary = CanaryCheck(client, self.keys.canary_reference, self.keys.canary_checks, spec.parity_every,
                                   index) if spec.parity_every else None  # the parity canary (`parity_canary`)
         self.label = f"rollout worker {index} of policy '{policy}'"  # as silent workers are named
+        self._polled_at = -POLL_S  # when the loop last read the stop flag and the published version (`_poll`)
+        self._stop, self._published = False, None
 
-    def sync_weights(self) -> int:
-        """Load the newest published weights if they are newer; returns the version held."""
-        if not self._newer_published():
+    def sync_weights(self, published: Optional[int] = None) -> int:
+        """Load the newest published weights if they are newer than those held (`published`: the version the
+        loop last read on Redis; else it is read now); returns the version held."""
+        if not self._newer(self._read_published() if published is None else published):
             return self.engine.version
         newer = self.weights_in.newer(self.engine.version)
         if newer is not None:
@@ -108,7 +114,7 @@ class RolloutWorker:
     def _sync_counted(self) -> None:
         """`sync_weights` in the generation loop, counted when it loaded a newer version."""
         start, held = time.perf_counter(), self.version
-        if self.sync_weights() != held:
+        if self.sync_weights(self._published) != held:
             self._count(weight_syncs=1, weight_sync_s=time.perf_counter() - start)
 
     def _episodes(self, client, run: str, chat_template: str, max_new_tokens: int):
@@ -145,7 +151,7 @@ class RolloutWorker:
                               lambda group: self.schedule.admit(group, self.version), self.env.plays_taskset)
         self.schedule.taken_over(self.index)  # after a restart: the groups a predecessor left unsubmitted
         player = self._taskset_player(bridge, capacity)
-        while not self.queue.stop_requested():
+        while not self._poll():
             self.heartbeats.beat(self.label)
             if in_flight or not batch:
                 self._sync_counted()
@@ -156,9 +162,9 @@ class RolloutWorker:
                 raise player.error
             free = capacity - len(open_groups)
             if self.rollout.source == "dataset" and player is None and free >= max(1, capacity // 4) and \
-                    (in_flight or not self._newer_published()):
+                    (in_flight or not self._newer(self._published)):
                 self._admit(batch, open_groups, free)
-            if bridge is not None and (in_flight or not self._newer_published()):
+            if bridge is not None and (in_flight or not self._newer(self._published)):
                 bridge.admit(batch)
             self.occupancy.tick(self.episodes.waiting, len(batch))
             if not batch:
@@ -215,10 +221,26 @@ class RolloutWorker:
         """Add to the policy's rollout counters on Redis (read by the monitor and the summary)."""
         self.queue.add_counters(self.keys.rollout_stats, **values)
 
-    def _newer_published(self) -> bool:
-        """Whether the version mirrored on Redis is newer than the weights held."""
+    def _poll(self) -> bool:
+        """Whether the job's stop flag is set. It and the published version (kept for the loop's weight checks)
+        are read in one round trip, at most every `POLL_S`: a decode step is a few milliseconds on CPU, and
+        reading both every step cost the worker and Redis more than some steps."""
+        now = time.monotonic()
+        if now - self._polled_at >= POLL_S:
+            self._polled_at = now
+            stop, published = self.queue.client.pipeline(transaction=False).exists(self.queue.keys.stop) \
+                .get(self.keys.version).execute()
+            self._stop, self._published = bool(stop), None if published is None else int(published)
+        return self._stop
+
+    def _read_published(self) -> Optional[int]:
+        """The version mirrored on Redis (None before the first)."""
         published = self.queue.client.get(self.keys.version)
-        return published is not None and int(published) > self.engine.version
+        return None if published is None else int(published)
+
+    def _newer(self, published: Optional[int]) -> bool:
+        """Whether `published` is newer than the weights held."""
+        return published is not None and published > self.engine.version
 
     def _admit(self, batch: ContinuousBatch, open_groups: Dict[str, _OpenGroup], wanted: int) -> None:
         """Start as many of `wanted` groups as the staleness rule lets the weights held start, on the
