@@ -19,12 +19,11 @@ in-place eager code below runs.
 
 from __future__ import annotations
 
-import logging
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-logger = logging.getLogger(__name__)
+from rlplatform.learners.compile_guard import compiling_failed, guarded
 
 
 def fused_head(head: torch.nn.Module) -> Optional[torch.Tensor]:
@@ -164,32 +163,21 @@ def chunk_grad(logits: torch.Tensor, targets: torch.Tensor, normaliser: torch.Te
 
 
 _COMPILED: Dict[str, Callable] = {}
-_FAILED: list = []  # the error that made this process give up compiling, once there is one
 
 
 def _fused(device: torch.device, fn: Callable) -> Optional[Callable]:
     """`fn` (`chunk_stats` or `chunk_grad`) compiled for a CUDA device, once per process; None elsewhere or
-    after compiling failed in this process (the eager code runs instead; the failure is logged once).
+    after compiling failed in this process (the eager code runs instead; `compile_guard`).
     The rows of a chunk vary (a pass's last chunk is shorter), the vocabulary does not: only the rows are
     compiled as a dynamic size, so the reduction over the vocabulary is generated for its known length."""
-    if device.type != "cuda" or _FAILED:
+    if device.type != "cuda" or compiling_failed():
         return None
     if fn.__name__ not in _COMPILED:
-        _COMPILED[fn.__name__] = _falling_back(torch.compile(fn), fn)
+        _COMPILED[fn.__name__] = guarded(torch.compile(fn), fn, "the output head's arithmetic", _rows_dynamic)
     return _COMPILED[fn.__name__]
 
 
-def _falling_back(compiled: Callable, fn: Callable) -> Callable:
-    def call(*args):
-        for arg in args:
-            if isinstance(arg, torch.Tensor):
-                torch._dynamo.maybe_mark_dynamic(arg, 0)
-        try:
-            return compiled(*args)
-        except torch.OutOfMemoryError:
-            raise
-        except (RuntimeError, torch._dynamo.exc.TorchDynamoException) as error:  # no Triton, an inductor failure
-            logger.warning("the output head's arithmetic runs uncompiled: torch.compile failed: %s", error)
-            _FAILED.append(error)
-            return fn(*args)
-    return call
+def _rows_dynamic(args: tuple) -> None:
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            torch._dynamo.maybe_mark_dynamic(arg, 0)

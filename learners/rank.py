@@ -31,6 +31,7 @@ from rlplatform.learners.algorithms import (Totals, entropy_bonus, parity_figure
                                             sft_auxiliary_loss, token_mean)
 from rlplatform.learners.batching import TokenScores, align_per_token, completion_logprobs
 from rlplatform.learners.budget import free_device_bytes, micro_batch_tokens
+from rlplatform.learners.compiled_layers import compile_layers, layers_compiled
 from rlplatform.learners.flops import DevicePeak
 from rlplatform.learners.lora import AdaptersOff, adapter_state, copy_head_weight_per_call, save_adapters
 from rlplatform.learners.losses import reference_kl, sft_loss
@@ -115,6 +116,7 @@ class LearnerRank:
         self.tokenizer = None
         self.micro_batch_tokens = 0  # tokens per forward/backward: learner.micro_batch_tokens, or from memory at setup
         self.params = 0  # the model's parameters, for MFU (6 x params x tokens)
+        self.compiled_layers = 0  # decoder layers under torch.compile (`learner.compile`)
         self.peak: Optional[DevicePeak] = None  # the device's peak FLOP/s in the compute dtype
         self.reference = None  # frozen policy for KL, kept during RL when asked
         self.stage_lr = 0.0
@@ -159,6 +161,8 @@ class LearnerRank:
             model = with_adapters(model, self.lora, adapter_dtype=torch_dtype(self.weights_dtype))
             if self.config.zero_stage == 3:
                 copy_head_weight_per_call(model)
+        self.compiled_layers = compile_layers(model) if layers_compiled(self.config.compile, self.device,
+                                                                        self.config.zero_stage) else 0
         trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters alone
         # fused: one kernel for every parameter's update (CUDA and CPU; on CPU about 5x the unfused loop's speed)
         optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0, fused=True)
@@ -178,7 +182,7 @@ class LearnerRank:
                 "backend": torch.distributed.get_backend(), "ray_gpu_ids": [str(i) for i in ray.get_gpu_ids()],
                 "dtype": str(next(self.engine.module.parameters()).dtype).removeprefix("torch."), "mode": mode,
                 "reference_elements": self._reference_elements(), "micro_batch_tokens": self.micro_batch_tokens,
-                "params": self.params, "peak_flops": self.peak.flops}
+                "params": self.params, "peak_flops": self.peak.flops, "compiled_layers": self.compiled_layers}
 
     def _reference_elements(self) -> Optional[int]:
         """Reference weights this rank holds (its ZeRO-3 shard, or the whole model); None without one."""

@@ -261,6 +261,7 @@ class LearnerConfig:
     resources: Dict[str, float] = field(default_factory=dict)  # custom Ray resources per rank, e.g. {learner_node: 1} places ranks on nodes started with that resource
     micro_batch_tokens: Optional[int] = at_least(None, 1)  # prompt+completion tokens per forward/backward (every pass: update, proximal, reference, SFT); a larger minibatch accumulates over several; unset: from the device's free memory (learners/budget.py)
     activation_checkpointing: bool = False  # recompute each layer's activations in backward: less memory, about a third more compute
+    compile: Optional[bool] = None  # torch.compile each decoder layer (fuses the elementwise work between matmuls; each way the layers are called compiles once, when first met); unset: on for a CUDA learner under ZeRO 0-2
 
 
 @dataclass
@@ -658,6 +659,9 @@ def _check_policy(config, prefix: str, source: str) -> None:
     if learner.num_ranks > 1 and learner.num_gpus is not None and 0 < learner.num_gpus < 1:
         raise ConfigError(f"{source}: '{prefix}learner.num_gpus' is {learner.num_gpus} with {learner.num_ranks} ranks: "
                           f"NCCL needs a whole GPU per rank; set it to 1 or use one rank")
+    if learner.compile and learner.zero_stage == 3:
+        raise ConfigError(f"{source}: '{prefix}learner.compile' is true under ZeRO-3, which gathers each layer's "
+                          f"weights in hooks torch.compile cannot trace; use learner.zero_stage 0-2 or leave compile unset")
 
 
 def _check_resources(resources: Dict[str, float], key: str, source: str) -> None:

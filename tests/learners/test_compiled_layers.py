@@ -1,0 +1,94 @@
+"""`learner.compile`: decoder layers under torch.compile score and train as the eager ones do, in every
+scoring layout and in a real DeepSpeed rank; where compiling fails they run eagerly; and the setting's
+default is on for a CUDA learner only."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from rlplatform.config import ConfigError, LearnerConfig, LoraConfig, load_config
+from rlplatform.learners import compile_guard
+from rlplatform.learners.batching import choose_layout, completion_logprobs
+from rlplatform.learners.compiled_layers import compile_layers, decoder_layers, layers_compiled
+from rlplatform.learners.group import LearnerGroup
+from rlplatform.lora import with_adapters
+from rlplatform.policy import load_policy
+from tests.learners.layouts import LAYOUT_EXAMPLES
+
+ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in [(1, 2), (13, 7), (40, 45), (9, 9)]]
+
+
+def scores_and_gradient(model, layout: str):
+    """Log-probs, entropies and the parameter gradient of a fixed objective over them, for `layout`'s example."""
+    prompts, completions = LAYOUT_EXAMPLES[layout]
+    assert choose_layout(model, prompts, completions) == layout
+    scores = completion_logprobs(model, prompts, completions, pad_id=0, temperature=0.7, entropy_grad=True)
+    mask = scores.mask.bool()
+    weights = torch.randn(int(mask.sum()), generator=torch.Generator().manual_seed(0))
+    model.zero_grad()
+    ((scores.logprobs[mask] * weights).sum() + (scores.entropy[mask] * weights.flip(0)).sum()).backward()
+    gradient = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return scores.logprobs[mask].detach(), scores.entropy[mask].detach(), gradient
+
+
+def test_compiled_layers_score_and_train_as_eager_ones_in_every_layout(tiny_policy):
+    eager, _ = load_policy(tiny_policy)
+    compiled, _ = load_policy(tiny_policy)
+    assert compile_layers(compiled) == len(decoder_layers(compiled)) == 2
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for layout in sorted(LAYOUT_EXAMPLES):
+        for got, want in zip(scores_and_gradient(compiled, layout), scores_and_gradient(eager, layout)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    # the compiled code ran, not the eager fallback: graphs were made for the layers' calls
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs and not compile_guard.compiling_failed()
+
+
+def test_layers_are_found_through_a_lora_wrapper(tiny_policy):
+    model, _ = load_policy(tiny_policy)
+    layers = decoder_layers(model)
+    wrapped = with_adapters(model, LoraConfig(enabled=True, rank=4, alpha=8))
+    assert decoder_layers(wrapped) == layers and len(layers) == 2
+
+
+def test_a_failed_compile_runs_the_layers_eagerly(tiny_policy, monkeypatch, caplog):
+    monkeypatch.setattr(compile_guard, "_FAILED", [])  # this test's failure stays out of the process's record
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/bin/false",))  # a C++ compiler that always fails
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # no compiled graph from an earlier run
+    torch._dynamo.reset()
+    eager, _ = load_policy(tiny_policy)
+    compiled, _ = load_policy(tiny_policy)
+    compile_layers(compiled)
+    with caplog.at_level(logging.WARNING, logger=compile_guard.__name__):
+        got = scores_and_gradient(compiled, "packed")
+    assert compile_guard.compiling_failed()
+    assert "the decoder layers runs uncompiled: torch.compile failed" in caplog.text
+    for got_part, want in zip(got, scores_and_gradient(eager, "packed")):
+        torch.testing.assert_close(got_part, want, atol=1e-6, rtol=0)
+    torch._dynamo.reset()
+
+
+def test_the_default_compiles_on_cuda_only_and_never_under_zero_3():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert layers_compiled(None, cuda, 1) and not layers_compiled(None, cuda, 3)
+    assert not layers_compiled(None, cpu, 1) and layers_compiled(True, cpu, 1) and not layers_compiled(False, cuda, 1)
+    assert load_config("configs/quickstart.yaml", []).learner.compile is None
+    with pytest.raises(ConfigError, match="'learner.compile' is true under ZeRO-3"):
+        load_config("configs/quickstart.yaml", ["learner.compile=true", "learner.zero_stage=3"])
+
+
+def test_a_compiled_rank_trains_as_an_eager_one(ray_session, tiny_policy):
+    losses = {}
+    for compiled in (None, True):  # the default (eager on CPU), then compiled
+        learner = LearnerGroup(LearnerConfig(num_cpus=0.5, compile=compiled), tiny_policy, seed=0)
+        try:
+            (placement,) = learner.placements()
+            assert placement["compiled_layers"] == (2 if compiled else 0)
+            learner.start_stage(lr=1e-2)
+            losses[compiled] = [learner.sft_step(ROWS).loss for _ in range(3)]  # the later ones after updates
+        finally:
+            learner.shutdown()
+    assert losses[None][0] != losses[None][2]  # the steps changed the weights
+    assert losses[True] == pytest.approx(losses[None], abs=1e-5)
