@@ -15,7 +15,7 @@ from rlplatform.learners.batching import choose_layout, completion_logprobs
 from rlplatform.learners.compiled_layers import compile_layers, decoder_layers, layers_compiled
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.lora import with_adapters
-from rlplatform.policy import load_policy
+from rlplatform.policy import enable_activation_checkpointing, load_policy
 from tests.learners.layouts import LAYOUT_EXAMPLES
 
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in [(1, 2), (13, 7), (40, 45), (9, 9)]]
@@ -27,7 +27,7 @@ def scores_and_gradient(model, layout: str):
     assert choose_layout(model, prompts, completions) == layout
     scores = completion_logprobs(model, prompts, completions, pad_id=0, temperature=0.7, entropy_grad=True)
     mask = scores.mask.bool()
-    weights = torch.randn(int(mask.sum()), generator=torch.Generator().manual_seed(0))
+    weights = torch.randn(int(mask.sum()), generator=torch.Generator().manual_seed(0)).to(mask.device)
     model.zero_grad()
     ((scores.logprobs[mask] * weights).sum() + (scores.entropy[mask] * weights.flip(0)).sum()).backward()
     gradient = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
@@ -44,6 +44,30 @@ def test_compiled_layers_score_and_train_as_eager_ones_in_every_layout(tiny_poli
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     # the compiled code ran, not the eager fallback: graphs were made for the layers' calls
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs and not compile_guard.compiling_failed()
+
+
+def test_compiled_layers_under_activation_checkpointing_train_as_eager_ones(tiny_policy):
+    """Checkpointing calls each compiled layer again in backward, with gradients, to recompute it."""
+    models = [load_policy(tiny_policy)[0] for _ in range(2)]
+    for model in models:
+        enable_activation_checkpointing(model)
+        model.train()
+    compile_layers(models[1])
+    for got, want in zip(scores_and_gradient(models[1], "grouped"), scores_and_gradient(models[0], "grouped")):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert not compile_guard.compiling_failed()
+
+
+@pytest.mark.gpu
+def test_compiled_layers_on_cuda_under_bfloat16_autocast_track_eager_ones(tiny_policy):
+    eager, compiled = (load_policy(tiny_policy)[0].cuda() for _ in range(2))
+    compile_layers(compiled)
+    for layout in sorted(LAYOUT_EXAMPLES):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            pairs = zip(scores_and_gradient(compiled, layout), scores_and_gradient(eager, layout))
+        for got, want in pairs:  # fused kernels round bfloat16 intermediates differently
+            torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    assert not compile_guard.compiling_failed()
 
 
 def test_layers_are_found_through_a_lora_wrapper(tiny_policy):
