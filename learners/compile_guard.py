@@ -21,14 +21,15 @@ def compiling_failed() -> bool:
 
 
 def guarded(compiled: Callable, eager: Callable, what: str,
-            prepare: Optional[Callable[[tuple], None]] = None) -> Callable:
+            prepare: Optional[Callable[[tuple, dict], None]] = None) -> Callable:
     """`compiled` (`eager` under torch.compile), called as `eager` once compiling has failed in this process;
-    `what` names it in the warning; `prepare(args)` runs before each compiled call (marking dynamic sizes)."""
+    `what` names it in the warning; `prepare(args, kwargs)` runs before each compiled call (marking dynamic
+    sizes)."""
     def call(*args, **kwargs):
         if _FAILED:
             return eager(*args, **kwargs)
         if prepare is not None:
-            prepare(args)
+            prepare(args, kwargs)
         try:
             return compiled(*args, **kwargs)
         except torch.OutOfMemoryError:

@@ -4,15 +4,16 @@ Between its matmuls a decoder layer is elementwise work (norms, rotary embedding
 residual adds, casts under autocast) that eager PyTorch runs as one kernel per operation, each reading
 and writing whole activations; on a GPU that costs a 0.5B policy's step more time than its matmuls.
 Compiled, each stretch of it becomes a few fused kernels. Every layer of the model shares one compiled
-graph for each way layers are called (with or without gradients; with a mask, a KV cache or neither),
-made the first time it is met, with dynamic sizes so that later batch shapes reuse it. Where compiling
-fails the layers run eagerly (`compile_guard`). The output head is not a layer here: `head_scores`
+graph for each way layers are called (with or without gradients; with a mask or without), made the first
+time it is met, with the batch's sizes dynamic so that later batches reuse it. Calls with a KV cache (the
+shared-prompt layout's passes) run eagerly: the cache is indexed by the layer's number, which would make
+each layer a graph of its own. Where compiling fails the layers run eagerly (`compile_guard`). The output head is not a layer here: `head_scores`
 compiles its own arithmetic on CUDA.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -33,11 +34,39 @@ def decoder_layers(model: torch.nn.Module) -> List[torch.nn.Module]:
     return [module for module in model.modules() if type(module).__name__ in classes]
 
 
+CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value")  # a layer's KV cache, as transformers versions name it
+
+
 def compile_layers(model: torch.nn.Module) -> int:
     """Compile each decoder layer's forward in place (see the module's docstring); returns how many."""
     from rlplatform.learners.compile_guard import guarded
 
     layers = decoder_layers(model)
     for layer in layers:
-        layer.forward = guarded(torch.compile(layer.forward, dynamic=True), layer.forward, "the decoder layers")
+        eager = layer.forward
+        layer.forward = _without_cache(guarded(torch.compile(eager), eager, "the decoder layers", _batch_dynamic),
+                                       eager)
     return len(layers)
+
+
+def _without_cache(compiled: Callable, eager: Callable) -> Callable:
+    """`compiled` for calls without a KV cache; `eager` for those with one (a shared prompt's passes). A cache
+    is indexed by the layer's number, which would make each layer a graph of its own."""
+    def forward(*args, **kwargs):
+        if any(kwargs.get(name) is not None for name in CACHE_KEYWORDS):
+            return eager(*args, **kwargs)
+        return compiled(*args, **kwargs)
+    return forward
+
+
+def _batch_dynamic(args: tuple, kwargs: dict) -> None:
+    """Mark the sizes that vary from batch to batch as dynamic before a compiled call: every dimension of a
+    mask, every one but the last of the other tensors (hidden states, positions, rotary tables). The last
+    is a width of the model, kept static so that reductions over it are generated for their known length."""
+    tensors = [*args, *kwargs.values()]
+    tensors += [t for value in kwargs.values() if isinstance(value, tuple) for t in value]  # (cos, sin)
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor):
+            dims = tensor.dim() if tensor.dtype == torch.bool else tensor.dim() - 1
+            for dim in range(dims):
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)

@@ -177,7 +177,7 @@ def _fused(device: torch.device, fn: Callable) -> Optional[Callable]:
     return _COMPILED[fn.__name__]
 
 
-def _rows_dynamic(args: tuple) -> None:
+def _rows_dynamic(args: tuple, kwargs: dict) -> None:
     for arg in args:
         if isinstance(arg, torch.Tensor):
             torch._dynamo.maybe_mark_dynamic(arg, 0)
