@@ -44,6 +44,7 @@ from rlplatform.actors.engine import TransformersEngine
 from rlplatform.config import LearnerConfig, RLConfig
 from rlplatform.devices import resolve_dtype
 from rlplatform.learners.algorithms import grpo_advantages
+from rlplatform.learners.batching import choose_layout
 from rlplatform.learners.rank import LearnerRank
 from rlplatform.transport.redis_server import EmbeddedRedis, connect
 from rlplatform.transport.samples import Sample
@@ -220,7 +221,8 @@ def learner_steps(learner: LearnerRank, groups, steps: int, profile: bool = Fals
     tokens = steps * sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     if profile:
         _profile_step(learner, samples, advantages, rl)
-    return {"tokens": tokens, "seconds": seconds, "mfu": sum(mfu) / len(mfu)}
+    layout = choose_layout(learner.engine.module, [s.prompt_ids for s in samples], [s.completion_ids for s in samples])
+    return {"tokens": tokens, "seconds": seconds, "mfu": sum(mfu) / len(mfu), "layout": layout}
 
 
 def _profile_step(learner: LearnerRank, samples, advantages, rl: RLConfig) -> None:
@@ -354,7 +356,9 @@ def main() -> None:
             *[(f"weight sync, {name}", *row) for name, row in syncs.items()],
             (f"learner (DeepSpeed ZeRO-1, one rank, {dtype})", f"{trained['tokens'] / trained['seconds']:.0f} tokens/s",
              f"{args.learner_steps} RL steps on the generated groups; micro-batches of {learner.micro_batch_tokens} "
-             f"tokens (the default: from free memory)"),
+             f"tokens (the default: from free memory); {trained['layout']} scoring rows; "
+             + (f"{learner.compiled_layers} decoder layers compiled" if learner.compiled_layers else "eager layers")
+             + " (`learner.compile` unset)"),
             ("learner MFU", f"{trained['mfu']:.1%}",
              f"6 x {params / 1e6:.1f}M parameters x tokens/s over the device's peak ({learner.peak.flops / 1e12:.1f} "
              f"TFLOP/s{'' if device == 'cuda' else ', a measured matmul peak'})"),

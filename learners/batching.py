@@ -23,6 +23,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
+from rlplatform.learners.compiled_layers import has_compiled_layers
 from rlplatform.learners.head_scores import HeadScores, compute_dtype, fused_head, score_chunks
 from rlplatform.policy import kv_cache_keyword
 
@@ -176,9 +177,12 @@ def _scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _can_share_prompts(model) -> bool:
-    """Whether the KV cache survives the forward: Hugging Face layers under activation checkpointing
-    drop it in training mode, and then only packed rows are correct."""
+    """Whether the KV cache survives the forward and pays: Hugging Face layers under activation checkpointing
+    drop it in training mode, and then only packed rows are correct; compiled layers would run the cache's
+    passes eagerly (`compiled_layers`), so their model is scored in rows they run compiled."""
     module = _unwrap(model)
+    if has_compiled_layers(module):
+        return False
     return not (module.training and any(getattr(m, "gradient_checkpointing", False) for m in module.modules()))
 
 

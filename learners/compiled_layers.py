@@ -5,9 +5,9 @@ residual adds, casts under autocast) that eager PyTorch runs as one kernel per o
 and writing whole activations; on a GPU that costs a 0.5B policy's step more time than its matmuls.
 Compiled, each stretch of it becomes a few fused kernels. Every layer of the model shares one compiled
 graph for each way layers are called (with or without gradients; with a mask or without), made the first
-time it is met, with the batch's sizes dynamic so that later batches reuse it. Calls with a KV cache (the
-shared-prompt layout's passes) run eagerly: the cache is indexed by the layer's number, which would make
-each layer a graph of its own. Where compiling fails the layers run eagerly (`compile_guard`). The output head is not a layer here: `head_scores`
+time it is met, with the batch's sizes dynamic so that later batches reuse it. Calls with a KV cache run
+eagerly: the cache is indexed by the layer's number, which would make each layer a graph of its own; so a
+model with compiled layers is scored in grouped or packed rows, not on a shared prompt's cache. Where compiling fails the layers run eagerly (`compile_guard`). The output head is not a layer here: `head_scores`
 compiles its own arithmetic on CUDA.
 """
 
@@ -56,7 +56,13 @@ def _without_cache(compiled: Callable, eager: Callable) -> Callable:
         if any(kwargs.get(name) is not None for name in CACHE_KEYWORDS):
             return eager(*args, **kwargs)
         return compiled(*args, **kwargs)
+    forward.compiled_layer = True
     return forward
+
+
+def has_compiled_layers(model: torch.nn.Module) -> bool:
+    """Whether `compile_layers` compiled the layers of `model` (bare, or inside DeepSpeed or peft)."""
+    return any(getattr(module.forward, "compiled_layer", False) for module in model.modules())
 
 
 def _batch_dynamic(args: tuple, kwargs: dict) -> None:

@@ -12,7 +12,7 @@ import torch
 from rlplatform.config import ConfigError, LearnerConfig, LoraConfig, load_config
 from rlplatform.learners import compile_guard
 from rlplatform.learners.batching import choose_layout, completion_logprobs
-from rlplatform.learners.compiled_layers import compile_layers, decoder_layers, layers_compiled
+from rlplatform.learners.compiled_layers import compile_layers, decoder_layers, has_compiled_layers, layers_compiled
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.lora import with_adapters
 from rlplatform.policy import enable_activation_checkpointing, load_policy
@@ -22,9 +22,11 @@ ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in [(1, 2), (13, 
 
 
 def scores_and_gradient(model, layout: str):
-    """Log-probs, entropies and the parameter gradient of a fixed objective over them, for `layout`'s example."""
+    """Log-probs, entropies and the parameter gradient of a fixed objective over them, for `layout`'s example
+    (scored by a model with compiled layers in packed rows where an eager one shares the prompt's KV cache)."""
     prompts, completions = LAYOUT_EXAMPLES[layout]
-    assert choose_layout(model, prompts, completions) == layout
+    compiled = has_compiled_layers(model)
+    assert choose_layout(model, prompts, completions) == ("packed" if compiled and layout == "shared_prompt" else layout)
     scores = completion_logprobs(model, prompts, completions, pad_id=0, temperature=0.7, entropy_grad=True)
     mask = scores.mask.bool()
     weights = torch.randn(int(mask.sum()), generator=torch.Generator().manual_seed(0)).to(mask.device)
@@ -38,6 +40,7 @@ def test_compiled_layers_score_and_train_as_eager_ones_in_every_layout(tiny_poli
     eager, _ = load_policy(tiny_policy)
     compiled, _ = load_policy(tiny_policy)
     assert compile_layers(compiled) == len(decoder_layers(compiled)) == 2
+    assert has_compiled_layers(compiled) and not has_compiled_layers(eager)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for layout in sorted(LAYOUT_EXAMPLES):
         for got, want in zip(scores_and_gradient(compiled, layout), scores_and_gradient(eager, layout)):
