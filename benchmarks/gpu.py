@@ -339,6 +339,16 @@ def main() -> None:
     print(f"weight syncs: {syncs}", flush=True)
     trained = learner_steps(learner, generated["groups"], args.learner_steps, args.profile)
     print(f"learner: {trained['tokens'] / trained['seconds']:.0f} tokens/s, MFU {trained['mfu']:.1%}", flush=True)
+    eager_rows = []
+    if learner.compiled_layers:  # the same steps with the layers uncompiled, beside the default
+        eager_learner = LearnerRank(0, 1, model_dir, LearnerConfig(num_threads=torch.get_num_threads(), compile=False),
+                                    seed=0, dtype=dtype)
+        eager_learner.setup("127.0.0.1", _free_port())
+        eager_learner.start_stage(lr=1e-6)
+        eager = learner_steps(eager_learner, generated["groups"], args.learner_steps)
+        eager_rows = [("learner, eager layers (`learner.compile: false`)",
+                       f"{eager['tokens'] / eager['seconds']:.0f} tokens/s, MFU {eager['mfu']:.1%}",
+                       f"the same steps with the decoder layers uncompiled; {eager['layout']} scoring rows")]
     params = sum(p.numel() for p in engine.model.parameters())
     name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({os.cpu_count()} cores)"
     loop = ("slot decoder, CUDA graphs" if engine.slot_decoder.graphs else "slot decoder") if engine.slot_decoder \
@@ -362,6 +372,7 @@ def main() -> None:
             ("learner MFU", f"{trained['mfu']:.1%}",
              f"6 x {params / 1e6:.1f}M parameters x tokens/s over the device's peak ({learner.peak.flops / 1e12:.1f} "
              f"TFLOP/s{'' if device == 'cuda' else ', a measured matmul peak'})"),
+            *eager_rows,
             *job_rows]
     report = "\n".join([
         "# Accelerator figures", "",
