@@ -2,9 +2,10 @@
 gloo, in this process, no Ray) running the quickstart's RL step (GRPO, 16 prompts x 8 completions
 of 2-digit additions, KL to the frozen reference tracked) on its 0.8M-parameter demo policy.
 Process CPU time per step is reported beside wall time: it is far less sensitive to other load on a
-shared machine. `--profile` prints torch.profiler's table of one step instead of timing.
+shared machine. `--profile` prints torch.profiler's table of one step instead of timing. `--compile`
+times a second rank with `learner.compile: true` on the same batches, after its compiling warm-up.
 
-Usage: python benchmarks/learner_step.py [--steps 30] [--threads 1] [--profile]
+Usage: python benchmarks/learner_step.py [--steps 30] [--threads 1] [--profile] [--compile]
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def quickstart_batch(tokenizer, step: int, seed: int) -> Tuple[List[Sample], Lis
     return samples, advantages
 
 
-def learner_rank(policy: str, threads: int) -> LearnerRank:
-    rank = LearnerRank(0, 1, policy, LearnerConfig(num_threads=threads), seed=0)
+def learner_rank(policy: str, threads: int, compile_layers: bool = False) -> LearnerRank:
+    rank = LearnerRank(0, 1, policy, LearnerConfig(num_threads=threads, compile=compile_layers), seed=0)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -54,15 +55,29 @@ def learner_rank(policy: str, threads: int) -> LearnerRank:
     return rank
 
 
+def timed_steps(rank: LearnerRank, batches, rl: RLConfig, first: int) -> Tuple[float, float]:
+    """(median wall seconds, median process CPU seconds) of RL steps on `batches[first:]`."""
+    seconds, cpu_seconds = [], []
+    for step in range(first, len(batches)):
+        start, cpu_start = time.perf_counter(), time.process_time()
+        rank.rl_step(*batches[step], rl, step=step)
+        seconds.append(time.perf_counter() - start)
+        cpu_seconds.append(time.process_time() - cpu_start)
+    return statistics.median(seconds), statistics.median(cpu_seconds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="also time a rank with compiled decoder layers")
     args = parser.parse_args()
     rl = RLConfig(max_steps=400, batch_prompts=PROMPTS, group_size=GROUP, lr=3e-4)
     with tempfile.TemporaryDirectory() as out_dir:
-        rank = learner_rank(save_initial_policy(ModelConfig(), 0, os.path.join(out_dir, "policy")), args.threads)
+        policy = save_initial_policy(ModelConfig(), 0, os.path.join(out_dir, "policy"))
+        rank = learner_rank(policy, args.threads)
+        compiled = learner_rank(policy, args.threads, compile_layers=True) if args.compile else None
     batches = [quickstart_batch(rank.tokenizer, step, seed=step) for step in range(args.steps + 3)]
     for step in range(3):  # warm-up
         rank.rl_step(*batches[step], rl, step=step)
@@ -71,16 +86,19 @@ def main() -> None:
             rank.rl_step(*batches[3], rl, step=3)
         print(profiler.key_averages().table(sort_by="cpu_time_total", row_limit=40))
         return
-    seconds, cpu_seconds = [], []
-    for step in range(3, args.steps + 3):
-        start, cpu_start = time.perf_counter(), time.process_time()
-        rank.rl_step(*batches[step], rl, step=step)
-        seconds.append(time.perf_counter() - start)
-        cpu_seconds.append(time.process_time() - cpu_start)
-    median, cpu = statistics.median(seconds), statistics.median(cpu_seconds)
+    median, cpu = timed_steps(rank, batches, rl, 3)
     print(f"{args.steps} steps of {PROMPTS * GROUP} samples: median {median * 1000:.1f} ms/step wall "
           f"({PROMPTS * GROUP / median:.0f} samples/s), {cpu * 1000:.1f} ms/step process CPU "
           f"({PROMPTS * GROUP / cpu:.0f} samples per CPU second), load average {os.getloadavg()[0]:.1f}")
+    if compiled is not None:
+        start = time.perf_counter()
+        for step in range(3):  # warm-up: compiles the layers
+            compiled.rl_step(*batches[step], rl, step=step)
+        warm_up = time.perf_counter() - start
+        compiled_median, compiled_cpu = timed_steps(compiled, batches, rl, 3)
+        print(f"compiled layers ({compiled.compiled_layers}): median {compiled_median * 1000:.1f} ms/step wall, "
+              f"{compiled_cpu * 1000:.1f} ms/step process CPU ({compiled_cpu / cpu:.2f}x the eager rank's), "
+              f"after a warm-up of 3 steps that compiled them in {warm_up:.1f} s")
 
 
 if __name__ == "__main__":
