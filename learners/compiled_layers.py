@@ -5,7 +5,8 @@ residual adds, casts under autocast) that eager PyTorch runs as one kernel per o
 and writing whole activations; on a GPU that costs a 0.5B policy's step more time than its matmuls.
 Compiled, each stretch of it becomes a few fused kernels. Every layer of the model shares one compiled
 graph for each way layers are called (with or without gradients; with a mask or without), made the first
-time it is met, with the batch's sizes dynamic so that later batches reuse it. Calls with a KV cache run
+time it is met (a learner meets its training passes as it starts: `WARM_UP_BATCHES`), with the batch's
+sizes dynamic so that later batches reuse it. Calls with a KV cache run
 eagerly: the cache is indexed by the layer's number, which would make each layer a graph of its own; so a
 model with compiled layers is scored in grouped or packed rows, not on a shared prompt's cache. Where
 compiling fails the layers run eagerly (`compile_guard`). The output head is not a layer here:
@@ -36,6 +37,11 @@ def decoder_layers(model: torch.nn.Module) -> List[torch.nn.Module]:
         classes.update(getattr(module, "_no_split_modules", None) or [])
     return [module for module in model.modules() if type(module).__name__ in classes]
 
+
+# (prompts, completions) of the training passes a learner compiles as it starts (`LearnerRank._compile_ahead`): two
+# prompts with two completions each, in a grouped row each; three distinct prompts, in packed rows of one each
+WARM_UP_BATCHES = (([[3, 4, 5]] * 2 + [[6, 7, 8]] * 2, [[5, 6], [7, 8]] * 2),
+                   ([[3 + i % 5 for i in range(k, k + 20)] for k in range(3)], [[4, 5, 6] * 5] * 3))
 
 CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value")  # a layer's KV cache, as transformers versions name it
 

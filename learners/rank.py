@@ -31,7 +31,7 @@ from rlplatform.learners.algorithms import (Totals, entropy_bonus, parity_figure
                                             sft_auxiliary_loss, token_mean)
 from rlplatform.learners.batching import TokenScores, align_per_token, completion_logprobs
 from rlplatform.learners.budget import free_device_bytes, micro_batch_tokens
-from rlplatform.learners.compiled_layers import compile_layers, layers_compiled
+from rlplatform.learners.compiled_layers import WARM_UP_BATCHES, compile_layers, layers_compiled
 from rlplatform.learners.flops import DevicePeak
 from rlplatform.learners.lora import AdaptersOff, adapter_state, copy_head_weight_per_call, save_adapters
 from rlplatform.learners.losses import reference_kl, sft_loss
@@ -152,17 +152,10 @@ class LearnerRank:
             torch.cuda.set_device(self.device)
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo",
                                    auto_mpi_discovery=False)
-        # with LoRA the frozen base needs no float32 copy: it stays in model.dtype, the adapters train in float32
-        model, self.tokenizer = load_policy(self.model_path, self.dtype if self.lora.enabled else self.weights_dtype)
-        if self.config.activation_checkpointing:
-            enable_activation_checkpointing(model)
-            model.train()  # Hugging Face layers checkpoint only in training mode
-        if self.lora.enabled:
-            model = with_adapters(model, self.lora, adapter_dtype=torch_dtype(self.weights_dtype))
-            if self.config.zero_stage == 3:
-                copy_head_weight_per_call(model)
-        self.compiled_layers = compile_layers(model) if layers_compiled(self.config.compile, self.device,
-                                                                        self.config.zero_stage) else 0
+        model = self._trained_model()
+        if layers_compiled(self.config.compile, self.device, self.config.zero_stage):
+            self.compiled_layers = compile_layers(model)
+            self._compile_ahead(model)
         trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters alone
         # fused: one kernel for every parameter's update (CUDA and CPU; on CPU about 5x the unfused loop's speed)
         optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0, fused=True)
@@ -172,6 +165,32 @@ class LearnerRank:
         self.micro_batch_tokens = self.config.micro_batch_tokens or micro_batch_tokens(
             free_device_bytes(self.device, self.world_size, self.config.num_gpus), sum(p.numel() for p in trainable),
             model.config, torch_dtype(self.dtype).itemsize, self.config.activation_checkpointing)
+
+    def _trained_model(self) -> torch.nn.Module:
+        """The policy as this rank trains it (loading the tokenizer too): with activation checkpointing and LoRA
+        adapters as configured. With LoRA the frozen base needs no float32 copy: it stays in model.dtype, the
+        adapters train in float32."""
+        model, self.tokenizer = load_policy(self.model_path, self.dtype if self.lora.enabled else self.weights_dtype)
+        if self.config.activation_checkpointing:
+            enable_activation_checkpointing(model)
+            model.train()  # Hugging Face layers checkpoint only in training mode
+        if self.lora.enabled:
+            model = with_adapters(model, self.lora, adapter_dtype=torch_dtype(self.weights_dtype))
+            if self.config.zero_stage == 3:
+                copy_head_weight_per_call(model)
+        return model
+
+    def _compile_ahead(self, model: torch.nn.Module) -> None:
+        """Compile the layers' graphs for training passes over grouped and packed rows now, as the learner starts
+        (beside the rollout workers' own start-up), rather than in its first steps. The passes run on `model` on
+        this rank's device before DeepSpeed wraps it, so no gradient hook fires; the gradients are dropped and
+        the random streams left as they were. Each row count and length is at least 2, so that no size is
+        compiled as a constant."""
+        model.to(self.device)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            for prompts, completions in WARM_UP_BATCHES:
+                self._scores(model, prompts, completions).logprobs.sum().backward()
+        model.zero_grad(set_to_none=True)
 
     def placement(self) -> Dict:
         """Where and how this rank computes: device, LOCAL_RANK, process-group backend, the GPU ids Ray

@@ -5,6 +5,8 @@ default is on for a CUDA learner only."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -120,3 +122,36 @@ def test_a_compiled_rank_trains_as_an_eager_one(ray_session, tiny_policy, dtype,
             learner.shutdown()
     assert abs(losses[None][0] - losses[None][2]) > 10 * tolerance  # the steps changed the weights
     assert losses[True] == pytest.approx(losses[None], abs=tolerance)
+
+
+AHEAD = """
+import socket, sys, torch
+from rlplatform.config import LearnerConfig, RLConfig
+from rlplatform.learners.batching import choose_layout
+from rlplatform.learners.compiled_layers import WARM_UP_BATCHES
+from rlplatform.learners.rank import LearnerRank
+from rlplatform.transport.samples import Sample
+rank = LearnerRank(0, 1, sys.argv[1], LearnerConfig(compile=True), seed=0)
+with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+rank.setup("127.0.0.1", port)
+rank.start_stage(lr=1e-3)
+graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+for (prompts, completions), layout in zip(WARM_UP_BATCHES, ["grouped", "packed"]):  # other sizes, more rows
+    prompts = [p + [9] for p in prompts] + [p + [10] for p in prompts]
+    completions = [c + [11, 12] for c in completions] * 2
+    assert choose_layout(rank.engine, prompts, completions) == layout
+    samples = [Sample(str(i), str(p), "policy", "", "", p, c, [-1.0] * len(c), [0] * len(c))
+               for i, (p, c) in enumerate(zip(prompts, completions))]
+    rank.rl_step(samples, [1.0, -1.0] * (len(samples) // 2), RLConfig(max_new_tokens=20))
+print(graphs, torch._dynamo.utils.counters["stats"]["unique_graphs"])
+"""
+
+
+def test_a_compiled_rank_compiles_as_it_starts_not_in_its_steps(tiny_policy):
+    """RL steps in both layouts, at sizes the start-up's passes did not have, compile nothing more."""
+    run = subprocess.run([sys.executable, "-c", AHEAD, tiny_policy], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    after_setup, after_steps = map(int, run.stdout.split()[-2:])
+    assert after_setup >= 2 and after_steps == after_setup
