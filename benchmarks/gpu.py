@@ -288,6 +288,14 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def learner_rank(model_dir: str, dtype: str, config: LearnerConfig) -> LearnerRank:
+    """A learner rank of `config` in this process (one rank, no Ray), set up and in a stage."""
+    learner = LearnerRank(0, 1, model_dir, config, seed=0, dtype=dtype)
+    learner.setup("127.0.0.1", _free_port())
+    learner.start_stage(lr=1e-6)
+    return learner
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("", 0))
@@ -330,9 +338,7 @@ def main() -> None:
     vllm, vllm_note = None, "not measured: needs CUDA" if device != "cuda" else "not measured: vllm is not installed"
     if device == "cuda" and importlib.util.find_spec("vllm") is not None:
         vllm = vllm_generation(model_dir, dtype, engine.tokenizer(prompts)["input_ids"], args.group, args.new_tokens)
-    learner = LearnerRank(0, 1, model_dir, LearnerConfig(num_threads=torch.get_num_threads()), seed=0, dtype=dtype)
-    learner.setup("127.0.0.1", _free_port())
-    learner.start_stage(lr=1e-6)
+    learner = learner_rank(model_dir, dtype, LearnerConfig(num_threads=torch.get_num_threads()))
     megabytes = sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 1e6  # as served
     with EmbeddedRedis() as redis:
         syncs = {t.name: sync_row(learner, model_dir, t, redis.url, megabytes) for t in TRANSPORTS}
@@ -340,15 +346,14 @@ def main() -> None:
     trained = learner_steps(learner, generated["groups"], args.learner_steps, args.profile)
     print(f"learner: {trained['tokens'] / trained['seconds']:.0f} tokens/s, MFU {trained['mfu']:.1%}", flush=True)
     eager_rows = []
-    if learner.compiled_layers:  # the same steps with the layers uncompiled, beside the default
-        eager_learner = LearnerRank(0, 1, model_dir, LearnerConfig(num_threads=torch.get_num_threads(), compile=False),
-                                    seed=0, dtype=dtype)
-        eager_learner.setup("127.0.0.1", _free_port())
-        eager_learner.start_stage(lr=1e-6)
+    if learner.compiled_layers:  # the same steps, in the same micro-batches, with the layers uncompiled
+        eager_learner = learner_rank(model_dir, dtype, LearnerConfig(
+            num_threads=torch.get_num_threads(), compile=False, micro_batch_tokens=learner.micro_batch_tokens))
         eager = learner_steps(eager_learner, generated["groups"], args.learner_steps)
         eager_rows = [("learner, eager layers (`learner.compile: false`)",
                        f"{eager['tokens'] / eager['seconds']:.0f} tokens/s, MFU {eager['mfu']:.1%}",
-                       f"the same steps with the decoder layers uncompiled; {eager['layout']} scoring rows")]
+                       f"the same steps in the same micro-batches, the decoder layers uncompiled; "
+                       f"{eager['layout']} scoring rows")]
     params = sum(p.numel() for p in engine.model.parameters())
     name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({os.cpu_count()} cores)"
     loop = ("slot decoder, CUDA graphs" if engine.slot_decoder.graphs else "slot decoder") if engine.slot_decoder \

@@ -28,7 +28,8 @@ def scores_and_gradient(model, layout: str):
     (scored by a model with compiled layers in packed rows where an eager one shares the prompt's KV cache)."""
     prompts, completions = LAYOUT_EXAMPLES[layout]
     compiled = has_compiled_layers(model)
-    assert choose_layout(model, prompts, completions) == ("packed" if compiled and layout == "shared_prompt" else layout)
+    expected = "packed" if compiled and layout == "shared_prompt" else layout
+    assert choose_layout(model, prompts, completions) == expected
     scores = completion_logprobs(model, prompts, completions, pad_id=0, temperature=0.7, entropy_grad=True)
     mask = scores.mask.bool()
     weights = torch.randn(int(mask.sum()), generator=torch.Generator().manual_seed(0)).to(mask.device)
