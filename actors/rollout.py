@@ -50,12 +50,14 @@ from rlplatform.transport.redis_server import RECONNECT_S, connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.tool_queue import ToolQueue
+from rlplatform.transport.versions import VersionAnnouncements
 from rlplatform.transport.weight_transports import ObjectStoreTransport
 from rlplatform.user_code import import_modules
 from rlplatform.transport.weights import from_snapshot
 
 
 POLL_S = 0.005  # the generation loop reads the stop flag and the published version at most this often
+IDLE_WAIT_S = 0.01  # with nothing to decode, the loop waits this long at most for new weights before going round
 
 
 @dataclass
@@ -95,6 +97,7 @@ class RolloutWorker:
         self.label = f"rollout worker {index} of policy '{policy}'"  # as silent workers are named
         self._polled_at = -POLL_S  # when the loop last read the stop flag and the published version (`_poll`)
         self._stop, self._published = False, None
+        self.announcements = VersionAnnouncements(client, self.keys)
 
     def sync_weights(self, published: Optional[int] = None) -> int:
         """Load the newest published weights if they are newer than those held (`published`: the version the
@@ -168,7 +171,7 @@ class RolloutWorker:
                 bridge.admit(batch)
             self.occupancy.tick(self.episodes.waiting, len(batch))
             if not batch:
-                time.sleep(0.01)
+                self._await_weights(IDLE_WAIT_S)
                 if not self.episodes.waiting:
                     continue
             start = time.perf_counter()
@@ -232,6 +235,13 @@ class RolloutWorker:
                 .get(self.keys.version).execute()
             self._stop, self._published = bool(stop), None if published is None else int(published)
         return self._stop
+
+    def _await_weights(self, timeout_s: float) -> None:
+        """With nothing to decode: wait until a new version is announced (at most `timeout_s`), and take it as
+        the published one; the loop loads it and claims groups for it without waiting for its next poll."""
+        announced = self.announcements.wait(timeout_s)
+        if announced is not None and (self._published is None or announced > self._published):
+            self._published = announced
 
     def _read_published(self) -> Optional[int]:
         """The version mirrored on Redis (None before the first)."""

@@ -89,9 +89,10 @@ class LearnerGroup:
         return merge_rank_metrics(deadline_get([rank.sft_step.remote(p) for rank, p in zip(self.ranks, parts)],
                                                "a learner rank's SFT step", LEARNER_TIMEOUT_S))
 
-    def connect_results(self, redis_url: str, run: str) -> None:
-        """Let every rank fetch the run's scored samples from Redis (`rl_step_async`; `run`: its `run_scope`)."""
-        deadline_get([rank.connect_results.remote(redis_url, run) for rank in self.ranks], "a learner rank",
+    def connect_results(self, redis_url: str, run: str, policy: Optional[str] = None) -> None:
+        """Let every rank fetch the run's scored samples from Redis (`rl_step_async`; `run`: its `run_scope`); with
+        `policy`, each step's end is announced there for the RL loop (`LearnerRank.connect_results`)."""
+        deadline_get([rank.connect_results.remote(redis_url, run, policy) for rank in self.ranks], "a learner rank",
                      LEARNER_TIMEOUT_S)
 
     def watch_parity(self, prompt_ids: List[List[int]], reference_key: str, every: int) -> None:

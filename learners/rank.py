@@ -42,7 +42,7 @@ from rlplatform.tokenization import encode_sft
 from rlplatform.transport.adapters import AdapterSnapshot
 from rlplatform.transport.redis_server import connect
 from rlplatform.transport.results import ResultStore
-from rlplatform.transport.reward_queue import JobKeys
+from rlplatform.transport.reward_queue import JobKeys, announce_step_end
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.weight_transports import ObjectStoreTransport, WeightTransport
 from rlplatform.monitoring.parity_canary import canary_sequences, canary_version, store_reference
@@ -105,6 +105,7 @@ class LearnerRank:
         torch.set_num_threads(config.num_threads)
         torch.manual_seed(seed)
         self.rank, self.world_size, self.config = rank, world_size, config
+        self.zero_stage = config.effective_zero_stage
         self.model_path, self.dtype = model_path, dtype  # model.dtype: what engines and the saved model get
         # the trained weights' dtype: float32 under bfloat16 autocast (float16 mode keeps float16 weights)
         self.weights_dtype = "float16" if dtype == "float16" else "float32"
@@ -125,6 +126,7 @@ class LearnerRank:
         # weights.delta: each version after a full one as the elements that changed
         self.updates = DeltaEncoder(transport.delta_full_every) if transport.delta_full_every else None
         self.results: Optional[ResultStore] = None  # the job's scored samples on Redis
+        self.step_ends: Optional[Tuple[str, str]] = None  # (run, policy) under which rank 0 announces each RL step's end
         self.canary: Optional[Canary] = None  # `watch_parity`
         # DeepSpeed picks its accelerator once, at import: the rank's device, not whatever the node has.
         # Imported here, so that the import runs while the job writes the policy that `setup` loads
@@ -153,7 +155,7 @@ class LearnerRank:
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo",
                                    auto_mpi_discovery=False)
         model = self._trained_model()
-        if layers_compiled(self.config.compile, self.device, self.config.zero_stage):
+        if layers_compiled(self.config.compile, self.device, self.zero_stage):
             self.compiled_layers = compile_layers(model)
             self._compile_ahead(model)
         trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters alone
@@ -176,7 +178,7 @@ class LearnerRank:
             model.train()  # Hugging Face layers checkpoint only in training mode
         if self.lora.enabled:
             model = with_adapters(model, self.lora, adapter_dtype=torch_dtype(self.weights_dtype))
-            if self.config.zero_stage == 3:
+            if self.zero_stage == 3:
                 copy_head_weight_per_call(model)
         return model
 
@@ -194,14 +196,15 @@ class LearnerRank:
 
     def placement(self) -> Dict:
         """Where and how this rank computes: device, LOCAL_RANK, process-group backend, the GPU ids Ray
-        assigned, the trained weights' dtype and the precision mode (bf16: autocast on float32 weights; fp16:
-        float16 weights with float32 master weights)."""
+        assigned, the trained weights' dtype, the ZeRO stage and the precision mode (bf16: autocast on float32
+        weights; fp16: float16 weights with float32 master weights)."""
         mode = "bf16" if self.engine.torch_autocast_enabled() else "fp16" if self.engine.fp16_enabled() else "fp32"
         return {"device": str(self.engine.device), "local_rank": int(os.environ["LOCAL_RANK"]),
                 "backend": torch.distributed.get_backend(), "ray_gpu_ids": [str(i) for i in ray.get_gpu_ids()],
                 "dtype": str(next(self.engine.module.parameters()).dtype).removeprefix("torch."), "mode": mode,
                 "reference_elements": self._reference_elements(), "micro_batch_tokens": self.micro_batch_tokens,
-                "params": self.params, "peak_flops": self.peak.flops, "compiled_layers": self.compiled_layers}
+                "params": self.params, "peak_flops": self.peak.flops, "compiled_layers": self.compiled_layers,
+                "zero_stage": self.engine.zero_optimization_stage()}
 
     def _reference_elements(self) -> Optional[int]:
         """Reference weights this rank holds (its ZeRO-3 shard, or the whole model); None without one."""
@@ -220,8 +223,8 @@ class LearnerRank:
             # ZeRO-1 and 2 copy each gradient into a bucket as backward makes it (contiguous_gradients): stage 2 needs
             # that against fragmentation as it frees the gradients it reduced; stage 1 keeps every gradient anyway,
             # and without the copies an RL step on the demo model takes about 0.93x the time
-            "zero_optimization": {"stage": self.config.zero_stage,
-                                  "contiguous_gradients": self.config.zero_stage != 1},
+            "zero_optimization": {"stage": self.zero_stage,
+                                  "contiguous_gradients": self.zero_stage != 1},
             "steps_per_print": 10 ** 9,
         }
         if self.dtype == "bfloat16":
@@ -253,7 +256,7 @@ class LearnerRank:
         reference.load_state_dict(self._full_state_dict(every_rank=True))
         dtype = next(self.engine.module.parameters()).dtype
         reference.to(self.engine.device, dtype).eval().requires_grad_(False)  # as the policy
-        if self.config.zero_stage != 3:
+        if self.zero_stage != 3:
             return reference
         import deepspeed
 
@@ -267,7 +270,7 @@ class LearnerRank:
     def _reference_state(self) -> Dict[str, torch.Tensor]:
         """The reference's full weights (gathered on every rank under ZeRO-3: all ranks must call)."""
         module = self._reference_module()
-        if self.config.zero_stage != 3:
+        if self.zero_stage != 3:
             return module.state_dict()
         import deepspeed
 
@@ -276,7 +279,7 @@ class LearnerRank:
 
     def _load_reference(self, state: Dict[str, torch.Tensor]) -> None:
         module = self._reference_module()
-        if self.config.zero_stage != 3:
+        if self.zero_stage != 3:
             module.load_state_dict(state)
             return
         import deepspeed
@@ -482,7 +485,7 @@ class LearnerRank:
         one (ZeRO 1-3, fp16), else measured first (ZeRO-0 clips float32 gradients, already averaged over the
         ranks, without keeping their norm)."""
         measured = None
-        if self.config.zero_stage == 0 and not self.engine.fp16_enabled():
+        if self.zero_stage == 0 and not self.engine.fp16_enabled():
             grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
             measured = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
         self.engine.step()
@@ -521,14 +524,17 @@ class LearnerRank:
         module = self.engine.module
         wanted = every_rank or self.rank == 0
         dtype = torch_dtype(self.dtype if served else self.weights_dtype)
-        if self.config.zero_stage == 3:
+        if self.zero_stage == 3:
             with deepspeed.zero.GatheredParameters(list(module.parameters())):
                 # the gathered storage is freed on exit: copy out what is needed
                 return cast_weights(module.state_dict(), dtype, copy=True) if wanted else None
         return cast_weights(module.state_dict(), dtype) if wanted else None
 
-    def connect_results(self, redis_url: str, run: str) -> None:
+    def connect_results(self, redis_url: str, run: str, policy: Optional[str] = None) -> None:
+        """Fetch the run's scored samples from Redis; with `policy`, rank 0 also announces each RL step's end there
+        (`announce_step_end`), which wakes the RL loop."""
         self.results = ResultStore(connect(redis_url), JobKeys(run).result_prefix)
+        self.step_ends = (run, policy) if policy is not None and self.rank == 0 else None
 
     def watch_parity(self, prompt_ids: List[List[int]], reference_key: str, every: int) -> None:
         """Score the parity canary of `prompt_ids` with every `every`-th version streamed; rank 0 stores it under
@@ -544,7 +550,10 @@ class LearnerRank:
         if self.results is None:
             raise RuntimeError("learner rank has no Redis to fetch samples from: call connect_results first")
         samples = self.results.fetch(sample_ids)
-        return self.rl_step(samples, advantages, rl, sft_rows, step, max_tokens), self.stream_weights(step + 1)
+        result = self.rl_step(samples, advantages, rl, sft_rows, step, max_tokens), self.stream_weights(step + 1)
+        if self.step_ends is not None:
+            announce_step_end(self.results.client, *self.step_ends, step)
+        return result
 
     def stream_weights(self, version: int) -> Optional[List]:
         """[what the weight store gets] for `version` through `weights.transport` (rank 0): a snapshot or
@@ -600,7 +609,7 @@ class LearnerRank:
 
     def _adapter_snapshot(self) -> Optional[AdapterSnapshot]:
         """The adapters' snapshot on rank 0 (None elsewhere); every rank must call under ZeRO-3."""
-        state = adapter_state(self.engine, self.config.zero_stage, self.rank == 0, torch_dtype(self.dtype))
+        state = adapter_state(self.engine, self.zero_stage, self.rank == 0, torch_dtype(self.dtype))
         return None if state is None else AdapterSnapshot.of(self.engine.module, state)
 
     def save(self, checkpoint_dir: str, model_dir: Optional[str] = None, client_state: Optional[Dict] = None,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rlplatform.config import ConfigError, JobConfig, RewardSpec, load_config
+from rlplatform.config import ConfigError, JobConfig, LearnerConfig, RewardSpec, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
@@ -320,3 +320,10 @@ def test_a_bridge_only_source_needs_the_bridge():
     with pytest.raises(ConfigError, match="'rollout.source' is bridge but 'rollout.openai_bridge.enabled' is false"):
         load_config(None, ["rollout.source=bridge"])
     assert load_config(None, ["rollout.source=bridge", "rollout.openai_bridge.enabled=true"]).rollout.source == "bridge"
+
+
+def test_zero_stage_unset_is_0_for_one_learner_rank_and_1_for_several():
+    assert load_config(None, []).learner.zero_stage is None  # the default
+    assert LearnerConfig().effective_zero_stage == 0 and LearnerConfig(num_ranks=2).effective_zero_stage == 1
+    assert LearnerConfig(zero_stage=2).effective_zero_stage == 2
+    assert load_config(None, ["learner.num_ranks=4", "learner.zero_stage=3"]).learner.effective_zero_stage == 3

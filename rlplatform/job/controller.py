@@ -336,7 +336,7 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup
         learner.set_up()
     evaluator = Evaluator(start_rollout(policy.rollout.num_workers), test, config.eval,
                           config.rewards, config.imports, on_restart)  # after the learner's set-up (`Evaluator`)
-    learner.connect_results(redis_url, run)
+    learner.connect_results(redis_url, run, policy.name)
     keys = PolicyKeys(run, policy.name)
     if config.monitoring.parity_every:
         learner.watch_parity([p.ids for p in train], keys.canary_reference, config.monitoring.parity_every)

@@ -99,6 +99,8 @@ class StageEnd:
     wandb_dir: Optional[str]
 
 
+TURN_WAIT_MS = 20  # the RL loop's longest wait for results or a learner step's end before going round
+STEP_RESULT_WAIT_S = 0.05  # a learner step announced as ended: its result is awaited this long at most, then next turn
 STEPS_IN_FLIGHT = 2  # learner steps sent at most: the one running and the next, queued on the learner so it starts
 # the moment the first ends (a step's batch must still meet the staleness bound at the version it trains)
 
@@ -275,9 +277,10 @@ class PolicyRun:
         self.version += 1
         self._heed(self.error_guard.stepped())
         self._start_step()  # the learner is running the queued step, if any: queue the next while this one is recorded
-        self._record_trained(batch)
+        # the rollout workers wait for these weights to generate the next batch: they go out before the records
         publish_s = publish(self.workers, self.queue.client, self.version, snapshot)
         self.counters.weight_publish_s += publish_s
+        self._record_trained(batch)
         self._evaluate_in_background()
         self.monitor.step(self.version, result, batch, gaps, self.counters, publish_s)
         self.queue.results.delete(s.sample_id for s in batch.samples)
@@ -448,11 +451,13 @@ def _start_loops(job: JobConfig, policies: List[PolicyWorkers], reward_actors: L
 
 
 def _turn(runs: Dict[str, PolicyRun], queue: RewardQueue) -> None:
-    """One turn of the loop: route new results, finish or start learner steps, expire late groups."""
-    in_flight = [ref for run in runs.values() for ref in run.step_refs]
-    if in_flight:  # wake the moment the learner steps end; results wait in Redis meanwhile
-        ray.wait(in_flight, num_returns=len(in_flight), timeout=0.02)
-    for scored in queue.read_results(block_ms=None if in_flight else 20):
+    """One turn of the loop: wait for new results or a learner step's end, whichever comes first (at most
+    `TURN_WAIT_MS`), then route the results and finish or start learner steps, expire late groups."""
+    results, stepped = queue.await_results(block_ms=TURN_WAIT_MS)
+    ended = [ref for name in stepped if name in runs for ref in runs[name].step_refs]
+    if ended:  # announced as the learner returns: its result lands a moment later
+        ray.wait(ended, num_returns=len(ended), timeout=STEP_RESULT_WAIT_S)
+    for scored in results:
         if scored.policy in runs:
             runs[scored.policy].absorb(scored)
     for run in runs.values():

@@ -19,6 +19,7 @@ from rlplatform.learners.group import LearnerGroup
 from rlplatform.tokenization import Prompt
 from rlplatform.transport.deadlines import EVAL_TIMEOUT_S, WEIGHTS_TIMEOUT_S, JobFailed, deadline_get
 from rlplatform.transport.reward_queue import PolicyKeys
+from rlplatform.transport.versions import publish_version
 
 
 class Evaluator:
@@ -192,5 +193,5 @@ def publish(workers: PolicyWorkers, client, version: int, snapshot=None) -> floa
     if isinstance(sent, ray.ObjectRef):
         deadline_get(workers.weight_store.publish.remote(version, [sent]),
                      f"the weight store of policy '{workers.name}'", WEIGHTS_TIMEOUT_S)
-    client.set(workers.keys.version, version)
+    publish_version(client, workers.keys, version)
     return time.perf_counter() - start

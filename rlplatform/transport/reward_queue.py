@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import redis
 
@@ -95,6 +95,7 @@ class JobKeys:
         self.rewards = f"{self.prefix}:rewards"  # the job's reward list, read by standalone reward workers
         self.max_pending = f"{self.prefix}:max-pending"  # the job's producer bound (redis.max_stream_len)
         self.heartbeats = f"{self.prefix}:heartbeats"  # worker label -> time its loop last went round
+        self.learner_steps = f"{self.prefix}:learner-steps"  # a stream: the policy of each learner step as it ends
 
 
 class PolicyKeys:
@@ -103,6 +104,7 @@ class PolicyKeys:
     def __init__(self, run: str, policy: str) -> None:
         prefix = f"{JobKeys(run).prefix}:policy:{policy}"
         self.version = f"{prefix}:version"  # newest published weight version
+        self.versions = f"{prefix}:versions"  # a stream announcing each published version (`versions`)
         self.groups_started = f"{prefix}:groups-started"
         self.groups_dropped = f"{prefix}:groups-dropped"
         self.rollout_stats = f"{prefix}:rollout-stats"  # the policy's rollout counters (the one record of them)
@@ -205,13 +207,22 @@ class StreamQueue:
     # results side
     def read(self, stream: str, count: int = 1024, block_ms: Optional[int] = 100) -> List[Tuple[str, bytes]]:
         """(entry id, payload) of results on `stream` not read before, oldest first; read entries are trimmed."""
-        reply = self.client.xread({stream: self._last_read.get(stream, "0-0")}, count=count, block=block_ms)
-        if not reply:
-            return []
-        entries = reply[0][1]
-        self._last_read[stream] = _text(entries[-1][0])
-        self.client.xtrim(stream, minid=self._last_read[stream], approximate=False)
-        return [(_text(msg_id), fields.get(b"data", b"")) for msg_id, fields in entries]
+        entries = self._read_streams([stream], count, block_ms).get(stream, [])
+        return [(msg_id, fields.get(b"data", b"")) for msg_id, fields in entries]
+
+    def _read_streams(self, streams: List[str], count: int,
+                      block_ms: Optional[int]) -> Dict[str, List[Tuple[str, Dict[bytes, bytes]]]]:
+        """Entries not read before on any of `streams` (one call, blocking until one has some), by stream, oldest
+        first; read entries are trimmed."""
+        reply = self.client.xread({stream: self._last_read.get(stream, "0-0") for stream in streams}, count=count,
+                                  block=block_ms)
+        found = {}
+        for stream, entries in reply or []:
+            stream = _text(stream)
+            self._last_read[stream] = _text(entries[-1][0])
+            self.client.xtrim(stream, minid=self._last_read[stream], approximate=False)
+            found[stream] = [(_text(msg_id), fields) for msg_id, fields in entries]
+        return found
 
     def pending(self) -> int:
         """Requests submitted and not yet handled."""
@@ -249,8 +260,19 @@ class RewardQueue(StreamQueue):
     def read_results(self, count: int = 1024, block_ms: Optional[int] = 100) -> List[ResultMeta]:
         """The metadata of results not read before, oldest first; read entries are trimmed from the
         stream (the results themselves stay in `self.results` until deleted)."""
+        return self._decoded(self.read(self.keys.results, count, block_ms))
+
+    def await_results(self, block_ms: int, count: int = 1024) -> Tuple[List[ResultMeta], Set[str]]:
+        """`read_results`, waiting at most `block_ms` for new results or a learner step's end (`announce_step_end`),
+        whichever comes first: (the results, the policies whose learner announced a step's end)."""
+        found = self._read_streams([self.keys.results, self.keys.learner_steps], count, block_ms)
+        results = [(msg_id, fields.get(b"data", b"")) for msg_id, fields in found.get(self.keys.results, [])]
+        return self._decoded(results), {_text(fields[b"policy"]) for _, fields in found.get(self.keys.learner_steps, [])}
+
+    def _decoded(self, entries: List[Tuple[str, bytes]]) -> List[ResultMeta]:
+        """Each entry's metadata; one that does not decode goes to the dead letters, with the reason."""
         results = []
-        for msg_id, raw in self.read(self.keys.results, count, block_ms):
+        for msg_id, raw in entries:
             try:
                 results.append(decode_meta(raw))
             except WireFormatError as err:
@@ -307,6 +329,16 @@ class RewardQueue(StreamQueue):
 
     def counters(self, key: str) -> dict:
         return {k.decode(): float(v) for k, v in self.client.hgetall(key).items()}
+
+
+STEP_ENDS_KEPT = 64  # learner step ends kept on their stream (approximately) when nothing reads it
+
+
+def announce_step_end(client: redis.Redis, run: str, policy: str, step: int) -> None:
+    """Say that `policy`'s learner has ended RL step `step`: the RL loop, waiting for results (`await_results`),
+    wakes at once to record the step and start the next."""
+    client.xadd(JobKeys(run).learner_steps, {"policy": policy, "step": step}, maxlen=STEP_ENDS_KEPT,
+                approximate=True)
 
 
 def _text(value) -> str:

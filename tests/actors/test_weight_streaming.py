@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -9,7 +10,8 @@ import ray
 import torch
 
 from rlplatform.actors.engine import TransformersEngine
-from rlplatform.actors.rollout import RolloutActor
+from rlplatform.actors import rollout as rollout_module
+from rlplatform.actors.rollout import RolloutActor, RolloutWorker
 from rlplatform.actors.rollout_spec import RolloutSpec
 from rlplatform.config import RLConfig, RolloutConfig
 from rlplatform.learners.batching import completion_logprobs
@@ -18,6 +20,7 @@ from rlplatform.tokenization import encode_prompts, save_prompts
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.samples import decode_sample
 from rlplatform.transport.weight_store import WeightStore
+from rlplatform.transport.versions import publish_version
 from rlplatform.transport.weights import to_snapshot
 
 ROWS = [{"prompt": "12+34=", "answer": "46"}, {"prompt": "5+5=", "answer": "10"}]
@@ -84,6 +87,42 @@ def test_worker_generates_with_each_new_version(ray_session, redis_server, redis
     assert counters["samples"] == 12 and counters["weight_syncs"] == 2
     # restartable, and nothing a restart could lose: no constructor argument in the object store
     assert "constructor arguments in the object store" not in capfd.readouterr().err
+
+
+def test_an_idle_worker_loads_new_weights_as_they_are_published(ray_session, redis_server, redis_client, tiny_policy,
+                                                               tmp_path, monkeypatch):
+    monkeypatch.setattr(rollout_module, "IDLE_WAIT_S", 120.0)  # were it polling while idle, it would find them after this
+    job = f"idle-test-{time.time_ns()}"
+    queue, keys = RewardQueue(redis_client, job), PolicyKeys(job, "policy")
+    queue.create_group()
+    store = WeightStore.options(name=f"{job}-weights").remote()
+    rl = RLConfig(group_size=2, max_new_tokens=4, batch_prompts=1, max_staleness=0)
+    prompts = save_prompts(encode_prompts(load_tokenizer(tiny_policy), ROWS, "auto"), str(tmp_path / "prompts.jsonl"))
+    worker = RolloutWorker(RolloutSpec(0, "policy", job, tiny_policy, prompts, redis_server, rl,
+                                       RolloutConfig(prompts_per_batch=1), weight_store=f"{job}-weights"))
+    loop = threading.Thread(target=worker.run, daemon=True)
+
+    def publish(version: int) -> None:
+        ray.get(store.publish.remote(version, [ray.put(to_snapshot(perturbed(tiny_policy, version).state_dict()))]))
+        publish_version(redis_client, keys, version)
+
+    loop.start()
+    try:
+        publish(1)
+        assert len(collect(queue, 4)) == 4  # the 2 groups the synchronous gate allows version 1, then it waits
+        time.sleep(0.5)  # idle, waiting for weights
+        publish(2)
+        deadline = time.monotonic() + 30
+        while worker.version != 2:
+            assert time.monotonic() < deadline, "the idle worker did not load the weights published"
+            time.sleep(0.05)
+        assert {tuple(s.token_versions) for s in collect(queue, 2)} == {(2,) * 4}
+    finally:
+        queue.request_stop()
+        publish_version(redis_client, keys, 3)  # wakes it to see the stop
+        loop.join(timeout=60)
+        ray.kill(store)
+    assert not loop.is_alive()
 
 
 def test_in_flight_swap_changes_version_mid_sequence_without_dropping_any(tiny_policy):

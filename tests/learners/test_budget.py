@@ -52,6 +52,7 @@ def test_the_default_config_splits_a_large_minibatch(ray_session, tiny_policy):
     learner = LearnerGroup(config, tiny_policy, seed=0)
     try:
         (placement,) = learner.placements()
+        assert placement["zero_stage"] == 0  # one rank: nothing to partition
         budget = placement["micro_batch_tokens"]
         model_config = load_policy(tiny_policy)[0].config
         params = sum(p.numel() for p in load_policy(tiny_policy)[0].parameters())

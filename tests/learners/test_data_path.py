@@ -70,7 +70,7 @@ def test_ranks_fetch_their_own_shard_and_the_controller_reads_no_tokens(ray_sess
     learner = LearnerGroup(LearnerConfig(num_ranks=2, num_cpus=0.5), tiny_policy, seed=0)
     try:
         learner.start_stage(lr=1e-3)
-        learner.connect_results(redis_server, job)
+        learner.connect_results(redis_server, job, "policy-a")
         steps = []
         gets = gets_by_connection(redis_server, lambda: steps.append(
             LearnerGroup.gather(learner.rl_step_async(batch, RLConfig(), step=0))[0]))
@@ -82,6 +82,9 @@ def test_ranks_fetch_their_own_shard_and_the_controller_reads_no_tokens(ray_sess
     expected = sorted(sorted(queue.results.key(item.sample_id) for item in share) for share in shares)
     assert sorted(sorted(keys) for keys in gets.values()) == expected  # one connection per rank, its shard only
     assert steps[0].tokens_total == sum(len(s.completion_ids) for s in samples)
+    # rank 0 alone announced the step's end, which wakes the RL loop (`RewardQueue.await_results`)
+    announced = [fields for _, fields in redis_client.xrange(queue.keys.learner_steps)]
+    assert announced == [{b"policy": b"policy-a", b"step": b"0"}]
 
 
 def test_minibatch_blocks_go_to_the_rank_holding_the_fewest_tokens():

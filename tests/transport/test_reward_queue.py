@@ -5,6 +5,7 @@ producer bound every producer of a job honours."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import msgpack
@@ -14,7 +15,7 @@ from rlplatform.config import RewardSpec, RewardWorkersConfig
 from rlplatform.rewards import REWARDS, register
 from rlplatform.rewards.worker import RewardWorker
 from rlplatform.transport.redis_server import connect
-from rlplatform.transport.reward_queue import GROUP, RewardQueue
+from rlplatform.transport.reward_queue import GROUP, RewardQueue, announce_step_end
 from rlplatform.transport.samples import Sample, ScoredSample, decode_sample
 from tests.transport.queue_events import scripts_run, wait_for_refusals, wait_until
 
@@ -115,6 +116,21 @@ def test_results_are_read_once_in_order(redis_server, job, queue):
     assert [r.sample_id for r in first + rest] == [s.sample_id for s in samples]
     assert [r.reward for r in first + rest] == [1.0, 0.0, 1.0, 0.0, 1.0]
     assert reader.read_results(block_ms=10) == []
+
+
+def test_awaiting_results_wakes_on_results_or_a_learner_steps_end(redis_server, redis_client, job, queue):
+    reader = RewardQueue(connect(redis_server), job)
+    assert reader.await_results(block_ms=10) == ([], set())  # neither came: back after the wait
+    threading.Timer(0.2, announce_step_end, (redis_client, job, "policy-b", 7)).start()
+    started = time.monotonic()
+    results, stepped = reader.await_results(block_ms=30_000)
+    assert (results, stepped) == ([], {"policy-b"}) and time.monotonic() - started < 15  # woken, not timed out
+    queue.submit([make_sample(0, "85")])
+    drain(worker_for(redis_server, job))
+    announce_step_end(redis_client, job, "policy-a", 8)
+    results, stepped = reader.await_results(block_ms=1000)  # both at once
+    assert [r.sample_id for r in results] == ["g0/0"] and stepped == {"policy-a"}
+    assert reader.await_results(block_ms=10) == ([], set())  # each read once
 
 
 def test_weighted_sum_of_rewards(redis_server, job, queue, test_reward):
