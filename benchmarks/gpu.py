@@ -369,7 +369,7 @@ def main() -> None:
             (f"generation, vLLM ({dtype})", f"{vllm['tokens'] / vllm['seconds']:.0f} tokens/s" if vllm else vllm_note,
              "rlplatform's vLLM engine, same prompts (continuous batching, log-probs and versions recorded)"),
             *[(f"weight sync, {name}", *row) for name, row in syncs.items()],
-            (f"learner (DeepSpeed ZeRO-1, one rank, {dtype})", f"{trained['tokens'] / trained['seconds']:.0f} tokens/s",
+            (f"learner (DeepSpeed ZeRO-{learner.zero_stage}, one rank, {dtype})", f"{trained['tokens'] / trained['seconds']:.0f} tokens/s",
              f"{args.learner_steps} RL steps on the generated groups; micro-batches of {learner.micro_batch_tokens} "
              f"tokens (the default: from free memory); {trained['layout']} scoring rows; "
              + (f"{learner.compiled_layers} decoder layers compiled" if learner.compiled_layers else "eager layers")

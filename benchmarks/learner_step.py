@@ -1,4 +1,4 @@
-"""Learner throughput at the quickstart's size: trained samples/s of one DeepSpeed rank (ZeRO-1,
+"""Learner throughput at the quickstart's size: trained samples/s of one DeepSpeed rank (ZeRO-0,
 gloo, in this process, no Ray) running the quickstart's RL step (GRPO, 16 prompts x 8 completions
 of 2-digit additions, KL to the frozen reference tracked) on its 0.8M-parameter demo policy.
 Process CPU time per step is reported beside wall time: it is far less sensitive to other load on a

@@ -2,7 +2,7 @@
 151,936-token vocabulary and a small body, 128 completions (16 prompts x 8) of 128, 256 and 512 tokens,
 scored with chunked output-head log-probs and the default `learner.micro_batch_tokens` (a budget from
 the device's free memory; `--micro-batch-tokens` sets one instead; `--prompts` sets the groups). Each
-setting runs in a fresh process (one DeepSpeed ZeRO-1 rank, no Ray) whose peak RSS (on CUDA: max
+setting runs in a fresh process (one DeepSpeed rank at its default ZeRO-0, no Ray) whose peak RSS (on CUDA: max
 allocated) is its figure, beside the memory the budget allows its step. Writes results/memory.md.
 
     python benchmarks/memory.py                       # 128, 256, 512 completion tokens
