@@ -207,8 +207,7 @@ class StreamQueue:
     # results side
     def read(self, stream: str, count: int = 1024, block_ms: Optional[int] = 100) -> List[Tuple[str, bytes]]:
         """(entry id, payload) of results on `stream` not read before, oldest first; read entries are trimmed."""
-        entries = self._read_streams([stream], count, block_ms).get(stream, [])
-        return [(msg_id, fields.get(b"data", b"")) for msg_id, fields in entries]
+        return _payloads(self._read_streams([stream], count, block_ms).get(stream, []))
 
     def _read_streams(self, streams: List[str], count: int,
                       block_ms: Optional[int]) -> Dict[str, List[Tuple[str, Dict[bytes, bytes]]]]:
@@ -216,12 +215,14 @@ class StreamQueue:
         first; read entries are trimmed."""
         reply = self.client.xread({stream: self._last_read.get(stream, "0-0") for stream in streams}, count=count,
                                   block=block_ms)
-        found = {}
+        found, trims = {}, self.client.pipeline(transaction=False)
         for stream, entries in reply or []:
             stream = _text(stream)
             self._last_read[stream] = _text(entries[-1][0])
-            self.client.xtrim(stream, minid=self._last_read[stream], approximate=False)
+            trims.xtrim(stream, minid=self._last_read[stream], approximate=False)
             found[stream] = [(_text(msg_id), fields) for msg_id, fields in entries]
+        if found:
+            trims.execute()  # every stream read, in one round trip
         return found
 
     def pending(self) -> int:
@@ -266,8 +267,8 @@ class RewardQueue(StreamQueue):
         """`read_results`, waiting at most `block_ms` for new results or a learner step's end (`announce_step_end`),
         whichever comes first: (the results, the policies whose learner announced a step's end)."""
         found = self._read_streams([self.keys.results, self.keys.learner_steps], count, block_ms)
-        results = [(msg_id, fields.get(b"data", b"")) for msg_id, fields in found.get(self.keys.results, [])]
-        return self._decoded(results), {_text(fields[b"policy"]) for _, fields in found.get(self.keys.learner_steps, [])}
+        stepped = {_text(fields[b"policy"]) for _, fields in found.get(self.keys.learner_steps, [])}
+        return self._decoded(_payloads(found.get(self.keys.results, []))), stepped
 
     def _decoded(self, entries: List[Tuple[str, bytes]]) -> List[ResultMeta]:
         """Each entry's metadata; one that does not decode goes to the dead letters, with the reason."""
@@ -339,6 +340,11 @@ def announce_step_end(client: redis.Redis, run: str, policy: str, step: int) -> 
     wakes at once to record the step and start the next."""
     client.xadd(JobKeys(run).learner_steps, {"policy": policy, "step": step}, maxlen=STEP_ENDS_KEPT,
                 approximate=True)
+
+
+def _payloads(entries: List[Tuple[str, Dict[bytes, bytes]]]) -> List[Tuple[str, bytes]]:
+    """(entry id, its `data` field) of each stream entry (empty bytes where it has none)."""
+    return [(msg_id, fields.get(b"data", b"")) for msg_id, fields in entries]
 
 
 def _text(value) -> str:
