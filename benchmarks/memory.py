@@ -81,7 +81,7 @@ def one_step(policy: str, prompts: int, completion_tokens: int, micro_batch_toke
     metrics = rank.rl_step(samples, advantages, RLConfig(kl_coef=0.0, track_reference_kl=False))
     result = {"completion_tokens": completion_tokens, "rss_before_step_mb": round(before),
               "micro_batch_tokens": rank.micro_batch_tokens, "micro_batches": len(rank._plan(
-                  samples, advantages, 1, True, completion_tokens)[0].parts),
+                  samples, advantages, 1, True, completion_tokens, 0)[0].parts),
               "step_allowance_mb": round(MEMORY_FRACTION * free / 2 ** 20),
               "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
               "step_s": round(time.perf_counter() - start, 1), "loss": metrics["loss"]}
