@@ -17,7 +17,7 @@ broadcast over gloo), which is how the test suite checks this script at `--size 
 broadcast runs over NCCL, which needs a second GPU for the engine (NCCL takes one GPU per rank).
 
 Usage: python benchmarks/gpu.py [--size 0.5b|tiny] [--prompts 64] [--group 8] [--new-tokens 128]
-           [--learner-steps 3] [--job-steps 8] [--trl-steps 4] [--profile] [--out benchmarks/results/gpu.md]
+           [--learner-steps 3] [--job-steps 8] [--profile] [--out benchmarks/results/gpu.md]
 """
 
 from __future__ import annotations
@@ -265,7 +265,7 @@ def whole_job_rows(model_dir: str, prompts: List[str], args: argparse.Namespace)
         return [("whole job, rlplatform", job_figure, job_how),
                 ("whole job, TRL GRPOTrainer (peer)", "not measured: trl is not installed", "the bench extra has it")]
     try:
-        trl = trl_figures(model_dir, prompts, args.group, args.new_tokens, args.trl_steps, work_dir, 300)
+        trl = trl_figures(model_dir, prompts, args.group, args.new_tokens, args.job_steps, work_dir, 300)
         trl_figure = f"{trl['trained_per_s']:.0f} trained samples/s"
         ratio = f"; rlplatform {job['trained_per_s'] / trl['trained_per_s']:.2f}x" if job else ""
         trl_how = (f"GRPOTrainer {trl['steps']} steps of {args.prompts} prompts x {args.group} in {trl['wall_s']} s "
@@ -309,8 +309,8 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--learner-steps", type=int, default=3)
-    parser.add_argument("--job-steps", type=int, default=8, help="RL steps of the whole-job row (0: no job rows)")
-    parser.add_argument("--trl-steps", type=int, default=4, help="GRPOTrainer steps of TRL's row")
+    parser.add_argument("--job-steps", type=int, default=8,
+                        help="RL steps of each whole-job row, rlplatform's and TRL's alike (0: no job rows)")
     parser.add_argument("--profile", action="store_true",
                         help="print torch.profiler's tables of one learner step and of a short generation")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu.md"))

@@ -17,7 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_gpu_benchmark_measures_generation_weight_sync_and_learner(tmp_path):
     out = tmp_path / "gpu.md"
     subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu.py"), "--size", "tiny", "--prompts", "4",
-                    "--new-tokens", "8", "--learner-steps", "1", "--job-steps", "2", "--trl-steps", "2",
+                    "--new-tokens", "8", "--learner-steps", "1", "--job-steps", "2",
                     "--out", str(out)], check=True, cwd=REPO,
                    capture_output=True, timeout=420)
     table = [line.split(" | ") for line in out.read_text().splitlines()
