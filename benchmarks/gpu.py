@@ -3,7 +3,8 @@ transformers engine as configured by default, i.e. its slot decoder with CUDA gr
 loop beside it; its vLLM engine when vllm is installed and CUDA is present), seconds per weight
 sync for each `weights.transport` (learner rank 0's weights loaded into an engine in another process:
 object_store, broadcast, cuda_ipc), and learner tokens/s and MFU (one DeepSpeed learner rank, in this
-process, running the RL step the jobs run), and the whole job beside its peer: `rlp run` on the same
+process, running the RL step the jobs run; then the same steps with eager layers where the default compiled
+them, and in bfloat16 with `learner.bf16_mode: master_weights`), and the whole job beside its peer: `rlp run` on the same
 policy and prompts (one learner rank and two rollout workers sharing the GPU by fractions, CUDA IPC syncs)
 in trained samples/s, and TRL's GRPOTrainer on the same device, policy, prompts, group size and completion
 limit (benchmarks/gpu_job.py). Everything runs in `model.dtype: auto` (bfloat16 on CUDA,
@@ -23,6 +24,7 @@ Usage: python benchmarks/gpu.py [--size 0.5b|tiny] [--prompts 64] [--group 8] [-
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import os
 import platform
@@ -225,6 +227,25 @@ def learner_steps(learner: LearnerRank, groups, steps: int, profile: bool = Fals
     return {"tokens": tokens, "seconds": seconds, "mfu": sum(mfu) / len(mfu), "layout": layout}
 
 
+def variant_row(model_dir: str, dtype: str, learner: LearnerRank, groups, steps: int, name: str, change: str,
+                **options) -> tuple:
+    """The learner row again for a rank whose config differs from the default by `options`, run on the same
+    groups in the default rank's micro-batches (its own budget would come from the memory the first left free)."""
+    config = LearnerConfig(num_threads=torch.get_num_threads(), micro_batch_tokens=learner.micro_batch_tokens,
+                           **options)
+    trained = learner_steps(learner_rank(model_dir, dtype, config), groups, steps)
+    _release_memory()
+    return (f"learner, {name}", f"{trained['tokens'] / trained['seconds']:.0f} tokens/s, MFU {trained['mfu']:.1%}",
+            f"the same steps in the same micro-batches, {change}; {trained['layout']} scoring rows")
+
+
+def _release_memory() -> None:
+    """The device memory of ranks no longer referenced, back to the device for the next one."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _profile_step(learner: LearnerRank, samples, advantages, rl: RLConfig) -> None:
     _profiled("one learner RL step", lambda: learner.rl_step(samples, advantages, rl, step=-1))
 
@@ -345,15 +366,16 @@ def main() -> None:
     print(f"weight syncs: {syncs}", flush=True)
     trained = learner_steps(learner, generated["groups"], args.learner_steps, args.profile)
     print(f"learner: {trained['tokens'] / trained['seconds']:.0f} tokens/s, MFU {trained['mfu']:.1%}", flush=True)
-    eager_rows = []
+    variant_rows = []
     if learner.compiled_layers:  # the same steps, in the same micro-batches, with the layers uncompiled
-        eager_learner = learner_rank(model_dir, dtype, LearnerConfig(
-            num_threads=torch.get_num_threads(), compile=False, micro_batch_tokens=learner.micro_batch_tokens))
-        eager = learner_steps(eager_learner, generated["groups"], args.learner_steps)
-        eager_rows = [("learner, eager layers (`learner.compile: false`)",
-                       f"{eager['tokens'] / eager['seconds']:.0f} tokens/s, MFU {eager['mfu']:.1%}",
-                       f"the same steps in the same micro-batches, the decoder layers uncompiled; "
-                       f"{eager['layout']} scoring rows")]
+        variant_rows.append(variant_row(model_dir, dtype, learner, generated["groups"], args.learner_steps,
+                                        "eager layers (`learner.compile: false`)", "the decoder layers uncompiled",
+                                        compile=False))
+    if dtype == "bfloat16":  # bfloat16 weights and activations instead of autocast over float32 weights
+        variant_rows.append(variant_row(model_dir, dtype, learner, generated["groups"], args.learner_steps,
+                                        "`learner.bf16_mode: master_weights`",
+                                        "bfloat16 weights and activations over float32 master weights (ZeRO-1)",
+                                        bf16_mode="master_weights"))
     params = sum(p.numel() for p in engine.model.parameters())
     name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({os.cpu_count()} cores)"
     loop = ("slot decoder, CUDA graphs" if engine.slot_decoder.graphs else "slot decoder") if engine.slot_decoder \
@@ -377,7 +399,7 @@ def main() -> None:
             ("learner MFU", f"{trained['mfu']:.1%}",
              f"6 x {params / 1e6:.1f}M parameters x tokens/s over the device's peak ({learner.peak.flops / 1e12:.1f} "
              f"TFLOP/s{'' if device == 'cuda' else ', a measured matmul peak'})"),
-            *eager_rows,
+            *variant_rows,
             *job_rows]
     report = "\n".join([
         "# Accelerator figures", "",

@@ -3,10 +3,11 @@
 Ranks of a group rendezvous over torch.distributed (gloo on CPU, nccl on the GPU Ray assigned
 each rank) and DeepSpeed averages their gradients; during RL each fetches its shard of a batch from
 Redis by sample id; ZeRO stage 0-3 and precision come from config. `model.dtype: bfloat16` trains
-float32 weights with bfloat16 matmuls (DeepSpeed's torch_autocast: the residual stream, norms,
-gradients and optimizer stay float32, as in float32 training), float16 uses DeepSpeed's fp16 mode
-(float16 weights, float32 master copy, loss scaling); either way rank 0 serves the weights in
-`model.dtype`. Rank 0 publishes full weight snapshots to the Ray object store and writes
+float32 weights with bfloat16 matmuls by default (DeepSpeed's torch_autocast: the residual stream, norms,
+gradients and optimizer stay float32, as in float32 training), or with `learner.bf16_mode: master_weights`
+bfloat16 weights and activations over a float32 master copy (DeepSpeed's bf16 mode, float32 gradient
+accumulation); float16 uses DeepSpeed's fp16 mode (float16 weights, float32 master copy, loss scaling);
+either way rank 0 serves the weights in `model.dtype`. Rank 0 publishes full weight snapshots to the Ray object store and writes
 checkpoints and the Hugging Face model; with
 `model.lora` the ranks train adapters only and those alone are published and saved (`learners/lora.py`).
 """
@@ -107,8 +108,10 @@ class LearnerRank:
         self.rank, self.world_size, self.config = rank, world_size, config
         self.zero_stage = config.effective_zero_stage
         self.model_path, self.dtype = model_path, dtype  # model.dtype: what engines and the saved model get
-        # the trained weights' dtype: float32 under bfloat16 autocast (float16 mode keeps float16 weights)
-        self.weights_dtype = "float16" if dtype == "float16" else "float32"
+        # the trained weights' dtype: float32 under bfloat16 autocast (float16 mode and bfloat16 master_weights keep
+        # weights in model.dtype, their float32 master copy in DeepSpeed's optimizer)
+        self.master_weights = dtype == "float16" or (dtype == "bfloat16" and config.bf16_mode == "master_weights")
+        self.weights_dtype = dtype if self.master_weights else "float32"
         self.device = resolve_device(config.device)
         share_kv_heads_on_cpu(self.device)
         self.chat_template = chat_template  # data.chat_template: how SFT rows are encoded
@@ -197,8 +200,9 @@ class LearnerRank:
     def placement(self) -> Dict:
         """Where and how this rank computes: device, LOCAL_RANK, process-group backend, the GPU ids Ray
         assigned, the trained weights' dtype, the ZeRO stage and the precision mode (bf16: autocast on float32
-        weights; fp16: float16 weights with float32 master weights)."""
-        mode = "bf16" if self.engine.torch_autocast_enabled() else "fp16" if self.engine.fp16_enabled() else "fp32"
+        weights; bf16_master and fp16: bfloat16 or float16 weights with float32 master weights)."""
+        mode = "bf16" if self.engine.torch_autocast_enabled() else "fp16" if self.engine.fp16_enabled() \
+            else "bf16_master" if self.engine.bfloat16_enabled() else "fp32"
         return {"device": str(self.engine.device), "local_rank": int(os.environ["LOCAL_RANK"]),
                 "backend": torch.distributed.get_backend(), "ray_gpu_ids": [str(i) for i in ray.get_gpu_ids()],
                 "dtype": str(next(self.engine.module.parameters()).dtype).removeprefix("torch."), "mode": mode,
@@ -215,7 +219,8 @@ class LearnerRank:
         return sum(getattr(p, "ds_tensor", p).numel() for p in self._reference_module().parameters())
 
     def _deepspeed_config(self) -> Dict:
-        """ZeRO stage and clipping from config; bfloat16 autocast or fp16 mode for those dtypes."""
+        """ZeRO stage and clipping from config; bfloat16 autocast, bf16 mode (master_weights) or fp16 mode for
+        those dtypes."""
         config = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
@@ -227,7 +232,12 @@ class LearnerRank:
                                   "contiguous_gradients": self.zero_stage != 1},
             "steps_per_print": 10 ** 9,
         }
-        if self.dtype == "bfloat16":
+        if self.dtype == "bfloat16" and self.master_weights:
+            # float32 master weights and gradient accumulation (BF16_Optimizer under ZeRO-1); each micro-batch's
+            # bfloat16 gradients are added into the float32 ones as backward makes them, and freed
+            config["bf16"] = {"enabled": True, "immediate_grad_update": True}
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
+        elif self.dtype == "bfloat16":
             config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
         elif self.dtype == "float16":
             config["fp16"] = {"enabled": True}
@@ -333,8 +343,10 @@ class LearnerRank:
 
     def _scores(self, model, prompts: List[List[int]], completions: List[List[int]], **options) -> TokenScores:
         """`completion_logprobs` under `model` in the rank's compute precision: bfloat16 autocast covers the
-        output head and a reference outside the DeepSpeed engine as well as the engine's own forward."""
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.dtype == "bfloat16"):
+        output head and a reference outside the DeepSpeed engine as well as the engine's own forward (bfloat16
+        master_weights compute in the weights' own dtype)."""
+        autocast = self.dtype == "bfloat16" and not self.master_weights
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
             return completion_logprobs(model, prompts, completions, self.tokenizer.pad_token_id, **options)
 
     def rl_step(self, samples: List[Sample], advantages: List[float], rl: RLConfig,

@@ -253,8 +253,13 @@ class EnvConfig:
 class LearnerConfig:
     num_ranks: int = at_least(1, 1)  # DeepSpeed data-parallel ranks (Ray actors)
     # DeepSpeed ZeRO stage 0-3; unset: 0 with one rank (there is nothing to partition, and ZeRO-1's flat copies of the
-    # weights and gradients cost memory and, on the demo policy, about 2% of an RL step), 1 with several
+    # weights and gradients cost memory and, on the demo policy, about 2% of an RL step), 1 with several or with
+    # bf16_mode master_weights
     zero_stage: Optional[int] = field(default=None, metadata={"choices": (0, 1, 2, 3)})
+    # how a bfloat16 model.dtype trains: autocast (float32 weights, bfloat16 matmuls; the residual stream, norms,
+    # gradients and AdamW in float32) or master_weights (bfloat16 weights and activations, DeepSpeed's bf16 mode: a
+    # float32 master copy of the weights and float32 gradient accumulation in its optimizer; needs ZeRO 1-3)
+    bf16_mode: str = one_of("autocast", "master_weights")
     grad_clip: float = above(1.0, 0)  # gradient norm clip
     num_threads: int = at_least(1, 1)  # torch threads per rank
     num_cpus: float = at_least(1.0, 0)  # Ray CPUs reserved per rank
@@ -267,10 +272,10 @@ class LearnerConfig:
 
     @property
     def effective_zero_stage(self) -> int:
-        """`zero_stage`, or unset: 0 for one rank, 1 for several."""
+        """`zero_stage`, or unset: 0 for one rank, 1 for several or for bf16_mode master_weights."""
         if self.zero_stage is not None:
             return self.zero_stage
-        return 0 if self.num_ranks == 1 else 1
+        return 0 if self.num_ranks == 1 and self.bf16_mode == "autocast" else 1
 
 
 @dataclass
@@ -668,6 +673,9 @@ def _check_policy(config, prefix: str, source: str) -> None:
     if learner.num_ranks > 1 and learner.num_gpus is not None and 0 < learner.num_gpus < 1:
         raise ConfigError(f"{source}: '{prefix}learner.num_gpus' is {learner.num_gpus} with {learner.num_ranks} ranks: "
                           f"NCCL needs a whole GPU per rank; set it to 1 or use one rank")
+    if learner.bf16_mode == "master_weights" and learner.zero_stage == 0:
+        raise ConfigError(f"{source}: '{prefix}learner.bf16_mode' is master_weights under ZeRO-0, where DeepSpeed keeps no "
+                          f"float32 master weights; use learner.zero_stage 1-3 (or leave it unset: 1), or bf16_mode autocast")
     if learner.compile and learner.effective_zero_stage == 3:
         raise ConfigError(f"{source}: '{prefix}learner.compile' is true under ZeRO-3, which gathers each layer's "
                           f"weights in hooks torch.compile cannot trace; use learner.zero_stage 0-2 or leave compile unset")

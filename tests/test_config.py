@@ -327,3 +327,13 @@ def test_zero_stage_unset_is_0_for_one_learner_rank_and_1_for_several():
     assert LearnerConfig().effective_zero_stage == 0 and LearnerConfig(num_ranks=2).effective_zero_stage == 1
     assert LearnerConfig(zero_stage=2).effective_zero_stage == 2
     assert load_config(None, ["learner.num_ranks=4", "learner.zero_stage=3"]).learner.effective_zero_stage == 3
+
+
+def test_bf16_master_weights_take_zero_1_unset_and_refuse_zero_0():
+    assert load_config(None, []).learner.bf16_mode == "autocast"  # the default
+    assert LearnerConfig(bf16_mode="master_weights").effective_zero_stage == 1
+    assert load_config(None, ["learner.bf16_mode=master_weights", "learner.zero_stage=2"]).learner.effective_zero_stage == 2
+    with pytest.raises(ConfigError, match="'learner.bf16_mode' is master_weights under ZeRO-0"):
+        load_config(None, ["learner.bf16_mode=master_weights", "learner.zero_stage=0"])
+    with pytest.raises(ConfigError, match="bf16_mode"):
+        load_config(None, ["learner.bf16_mode=master"])
