@@ -235,8 +235,9 @@ def variant_row(model_dir: str, dtype: str, learner: LearnerRank, groups, steps:
                            **options)
     trained = learner_steps(learner_rank(model_dir, dtype, config), groups, steps)
     _release_memory()
-    return (f"learner, {name}", f"{trained['tokens'] / trained['seconds']:.0f} tokens/s, MFU {trained['mfu']:.1%}",
-            f"the same steps in the same micro-batches, {change}; {trained['layout']} scoring rows")
+    figure = f"{trained['tokens'] / trained['seconds']:.0f} tokens/s, MFU {trained['mfu']:.1%}"
+    print(f"learner, {name}: {figure}", flush=True)
+    return f"learner, {name}", figure, f"the same steps in the same micro-batches, {change}; {trained['layout']} scoring rows"
 
 
 def _release_memory() -> None:
