@@ -150,13 +150,19 @@ def test_auto_follows_the_gpu_ray_assigned(ray_session):
 
 
 @pytest.mark.gpu
-def test_learner_rank_trains_on_its_ray_assigned_gpu_with_nccl(ray_session, tiny_policy):
-    learner = LearnerGroup(LearnerConfig(device="cuda", zero_stage=2), tiny_policy, 0, dtype="bfloat16")
+@pytest.mark.parametrize("bf16_mode,zero_stage,weights,mode", [
+    ("autocast", 2, "float32", "bf16"),  # bfloat16 autocast, float32 weights
+    ("master_weights", None, "bfloat16", "bf16_master"),  # bfloat16 weights over float32 masters, ZeRO-1
+])
+def test_learner_rank_trains_on_its_ray_assigned_gpu_with_nccl(ray_session, tiny_policy, bf16_mode, zero_stage,
+                                                                weights, mode):
+    learner = LearnerGroup(LearnerConfig(device="cuda", zero_stage=zero_stage, bf16_mode=bf16_mode), tiny_policy, 0,
+                           dtype="bfloat16")
     try:
         (placement,) = learner.placements()
         assert placement["device"] == "cuda:0" and placement["local_rank"] == 0
         assert placement["backend"] == "nccl" and len(placement["ray_gpu_ids"]) == 1
-        assert (placement["dtype"], placement["mode"]) == ("float32", "bf16")  # bfloat16 autocast, float32 weights
+        assert (placement["dtype"], placement["mode"]) == (weights, mode)
         learner.start_stage(lr=1e-2)
         first = learner.sft_step(ROWS)
         assert learner.sft_step(ROWS).loss < first.loss
