@@ -23,6 +23,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
+from rlplatform.devices import to_device
 from rlplatform.learners.compiled_layers import has_compiled_layers
 from rlplatform.learners.head_scores import HeadScores, compute_dtype, fused_head, score_chunks
 from rlplatform.policy import kv_cache_keyword
@@ -114,22 +115,25 @@ def completion_logprobs(model, prompts: List[List[int]], completions: List[List[
         hidden, targets, index = _shared_prompt_forward(model, prompts, completions, pad_id, device)
     else:
         batch = pack(prompts, completions, pad_id)
-        input_ids, index = batch.input_ids.to(device), batch.index.to(device)
-        hidden = _final_hidden(model, input_ids=input_ids, position_ids=batch.position_ids.to(device),
-                               use_cache=False)[:, :-1]
+        input_ids, index = to_device(batch.input_ids, device), batch.index
+        hidden = _final_hidden(model, input_ids=input_ids, use_cache=False, **_packed_attention(batch, device))[:, :-1]
         targets = input_ids[:, 1:]
     mask = _completion_mask(prompts, completions)
     if token_mask is not None:
         mask = mask * align_per_token(token_mask, prompts, mask.shape[1])
-    mask = mask.to(device)
-    wanted = index[mask.bool()]  # flat positions of the completion tokens, in (batch, T-1) mask order
+    # where the scored tokens are, worked out on the host: selecting them by a mask on the device would make the
+    # host wait for the forward pass to learn how many there are
+    kept = _kept_positions(prompts, completions, mask.shape[1], token_mask)
+    wanted = index.view(-1)[kept]  # flat positions of the completion tokens, in (batch, T-1) mask order
+    row, column = to_device(wanted // targets.shape[1], device), to_device(wanted % targets.shape[1], device)
     head = _unwrap(model).get_output_embeddings()
     elements = LOGIT_CHUNK_ELEMENTS.get(device.type, LOGIT_CHUNK_ELEMENTS["cpu"])
     chunk = chunk_tokens or max(1, elements // head.out_features)
-    row, column = wanted // targets.shape[1], wanted % targets.shape[1]
     logprobs, entropy = chunked_token_scores(head, hidden[row, column], targets[row, column], temperature,
                                              entropy_grad, chunk)
-    return TokenScores(_scatter(logprobs, mask), mask, _scatter(entropy, mask))
+    kept = to_device(kept, device)
+    return TokenScores(_scatter(logprobs, kept, mask.shape), to_device(mask, device),
+                       _scatter(entropy, kept, mask.shape))
 
 
 def chunked_token_scores(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
@@ -171,9 +175,31 @@ def _token_scores(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Te
     return logprobs, entropy
 
 
-def _scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-completion-token values (in mask order) placed at their mask positions, 0 elsewhere."""
-    return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask.bool(), values)
+def _scatter(values: torch.Tensor, positions: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Per-completion-token values placed at their flat `positions` in a `shape` tensor, 0 elsewhere."""
+    return torch.zeros(shape.numel(), dtype=values.dtype, device=values.device).index_put((positions,), values) \
+        .view(shape)
+
+
+def _kept_positions(prompts: List[List[int]], completions: List[List[int]], width: int,
+                    token_mask: Optional[List[List[int]]]) -> torch.Tensor:
+    """Flat positions in the (batch, width) next-token layout of every scored completion token (all of them, or
+    those `token_mask` keeps), in row-major order: sequence i's token j + 1 of its completion at column
+    len(prompt) - 1 + j."""
+    return torch.tensor([i * width + len(p) - 1 + j for i, (p, c) in enumerate(zip(prompts, completions))
+                         for j in range(len(c)) if token_mask is None or token_mask[i][j]], dtype=torch.long)
+
+
+def _packed_attention(batch: "PackedBatch", device: torch.device) -> dict:
+    """The attention inputs of packed rows: positions restarting with each sequence (and the padding) and a causal
+    mask that keeps each within its own, which Hugging Face would build from the positions alone, reading back
+    from the device whether the rows are packed."""
+    position_ids = to_device(batch.position_ids, device)
+    sequence = (position_ids == 0).cumsum(-1)  # which sequence (or run of padding) of its row each token is
+    length = position_ids.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    mask = causal & (sequence.unsqueeze(2) == sequence.unsqueeze(1))
+    return {"position_ids": position_ids, "attention_mask": mask.unsqueeze(1)}
 
 
 def _can_share_prompts(model) -> bool:
@@ -260,7 +286,7 @@ def _shared_prompt_tokens(prompts: List[List[int]], completions: List[List[int]]
 
 def _shared_prompt_forward(model, prompts: List[List[int]], completions: List[List[int]], pad_id: int,
                            device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(final hidden states, target tokens, index) with each distinct prompt run once, left-padded, and
+    """(final hidden states, target tokens, index on the host) with each distinct prompt run once, left-padded, and
     every completion run right-padded on a copy of its prompt's KV cache (gradients flow back through it).
 
     hidden[i, j] predicts completion token j of sequence i: the prompt pass's last position gives
@@ -272,18 +298,25 @@ def _shared_prompt_forward(model, prompts: List[List[int]], completions: List[Li
     prompt_len, completion_len = max(len(p) for p in distinct), max(len(c) for c in completions)
     prompt_ids = torch.tensor([[pad_id] * (prompt_len - len(p)) + list(p) for p in distinct])
     prompt_mask = torch.tensor([[0] * (prompt_len - len(p)) + [1] * len(p) for p in distinct])
-    owner, prompt_ids, prompt_mask = owner.to(device), prompt_ids.to(device), prompt_mask.to(device)
+    owner, prompt_ids, prompt_mask = (to_device(t, device) for t in (owner, prompt_ids, prompt_mask))
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
     cache, cache_keyword = DynamicCache(), kv_cache_keyword(_unwrap(model))
-    prompt_hidden = _final_hidden(model, input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
-                                  use_cache=True, **{cache_keyword: cache})[:, -1]
+    # 4D masks built here: from a 2D one Hugging Face would read back whether any token is padding
+    causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(prompt_len, dtype=torch.bool, device=device)  # the left padding sees itself
+    prompt_attention = (causal & prompt_mask.bool().unsqueeze(1)) | eye
+    prompt_hidden = _final_hidden(model, input_ids=prompt_ids, attention_mask=prompt_attention.unsqueeze(1),
+                                  position_ids=positions, use_cache=True, **{cache_keyword: cache})[:, -1]
     cache = DynamicCache(ddp_cache_data=[(layer.keys[owner], layer.values[owner]) for layer in cache.layers])
     targets = torch.tensor([list(c) + [pad_id] * (completion_len - len(c)) for c in completions])
     index = _spans(torch.arange(len(prompts)) * completion_len, _lengths(prompts) - 1, _lengths(completions),
                    max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1)
-    targets, index = targets.to(device), index.to(device)
-    attention = torch.cat([prompt_mask[owner], torch.ones_like(targets)], dim=1)
-    completion_hidden = _final_hidden(model, input_ids=targets, attention_mask=attention,
+    targets = to_device(targets, device)
+    # each completion token sees its prompt's tokens (not their padding) and the completion up to itself
+    completion_causal = torch.ones(completion_len, completion_len, dtype=torch.bool, device=device).tril()
+    attention = torch.cat([prompt_mask[owner].bool().unsqueeze(1).expand(-1, completion_len, -1),
+                           completion_causal.expand(len(prompts), -1, -1)], dim=2)
+    completion_hidden = _final_hidden(model, input_ids=targets, attention_mask=attention.unsqueeze(1),
                                       position_ids=positions[owner, -1:] + 1 + torch.arange(completion_len, device=device),
                                       use_cache=True, **{cache_keyword: cache})[:, :-1]
     return torch.cat([prompt_hidden[owner].unsqueeze(1), completion_hidden], dim=1), targets, index
@@ -291,7 +324,7 @@ def _shared_prompt_forward(model, prompts: List[List[int]], completions: List[Li
 
 def _grouped_forward(model, prompts: List[List[int]], completions: List[List[int]], pad_id: int,
                      device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(hidden states, target tokens, index) from one pass over a row per distinct prompt: the prompt, then
+    """(hidden states, target tokens, index on the host) from one pass over a row per distinct prompt: the prompt, then
     each of its completions at the positions that follow the prompt, under a mask that lets a completion
     token see its prompt and the completion's earlier tokens only (padding sees itself).
 
@@ -316,25 +349,25 @@ def _grouped_forward(model, prompts: List[List[int]], completions: List[List[int
         positions[r] += range(len(p), len(p) + len(c))
         predictors += [(r, start + j - 1 if j else len(p) - 1) for j in range(len(c))]
     length = max(len(row) for row in rows)
-    input_ids = torch.tensor([row + [pad_id] * (length - len(row)) for row in rows], device=device)
-    position_ids = torch.tensor([pos + list(range(len(pos), length)) for pos in positions], device=device)
-    segment = torch.tensor([seg + [-1] * (length - len(seg)) for seg in segments], device=device)
+    input_ids = to_device(torch.tensor([row + [pad_id] * (length - len(row)) for row in rows]), device)
+    position_ids = to_device(torch.tensor([pos + list(range(len(pos), length)) for pos in positions]), device)
+    segment = to_device(torch.tensor([seg + [-1] * (length - len(seg)) for seg in segments]), device)
     query, key = segment.unsqueeze(2), segment.unsqueeze(1)
     causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
     mask = (causal & ((key == 0) | (key == query))) | torch.eye(length, dtype=torch.bool, device=device)
     hidden = _final_hidden(model, input_ids=input_ids, position_ids=position_ids, attention_mask=mask.unsqueeze(1),
                            use_cache=False)
-    flat = torch.tensor([r * length + column for r, column in predictors], device=device)
-    targets = torch.tensor([t for c in completions for t in c], device=device)
+    flat = to_device(torch.tensor([r * length + column for r, column in predictors]), device)
+    targets = to_device(torch.tensor([t for c in completions for t in c]), device)
     counts = _lengths(completions)
     index = _spans(counts.cumsum(0) - counts, _lengths(prompts) - 1, counts,
                    max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1)
-    return hidden.flatten(0, 1)[flat].unsqueeze(1), targets.unsqueeze(1), index.to(device)
+    return hidden.flatten(0, 1)[flat].unsqueeze(1), targets.unsqueeze(1), index
 
 
 def align_per_token(values: List[List[float]], prompts: List[List[int]], width: int) -> torch.Tensor:
     """Place per-completion-token values (e.g. behaviour log-probs) at their mask positions."""
     out = torch.zeros((len(values), width), dtype=torch.float32)
-    out[_span_mask(_lengths(prompts) - 1, _lengths(values), width)] = torch.tensor(
-        [x for v in values for x in v], dtype=torch.float32)
+    out.view(-1)[_kept_positions(prompts, values, width, None)] = torch.tensor([x for v in values for x in v],
+                                                                              dtype=torch.float32)
     return out

@@ -151,8 +151,9 @@ print(graphs, torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def test_a_compiled_rank_compiles_as_it_starts_not_in_its_steps(tiny_policy):
-    """RL steps in both layouts, at sizes the start-up's passes did not have, compile nothing more."""
+    """RL steps in both layouts, at sizes the start-up's passes did not have, compile nothing more (both call the
+    layers with a mask, so one graph can serve them)."""
     run = subprocess.run([sys.executable, "-c", AHEAD, tiny_policy], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     after_setup, after_steps = map(int, run.stdout.split()[-2:])
-    assert after_setup >= 2 and after_steps == after_setup
+    assert after_setup >= 1 and after_steps == after_setup
