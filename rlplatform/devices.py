@@ -91,6 +91,6 @@ def _in_actor() -> bool:
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`tensor`, built on the host, on `device` without the host waiting for the device: a copy to a GPU goes
     from pinned memory on the current stream, where one from pageable memory first waits for all work queued."""
-    if device.type != "cuda":
+    if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
