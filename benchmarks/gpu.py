@@ -232,12 +232,13 @@ def variant_row(model_dir: str, dtype: str, learner: LearnerRank, groups, steps:
     """The learner row again for a rank whose config differs from the default by `options`, run on the same
     groups in the default rank's micro-batches (its own budget would come from the memory the first left free)."""
     config = LearnerConfig(num_threads=torch.get_num_threads(), micro_batch_tokens=learner.micro_batch_tokens,
-                           **options)
+                           activation_checkpointing=learner.activation_checkpointing, **options)
     trained = learner_steps(learner_rank(model_dir, dtype, config), groups, steps)
     _release_memory()
     figure = f"{trained['tokens'] / trained['seconds']:.0f} tokens/s, MFU {trained['mfu']:.1%}"
     print(f"learner, {name}: {figure}", flush=True)
-    return f"learner, {name}", figure, f"the same steps in the same micro-batches, {change}; {trained['layout']} scoring rows"
+    how = f"the same steps in the same micro-batches, {change}; {trained['layout']} scoring rows"
+    return f"learner, {name}", figure, how
 
 
 def _release_memory() -> None:
@@ -377,6 +378,7 @@ def main() -> None:
                                         "`learner.bf16_mode: master_weights`",
                                         "bfloat16 weights and activations over float32 master weights (ZeRO-1)",
                                         bf16_mode="master_weights"))
+    checkpointing = ", activation checkpointing (memory asked for it)" if learner.activation_checkpointing else ""
     params = sum(p.numel() for p in engine.model.parameters())
     name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({os.cpu_count()} cores)"
     loop = ("slot decoder, CUDA graphs" if engine.slot_decoder.graphs else "slot decoder") if engine.slot_decoder \
@@ -394,7 +396,7 @@ def main() -> None:
             *[(f"weight sync, {name}", *row) for name, row in syncs.items()],
             (f"learner (DeepSpeed ZeRO-{learner.zero_stage}, one rank, {dtype})", f"{trained['tokens'] / trained['seconds']:.0f} tokens/s",
              f"{args.learner_steps} RL steps on the generated groups; micro-batches of {learner.micro_batch_tokens} "
-             f"tokens (the default: from free memory); {trained['layout']} scoring rows; "
+             f"tokens (the default: from free memory){checkpointing}; {trained['layout']} scoring rows; "
              + (f"{learner.compiled_layers} decoder layers compiled" if learner.compiled_layers else "eager layers")
              + " (`learner.compile` unset)"),
             ("learner MFU", f"{trained['mfu']:.1%}",

@@ -3,12 +3,14 @@
 No pass the learner makes (policy update, proximal and reference scoring, SFT) runs more tokens at
 once than this budget; a larger minibatch accumulates gradients over several micro-batches. Unless
 the user sets it, the budget comes from the memory the rank's device has left once the model is in
-place and the activations one token keeps alive for the backward pass in each decoder layer.
+place and the activations one token keeps alive for the backward pass in each decoder layer; where
+that memory holds too few tokens, each layer recomputes its activations in backward instead of keeping
+them (activation checkpointing), unless the user says otherwise.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -16,6 +18,9 @@ MEMORY_FRACTION = 0.5  # of the free memory, for one micro-batch's activations (
 OPTIMIZER_BYTES = 12  # per trainable parameter not yet allocated at set-up: float32 gradient and AdamW's two moments
 MIN_TOKENS = 1024  # never less, however little memory is reported
 ROUND_TO = 1024
+# unset learner.activation_checkpointing: on where memory holds fewer tokens' activations than this without it
+# (fewer, shorter passes leave the device idle between kernels; a long sequence may not fit at all)
+CHECKPOINTING_BELOW_TOKENS = 8192
 
 
 def activation_bytes_per_token(config, compute_bytes: int, checkpointing: bool) -> int:
@@ -37,6 +42,19 @@ def micro_batch_tokens(free_bytes: int, trainable_params: int, config, compute_b
     room = MEMORY_FRACTION * max(0, free_bytes - OPTIMIZER_BYTES * trainable_params)
     tokens = int(room // activation_bytes_per_token(config, compute_bytes, checkpointing))
     return max(MIN_TOKENS, tokens // ROUND_TO * ROUND_TO)
+
+
+def plan_micro_batches(free_bytes: int, trainable_params: int, config, compute_bytes: int,
+                       tokens: Optional[int], checkpointing: Optional[bool]) -> Tuple[int, bool]:
+    """(tokens per forward/backward, whether each layer recomputes its activations in backward): `tokens` and
+    `checkpointing` where set (learner.micro_batch_tokens, learner.activation_checkpointing). Unset, checkpointing
+    is on exactly when memory holds fewer tokens' activations without it than a micro-batch needs (`tokens`, else
+    CHECKPOINTING_BELOW_TOKENS), and the token budget comes from memory under that choice."""
+    if checkpointing is None:
+        without = micro_batch_tokens(free_bytes, trainable_params, config, compute_bytes, checkpointing=False)
+        checkpointing = without < (tokens or CHECKPOINTING_BELOW_TOKENS)
+    return tokens or micro_batch_tokens(free_bytes, trainable_params, config, compute_bytes, checkpointing), \
+        checkpointing
 
 
 def free_device_bytes(device: torch.device, ranks_on_host: int, gpu_share: Optional[float]) -> int:

@@ -31,7 +31,7 @@ from rlplatform.devices import resolve_device, share_kv_heads_on_cpu, torch_dtyp
 from rlplatform.learners.algorithms import (Totals, entropy_bonus, parity_figures, parity_sums, policy_loss,
                                             sft_auxiliary_loss, token_mean)
 from rlplatform.learners.batching import TokenScores, align_per_token, completion_logprobs
-from rlplatform.learners.budget import free_device_bytes, micro_batch_tokens
+from rlplatform.learners.budget import free_device_bytes, plan_micro_batches
 from rlplatform.learners.compiled_layers import WARM_UP_BATCHES, compile_layers, layers_compiled
 from rlplatform.learners.flops import DevicePeak
 from rlplatform.learners.lora import AdaptersOff, adapter_state, copy_head_weight_per_call, save_adapters
@@ -119,6 +119,7 @@ class LearnerRank:
         self.engine = None
         self.tokenizer = None
         self.micro_batch_tokens = 0  # tokens per forward/backward: learner.micro_batch_tokens, or from memory at setup
+        self.activation_checkpointing = False  # learner.activation_checkpointing, or where memory asks for it at setup
         self.params = 0  # the model's parameters, for MFU (6 x params x tokens)
         self.compiled_layers = 0  # decoder layers under torch.compile (`learner.compile`)
         self.peak: Optional[DevicePeak] = None  # the device's peak FLOP/s in the compute dtype
@@ -167,9 +168,13 @@ class LearnerRank:
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=self._deepspeed_config())
         self.params = sum(p.numel() for p in model.parameters())
         self.peak = DevicePeak(self.device, torch_dtype(self.dtype))  # the dtype the matmuls run in
-        self.micro_batch_tokens = self.config.micro_batch_tokens or micro_batch_tokens(
+        self.micro_batch_tokens, self.activation_checkpointing = plan_micro_batches(
             free_device_bytes(self.device, self.world_size, self.config.num_gpus), sum(p.numel() for p in trainable),
-            model.config, torch_dtype(self.dtype).itemsize, self.config.activation_checkpointing)
+            model.config, torch_dtype(self.dtype).itemsize, self.config.micro_batch_tokens,
+            self.config.activation_checkpointing)
+        if self.activation_checkpointing and not self.config.activation_checkpointing:  # memory asks for it
+            enable_activation_checkpointing(model)
+            model.train()
 
     def _trained_model(self) -> torch.nn.Module:
         """The policy as this rank trains it (loading the tokenizer too): with activation checkpointing and LoRA
@@ -208,6 +213,8 @@ class LearnerRank:
                 "dtype": str(next(self.engine.module.parameters()).dtype).removeprefix("torch."), "mode": mode,
                 "reference_elements": self._reference_elements(), "micro_batch_tokens": self.micro_batch_tokens,
                 "params": self.params, "peak_flops": self.peak.flops, "compiled_layers": self.compiled_layers,
+                "activation_checkpointing": any(getattr(m, "gradient_checkpointing", False)
+                                                for m in self.engine.module.modules()),
                 "zero_stage": self.engine.zero_optimization_stage()}
 
     def _reference_elements(self) -> Optional[int]:

@@ -267,7 +267,10 @@ class LearnerConfig:
     num_gpus: Optional[float] = at_least(None, 0)  # Ray GPUs per rank (a fraction shares one); unset: 1 on a GPU device, else 0
     resources: Dict[str, float] = field(default_factory=dict)  # custom Ray resources per rank, e.g. {learner_node: 1} places ranks on nodes started with that resource
     micro_batch_tokens: Optional[int] = at_least(None, 1)  # prompt+completion tokens per forward/backward (every pass: update, proximal, reference, SFT); a larger minibatch accumulates over several; unset: from the device's free memory (learners/budget.py)
-    activation_checkpointing: bool = False  # recompute each layer's activations in backward: less memory, about a third more compute
+    # recompute each layer's activations in backward: less memory, about a third more compute; unset: on where the
+    # device's free memory holds fewer tokens' activations without it than a micro-batch needs (micro_batch_tokens,
+    # else 8192; learners/budget.py)
+    activation_checkpointing: Optional[bool] = None
     compile: Optional[bool] = None  # torch.compile each decoder layer (fuses the elementwise work between matmuls; each way the layers are called compiles once, when first met); unset: on for a CUDA learner under ZeRO 0-2
 
     @property
@@ -674,8 +677,9 @@ def _check_policy(config, prefix: str, source: str) -> None:
         raise ConfigError(f"{source}: '{prefix}learner.num_gpus' is {learner.num_gpus} with {learner.num_ranks} ranks: "
                           f"NCCL needs a whole GPU per rank; set it to 1 or use one rank")
     if learner.bf16_mode == "master_weights" and learner.zero_stage == 0:
-        raise ConfigError(f"{source}: '{prefix}learner.bf16_mode' is master_weights under ZeRO-0, where DeepSpeed keeps no "
-                          f"float32 master weights; use learner.zero_stage 1-3 (or leave it unset: 1), or bf16_mode autocast")
+        raise ConfigError(f"{source}: '{prefix}learner.bf16_mode' is master_weights under ZeRO-0, where DeepSpeed keeps "
+                          f"no float32 master weights; use learner.zero_stage 1-3 (or leave it unset: 1), or "
+                          f"bf16_mode autocast")
     if learner.compile and learner.effective_zero_stage == 3:
         raise ConfigError(f"{source}: '{prefix}learner.compile' is true under ZeRO-3, which gathers each layer's "
                           f"weights in hooks torch.compile cannot trace; use learner.zero_stage 0-2 or leave compile unset")

@@ -10,7 +10,8 @@ import ray
 from transformers import Qwen2Config
 
 from rlplatform.config import LearnerConfig
-from rlplatform.learners.budget import activation_bytes_per_token, micro_batch_tokens
+from rlplatform.learners.budget import (CHECKPOINTING_BELOW_TOKENS, activation_bytes_per_token, micro_batch_tokens,
+                                        plan_micro_batches)
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.policy import load_policy, load_tokenizer
 from rlplatform.tokenization import encode_sft
@@ -41,6 +42,43 @@ def test_the_minibatch_that_ran_out_of_memory_is_split_within_the_budget():
     assert budget * activation_bytes_per_token(QWEN_05B, 2, checkpointing=False) <= free / 2
 
 
+QWEN_7B = Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                      num_key_value_heads=4, vocab_size=152_064)
+
+
+def test_activation_checkpointing_turns_on_where_memory_holds_too_few_tokens_without_it():
+    # 0.5B on an H100's ~70 GiB free: about 27,000 tokens without checkpointing, enough
+    tokens, checkpointing = plan_micro_batches(70 * 2 ** 30, 494_000_000, QWEN_05B, 2, None, None)
+    assert not checkpointing and tokens == micro_batch_tokens(70 * 2 ** 30, 494_000_000, QWEN_05B, 2, False)
+    # a 7B shard with 40 GiB left: 2 x (8 x 3584 + 4 x 18944) x 28 = 5.8 MB per token, about 3,000 tokens without
+    # checkpointing; with it each layer keeps its input (28 x 3584 x 2 bytes) plus one layer: about 50,000
+    free = 40 * 2 ** 30
+    assert micro_batch_tokens(free, 0, QWEN_7B, 2, False) < CHECKPOINTING_BELOW_TOKENS
+    tokens, checkpointing = plan_micro_batches(free, 0, QWEN_7B, 2, None, None)
+    assert checkpointing and tokens == micro_batch_tokens(free, 0, QWEN_7B, 2, True) > 40_000
+    # a hand-set budget memory holds without it needs none; one it does not hold turns it on
+    assert plan_micro_batches(free, 0, QWEN_7B, 2, 2048, None) == (2048, False)
+    assert plan_micro_batches(free, 0, QWEN_7B, 2, 16384, None) == (16384, True)
+    # set by hand either way, it stays
+    assert plan_micro_batches(free, 0, QWEN_7B, 2, None, False) == (micro_batch_tokens(free, 0, QWEN_7B, 2, False),
+                                                                      False)
+    assert plan_micro_batches(70 * 2 ** 30, 494_000_000, QWEN_05B, 2, None, True)[1]
+
+
+def test_a_rank_checkpoints_activations_when_its_budget_outgrows_memory(ray_session, tiny_policy):
+    """A micro-batch budget larger than the host's memory holds without checkpointing (unset
+    learner.activation_checkpointing): the rank recomputes activations, and trains."""
+    learner = LearnerGroup(LearnerConfig(num_cpus=0.5, micro_batch_tokens=10 ** 9), tiny_policy, seed=0)
+    try:
+        (placement,) = learner.placements()
+        assert placement["activation_checkpointing"] and placement["micro_batch_tokens"] == 10 ** 9
+        learner.start_stage(lr=1e-2)
+        first = learner.sft_step(ROWS)
+        assert learner.sft_step(ROWS).loss < first.loss
+    finally:
+        learner.shutdown()
+
+
 def long_samples(count: int, tokens: int):
     return [Sample(f"{i}", f"{i}", "policy", "", "", [5] * 8, [6] * (tokens - 8), [-1.0] * (tokens - 8),
                    [0] * (tokens - 8)) for i in range(count)]
@@ -53,6 +91,7 @@ def test_the_default_config_splits_a_large_minibatch(ray_session, tiny_policy):
     try:
         (placement,) = learner.placements()
         assert placement["zero_stage"] == 0  # one rank: nothing to partition
+        assert not placement["activation_checkpointing"]  # the host's memory holds plenty of tokens without it
         budget = placement["micro_batch_tokens"]
         model_config = load_policy(tiny_policy)[0].config
         params = sum(p.numel() for p in load_policy(tiny_policy)[0].parameters())
