@@ -152,14 +152,16 @@ def test_master_weights_accumulate_micro_batches_in_float32(ray_session, bf16_po
         assert micro.loss == pytest.approx(whole.loss, rel=1e-2)
 
 
-def test_master_weights_two_ranks_resume_their_float32_masters(ray_session, bf16_policy, tmp_path):
-    """Two ranks under the stage master_weights takes unset (ZeRO-1): bfloat16 weights served bit for bit; a
-    checkpoint holds the float32 masters, so steps after loading it repeat the steps after saving it exactly
-    (masters rebuilt from the bfloat16 weights would lose the updates below bfloat16's resolution)."""
-    learner = LearnerGroup(LearnerConfig(num_ranks=2, **MASTER), bf16_policy, 0, dtype="bfloat16")
+@pytest.mark.parametrize("zero_stage", [None, 3])
+def test_master_weights_two_ranks_resume_their_float32_masters(ray_session, bf16_policy, tmp_path, zero_stage):
+    """Two ranks under the stage master_weights takes unset (ZeRO-1), and sharded (ZeRO-3): bfloat16 weights served
+    bit for bit; a checkpoint holds the float32 masters, so steps after loading it repeat the steps after saving it
+    exactly (masters rebuilt from the bfloat16 weights would lose the updates below bfloat16's resolution)."""
+    learner = LearnerGroup(LearnerConfig(num_ranks=2, zero_stage=zero_stage, **MASTER), bf16_policy, 0,
+                           dtype="bfloat16")
     try:
         assert [{k: p[k] for k in ("dtype", "mode", "zero_stage")} for p in learner.placements()] == \
-            [{"dtype": "bfloat16", "mode": "bf16_master", "zero_stage": 1}] * 2
+            [{"dtype": "bfloat16", "mode": "bf16_master", "zero_stage": zero_stage or 1}] * 2
         learner.start_stage(lr=1e-4)  # updates below bfloat16's resolution for most weights
         learner.sft_step(ROWS)
         learner.save(str(tmp_path / "checkpoint"))
