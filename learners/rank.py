@@ -7,9 +7,9 @@ float32 weights with bfloat16 matmuls by default (DeepSpeed's torch_autocast: th
 gradients and optimizer stay float32, as in float32 training), or with `learner.bf16_mode: master_weights`
 bfloat16 weights and activations over a float32 master copy (DeepSpeed's bf16 mode, float32 gradient
 accumulation); float16 uses DeepSpeed's fp16 mode (float16 weights, float32 master copy, loss scaling);
-either way rank 0 serves the weights in `model.dtype`. Rank 0 publishes full weight snapshots to the Ray object store and writes
-checkpoints and the Hugging Face model; with
-`model.lora` the ranks train adapters only and those alone are published and saved (`learners/lora.py`).
+either way rank 0 serves the weights in `model.dtype`. Rank 0 publishes full weight snapshots to the Ray
+object store and writes checkpoints and the Hugging Face model; with `model.lora` the ranks train adapters
+only and those alone are published and saved (`learners/lora.py`).
 """
 
 from __future__ import annotations
