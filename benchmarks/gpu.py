@@ -204,8 +204,10 @@ def sync_row(learner: LearnerRank, model_dir: str, transport: WeightTransport, r
 
 
 def learner_steps(learner: LearnerRank, groups, steps: int, profile: bool = False) -> Dict:
-    """RL steps on the generated groups with random rewards; tokens are prompt + completion tokens fed.
-    With `profile`, one more step runs under torch.profiler and its table is printed."""
+    """RL steps on the generated groups with random rewards; tokens are prompt + completion tokens fed. On a
+    GPU, `step_gib` is the most memory the timed steps allocated above what was held before them (activations,
+    the head's chunks, gradients in flight). With `profile`, one more step runs under torch.profiler and its
+    table is printed."""
     rng = random.Random(0)
     samples = [Sample(sample_id=f"g{g}/{i}", group_id=f"g{g}", policy="policy", prompt="", completion=c.text,
                       prompt_ids=c.prompt_ids, completion_ids=c.completion_ids, behaviour_logprobs=c.logprobs,
@@ -214,17 +216,32 @@ def learner_steps(learner: LearnerRank, groups, steps: int, profile: bool = Fals
     rewards = [[float(rng.random() < 0.5) for _ in group] for group in groups]
     advantages = [a for group in grpo_advantages(rewards) for a in group]
     rl = RLConfig(lr_schedule="constant", max_new_tokens=max(len(s.completion_ids) for s in samples))
-    learner.rl_step(samples, advantages, rl)  # warm-up
+    learner.rl_step(samples, advantages, rl)  # warm-up (and the optimizer's state)
     _synchronize()
+    held = _allocated_after_reset()
     start = time.perf_counter()
     mfu = [learner.rl_step(samples, advantages, rl, step=step)["mfu"] for step in range(steps)]
     _synchronize()
     seconds = time.perf_counter() - start
+    step_gib = (torch.cuda.max_memory_allocated() - held) / 2 ** 30 if torch.cuda.is_available() else None
     tokens = steps * sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     if profile:
         _profile_step(learner, samples, advantages, rl)
     layout = choose_layout(learner.engine.module, [s.prompt_ids for s in samples], [s.completion_ids for s in samples])
-    return {"tokens": tokens, "seconds": seconds, "mfu": sum(mfu) / len(mfu), "layout": layout}
+    return {"tokens": tokens, "seconds": seconds, "mfu": sum(mfu) / len(mfu), "layout": layout, "step_gib": step_gib}
+
+
+def _allocated_after_reset() -> int:
+    """GPU memory allocated now, with the peak counter restarted from it (0 without CUDA)."""
+    if not torch.cuda.is_available():
+        return 0
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def _step_memory(trained: Dict) -> str:
+    return f"; the steps allocated up to {trained['step_gib']:.1f} GiB above what was held" \
+        if trained["step_gib"] is not None else ""
 
 
 def variant_row(model_dir: str, dtype: str, learner: LearnerRank, groups, steps: int, name: str, change: str,
@@ -237,7 +254,7 @@ def variant_row(model_dir: str, dtype: str, learner: LearnerRank, groups, steps:
     _release_memory()
     figure = f"{trained['tokens'] / trained['seconds']:.0f} tokens/s, MFU {trained['mfu']:.1%}"
     print(f"learner, {name}: {figure}", flush=True)
-    how = f"the same steps in the same micro-batches, {change}; {trained['layout']} scoring rows"
+    how = f"the same steps in the same micro-batches, {change}; {trained['layout']} scoring rows{_step_memory(trained)}"
     return f"learner, {name}", figure, how
 
 
@@ -394,9 +411,11 @@ def main() -> None:
             (f"generation, vLLM ({dtype})", f"{vllm['tokens'] / vllm['seconds']:.0f} tokens/s" if vllm else vllm_note,
              "rlplatform's vLLM engine, same prompts (continuous batching, log-probs and versions recorded)"),
             *[(f"weight sync, {name}", *row) for name, row in syncs.items()],
-            (f"learner (DeepSpeed ZeRO-{learner.zero_stage}, one rank, {dtype})", f"{trained['tokens'] / trained['seconds']:.0f} tokens/s",
+            (f"learner (DeepSpeed ZeRO-{learner.zero_stage}, one rank, {dtype})",
+             f"{trained['tokens'] / trained['seconds']:.0f} tokens/s",
              f"{args.learner_steps} RL steps on the generated groups; micro-batches of {learner.micro_batch_tokens} "
-             f"tokens (the default: from free memory){checkpointing}; {trained['layout']} scoring rows; "
+             f"tokens (the default: from free memory){checkpointing}; {trained['layout']} scoring rows"
+             f"{_step_memory(trained)}; "
              + (f"{learner.compiled_layers} decoder layers compiled" if learner.compiled_layers else "eager layers")
              + " (`learner.compile` unset)"),
             ("learner MFU", f"{trained['mfu']:.1%}",
