@@ -166,6 +166,8 @@ class LearnerRank:
         # fused: one kernel for every parameter's update (CUDA and CPU; on CPU about 5x the unfused loop's speed)
         optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0, fused=True)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=self._deepspeed_config())
+        if self.world_size == 1 and self.zero_stage == 0:  # a lone rank's gradients are their own average: DeepSpeed
+            self.engine.enable_backward_allreduce = False  # would flatten them, all-reduce over one rank and copy back
         self.params = sum(p.numel() for p in model.parameters())
         self.peak = DevicePeak(self.device, torch_dtype(self.dtype))  # the dtype the matmuls run in
         self.micro_batch_tokens, self.activation_checkpointing = plan_micro_batches(

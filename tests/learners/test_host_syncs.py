@@ -4,7 +4,9 @@ runs: no read-back (`.item()`, a Python bool of a tensor), no selection whose si
 waits for all queued work. A rank in its own process trains RL steps in each scoring layout (grouped rows,
 packed rows, shared prompts) with a budget that holds the batch in one micro-batch and one that splits it in
 several. On CPU every operation that would make a GPU's host wait is counted as PyTorch dispatches it; on a
-GPU, CUDA's own synchronisation debug mode counts what did."""
+GPU, CUDA's own synchronisation debug mode counts what did. A lone rank under ZeRO-0 (the default for one
+rank) also all-reduces nothing: DeepSpeed would flatten its gradients, reduce them over one rank and copy
+them back."""
 
 from __future__ import annotations
 
@@ -115,3 +117,31 @@ def test_on_a_gpu_an_rl_step_synchronises_as_often_in_several_micro_batches_as_i
     waits = host_waits(tiny_policy)  # CUDA's sync debug mode: read-backs and blocking copies alike
     for layout in ("grouped", "packed", "shared_prompt"):
         assert waits[f"{layout} several"] == waits[f"{layout} one"], waits
+
+
+LONE_RANK = r"""
+import socket, sys, torch
+from rlplatform.config import LearnerConfig
+from rlplatform.learners.rank import LearnerRank
+rank = LearnerRank(0, 1, sys.argv[1], LearnerConfig(), seed=0)
+with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+rank.setup("127.0.0.1", port)
+rank.start_stage(lr=1e-3)
+reduced = []
+all_reduce = torch.distributed.all_reduce
+torch.distributed.all_reduce = lambda tensor, *args, **kwargs: reduced.append(tensor.numel()) or all_reduce(
+    tensor, *args, **kwargs)
+rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "40+45=", "answer": "85"}]
+losses = [rank.sft_step(rows)["loss"] for _ in range(2)]
+print(rank.zero_stage, max(reduced, default=0), losses[1] < losses[0])
+"""
+
+
+def test_a_lone_zero_0_rank_all_reduces_no_gradients(tiny_policy):
+    run = subprocess.run([sys.executable, "-c", LONE_RANK, tiny_policy], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    stage, largest, learned = run.stdout.split()[-3:]
+    # DeepSpeed's clipping still sums a scalar norm over the group; no gradient goes through a reduction
+    assert (stage, learned) == ("0", "True") and int(largest) <= 1, run.stdout[-500:]
