@@ -118,12 +118,11 @@ def completion_logprobs(model, prompts: List[List[int]], completions: List[List[
         input_ids, index = to_device(batch.input_ids, device), batch.index
         hidden = _final_hidden(model, input_ids=input_ids, use_cache=False, **_packed_attention(batch, device))[:, :-1]
         targets = input_ids[:, 1:]
-    mask = _completion_mask(prompts, completions)
-    if token_mask is not None:
-        mask = mask * align_per_token(token_mask, prompts, mask.shape[1])
     # where the scored tokens are, worked out on the host: selecting them by a mask on the device would make the
     # host wait for the forward pass to learn how many there are
-    kept = _kept_positions(prompts, completions, mask.shape[1], token_mask)
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1
+    kept = _kept_positions(prompts, completions, width, token_mask)
+    mask = torch.zeros(len(prompts) * width).index_fill_(0, kept, 1.0).view(len(prompts), width)
     wanted = index.view(-1)[kept]  # flat positions of the completion tokens, in (batch, T-1) mask order
     row, column = to_device(wanted // targets.shape[1], device), to_device(wanted % targets.shape[1], device)
     head = _unwrap(model).get_output_embeddings()

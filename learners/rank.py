@@ -119,7 +119,6 @@ class LearnerRank:
         self.engine = None
         self.tokenizer = None
         self.micro_batch_tokens = 0  # tokens per forward/backward: learner.micro_batch_tokens, or from memory at setup
-        self.activation_checkpointing = False  # learner.activation_checkpointing, or where memory asks for it at setup
         self.params = 0  # the model's parameters, for MFU (6 x params x tokens)
         self.compiled_layers = 0  # decoder layers under torch.compile (`learner.compile`)
         self.peak: Optional[DevicePeak] = None  # the device's peak FLOP/s in the compute dtype
@@ -170,11 +169,11 @@ class LearnerRank:
             self.engine.enable_backward_allreduce = False  # would flatten them, all-reduce over one rank and copy back
         self.params = sum(p.numel() for p in model.parameters())
         self.peak = DevicePeak(self.device, torch_dtype(self.dtype))  # the dtype the matmuls run in
-        self.micro_batch_tokens, self.activation_checkpointing = plan_micro_batches(
+        self.micro_batch_tokens, checkpointing = plan_micro_batches(
             free_device_bytes(self.device, self.world_size, self.config.num_gpus), sum(p.numel() for p in trainable),
             model.config, torch_dtype(self.dtype).itemsize, self.config.micro_batch_tokens,
             self.config.activation_checkpointing)
-        if self.activation_checkpointing and not self.config.activation_checkpointing:  # memory asks for it
+        if checkpointing and not self.activation_checkpointing:  # memory asks for it
             enable_activation_checkpointing(model)
             model.train()
 
@@ -215,9 +214,13 @@ class LearnerRank:
                 "dtype": str(next(self.engine.module.parameters()).dtype).removeprefix("torch."), "mode": mode,
                 "reference_elements": self._reference_elements(), "micro_batch_tokens": self.micro_batch_tokens,
                 "params": self.params, "peak_flops": self.peak.flops, "compiled_layers": self.compiled_layers,
-                "activation_checkpointing": any(getattr(m, "gradient_checkpointing", False)
-                                                for m in self.engine.module.modules()),
+                "activation_checkpointing": self.activation_checkpointing,
                 "zero_stage": self.engine.zero_optimization_stage()}
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        """Whether the policy's layers recompute their activations in backward (set by hand, or where memory asks)."""
+        return any(getattr(m, "gradient_checkpointing", False) for m in self.engine.module.modules())
 
     def _reference_elements(self) -> Optional[int]:
         """Reference weights this rank holds (its ZeRO-3 shard, or the whole model); None without one."""
