@@ -4,8 +4,8 @@ loop beside it; its vLLM engine when vllm is installed and CUDA is present), sec
 sync for each `weights.transport` (learner rank 0's weights loaded into an engine in another process:
 object_store, broadcast, cuda_ipc), and learner tokens/s and MFU (one DeepSpeed learner rank, in this
 process, running the RL step the jobs run; then the same steps with eager layers where the default compiled
-them, and in bfloat16 with `learner.bf16_mode: master_weights`), and the whole job beside its peer: `rlp run` on the same
-policy and prompts (one learner rank and two rollout workers sharing the GPU by fractions, CUDA IPC syncs)
+them, and in bfloat16 with `learner.bf16_mode: master_weights`), and the whole job beside its peer: `rlp run`
+on the same policy and prompts (one learner rank and two rollout workers sharing the GPU by fractions, CUDA IPC syncs)
 in trained samples/s, and TRL's GRPOTrainer on the same device, policy, prompts, group size and completion
 limit (benchmarks/gpu_job.py). Everything runs in `model.dtype: auto` (bfloat16 on CUDA,
 float32 on CPU) with the default memory settings: the learner's micro-batch budget comes from the
