@@ -4,7 +4,7 @@ loop beside it; its vLLM engine when vllm is installed and CUDA is present), sec
 sync for each `weights.transport` (learner rank 0's weights loaded into an engine in another process:
 object_store, broadcast, cuda_ipc), and learner tokens/s and MFU (one DeepSpeed learner rank, in this
 process, running the RL step the jobs run; then the same steps with eager layers where the default compiled
-them, and in bfloat16 with `learner.bf16_mode: master_weights`), and the whole job beside its peer: `rlp run`
+them, and in bfloat16 with `learner.bf16_mode: autocast`), and the whole job beside its peer: `rlp run`
 on the same policy and prompts (one learner rank and two rollout workers sharing the GPU by fractions, CUDA IPC syncs)
 in trained samples/s, and TRL's GRPOTrainer on the same device, policy, prompts, group size and completion
 limit (benchmarks/gpu_job.py). Everything runs in `model.dtype: auto` (bfloat16 on CUDA,
@@ -296,7 +296,8 @@ def whole_job_rows(model_dir: str, prompts: List[str], args: argparse.Namespace)
         job_figure = f"{job['trained_per_s']:.0f} trained samples/s"
         job_how = (f"`rlp run`: {job['steps']} RL steps, {job['trained']} trained; learner busy "
                    f"{job['learner_busy']:.0%}, MFU {job['mfu']:.1%}, {job['sync_s']:.3f} s per weight sync; one rank "
-                   f"{'(0.5 GPU)' if gpu else ''} and 2 rollout workers {'(0.15 GPU each)' if gpu else ''}")
+                   f"{'(0.5 GPU, bf16 weights over fp32 masters)' if gpu else '(fp32)'} and 2 rollout workers"
+                   f"{' (0.15 GPU each)' if gpu else ''}")
     except Exception as error:  # noqa: BLE001 (reported in the table)
         job, job_figure, job_how = None, f"failed: {type(error).__name__}", str(error)[:200]
     print(f"whole job: {job_figure} ({job_how})", flush=True)
@@ -309,7 +310,7 @@ def whole_job_rows(model_dir: str, prompts: List[str], args: argparse.Namespace)
         trl_figure = f"{trl['trained_per_s']:.0f} trained samples/s"
         ratio = f"; rlplatform {job['trained_per_s'] / trl['trained_per_s']:.2f}x" if job else ""
         trl_how = (f"GRPOTrainer {trl['steps']} steps of {args.prompts} prompts x {args.group} in {trl['wall_s']} s "
-                   f"(Hugging Face generation, {'bf16' if gpu else 'fp32'}){ratio}")
+                   f"(Hugging Face generation; {'bf16 autocast over fp32 weights' if gpu else 'fp32'}){ratio}")
     except Exception as error:  # noqa: BLE001 (reported in the table)
         trl, trl_figure, trl_how = None, f"failed: {type(error).__name__}", str(error)[:200]
     print(f"TRL: {trl_figure} ({trl_how})", flush=True)
@@ -390,11 +391,11 @@ def main() -> None:
         variant_rows.append(variant_row(model_dir, dtype, learner, generated["groups"], args.learner_steps,
                                         "eager layers (`learner.compile: false`)", "the decoder layers uncompiled",
                                         compile=False))
-    if dtype == "bfloat16":  # bfloat16 weights and activations instead of autocast over float32 weights
+    if dtype == "bfloat16":  # autocast over float32 weights instead of bfloat16 weights over float32 masters
         variant_rows.append(variant_row(model_dir, dtype, learner, generated["groups"], args.learner_steps,
-                                        "`learner.bf16_mode: master_weights`",
-                                        "bfloat16 weights and activations over float32 master weights (ZeRO-1)",
-                                        bf16_mode="master_weights"))
+                                        "`learner.bf16_mode: autocast`",
+                                        "float32 weights with bfloat16 matmuls (autocast; ZeRO-0)",
+                                        bf16_mode="autocast"))
     checkpointing = ", activation checkpointing (memory asked for it)" if learner.activation_checkpointing else ""
     params = sum(p.numel() for p in engine.model.parameters())
     name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({os.cpu_count()} cores)"
@@ -411,7 +412,8 @@ def main() -> None:
             (f"generation, vLLM ({dtype})", f"{vllm['tokens'] / vllm['seconds']:.0f} tokens/s" if vllm else vllm_note,
              "rlplatform's vLLM engine, same prompts (continuous batching, log-probs and versions recorded)"),
             *[(f"weight sync, {name}", *row) for name, row in syncs.items()],
-            (f"learner (DeepSpeed ZeRO-{learner.zero_stage}, one rank, {dtype})",
+            (f"learner (DeepSpeed ZeRO-{learner.zero_stage}, one rank, {dtype}"
+             f"{' weights over float32 masters' if dtype == 'bfloat16' else ''})",
              f"{trained['tokens'] / trained['seconds']:.0f} tokens/s",
              f"{args.learner_steps} RL steps on the generated groups; micro-batches of {learner.micro_batch_tokens} "
              f"tokens (the default: from free memory){checkpointing}; {trained['layout']} scoring rows"

@@ -10,9 +10,11 @@ token's id ends in 0-4), so almost every group carries signal and neither side s
   and the evaluator 0.15), CUDA IPC weight syncs, `model.dtype: auto`, memory defaults. Its figures
   come from the run's summary.json: trained samples/s over the RL stage, the learner's busy
   fraction, seconds per weight sync.
-- TRL: GRPOTrainer (Hugging Face generation, bf16 on CUDA) in its own process, one optimizer step
-  per prompts x group completions as ours (per-device batch `prompts`, `group` accumulation steps),
-  beta 0 as ours tracks but does not apply a KL penalty. Wall time is `trainer.train()`'s.
+- TRL: GRPOTrainer (Hugging Face generation; on CUDA its `bf16` mixed precision, autocast over float32
+  weights, where ours trains bfloat16 weights over float32 masters, each framework's bf16 default) in its
+  own process, one optimizer step per prompts x group completions as ours (per-device batch `prompts`,
+  `group` accumulation steps), beta 0 as ours tracks but does not apply a KL penalty. Wall time is
+  `trainer.train()`'s.
 
 Usage (as gpu.py calls it): python benchmarks/gpu_job.py trl MODEL_DIR DATA_JSONL --steps N
            --prompts P --group G --new-tokens T

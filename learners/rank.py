@@ -3,10 +3,10 @@
 Ranks of a group rendezvous over torch.distributed (gloo on CPU, nccl on the GPU Ray assigned
 each rank) and DeepSpeed averages their gradients; during RL each fetches its shard of a batch from
 Redis by sample id; ZeRO stage 0-3 and precision come from config. `model.dtype: bfloat16` trains
-float32 weights with bfloat16 matmuls by default (DeepSpeed's torch_autocast: the residual stream, norms,
-gradients and optimizer stay float32, as in float32 training), or with `learner.bf16_mode: master_weights`
-bfloat16 weights and activations over a float32 master copy (DeepSpeed's bf16 mode, float32 gradient
-accumulation); float16 uses DeepSpeed's fp16 mode (float16 weights, float32 master copy, loss scaling);
+bfloat16 weights and activations over a float32 master copy by default (DeepSpeed's bf16 mode, float32
+gradient accumulation), or with `learner.bf16_mode: autocast` (the default under ZeRO-0) float32 weights
+with bfloat16 matmuls (DeepSpeed's torch_autocast: the residual stream, norms, gradients and optimizer stay
+float32, as in float32 training); float16 uses DeepSpeed's fp16 mode (float16 weights, float32 master copy, loss scaling);
 either way rank 0 serves the weights in `model.dtype`. Rank 0 publishes full weight snapshots to the Ray
 object store and writes checkpoints and the Hugging Face model; with `model.lora` the ranks train adapters
 only and those alone are published and saved (`learners/lora.py`).
@@ -106,11 +106,11 @@ class LearnerRank:
         torch.set_num_threads(config.num_threads)
         torch.manual_seed(seed)
         self.rank, self.world_size, self.config = rank, world_size, config
-        self.zero_stage = config.effective_zero_stage
+        self.zero_stage = config.effective_zero_stage(dtype)
         self.model_path, self.dtype = model_path, dtype  # model.dtype: what engines and the saved model get
         # the trained weights' dtype: float32 under bfloat16 autocast (float16 mode and bfloat16 master_weights keep
         # weights in model.dtype, their float32 master copy in DeepSpeed's optimizer)
-        self.master_weights = dtype == "float16" or (dtype == "bfloat16" and config.bf16_mode == "master_weights")
+        self.master_weights = config.master_weights(dtype)
         self.weights_dtype = dtype if self.master_weights else "float32"
         self.device = resolve_device(config.device)
         share_kv_heads_on_cpu(self.device)

@@ -253,13 +253,14 @@ class EnvConfig:
 class LearnerConfig:
     num_ranks: int = at_least(1, 1)  # DeepSpeed data-parallel ranks (Ray actors)
     # DeepSpeed ZeRO stage 0-3; unset: 0 with one rank (there is nothing to partition, and ZeRO-1's flat copies of the
-    # weights and gradients cost memory and, on the demo policy, about 2% of an RL step), 1 with several or with
-    # bf16_mode master_weights
+    # weights and gradients cost memory and, on the demo policy, about 2% of an RL step), 1 with several or where
+    # bfloat16 trains with master weights
     zero_stage: Optional[int] = field(default=None, metadata={"choices": (0, 1, 2, 3)})
-    # how a bfloat16 model.dtype trains: autocast (float32 weights, bfloat16 matmuls; the residual stream, norms,
-    # gradients and AdamW in float32) or master_weights (bfloat16 weights and activations, DeepSpeed's bf16 mode: a
-    # float32 master copy of the weights and float32 gradient accumulation in its optimizer; needs ZeRO 1-3)
-    bf16_mode: str = one_of("autocast", "master_weights")
+    # how a bfloat16 model.dtype trains: master_weights (bfloat16 weights and activations, DeepSpeed's bf16 mode: a
+    # float32 master copy of the weights and float32 gradient accumulation in its optimizer; needs ZeRO 1-3) or
+    # autocast (float32 weights, bfloat16 matmuls; the residual stream, norms, gradients and AdamW in float32);
+    # auto: master_weights, or autocast where zero_stage is set to 0
+    bf16_mode: str = one_of("auto", "master_weights", "autocast")
     grad_clip: float = above(1.0, 0)  # gradient norm clip
     num_threads: int = at_least(1, 1)  # torch threads per rank
     num_cpus: float = at_least(1.0, 0)  # Ray CPUs reserved per rank
@@ -273,12 +274,18 @@ class LearnerConfig:
     activation_checkpointing: Optional[bool] = None
     compile: Optional[bool] = None  # torch.compile each decoder layer (fuses the elementwise work between matmuls; each way the layers are called compiles once, when first met); unset: on for a CUDA learner under ZeRO 0-2
 
-    @property
-    def effective_zero_stage(self) -> int:
-        """`zero_stage`, or unset: 0 for one rank, 1 for several or for bf16_mode master_weights."""
+    def master_weights(self, dtype: str) -> bool:
+        """Whether weights of `dtype` (a concrete model.dtype) train in that dtype over float32 master weights
+        in DeepSpeed's optimizer: float16 always, bfloat16 as `bf16_mode` says."""
+        if dtype == "bfloat16":
+            return self.bf16_mode == "master_weights" or (self.bf16_mode == "auto" and self.zero_stage != 0)
+        return dtype == "float16"
+
+    def effective_zero_stage(self, dtype: str) -> int:
+        """`zero_stage`, or unset: 0 for one rank, 1 for several or for bfloat16 weights over float32 masters."""
         if self.zero_stage is not None:
             return self.zero_stage
-        return 0 if self.num_ranks == 1 and self.bf16_mode == "autocast" else 1
+        return 0 if self.num_ranks == 1 and not (dtype == "bfloat16" and self.master_weights(dtype)) else 1
 
 
 @dataclass
@@ -680,7 +687,7 @@ def _check_policy(config, prefix: str, source: str) -> None:
         raise ConfigError(f"{source}: '{prefix}learner.bf16_mode' is master_weights under ZeRO-0, where DeepSpeed keeps "
                           f"no float32 master weights; use learner.zero_stage 1-3 (or leave it unset: 1), or "
                           f"bf16_mode autocast")
-    if learner.compile and learner.effective_zero_stage == 3:
+    if learner.compile and learner.zero_stage == 3:
         raise ConfigError(f"{source}: '{prefix}learner.compile' is true under ZeRO-3, which gathers each layer's "
                           f"weights in hooks torch.compile cannot trace; use learner.zero_stage 0-2 or leave compile unset")
 

@@ -324,15 +324,25 @@ def test_a_bridge_only_source_needs_the_bridge():
 
 def test_zero_stage_unset_is_0_for_one_learner_rank_and_1_for_several():
     assert load_config(None, []).learner.zero_stage is None  # the default
-    assert LearnerConfig().effective_zero_stage == 0 and LearnerConfig(num_ranks=2).effective_zero_stage == 1
-    assert LearnerConfig(zero_stage=2).effective_zero_stage == 2
-    assert load_config(None, ["learner.num_ranks=4", "learner.zero_stage=3"]).learner.effective_zero_stage == 3
+    assert LearnerConfig().effective_zero_stage("float32") == 0
+    assert LearnerConfig(num_ranks=2).effective_zero_stage("float32") == 1
+    assert LearnerConfig(zero_stage=2).effective_zero_stage("float32") == 2
+    assert load_config(None, ["learner.num_ranks=4", "learner.zero_stage=3"]).learner.effective_zero_stage("float32") == 3
 
 
-def test_bf16_master_weights_take_zero_1_unset_and_refuse_zero_0():
-    assert load_config(None, []).learner.bf16_mode == "autocast"  # the default
-    assert LearnerConfig(bf16_mode="master_weights").effective_zero_stage == 1
-    assert load_config(None, ["learner.bf16_mode=master_weights", "learner.zero_stage=2"]).learner.effective_zero_stage == 2
+def test_bfloat16_trains_over_float32_masters_by_default_and_autocasts_under_zero_0():
+    learner = load_config(None, []).learner
+    assert learner.bf16_mode == "auto"  # the default
+    # bfloat16 weights over float32 masters, in DeepSpeed's optimizer from ZeRO-1 (the stage unset becomes 1)
+    assert learner.master_weights("bfloat16") and learner.effective_zero_stage("bfloat16") == 1
+    assert not learner.master_weights("float32") and learner.effective_zero_stage("float32") == 0
+    assert learner.master_weights("float16")  # DeepSpeed's fp16 mode, whatever bf16_mode says
+    zero_0 = load_config(None, ["learner.zero_stage=0"]).learner
+    assert not zero_0.master_weights("bfloat16") and zero_0.effective_zero_stage("bfloat16") == 0
+    autocast = LearnerConfig(bf16_mode="autocast")
+    assert not autocast.master_weights("bfloat16") and autocast.effective_zero_stage("bfloat16") == 0
+    explicit = load_config(None, ["learner.bf16_mode=master_weights", "learner.zero_stage=2"]).learner
+    assert explicit.master_weights("bfloat16") and explicit.effective_zero_stage("bfloat16") == 2
     with pytest.raises(ConfigError, match="'learner.bf16_mode' is master_weights under ZeRO-0"):
         load_config(None, ["learner.bf16_mode=master_weights", "learner.zero_stage=0"])
     with pytest.raises(ConfigError, match="bf16_mode"):

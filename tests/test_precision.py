@@ -1,8 +1,8 @@
-"""model.dtype end to end on CPU: a bfloat16 policy is saved, trained by two DeepSpeed ranks (gloo,
-bfloat16 autocast on float32 weights), streamed bit for bit to a bfloat16 rollout engine and saved at
-its own size, while log-probs and losses stay float32. `learner.bf16_mode: master_weights` trains
-bfloat16 weights over float32 master weights: micro-batches accumulate into float32 gradients, a
-checkpoint resumes the masters exactly, and SFT tracks float32 as autocast does."""
+"""model.dtype end to end on CPU: a bfloat16 policy is saved, trained by two DeepSpeed ranks (gloo; bfloat16
+weights over float32 master weights, the default, or bfloat16 autocast on float32 weights), streamed bit for
+bit to a bfloat16 rollout engine and saved at its own size, while log-probs and losses stay float32. Under
+master weights micro-batches accumulate into float32 gradients and a checkpoint resumes the masters exactly;
+SFT tracks float32 in both modes."""
 
 from __future__ import annotations
 
@@ -61,13 +61,16 @@ def engine_samples(engine: TransformersEngine):
     return samples, [1.0 if s.group_id == "0" else -1.0 for s in samples]
 
 
-def test_bfloat16_train_publish_generate_and_save(ray_session, bf16_policy, tmp_path):
-    learner = LearnerGroup(LearnerConfig(num_ranks=2, zero_stage=2, num_cpus=0.5, device="cpu"), bf16_policy, 0,
-                           dtype="bfloat16")
+@pytest.mark.parametrize("bf16_mode,weights,mode", [
+    ("auto", "bfloat16", "bf16_master"),  # the default: bfloat16 weights over float32 masters
+    ("autocast", "float32", "bf16"),  # bfloat16 compute on float32 weights, cast to bfloat16 as they are served
+])
+def test_bfloat16_train_publish_generate_and_save(ray_session, bf16_policy, tmp_path, bf16_mode, weights, mode):
+    learner = LearnerGroup(LearnerConfig(num_ranks=2, zero_stage=2, num_cpus=0.5, device="cpu", bf16_mode=bf16_mode),
+                           bf16_policy, 0, dtype="bfloat16")
     try:
-        # bfloat16 compute (autocast) on float32 weights, served to engines in bfloat16
         assert [{k: p[k] for k in ("device", "backend", "dtype", "mode")} for p in learner.placements()] == \
-            [{"device": "cpu", "backend": "gloo", "dtype": "float32", "mode": "bf16"}] * 2
+            [{"device": "cpu", "backend": "gloo", "dtype": weights, "mode": mode}] * 2
         learner.start_stage(lr=1e-2)
         first = learner.sft_step(ROWS)
         assert learner.sft_step(ROWS).loss < first.loss
