@@ -295,7 +295,9 @@ def whole_job_rows(model_dir: str, prompts: List[str], args: argparse.Namespace)
         job = job_figures(model_dir, prompts, args.group, args.new_tokens, args.job_steps, work_dir, 300, gpu)
         job_figure = f"{job['trained_per_s']:.0f} trained samples/s"
         job_how = (f"`rlp run`: {job['steps']} RL steps, {job['trained']} trained; learner busy "
-                   f"{job['learner_busy']:.0%}, MFU {job['mfu']:.1%}, {job['sync_s']:.3f} s per weight sync; one rank "
+                   f"{job['learner_busy']:.0%}, MFU {job['mfu']:.1%}, {job['sync_s']:.3f} s per weight sync; actors "
+                   f"ready {job['actors_ready_s']:.1f} s and the first step trained {job['first_step_s']:.1f} s after "
+                   f"the job began; one rank "
                    f"{'(0.5 GPU, bf16 weights over fp32 masters)' if gpu else '(fp32)'} and 2 rollout workers"
                    f"{' (0.15 GPU each)' if gpu else ''}")
     except Exception as error:  # noqa: BLE001 (reported in the table)

@@ -70,13 +70,15 @@ def job_figures(model_dir: str, prompts: List[str], group: int, new_tokens: int,
     if lines[-1][1] != "exit 0":
         raise RuntimeError(f"rlp run {lines[-1][1]}: {[line for _, line in lines[-4:-1]]}")
     with open(os.path.join(work_dir, "runs", "gpu-job", "summary.json")) as f:
-        rl = json.load(f)["rl"]
+        summary = json.load(f)
+    rl, startup = summary["rl"], summary["startup_s"]
     syncs = max(rl["weight_syncs"], 1)
     ends = [t for t, line in lines if re.match(r"stage rl +step [1-9]", line)]  # when each RL step ended
     per_step = rl["samples_trained"] / max(rl["steps"], 1)
     return {"trained_per_s": rl["trained_per_s"], "learner_busy": rl["learner_busy_fraction"],
             "sync_s": rl["weight_sync_s"] / syncs, "steps": rl["steps"], "trained": rl["samples_trained"],
-            "mfu": rl["learner_mfu"],
+            "mfu": rl["learner_mfu"], "actors_ready_s": startup["workers_ready_s"],
+            "first_step_s": startup["to_first_rl_step_s"],
             "after_first_per_s": (len(ends) - 1) * per_step / (ends[-1] - ends[0]) if len(ends) > 1 else None,
             "progress": [f"{t:6.1f} s  {line}" for t, line in lines if line.startswith("stage")]}
 
