@@ -23,7 +23,7 @@ from rlplatform.actors.completions import Completion
 from rlplatform.actors.decode_batch import DecodeBatch
 from rlplatform.actors.static_decode import SlotDecoder, StaticDecodeBatch, static_decoding
 from rlplatform.config import LoraConfig, RolloutConfig
-from rlplatform.devices import resolve_device, share_kv_heads_on_cpu
+from rlplatform.devices import resolve_device, share_kv_heads_on_cpu, vllm_memory_fraction
 from rlplatform.lora import load_adapters, with_adapters
 from rlplatform.policy import kv_cache_keyword, load_policy
 from rlplatform.tokenization import stop_token_ids
@@ -62,7 +62,8 @@ def build_engine(rollout: RolloutConfig, model_path: str, dtype: str, seed: int,
     if engine_kind(rollout, lora, dtype) == "vllm":
         from rlplatform.actors.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, dtype, rollout.gpu_memory_utilization, seed, lora, deltas)
+        return VLLMEngine(model_path, dtype, vllm_memory_fraction(rollout.gpu_memory_utilization, rollout.num_gpus),
+                          seed, lora, deltas)
     return TransformersEngine(model_path, rollout.device, dtype, lora, rollout.prefill_tokens, rollout.kv_cache)
 
 

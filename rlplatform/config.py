@@ -159,12 +159,12 @@ class RolloutConfig:
     num_cpus: float = at_least(1.0, 0)  # Ray CPUs reserved per worker
     priority: str = one_of("low", "normal", "idle")  # CPU priority beside the learner's (docs/devices.md: CPU priorities): low lets the learner step go first
     device: str = one_of("auto", "cpu", "cuda")  # auto: the GPU Ray assigns the worker when the cluster has GPUs, else CPU
-    num_gpus: Optional[float] = at_least(None, 0)  # Ray GPUs per worker (fractions share one); unset: 1 on a GPU device, else 0
+    num_gpus: Optional[float] = at_least(None, 0)  # Ray GPUs per worker and the evaluator (fractions share one); unset: 1 on a GPU device where one each fits the cluster, else a share (docs/devices.md), 0 on CPU
     resources: Dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker (and the evaluator), e.g. {rollout_node: 1} places them on nodes started with that resource
     engine: str = one_of("auto", "transformers", "vllm")  # auto: vllm where it is installed and the worker has a CUDA GPU, else transformers; transformers: CPU or GPU; vllm: vLLM on the worker's GPU (the vllm extra)
     kv_cache: str = one_of("auto", "static", "dynamic")  # transformers engine: auto is static on CUDA for qwen2/llama policies without LoRA (each decode step a replayed CUDA graph), dynamic elsewhere; static: the slot cache on any device; dynamic: Hugging Face's growing cache (docs/devices.md)
     prefill_tokens: int = at_least(8192, 1)  # transformers engine: padded prompt tokens per prefill forward; more waiting prompts prefill in chunks
-    gpu_memory_utilization: float = above(0.5, 0)  # vllm: fraction of the GPU's memory vLLM takes for weights and KV cache
+    gpu_memory_utilization: Optional[float] = above(None, 0)  # vllm: fraction of the GPU's memory vLLM takes for weights and KV cache; unset: 0.9 of the worker's share of the GPU (num_gpus)
     openai_bridge: OpenAIBridgeConfig = field(default_factory=OpenAIBridgeConfig)  # agents sample trainable episodes over HTTP
     source: str = one_of("dataset", "bridge")  # dataset: workers draw prompts from the data; bridge: they generate only what agents ask through the OpenAI bridge
 
@@ -265,7 +265,7 @@ class LearnerConfig:
     num_threads: int = at_least(1, 1)  # torch threads per rank
     num_cpus: float = at_least(1.0, 0)  # Ray CPUs reserved per rank
     device: str = one_of("auto", "cpu", "cuda")  # auto: the GPU Ray assigns the rank when the cluster has GPUs, else CPU
-    num_gpus: Optional[float] = at_least(None, 0)  # Ray GPUs per rank (a fraction shares one); unset: 1 on a GPU device, else 0
+    num_gpus: Optional[float] = at_least(None, 0)  # Ray GPUs per rank (a fraction shares one); unset: 1 on a GPU device, or half of one shared with the rollout workers where a GPU each does not fit the cluster (docs/devices.md), 0 on CPU
     resources: Dict[str, float] = field(default_factory=dict)  # custom Ray resources per rank, e.g. {learner_node: 1} places ranks on nodes started with that resource
     micro_batch_tokens: Optional[int] = at_least(None, 1)  # prompt+completion tokens per forward/backward (every pass: update, proximal, reference, SFT); a larger minibatch accumulates over several; unset: from the device's free memory (learners/budget.py)
     # recompute each layer's activations in backward: less memory, about a third more compute; unset: on where the

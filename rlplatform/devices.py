@@ -1,14 +1,16 @@
 """Where an actor computes, and in what precision.
 
-The controller asks Ray for `gpus_per_actor` GPUs per learner rank and rollout worker; inside the
-actor, `resolve_device` turns `device: auto|cpu|cuda` into a torch device on the machine it runs
-on, using the GPU Ray assigned to it. `torch_dtype` maps `model.dtype` to the torch dtype.
+The controller asks Ray for `gpus_per_actor` GPUs per learner rank and rollout worker (where a whole
+GPU each does not fit the cluster, `gpu_shares` splits the GPUs among the actors whose share is unset);
+inside the actor, `resolve_device` turns `device: auto|cpu|cuda` into a torch device on the machine it
+runs on, using the GPU Ray assigned to it. `torch_dtype` maps `model.dtype` to the torch dtype.
 """
 
 from __future__ import annotations
 
+import math
 import os
-from typing import Optional
+from typing import Optional, Tuple
 
 import ray
 import torch
@@ -29,6 +31,44 @@ def gpus_per_actor(device: str, num_gpus: Optional[float], cluster_gpus: float) 
     if device == "auto":
         return 1.0 if cluster_gpus > 0 else 0.0
     return 1.0 if device == "cuda" else 0.0
+
+
+def gpu_shares(cluster_gpus: float, reserved: float, ranks: int, rollout_actors: int,
+               ranks_may_share: bool) -> Tuple[float, float]:
+    """(GPUs per learner rank, GPUs per rollout worker or evaluator) for the `ranks` and `rollout_actors` on GPUs
+    whose `num_gpus` is unset, beside the `reserved` GPUs the others' settings take: a whole GPU each where that
+    fits the cluster; else the ranks keep whole GPUs and the rollout side shares the whole GPUs left, as few to a
+    GPU as fit; else one GPU (or, on a one-GPU cluster, what the settings leave of it) is shared: half for the
+    ranks, half for the rollout side, where the learners may share (NCCL needs a whole GPU per rank of several).
+    Where nothing fits, a whole GPU each: the cluster check then names the keys to set."""
+    free = cluster_gpus - reserved
+    whole = int(free + 1e-9)
+    if ranks + rollout_actors <= whole:
+        return 1.0, 1.0
+    left = whole - ranks
+    if left >= 1 and rollout_actors:
+        return 1.0, _gpu_fraction(1 / math.ceil(rollout_actors / left))
+    room = 1.0 if whole >= 1 else free if cluster_gpus == 1 else 0.0  # one GPU: whole, or what is free of it
+    if room <= 0 or (ranks and not ranks_may_share):
+        return 1.0, 1.0
+    if not rollout_actors:
+        return _gpu_fraction(room / ranks), 1.0
+    if not ranks:
+        return 1.0, _gpu_fraction(room / rollout_actors)
+    return _gpu_fraction(room / 2 / ranks), _gpu_fraction(room / 2 / rollout_actors)
+
+
+def _gpu_fraction(share: float) -> float:
+    """`share` rounded down to the 1e-4 steps Ray counts GPU fractions in: shares of one GPU sum to at most 1."""
+    return math.floor(share * 10_000 + 1e-6) / 10_000  # 1e-6: 0.6 / 3 is 0.2, not 0.1999
+
+
+def vllm_memory_fraction(gpu_memory_utilization: Optional[float], num_gpus: Optional[float]) -> float:
+    """The share of its GPU's memory a vLLM engine takes: `rollout.gpu_memory_utilization` where set, else 0.9 of
+    the worker's share of the GPU (`rollout.num_gpus`; unset, a whole GPU), as vLLM takes 0.9 of a GPU of its own."""
+    if gpu_memory_utilization is not None:
+        return gpu_memory_utilization
+    return round(0.9 * min(1.0, num_gpus if num_gpus else 1.0), 4)
 
 
 def resolve_dtype(dtype: str, learner_gpus: float) -> str:

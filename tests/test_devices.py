@@ -1,7 +1,12 @@
-"""Devices: what the controller reserves from Ray, where `auto` resolves inside an actor, the config
-checks and the cluster check; on a GPU machine, learner ranks and engines on the GPU Ray assigned."""
+"""Devices: what the controller reserves from Ray (a whole GPU per actor, or shares where the cluster has
+fewer), where `auto` resolves inside an actor, the config checks and the cluster check; on a GPU machine,
+learner ranks and engines on the GPU Ray assigned."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import ray
@@ -9,12 +14,14 @@ import torch
 
 from rlplatform.actors.engine import TransformersEngine
 from rlplatform.config import ConfigError, JobConfig, LearnerConfig, load_config
-from rlplatform.devices import assigned_gpu, gpus_per_actor, resolve_device, resolve_dtype, share_kv_heads_on_cpu
-from rlplatform.job.controller import _check_cluster, _gpus_needed, _resolve_dtypes
+from rlplatform.devices import (assigned_gpu, gpu_shares, gpus_per_actor, resolve_device, resolve_dtype,
+                                share_kv_heads_on_cpu, vllm_memory_fraction)
+from rlplatform.job.controller import _check_cluster, _gpus_needed, _resolve_dtypes, share_gpus
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.tokenization import encode_prompts
 from rlplatform.transport.weights import from_snapshot, to_snapshot
 
+QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.yaml")
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in [(1, 2), (13, 7), (40, 45), (9, 9)]]
 
 
@@ -53,6 +60,64 @@ def test_gpus_needed_counts_ranks_rollout_workers_and_the_evaluator():
     assert _gpus_needed(config, cluster_gpus=8) == 2 + 4  # one each; the evaluator is a rollout worker
     config.rollout.num_gpus = 0.25
     assert _gpus_needed(config, cluster_gpus=8) == 2 + 1
+
+
+def test_gpu_shares_give_whole_gpus_where_they_fit_and_split_them_where_not():
+    # (cluster GPUs, reserved by settings, unset ranks, unset rollout workers + evaluators, ranks may share)
+    assert gpu_shares(8, 0, 1, 2, True) == (1.0, 1.0)  # one each fits
+    assert gpu_shares(1, 0, 1, 2, True) == (0.5, 0.25)  # the quickstart on one GPU
+    assert gpu_shares(1, 0, 1, 3, True) == (0.5, 0.1666)  # rounded down to Ray's steps: at most the whole GPU
+    assert gpu_shares(2, 0, 1, 2, True) == (1.0, 0.5)  # the rank keeps a GPU, the rollout side shares the other
+    assert gpu_shares(8, 0, 4, 5, True) == (1.0, 0.5)  # 5 on the 4 GPUs left: two to a GPU
+    assert gpu_shares(1, 0, 2, 2, True) == (0.25, 0.25)  # two one-rank policies and their rollout workers
+    assert gpu_shares(1, 0.5, 0, 2, True) == (1.0, 0.25)  # the learner set at 0.5: the rest of the GPU
+    assert gpu_shares(1, 0.5, 1, 0, True) == (0.5, 1.0)
+    assert gpu_shares(1, 0, 2, 2, False) == (1.0, 1.0)  # two ranks of one learner need two GPUs: nothing fits
+    assert gpu_shares(2, 1.5, 0, 2, True) == (1.0, 1.0)  # half of some GPU is free, but which one is not known
+
+
+def test_share_gpus_fits_the_default_job_on_one_gpu_and_keeps_set_shares():
+    config = JobConfig()
+    assert share_gpus(config, cluster_gpus=0) is None and config.learner.num_gpus is None  # CPU: nothing shared
+    assert share_gpus(config, cluster_gpus=8) is None and config.learner.num_gpus is None  # a GPU each fits
+    note = share_gpus(config, cluster_gpus=1)
+    assert (config.learner.num_gpus, config.rollout.num_gpus) == (0.5, 0.25)
+    assert note == ("sharing 1 GPU: learner.num_gpus 0.5 per rank, rollout.num_gpus 0.25 per rollout worker and "
+                    "evaluator (set them to choose)")
+    assert _gpus_needed(config, cluster_gpus=1) == 1
+    config = load_config(None, ["learner.num_gpus=0.4", "rollout.num_workers=2"])
+    assert share_gpus(config, cluster_gpus=1).startswith("sharing 1 GPU: rollout.num_gpus 0.2 per rollout worker")
+    assert (config.learner.num_gpus, config.rollout.num_gpus) == (0.4, 0.2)
+    config = load_config(None, ["learner.num_ranks=2"])
+    assert share_gpus(config, cluster_gpus=1) is None and config.learner.num_gpus is None  # the check says why
+    config = load_config(None, ["learner.device=cpu"])
+    assert share_gpus(config, cluster_gpus=1) is not None and (config.learner.num_gpus, config.rollout.num_gpus) \
+        == (None, 0.5)  # the rollout worker and the evaluator share the GPU; the learner reserves none
+
+
+def test_vllm_takes_its_share_of_the_gpu_memory_unless_set():
+    assert vllm_memory_fraction(None, None) == 0.9 and vllm_memory_fraction(None, 1) == 0.9
+    assert vllm_memory_fraction(None, 0.25) == 0.225
+    assert vllm_memory_fraction(0.3, 0.25) == 0.3
+
+
+def test_the_default_job_runs_on_a_one_gpu_cluster_by_sharing_it(tmp_path):
+    """A Ray cluster declaring one GPU (on a CPU machine the actors' `auto` devices resolve to the CPU, where
+    the GPU they reserved is not seen): the default job starts and completes, its actors on shares of it."""
+    script = f"""
+import json, ray
+from rlplatform.config import load_config
+from rlplatform.job.controller import run_job
+ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)
+summary = run_job(load_config({QUICKSTART!r}, ["output_dir={tmp_path}", "name=one-gpu", "sft.enabled=false",
+                              "rl.max_steps=2", "rl.batch_prompts=4", "rollout.prompts_per_batch=4",
+                              "data.test_size=20", "wandb.mode=disabled"]))
+print(json.dumps({{"status": summary["status"], "steps": summary["stages"]["rl"]["steps"]}}))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "sharing 1 GPU: learner.num_gpus 0.5 per rank, rollout.num_gpus 0.25 per rollout worker" in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == '{"status": "completed", "steps": 2}'
 
 
 def test_cluster_check_names_the_gpu_shortfall_and_the_keys(ray_session):

@@ -21,7 +21,7 @@ import ray
 
 from rlplatform.config import ConfigError, JobConfig, PolicyConfig, to_yaml
 from rlplatform.data import load_rows
-from rlplatform.devices import gpus_per_actor, resolve_dtype
+from rlplatform.devices import gpu_shares, gpus_per_actor, resolve_dtype
 from rlplatform.job.checkpoint import latest_checkpoint, read_state
 from rlplatform.job.cluster import cpus_needed, start_ray
 from rlplatform.job.run_dir import RunLock, check_fresh_start, move_aside, run_id
@@ -77,12 +77,14 @@ def _run_locked(config: JobConfig, started_at: float, shutdown_ray: Optional[boo
     try:
         stop.install()  # kept until the summary is out and Ray is left
         with ExitStack() as resources:
-            redis_url, embedded = _start_services(config, summary.run_id, resources)
+            redis_url, embedded, shared = _start_services(config, summary.run_id, resources)
             startup.mark("services_ready_s")  # Redis and Ray up
             _record_redis_url(redis_url, run_dir)
             learners = {p.name: _start_learner(config, p) for p in config.policy_list()}  # set up in _start_policy
             metrics = Metrics(config, run_dir, run_id=resume.state["wandb_run_id"] if resume else None)
             metrics.console.note(f"job status: rlp status {run_dir}")
+            if shared:
+                metrics.console.note(shared)
             if embedded is not None:
                 embedded.keep_alive(lambda text: metrics.event("redis_restart", text))
             metrics.status = JobStatus(connect(redis_url), run)
@@ -139,11 +141,12 @@ def _record_redis_url(url: str, run_dir: str) -> None:
         f.write(url + "\n")
 
 
-def _start_services(config: JobConfig, run_id: str, resources: ExitStack) -> Tuple[str, Optional[EmbeddedRedis]]:
+def _start_services(config: JobConfig, run_id: str,
+                    resources: ExitStack) -> Tuple[str, Optional[EmbeddedRedis], Optional[str]]:
     """Reach or start Redis and take the job's name there for run `run_id` (a lease held to the end); join or
-    start Ray;
-    returns the Redis URL and the embedded server (None when `redis.url` names one). Redis stops on exit;
-    `run_job` leaves Ray last."""
+    start Ray and fit the actors' GPU shares to it (`share_gpus`); returns the Redis URL, the embedded server
+    (None when `redis.url` names one) and how GPUs are shared (None: as set, or a whole GPU each). Redis stops
+    on exit; `run_job` leaves Ray last."""
     embedded = None
     if config.redis.url:
         redis_url = config.redis.url
@@ -154,9 +157,34 @@ def _start_services(config: JobConfig, run_id: str, resources: ExitStack) -> Tup
     resources.enter_context(JobLease(connect(redis_url), config.name, run_id, config.run_dir))
     if not ray.is_initialized():  # else `rlp run` started it (rlplatform.job.cluster), or the caller did
         start_ray(config)
+    shared = share_gpus(config, ray.cluster_resources().get("GPU", 0.0))
     _check_cluster(config, cpus_needed(config))
     _resolve_dtypes(config, ray.cluster_resources().get("GPU", 0.0))
-    return redis_url, embedded
+    return redis_url, embedded, shared
+
+
+def share_gpus(config: JobConfig, cluster_gpus: float) -> Optional[str]:
+    """Where a whole GPU per learner rank, rollout worker and evaluator does not fit the cluster, the unset
+    `learner.num_gpus` and `rollout.num_gpus` of GPU actors become shares (`gpu_shares`); a line saying which, or
+    None where nothing changed."""
+    on_gpu = lambda device: gpus_per_actor(device, None, cluster_gpus) > 0  # noqa: E731
+    policies = config.policy_list()
+    learners = [p for p in policies if p.learner.num_gpus is None and on_gpu(p.learner.device)]
+    rollouts = [p for p in policies if p.rollout.num_gpus is None and on_gpu(p.rollout.device)]
+    reserved = sum(p.learner.num_ranks * (p.learner.num_gpus or 0)
+                   + (p.rollout.num_workers + 1) * (p.rollout.num_gpus or 0) for p in policies)
+    per_rank, per_actor = gpu_shares(cluster_gpus, reserved, sum(p.learner.num_ranks for p in learners),
+                                     sum(p.rollout.num_workers + 1 for p in rollouts),
+                                     all(p.learner.num_ranks == 1 for p in learners))
+    if per_rank == per_actor == 1.0:
+        return None
+    for p in learners:
+        p.learner.num_gpus = per_rank
+    for p in rollouts:
+        p.rollout.num_gpus = per_actor
+    parts = ([f"learner.num_gpus {per_rank:g} per rank"] if learners else []) + \
+        ([f"rollout.num_gpus {per_actor:g} per rollout worker and evaluator"] if rollouts else [])
+    return f"sharing {cluster_gpus:g} GPU{'s' if cluster_gpus != 1 else ''}: {', '.join(parts)} (set them to choose)"
 
 
 def _resolve_dtypes(config: JobConfig, cluster_gpus: float) -> None:
@@ -183,9 +211,9 @@ def _check_cluster(config: JobConfig, cpus: float) -> None:
     gpus = _gpus_needed(config, have_gpus)
     if have_gpus < gpus:
         raise RuntimeError(f"the Ray cluster has {have_gpus:g} GPUs but the job's actors reserve {gpus:g} "
-                           f"(learner.num_gpus per rank, rollout.num_gpus per rollout worker and evaluator; 1 each "
-                           f"on a GPU device unless set); set fractions such as learner.num_gpus: 0.5 and "
-                           f"rollout.num_gpus: 0.25 to share a GPU, device: cpu, or give the cluster more GPUs")
+                           f"(learner.num_gpus per rank, rollout.num_gpus per rollout worker and evaluator; unset, "
+                           f"they share what the cluster has, but several learner ranks need a whole GPU each); "
+                           f"lower them, use fewer learner ranks or device: cpu, or give the cluster more GPUs")
 
 
 def _custom_resources_needed(config: JobConfig) -> Dict[str, float]:
