@@ -171,7 +171,7 @@ class RolloutConfig:
 
 @dataclass
 class WeightsConfig:
-    transport: str = one_of("object_store", "broadcast", "cuda_ipc")  # how learner rank 0 hands versions to rollout workers (docs/devices.md: Weight transports)
+    transport: str = one_of("auto", "object_store", "broadcast", "cuda_ipc")  # how learner rank 0 hands versions to rollout workers (docs/devices.md: Weight transports); auto: cuda_ipc where the learner (one rank) and the rollout workers share a one-GPU cluster and full weights travel, else object_store
     bucket_mb: float = above(256.0, 0)  # broadcast: weights go in buckets of at most this many MB
     delta: bool = False  # after a full version, send only the elements that changed (docs/devices.md: Weight transports)
     delta_full_every: int = at_least(50, 1)  # delta: every this many versions a full one, so a late engine replays few

@@ -13,12 +13,13 @@ import ray
 import torch
 
 from rlplatform.actors.engine import TransformersEngine
-from rlplatform.config import ConfigError, JobConfig, LearnerConfig, load_config
+from rlplatform.config import ConfigError, JobConfig, LearnerConfig, WeightsConfig, load_config
 from rlplatform.devices import (assigned_gpu, gpu_shares, gpus_per_actor, resolve_device, resolve_dtype,
                                 share_kv_heads_on_cpu, vllm_memory_fraction)
-from rlplatform.job.controller import _check_cluster, _gpus_needed, _resolve_dtypes, share_gpus
+from rlplatform.job.controller import _check_cluster, _gpus_needed, _resolve_dtypes, _resolve_transports, share_gpus
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.tokenization import encode_prompts
+from rlplatform.transport.weight_transports import resolve_auto, weight_transport
 from rlplatform.transport.weights import from_snapshot, to_snapshot
 
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.yaml")
@@ -93,6 +94,24 @@ def test_share_gpus_fits_the_default_job_on_one_gpu_and_keeps_set_shares():
     config = load_config(None, ["learner.device=cpu"])
     assert share_gpus(config, cluster_gpus=1) is not None and (config.learner.num_gpus, config.rollout.num_gpus) \
         == (None, 0.5)  # the rollout worker and the evaluator share the GPU; the learner reserves none
+
+
+def test_weights_travel_by_cuda_ipc_where_learner_and_rollout_workers_share_one_gpu():
+    def resolved(one_gpu: bool, lora: bool = False, **weights) -> str:
+        config = WeightsConfig(**weights)
+        resolve_auto(config, one_gpu, lora)
+        return config.transport
+
+    assert WeightsConfig().transport == "auto"  # the default
+    assert resolved(one_gpu=True) == "cuda_ipc" and resolved(one_gpu=False) == "object_store"
+    assert resolved(one_gpu=True, lora=True) == "object_store"  # the adapters alone travel: few bytes
+    assert resolved(one_gpu=True, delta=True) == "object_store"  # deltas travel between devices
+    assert resolved(one_gpu=True, transport="broadcast") == "broadcast"  # set: kept
+    assert weight_transport(WeightsConfig()).name == "object_store"  # auto outside a job
+    config = JobConfig()
+    share_gpus(config, cluster_gpus=1)
+    _resolve_transports(config, cluster_gpus=1)  # the one GPU Ray declares is not one this process sees
+    assert config.weights.transport == ("cuda_ipc" if torch.cuda.device_count() == 1 else "object_store")
 
 
 def test_vllm_takes_its_share_of_the_gpu_memory_unless_set():

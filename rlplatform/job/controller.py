@@ -18,6 +18,7 @@ from functools import partial
 from typing import Callable, Dict, List, Optional, Tuple
 
 import ray
+import torch
 
 from rlplatform.config import ConfigError, JobConfig, PolicyConfig, to_yaml
 from rlplatform.data import load_rows
@@ -41,7 +42,7 @@ from rlplatform.transport.job_lease import JobLease
 from rlplatform.transport.redis_server import EmbeddedRedis, connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue, run_scope
 from rlplatform.transport.weight_store import WeightStore
-from rlplatform.transport.weight_transports import weight_transport
+from rlplatform.transport.weight_transports import resolve_auto, weight_transport
 
 
 def run_job(config: JobConfig, started_at: Optional[float] = None, shutdown_ray: Optional[bool] = None,
@@ -157,9 +158,11 @@ def _start_services(config: JobConfig, run_id: str,
     resources.enter_context(JobLease(connect(redis_url), config.name, run_id, config.run_dir))
     if not ray.is_initialized():  # else `rlp run` started it (rlplatform.job.cluster), or the caller did
         start_ray(config)
-    shared = share_gpus(config, ray.cluster_resources().get("GPU", 0.0))
+    cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
+    shared = share_gpus(config, cluster_gpus)
     _check_cluster(config, cpus_needed(config))
-    _resolve_dtypes(config, ray.cluster_resources().get("GPU", 0.0))
+    _resolve_dtypes(config, cluster_gpus)
+    _resolve_transports(config, cluster_gpus)
     return redis_url, embedded, shared
 
 
@@ -192,6 +195,16 @@ def _resolve_dtypes(config: JobConfig, cluster_gpus: float) -> None:
     for policy in config.policy_list():
         policy.model.dtype = resolve_dtype(policy.model.dtype, gpus_per_actor(
             policy.learner.device, policy.learner.num_gpus, cluster_gpus))
+
+
+def _resolve_transports(config: JobConfig, cluster_gpus: float) -> None:
+    """Each policy's `weights.transport: auto` made concrete: its learner and rollout workers share one GPU where
+    the cluster's only GPU (one this process sees) holds its single learner rank and its rollout workers."""
+    one_gpu = cluster_gpus == 1 and torch.cuda.is_available()
+    on_gpu = lambda part: gpus_per_actor(part.device, part.num_gpus, cluster_gpus) > 0  # noqa: E731
+    for policy in config.policy_list():
+        resolve_auto(policy.weights, one_gpu and policy.learner.num_ranks == 1 and on_gpu(policy.learner)
+                     and on_gpu(policy.rollout), policy.model.lora.enabled)
 
 
 def _check_cluster(config: JobConfig, cpus: float) -> None:

@@ -1,5 +1,6 @@
 """How one policy's weights travel from learner rank 0 to its rollout engines: one strategy per
-`weights.transport`, picked once by `weight_transport(config.weights)`; nothing else names a transport.
+`weights.transport`, picked once by `weight_transport(config.weights)` (`auto` made concrete first by
+`resolve_auto`); nothing else names a transport.
 
 A strategy is a small frozen value that travels to the learner and rollout actors, where it builds its
 two ends: the sender on learner rank 0 (`send(weights, version)` returns what the driver hands the
@@ -119,8 +120,16 @@ TRANSPORTS = {cls.name: cls for cls in (ObjectStoreTransport, BroadcastTransport
 
 
 def weight_transport(config: WeightsConfig) -> WeightTransport:
-    """The strategy `weights.transport` names, with its settings."""
-    return TRANSPORTS[config.transport].from_config(config)
+    """The strategy `weights.transport` names, with its settings; `auto` not yet resolved for a job's cluster
+    (`resolve_auto`) is the object store."""
+    return TRANSPORTS["object_store" if config.transport == "auto" else config.transport].from_config(config)
+
+
+def resolve_auto(config: WeightsConfig, one_gpu: bool, lora: bool) -> None:
+    """`weights.transport: auto` made concrete for a policy: cuda_ipc where its learner rank and rollout engines
+    share `one_gpu` and full weights travel (no LoRA adapters, no deltas), else object_store."""
+    if config.transport == "auto":
+        config.transport = "cuda_ipc" if one_gpu and not lora and not config.delta else "object_store"
 
 
 def _full_every(config: WeightsConfig) -> int:
