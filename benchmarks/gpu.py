@@ -5,7 +5,8 @@ sync for each `weights.transport` (learner rank 0's weights loaded into an engin
 object_store, broadcast, cuda_ipc), and learner tokens/s and MFU (one DeepSpeed learner rank, in this
 process, running the RL step the jobs run; then the same steps with eager layers where the default compiled
 them, and in bfloat16 with `learner.bf16_mode: autocast`), and the whole job beside its peer: `rlp run`
-on the same policy and prompts (one learner rank and two rollout workers sharing the GPU by fractions, CUDA IPC syncs)
+on the same policy and prompts (one learner rank and two rollout workers: on one GPU the defaults share it and
+sync weights by CUDA IPC)
 in trained samples/s, and TRL's GRPOTrainer on the same device, policy, prompts, group size and completion
 limit (benchmarks/gpu_job.py). Everything runs in `model.dtype: auto` (bfloat16 on CUDA,
 float32 on CPU) with the default memory settings: the learner's micro-batch budget comes from the
@@ -292,14 +293,13 @@ def whole_job_rows(model_dir: str, prompts: List[str], args: argparse.Namespace)
     work_dir = tempfile.mkdtemp()
     gpu = torch.cuda.is_available()
     try:
-        job = job_figures(model_dir, prompts, args.group, args.new_tokens, args.job_steps, work_dir, 300, gpu)
+        job = job_figures(model_dir, prompts, args.group, args.new_tokens, args.job_steps, work_dir, 300)
         job_figure = f"{job['trained_per_s']:.0f} trained samples/s"
         job_how = (f"`rlp run`: {job['steps']} RL steps, {job['trained']} trained; learner busy "
                    f"{job['learner_busy']:.0%}, MFU {job['mfu']:.1%}, {job['sync_s']:.3f} s per weight sync; actors "
                    f"ready {job['actors_ready_s']:.1f} s and the first step trained {job['first_step_s']:.1f} s after "
-                   f"the job began; one rank "
-                   f"{'(0.5 GPU, bf16 weights over fp32 masters)' if gpu else '(fp32)'} and 2 rollout workers"
-                   f"{' (0.15 GPU each)' if gpu else ''}")
+                   f"the job began; one rank ({'bf16 weights over fp32 masters' if gpu else 'fp32'}) and 2 rollout "
+                   f"workers, {job['shares'] or 'no GPU shared'}")
     except Exception as error:  # noqa: BLE001 (reported in the table)
         job, job_figure, job_how = None, f"failed: {type(error).__name__}", str(error)[:200]
     print(f"whole job: {job_figure} ({job_how})", flush=True)

@@ -6,8 +6,9 @@ second of training wall time. The reward is a coin flip for a random policy (the
 token's id ends in 0-4), so almost every group carries signal and neither side skips work.
 
 - rlplatform: `rlp run` of a generated config in its own process: SFT off, asynchronous GRPO with
-  one learner rank and two rollout workers sharing the GPU by fractions (learner 0.5, each worker
-  and the evaluator 0.15), CUDA IPC weight syncs, `model.dtype: auto`, memory defaults. Its figures
+  one learner rank and two rollout workers, everything else the defaults: on one GPU the job shares
+  it (learner 0.5, each worker and the evaluator a sixth) and syncs weights by CUDA IPC, in
+  `model.dtype: auto` with the memory defaults. Its figures
   come from the run's summary.json: trained samples/s over the RL stage, the learner's busy
   fraction, seconds per weight sync.
 - TRL: GRPOTrainer (Hugging Face generation; on CUDA its `bf16` mixed precision, autocast over float32
@@ -45,9 +46,9 @@ def write_rows(path: str, prompts: List[str]) -> str:
 
 
 def job_figures(model_dir: str, prompts: List[str], group: int, new_tokens: int, steps: int, work_dir: str,
-                timeout_s: float, gpu: bool) -> Dict:
-    """Trained samples/s, learner busy fraction and seconds per sync of `rlp run` on these prompts (on CPU:
-    no fractions, object-store syncs)."""
+                timeout_s: float) -> Dict:
+    """Trained samples/s, learner busy fraction and seconds per sync of `rlp run` on these prompts, with the
+    default devices, GPU shares and weight transport."""
     data = write_rows(os.path.join(work_dir, "prompts.jsonl"), prompts)
     config = {
         "name": "gpu-job", "output_dir": os.path.join(work_dir, "runs"),
@@ -56,9 +57,7 @@ def job_figures(model_dir: str, prompts: List[str], group: int, new_tokens: int,
         "sft": {"enabled": False},
         "rl": {"max_steps": steps, "batch_prompts": len(prompts), "group_size": group, "max_new_tokens": new_tokens,
                "lr": 1e-6, "lr_schedule": "constant", "log_every": 1},
-        "rollout": {"num_workers": 2, "prompts_per_batch": len(prompts), **({"num_gpus": 0.15} if gpu else {})},
-        "learner": {"num_gpus": 0.5} if gpu else {},
-        "weights": {"transport": "cuda_ipc" if gpu else "object_store"},
+        "rollout": {"num_workers": 2, "prompts_per_batch": len(prompts)},
         "rewards": [{"name": "regex_contains", "params": {"pattern": REWARD_PATTERN}}],
         "eval": {"max_rows": 8, "max_new_tokens": 4},
         "wandb": {"mode": "disabled"},
@@ -79,6 +78,7 @@ def job_figures(model_dir: str, prompts: List[str], group: int, new_tokens: int,
             "sync_s": rl["weight_sync_s"] / syncs, "steps": rl["steps"], "trained": rl["samples_trained"],
             "mfu": rl["learner_mfu"], "actors_ready_s": startup["workers_ready_s"],
             "first_step_s": startup["to_first_rl_step_s"],
+            "shares": next((line for _, line in lines if line.startswith("sharing ")), None),  # the job's GPU shares
             "after_first_per_s": (len(ends) - 1) * per_step / (ends[-1] - ends[0]) if len(ends) > 1 else None,
             "progress": [f"{t:6.1f} s  {line}" for t, line in lines if line.startswith("stage")]}
 
