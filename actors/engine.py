@@ -124,7 +124,7 @@ class TransformersEngine(BatchGenerate):
             self.model = with_adapters(self.model, lora)
         self.model.to(self.device).eval()
         self.cache_keyword = kv_cache_keyword(self.model)
-        static = static_decoding(kv_cache, self.model, self.device, self.adapters)
+        static = static_decoding(kv_cache, self.model, self.adapters)
         self.slot_decoder = SlotDecoder(self.model, self.device) if static else None
         self.version = -1
 

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 STATIC_MODEL_TYPES = ("qwen2", "llama")  # decoders whose layers are attention (q/k/v/o, rotary) + MLP with pre-norms
 LENGTH_STEP = 64  # the cache's columns grow in multiples of this
+WIDTH_STEP = 16  # an eager step attends to the columns in use, rounded up to a multiple of this
 
 
 def unsupported(model: torch.nn.Module) -> Optional[str]:
@@ -51,15 +52,15 @@ def unsupported(model: torch.nn.Module) -> Optional[str]:
     return None
 
 
-def static_decoding(kv_cache: str, model: torch.nn.Module, device: torch.device, adapters: bool) -> bool:
-    """`rollout.kv_cache` made concrete: `auto` is static on CUDA for a model the slot decoder runs,
-    `static` insists (a clear error when it cannot), `dynamic` never."""
+def static_decoding(kv_cache: str, model: torch.nn.Module, adapters: bool) -> bool:
+    """`rollout.kv_cache` made concrete: `auto` is static for a model the slot decoder runs, `static` insists
+    (a clear error when it cannot), `dynamic` never."""
     if kv_cache == "dynamic":
         return False
     reason = "LoRA adapters need the dynamic loop" if adapters else unsupported(model)
     if kv_cache == "static" and reason:
         raise ValueError(f"rollout.kv_cache: static cannot run this policy: {reason}; use auto or dynamic")
-    return reason is None and (kv_cache == "static" or device.type == "cuda")
+    return reason is None
 
 
 class SlotDecoder:
@@ -79,6 +80,7 @@ class SlotDecoder:
         self.graphs = device.type == "cuda"
         self.captured: Dict[int, Tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.free: Set[int] = set()
+        self.lengths: List[int] = []
         self.slots, self.length = 0, 0
         self._allocate(0, 0)
 
@@ -98,10 +100,17 @@ class SlotDecoder:
         if slots:
             self.positions[torch.tensor(slots, device=self.device)] = 0
             self.free.update(slots)
+            for slot in slots:
+                self.lengths[slot] = 1
 
-    def load(self, slots: torch.Tensor, cache: DynamicCache, attention: torch.Tensor, owner: torch.Tensor) -> None:
+    def load(self, slots: List[int], cache: DynamicCache, attention: torch.Tensor, owner: torch.Tensor,
+             lengths: List[int]) -> None:
         """Move prefilled prompts into `slots`: the cache and mask hold distinct prompts left-padded, slot i
-        takes prompt `owner[i]`'s keys and values at columns 0.. and the position of its last prompt token."""
+        takes prompt `owner[i]`'s keys and values at columns 0.. and the position of its last prompt token
+        (`lengths[i]` tokens long)."""
+        for slot, length in zip(slots, lengths):
+            self.lengths[slot] = length
+        slots = torch.tensor(slots, device=self.device)
         width = attention.shape[1]
         lengths = attention.sum(-1)
         columns = (torch.arange(width, device=self.device)[None] + (width - lengths)[:, None]).clamp(max=width - 1)
@@ -111,18 +120,21 @@ class SlotDecoder:
             values[:, :, :width].index_copy_(0, slots, layer.values.gather(2, index)[owner].to(self.dtype))
         self.positions[slots] = lengths[owner] - 1
 
-    def feed(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """The slots' next tokens, each one position after the slot's last."""
-        self.tokens.index_copy_(0, slots, tokens)
-        self.positions.index_add_(0, slots, torch.ones_like(slots))
+    def feed(self, slots: List[int], active: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The slots' next tokens (`active`: the slots on the device), each one position after the slot's last."""
+        self.tokens.index_copy_(0, active, tokens)
+        self.positions.index_add_(0, active, torch.ones_like(active))
+        for slot in slots:
+            self.lengths[slot] += 1
 
     def step(self, highest: int) -> torch.Tensor:
         """Next-token logits of slots 0..b-1, b the bucket holding slot `highest`: their fed tokens go into the
         cache and through the model."""
         bucket = 1 << highest.bit_length()
         bucket = min(bucket, self.slots)
-        if not self.graphs:
-            return self._forward(bucket)
+        if not self.graphs:  # eagerly: only the columns some slot of the bucket attends to
+            width = -(-max(self.lengths[:bucket]) // WIDTH_STEP) * WIDTH_STEP
+            return self._forward(bucket, min(width, self.length))
         if bucket not in self.captured:
             try:
                 self.captured[bucket] = self._capture(bucket)
@@ -140,27 +152,28 @@ class SlotDecoder:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._forward(bucket)
+            self._forward(bucket, self.length)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: a weight receiver's thread that touches CUDA meanwhile does not invalidate the capture
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            logits = self._forward(bucket)
+            logits = self._forward(bucket, self.length)
         return graph, logits
 
-    def _forward(self, bucket: int) -> torch.Tensor:
-        """One decode step of slots 0..bucket-1 through the model's modules: fixed shapes, no host reads."""
+    def _forward(self, bucket: int, width: int) -> torch.Tensor:
+        """One decode step of slots 0..bucket-1 through the model's modules, over the cache's first `width` columns
+        (every column a slot attends to): fixed shapes, no host reads."""
         decoder, b = self.model.model, bucket
         tokens, positions = self.tokens[:b], self.positions[:b]
         groups = self.heads // self.kv_heads
         cos, sin = self.cos[positions][:, None, None], self.sin[positions][:, None, None]
-        hidden_mask = self.columns[None] > positions[:, None]  # columns a slot does not attend to
+        hidden_mask = self.columns[None, :width] > positions[:, None]  # columns a slot does not attend to
         bias = torch.zeros(hidden_mask.shape, dtype=torch.float32, device=self.device).masked_fill(
             hidden_mask, float("-inf"))[:, None, None]
         index = positions.view(b, 1, 1, 1).expand(b, self.kv_heads, 1, self.head_dim)
         hidden = decoder.embed_tokens(tokens)
-        for layer, keys, values in zip(decoder.layers, self.keys, self.values):
-            attention = layer.self_attn
+        for layer, layer_keys, layer_values in zip(decoder.layers, self.keys, self.values):
+            keys, values, attention = layer_keys[:, :, :width], layer_values[:, :, :width], layer.self_attn
             x = layer.input_layernorm(hidden)
             q = _rotate(attention.q_proj(x).view(b, self.kv_heads, groups, self.head_dim), cos, sin)
             k = _rotate(attention.k_proj(x).view(b, self.kv_heads, 1, self.head_dim), cos, sin)
@@ -188,6 +201,7 @@ class SlotDecoder:
         if self.slots:
             tokens[:self.slots], positions[:self.slots] = self.tokens, self.positions
         self.keys, self.values, self.tokens, self.positions = keys, values, tokens, positions
+        self.lengths = self.lengths[:self.slots] + [1] * (slots - self.slots)  # columns each slot uses (host side)
         self.columns = torch.arange(length, device=self.device)
         probe = torch.zeros(1, dtype=self.dtype, device=self.device)
         cos, sin = self.model.model.rotary_emb(probe, self.columns[None])
@@ -220,12 +234,12 @@ class StaticDecodeBatch(DecodeBatch):
 
     def _join(self, new_rows: List[Row], cache: DynamicCache, attention: torch.Tensor, owner: torch.Tensor) -> None:
         slots = self.decoder.reserve(len(new_rows), max(len(r.prompt_ids) + r.max_new_tokens for r in new_rows))
-        self.decoder.load(torch.tensor(slots, device=self.device), cache, attention, owner)
+        self.decoder.load(slots, cache, attention, owner, [len(r.prompt_ids) for r in new_rows])
         self.slots += slots
         self.active = torch.tensor(self.slots, device=self.device)
 
     def _keep(self, finished: List[bool], token: torch.Tensor) -> None:
-        self.decoder.feed(self.active, token)
+        self.decoder.feed(self.slots, self.active, token)
         if not any(finished):
             return
         self.decoder.release(slot for slot, f in zip(self.slots, finished) if f)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rlplatform.actors.engine import TransformersEngine
@@ -47,8 +48,12 @@ def test_rows_joining_and_leaving_decode_exactly_as_alone(tiny_policy):
     assert max(widths[3:-1]) <= len(finished["d"].prompt_ids) + 6
 
 
-def test_a_group_of_one_prompt_is_prefilled_once_and_each_row_decodes_as_alone(tiny_policy):
-    engine = TransformersEngine(tiny_policy)
+@pytest.mark.parametrize("kv_cache,forwards", [
+    ("dynamic", [1, 2]),  # the running row's decode step, then one prefill row per distinct prompt
+    ("static", [2]),  # the decode step runs in the slot decoder, not through the model's forward
+])
+def test_a_group_of_one_prompt_is_prefilled_once_and_each_row_decodes_as_alone(tiny_policy, kv_cache, forwards):
+    engine = TransformersEngine(tiny_policy, kv_cache=kv_cache)
     engine.load_weights({k: v.clone() for k, v in engine.model.state_dict().items()}, version=0)
     batch = engine.decode_batch(max_new_tokens=5, temperature=0.0)
     batch.add(ids(engine, ["12+34="]), keys=["running"])
@@ -60,8 +65,7 @@ def test_a_group_of_one_prompt_is_prefilled_once_and_each_row_decodes_as_alone(t
     batch.add(ids(engine, list(prompts.values())), keys=list(prompts))
     finished.update(batch.step())
     hook.remove()
-    # the running row's decode step, then one prefill row per distinct prompt
-    assert [shape[0] for shape in fed] == [1, 2]
+    assert [shape[0] for shape in fed] == forwards
     while batch:
         finished.update(batch.step())
     for key, prompt in {"running": "12+34=", **prompts}.items():
