@@ -6,8 +6,8 @@ Redis by sample id; ZeRO stage 0-3 and precision come from config. `model.dtype:
 bfloat16 weights and activations over a float32 master copy by default (DeepSpeed's bf16 mode, float32
 gradient accumulation), or with `learner.bf16_mode: autocast` (the default under ZeRO-0) float32 weights
 with bfloat16 matmuls (DeepSpeed's torch_autocast: the residual stream, norms, gradients and optimizer stay
-float32, as in float32 training); float16 uses DeepSpeed's fp16 mode (float16 weights, float32 master copy, loss scaling);
-either way rank 0 serves the weights in `model.dtype`. Rank 0 publishes full weight snapshots to the Ray
+float32, as in float32 training); float16 uses DeepSpeed's fp16 mode (float16 weights, float32 master copy,
+loss scaling); either way rank 0 serves the weights in `model.dtype`. Rank 0 publishes full weight snapshots to the Ray
 object store and writes checkpoints and the Hugging Face model; with `model.lora` the ranks train adapters
 only and those alone are published and saved (`learners/lora.py`).
 """

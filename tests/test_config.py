@@ -327,7 +327,8 @@ def test_zero_stage_unset_is_0_for_one_learner_rank_and_1_for_several():
     assert LearnerConfig().effective_zero_stage("float32") == 0
     assert LearnerConfig(num_ranks=2).effective_zero_stage("float32") == 1
     assert LearnerConfig(zero_stage=2).effective_zero_stage("float32") == 2
-    assert load_config(None, ["learner.num_ranks=4", "learner.zero_stage=3"]).learner.effective_zero_stage("float32") == 3
+    stage_3 = load_config(None, ["learner.num_ranks=4", "learner.zero_stage=3"]).learner
+    assert stage_3.effective_zero_stage("float32") == 3
 
 
 def test_bfloat16_trains_over_float32_masters_by_default_and_autocasts_under_zero_0():
