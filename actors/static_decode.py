@@ -127,14 +127,21 @@ class SlotDecoder:
         for slot in slots:
             self.lengths[slot] += 1
 
+    def move(self, sources: List[int], targets: List[int]) -> None:
+        """Slot `sources[i]`'s sequence (cache, fed token, position) into slot `targets[i]`, whose sequence ended."""
+        source, target = torch.tensor(sources, device=self.device), torch.tensor(targets, device=self.device)
+        for buffer in (*self.keys, *self.values, self.tokens, self.positions):
+            buffer.index_copy_(0, target, buffer.index_select(0, source))
+        for s, t in zip(sources, targets):
+            self.lengths[t] = self.lengths[s]
+
     def step(self, highest: int) -> torch.Tensor:
-        """Next-token logits of slots 0..b-1, b the bucket holding slot `highest`: their fed tokens go into the
-        cache and through the model."""
-        bucket = 1 << highest.bit_length()
-        bucket = min(bucket, self.slots)
-        if not self.graphs:  # eagerly: only the columns some slot of the bucket attends to
-            width = -(-max(self.lengths[:bucket]) // WIDTH_STEP) * WIDTH_STEP
-            return self._forward(bucket, min(width, self.length))
+        """Next-token logits of slots 0..b-1 (b: on CUDA the bucket holding slot `highest`, eagerly `highest` + 1):
+        their fed tokens go into the cache and through the model."""
+        if not self.graphs:  # eagerly: only the columns some of these slots attend to
+            width = -(-max(self.lengths[:highest + 1]) // WIDTH_STEP) * WIDTH_STEP
+            return self._forward(highest + 1, min(width, self.length))
+        bucket = min(1 << highest.bit_length(), self.slots)
         if bucket not in self.captured:
             try:
                 self.captured[bucket] = self._capture(bucket)
@@ -239,10 +246,21 @@ class StaticDecodeBatch(DecodeBatch):
         self.active = torch.tensor(self.slots, device=self.device)
 
     def _keep(self, finished: List[bool], token: torch.Tensor) -> None:
+        """Feed the new tokens; finished rows give their slots back, into which the batch's highest remaining rows
+        move, so that its slots stay the lowest and its steps run over the fewest slots (one slot's cache copied
+        per row moved, where the dynamic loop copies the whole cache)."""
         self.decoder.feed(self.slots, self.active, token)
         if not any(finished):
             return
-        self.decoder.release(slot for slot, f in zip(self.slots, finished) if f)
+        kept = [slot for slot, f in zip(self.slots, finished) if not f]
+        freed = sorted(slot for slot, f in zip(self.slots, finished) if f)
+        moves = [(high, low) for high, low in zip(sorted(kept, reverse=True), freed) if high > low]
+        if moves:
+            self.decoder.move([high for high, _ in moves], [low for _, low in moves])
+            moved = dict(moves)
+            kept = [moved.get(slot, slot) for slot in kept]
+            freed = [slot for slot in freed if slot not in moved.values()] + list(moved)
+        self.decoder.release(freed)
         self.rows = [row for row, f in zip(self.rows, finished) if not f]
-        self.slots[:] = [slot for slot, f in zip(self.slots, finished) if not f]
+        self.slots[:] = kept
         self.active = torch.tensor(self.slots, dtype=torch.long, device=self.device)
