@@ -403,8 +403,10 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({os.cpu_count()} cores)"
     loop = ("slot decoder, CUDA graphs" if engine.slot_decoder.graphs else "slot decoder") if engine.slot_decoder \
         else "dynamic cache"
-    captured = (f"; the first run of these shapes, which sizes the cache and captures the graphs, took "
-                f"{generated['first_seconds']:.2f} s") if engine.slot_decoder else ""
+    sizing = "sizes the cache and captures the graphs" if engine.slot_decoder and engine.slot_decoder.graphs \
+        else "sizes the cache"
+    captured = (f"; the first run of these shapes, which {sizing}, took {generated['first_seconds']:.2f} s"
+                if engine.slot_decoder else "")
     rows = [(f"generation, rlplatform transformers engine ({dtype}, {loop}: the default)",
              f"{generated['tokens'] / generated['seconds']:.0f} tokens/s",
              f"{args.prompts} prompts x {args.group}, up to {args.new_tokens} new tokens{captured}"),
