@@ -257,9 +257,9 @@ class StaticDecodeBatch(DecodeBatch):
         moves = [(high, low) for high, low in zip(sorted(kept, reverse=True), freed) if high > low]
         if moves:
             self.decoder.move([high for high, _ in moves], [low for _, low in moves])
-            moved = dict(moves)
+            moved, filled = dict(moves), {low for _, low in moves}
             kept = [moved.get(slot, slot) for slot in kept]
-            freed = [slot for slot in freed if slot not in moved.values()] + list(moved)
+            freed = [slot for slot in freed if slot not in filled] + list(moved)
         self.decoder.release(freed)
         self.rows = [row for row, f in zip(self.rows, finished) if not f]
         self.slots[:] = kept

@@ -68,7 +68,7 @@ def vllm_memory_fraction(gpu_memory_utilization: Optional[float], num_gpus: Opti
     the worker's share of the GPU (`rollout.num_gpus`; unset, a whole GPU), as vLLM takes 0.9 of a GPU of its own."""
     if gpu_memory_utilization is not None:
         return gpu_memory_utilization
-    return round(0.9 * min(1.0, num_gpus if num_gpus else 1.0), 4)
+    return round(0.9 * min(1.0, num_gpus or 1.0), 4)
 
 
 def resolve_dtype(dtype: str, learner_gpus: float) -> str:

@@ -15,12 +15,12 @@ import time
 from contextlib import ExitStack
 from dataclasses import replace
 from functools import partial
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import ray
 import torch
 
-from rlplatform.config import ConfigError, JobConfig, PolicyConfig, to_yaml
+from rlplatform.config import ConfigError, JobConfig, LearnerConfig, PolicyConfig, RolloutConfig, to_yaml
 from rlplatform.data import load_rows
 from rlplatform.devices import gpu_shares, gpus_per_actor, resolve_dtype
 from rlplatform.job.checkpoint import latest_checkpoint, read_state
@@ -170,10 +170,9 @@ def share_gpus(config: JobConfig, cluster_gpus: float) -> Optional[str]:
     """Where a whole GPU per learner rank, rollout worker and evaluator does not fit the cluster, the unset
     `learner.num_gpus` and `rollout.num_gpus` of GPU actors become shares (`gpu_shares`); a line saying which, or
     None where nothing changed."""
-    on_gpu = lambda device: gpus_per_actor(device, None, cluster_gpus) > 0  # noqa: E731
     policies = config.policy_list()
-    learners = [p for p in policies if p.learner.num_gpus is None and on_gpu(p.learner.device)]
-    rollouts = [p for p in policies if p.rollout.num_gpus is None and on_gpu(p.rollout.device)]
+    learners = [p for p in policies if p.learner.num_gpus is None and _on_gpu(p.learner, cluster_gpus)]
+    rollouts = [p for p in policies if p.rollout.num_gpus is None and _on_gpu(p.rollout, cluster_gpus)]
     reserved = sum(p.learner.num_ranks * (p.learner.num_gpus or 0)
                    + (p.rollout.num_workers + 1) * (p.rollout.num_gpus or 0) for p in policies)
     per_rank, per_actor = gpu_shares(cluster_gpus, reserved, sum(p.learner.num_ranks for p in learners),
@@ -201,10 +200,14 @@ def _resolve_transports(config: JobConfig, cluster_gpus: float) -> None:
     """Each policy's `weights.transport: auto` made concrete: its learner and rollout workers share one GPU where
     the cluster's only GPU (one this process sees) holds its single learner rank and its rollout workers."""
     one_gpu = cluster_gpus == 1 and torch.cuda.is_available()
-    on_gpu = lambda part: gpus_per_actor(part.device, part.num_gpus, cluster_gpus) > 0  # noqa: E731
     for policy in config.policy_list():
-        resolve_auto(policy.weights, one_gpu and policy.learner.num_ranks == 1 and on_gpu(policy.learner)
-                     and on_gpu(policy.rollout), policy.model.lora.enabled)
+        resolve_auto(policy.weights, one_gpu and policy.learner.num_ranks == 1 and _on_gpu(policy.learner, cluster_gpus)
+                     and _on_gpu(policy.rollout, cluster_gpus), policy.model.lora.enabled)
+
+
+def _on_gpu(part: Union[LearnerConfig, RolloutConfig], cluster_gpus: float) -> bool:
+    """Whether a policy's learner ranks or rollout workers (`part`) reserve GPUs on this cluster."""
+    return gpus_per_actor(part.device, part.num_gpus, cluster_gpus) > 0
 
 
 def _check_cluster(config: JobConfig, cpus: float) -> None:
