@@ -37,8 +37,8 @@ LORA_STEPS = 60
 TASKSET = ["env.kind=verifiers", "env.taskset=tests/envs/digit_sums.py", "env.taskset_args.copies=4",
            "env.test_tasks=100", "rewards=[{name: verifiers_reward}]", "eval.pass_reward=verifiers_reward",
            "rollout.num_workers=2", "rollout.num_cpus=0.5"]
-TASKSET_STEPS = 60  # from the SFT checkpoint's 0.29: 20 steps gained 0.08-0.09, 40 gained 0.09-0.15
-TASKSET_GAIN = 0.10
+TASKSET_STEPS = 40  # from the SFT checkpoint's 0.29: 20 steps gained 0.08-0.11, 40 gained 0.08-0.15 over 8 runs,
+TASKSET_GAIN = 0.05  # 60 gained 0.13; a policy that does not learn keeps its greedy pass@1 (lr 0 keeps it exactly)
 
 
 @pytest.fixture(scope="module")
