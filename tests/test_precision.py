@@ -104,11 +104,12 @@ def test_bfloat16_train_publish_generate_and_save(ray_session, bf16_policy, tmp_
         learner.shutdown()
 
 
-TRACK_STEPS, TRACK_WINDOW = 120, 60
+TRACK_STEPS, TRACK_WINDOW = 60, 30
 # at 1e-4 (an RL fine-tuning rate) an update is below bfloat16's resolution for most weights: only float32
-# master weights keep it. Measured |bfloat16 - float32| of the late mean: 0.0004 with them (autocast,
-# ZeRO-1), 0.09 without (bfloat16 weights and optimizer, ZeRO-0)
-TRACK_LR, TRACK_TOLERANCE = 1e-4, 0.03
+# master weights keep it. Measured |bfloat16 - float32| of the late mean (the mean of steps 31-60; float32's
+# 2.508 from 3.948): 0.0001 autocast, 0.0002 master weights, 0.039 without them (bfloat16 weights and a plain
+# AdamW under ZeRO-0; over 120 steps 0.084)
+TRACK_LR, TRACK_TOLERANCE = 1e-4, 0.02
 
 
 def sft_curve(policy: str, dtype: str, rows, steps: int, bf16_mode: str = "autocast"):
@@ -131,7 +132,7 @@ def test_bfloat16_sft_tracks_float32(ray_session, tmp_path):
                  for mode in ("autocast", "master_weights")}}
     late = {name: sum(curve[-TRACK_WINDOW:]) / TRACK_WINDOW for name, curve in curves.items()}
     assert late["float32"] < curves["float32"][0] - 0.3  # it learns: no comparison of two flat lines
-    for mode in ("autocast", "master_weights"):  # measured 0.0004 and 0.0006 from float32's
+    for mode in ("autocast", "master_weights"):
         assert abs(late[mode] - late["float32"]) < TRACK_TOLERANCE, late
 
 
