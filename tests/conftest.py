@@ -50,9 +50,14 @@ def tiny_policy(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need CUDA (vLLM, NCCL); on a CPU machine they are skipped."""
+    """Files with a test marked `slow` run first: pytest-xdist hands out whole files in this order
+    (`--no-loadscope-reorder`; its default puts the files with the most tests first), so the 2 workers start
+    the longest files early and end together instead of one finishing a long file alone.
+    Tests marked `gpu` need CUDA (vLLM, NCCL); on a CPU machine they are skipped."""
     import torch
 
+    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: each file's tests stay together, in order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

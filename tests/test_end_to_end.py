@@ -10,6 +10,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from rlplatform.config import load_config
 from rlplatform.job.controller import run_job
 from rlplatform.monitoring.dashboard import dashboard_layout
@@ -18,6 +20,7 @@ from rlplatform.scheduling.ledger import balanced
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.yaml")
 
 
+@pytest.mark.slow
 def test_short_quickstart_writes_a_valid_summary_and_logs_every_dashboard_key(ray_session, tmp_path, greedy_accuracy):
     config = load_config(QUICKSTART, [f"output_dir={tmp_path}", "name=e2e", "sft.steps=30", "rl.max_steps=12",
                                       "rl.max_staleness=1", "sft.log_every=10",

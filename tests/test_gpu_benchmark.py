@@ -9,7 +9,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

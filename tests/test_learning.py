@@ -17,6 +17,8 @@ from rlplatform.job.controller import run_job
 from rlplatform.policy import load_policy
 from rlplatform.transport.weights import to_snapshot
 
+pytestmark = pytest.mark.slow
+
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.yaml")
 TASK = ["data.digits=1", "data.test_size=200", "wandb.mode=disabled", "rl.track_reference_kl=false",
         "rl.lr=2e-4"]

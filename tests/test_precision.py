@@ -26,6 +26,8 @@ from rlplatform.transport.samples import Sample
 from rlplatform.transport.weights import BFLOAT16, from_snapshot
 from tests.learners.steps import rl_step
 
+pytestmark = pytest.mark.slow
+
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in [(1, 2), (13, 7), (40, 45), (9, 9)] * 2]
 TINY = dict(hidden_size=64, num_layers=2, intermediate_size=128)
 

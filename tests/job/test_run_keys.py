@@ -8,11 +8,15 @@ import os
 import signal
 import threading
 
+import pytest
+
 from rlplatform.cli import main
 from rlplatform.job.controller import run_job
 from rlplatform.rewards.worker import RewardWorker
 from rlplatform.transport.job_lease import newest_run
 from rlplatform.transport.reward_queue import JobKeys, RewardQueue, run_scope
+
+pytestmark = pytest.mark.slow
 
 
 def test_a_later_run_of_a_name_leaves_the_earlier_runs_keys_and_a_resume_keeps_its_own(

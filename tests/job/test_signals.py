@@ -15,7 +15,10 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+import pytest
 import yaml
+
+pytestmark = pytest.mark.slow
 
 RLP = str(Path(sys.executable).parent / "rlp")
 TINY = {"name": "sigterm", "model": {"hidden_size": 64, "num_layers": 2, "intermediate_size": 128},

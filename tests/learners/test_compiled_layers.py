@@ -109,6 +109,7 @@ def test_the_default_compiles_on_cuda_only_and_never_under_zero_3():
         load_config("configs/quickstart.yaml", ["learner.compile=true", "learner.zero_stage=3"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-5), ("bfloat16", 1e-2)])  # bfloat16: autocast, as on GPUs
 def test_a_compiled_rank_trains_as_an_eager_one(ray_session, tiny_policy, dtype, tolerance):
     losses = {}
