@@ -21,9 +21,12 @@ import yaml
 pytestmark = pytest.mark.slow
 
 RLP = str(Path(sys.executable).parent / "rlp")
+# far more than the job trains before the signal: at eval.priority idle the evaluator runs on the CPU time other
+# processes leave, and beside a busy test its first evaluation came after 200 steps (about 10 s) had trained
+MAX_STEPS = 5000
 TINY = {"name": "sigterm", "model": {"hidden_size": 64, "num_layers": 2, "intermediate_size": 128},
         "data": {"train_size": 300, "test_size": 8}, "sft": {"enabled": False}, "eval": {"batch_size": 8},
-        "rl": {"max_steps": 200, "batch_prompts": 2, "group_size": 4, "max_new_tokens": 4},
+        "rl": {"max_steps": MAX_STEPS, "batch_prompts": 2, "group_size": 4, "max_new_tokens": 4},
         "rollout": {"prompts_per_batch": 4, "num_cpus": 0.5}, "learner": {"num_cpus": 0.5},
         "reward_workers": {"num_cpus": 0.25}, "wandb": {"mode": "offline"}}
 
@@ -102,7 +105,7 @@ def _signal_group(job: subprocess.Popen, tmp_path: Path, run_files, signals: int
         run_files.wait_for(lambda: run_files.trained_steps(str(run_dir)) >= 1, timeout_s=300)
         redis_pid, redis_dir = _redis_child(run_dir)
         if priorities is not None:  # once the evaluator, started after the learner, has evaluated the start
-            run_files.wait_for(lambda: "eval policy after_sft" in log.read_text(), timeout_s=120)
+            run_files.wait_for(lambda: "eval policy after_sft" in log.read_text(), timeout_s=300)
             priorities.update(_cpu_priorities(job.pid))
         for sent in range(signals):
             if sent:
@@ -132,7 +135,7 @@ def test_sigterm_to_the_group_checkpoints_summarises_and_stops_every_child(tmp_p
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["exit_code"] == 143
     steps = summary["rl"]["steps"]
-    assert 1 <= steps < 200
+    assert 1 <= steps < MAX_STEPS
     assert (run_dir / "checkpoints" / f"step-{steps:06d}" / "state.json").exists()
     assert not _alive(redis_pid) and not os.path.exists(redis_dir)
     run_files.wait_for(lambda: _session(job.pid) == [], timeout_s=30)  # Ray's workers exit once their raylet is gone
