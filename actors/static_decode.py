@@ -104,21 +104,21 @@ class SlotDecoder:
                 self.lengths[slot] = 1
 
     def load(self, slots: List[int], cache: DynamicCache, attention: torch.Tensor, owner: torch.Tensor,
-             lengths: List[int]) -> None:
+             prompt_lengths: List[int]) -> None:
         """Move prefilled prompts into `slots`: the cache and mask hold distinct prompts left-padded, slot i
         takes prompt `owner[i]`'s keys and values at columns 0.. and the position of its last prompt token
-        (`lengths[i]` tokens long)."""
-        for slot, length in zip(slots, lengths):
+        (`prompt_lengths[i]` tokens long, kept host-side so no step reads them back from the device)."""
+        for slot, length in zip(slots, prompt_lengths):
             self.lengths[slot] = length
-        slots = torch.tensor(slots, device=self.device)
+        index_of_slots = torch.tensor(slots, device=self.device)
         width = attention.shape[1]
-        lengths = attention.sum(-1)
-        columns = (torch.arange(width, device=self.device)[None] + (width - lengths)[:, None]).clamp(max=width - 1)
+        filled = attention.sum(-1)  # each prefilled prompt's tokens, on the device
+        columns = (torch.arange(width, device=self.device)[None] + (width - filled)[:, None]).clamp(max=width - 1)
         index = columns[:, None, :, None].expand(-1, self.kv_heads, -1, self.head_dim)
         for layer, keys, values in zip(cache.layers, self.keys, self.values):
-            keys[:, :, :width].index_copy_(0, slots, layer.keys.gather(2, index)[owner].to(self.dtype))
-            values[:, :, :width].index_copy_(0, slots, layer.values.gather(2, index)[owner].to(self.dtype))
-        self.positions[slots] = lengths[owner] - 1
+            keys[:, :, :width].index_copy_(0, index_of_slots, layer.keys.gather(2, index)[owner].to(self.dtype))
+            values[:, :, :width].index_copy_(0, index_of_slots, layer.values.gather(2, index)[owner].to(self.dtype))
+        self.positions[index_of_slots] = filled[owner] - 1
 
     def feed(self, slots: List[int], active: torch.Tensor, tokens: torch.Tensor) -> None:
         """The slots' next tokens (`active`: the slots on the device), each one position after the slot's last."""
