@@ -99,7 +99,7 @@ def check_engines(config: JobConfig, source: str) -> None:
         prefix = f"policies[{i}]." if config.policies else ""
         key = f"{prefix}rollout.engine"
         if policy.model.lora.enabled:
-            _check_vllm_lora(policy.model, prefix, source)
+            _check_vllm_lora(policy.model, prefix, source, _vllm_on_cpu(config))
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError(f"{source}: '{key}' is vllm but the vllm package is not installed; run install.sh "
                               f"(vLLM's CUDA or CPU build, as the machine has), or use rollout.engine: transformers")
@@ -144,18 +144,18 @@ def check_weights(config: JobConfig, source: str) -> None:
                           f"over object_store or broadcast)")
 
 
-def _check_vllm_lora(model, prefix: str, source: str) -> None:
-    """What vLLM's LoRA layers take: a rank up to its largest, and weights in bfloat16 or float16 (its kernels'
-    only dtypes)."""
+def _check_vllm_lora(model, prefix: str, source: str, on_cpu: bool) -> None:
+    """What vLLM's LoRA layers take: a rank up to its largest, and on a GPU weights in bfloat16 or float16 (its
+    CUDA kernels' only dtypes)."""
     from rlplatform.actors.vllm_engine import MAX_LORA_RANKS
 
     engine = f"'{prefix}rollout.engine' is vllm"
     if model.lora.rank > MAX_LORA_RANKS[-1]:
         raise ConfigError(f"{source}: '{prefix}model.lora.rank' is {model.lora.rank} but {engine}, whose LoRA "
                           f"ranks go up to {MAX_LORA_RANKS[-1]}; lower the rank or use rollout.engine: transformers")
-    if model.dtype == "float32":
+    if model.dtype == "float32" and not on_cpu:
         raise ConfigError(f"{source}: '{prefix}model.dtype' is float32 with '{prefix}model.lora' but {engine}, whose "
-                          f"LoRA kernels take bfloat16 or float16; set model.dtype: bfloat16 or use "
+                          f"CUDA LoRA kernels take bfloat16 or float16; set model.dtype: bfloat16 or use "
                           f"rollout.engine: transformers")
 
 

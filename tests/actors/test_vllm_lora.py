@@ -1,6 +1,6 @@
-"""The vLLM engine under LoRA: each streamed version becomes a peft adapter directory that peft loads
-and that holds exactly the streamed tensors (CPU); on a GPU (`gpu` marker), vLLM's LoRA requests give
-the learner's log-probs, and requests in flight move to each new version's adapters."""
+"""The vLLM engine under LoRA: each streamed version rewrites the peft adapter directory vLLM loads, which
+holds exactly the streamed tensors; vLLM's LoRA requests give the learner's log-probs, and each new version
+replaces the adapters in place while requests run."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from peft import PeftModel
 from safetensors.torch import load_file
 
-from rlplatform.actors.vllm_engine import AdapterVersions, max_lora_rank
+from rlplatform.actors.vllm_engine import AdapterDirectory, max_lora_rank
 from rlplatform.config import LoraConfig, ModelConfig
 from rlplatform.learners.batching import completion_logprobs
 from rlplatform.lora import adapter_parameters, with_adapters
@@ -35,9 +35,9 @@ def trained(policy_path: str, seed: int, dtype: str = "float32"):
 
 
 def test_each_version_is_a_peft_directory_of_exactly_the_streamed_tensors(tiny_policy):
-    versions = AdapterVersions(LORA)
+    adapters = AdapterDirectory(LORA)
     learner, streamed = trained(tiny_policy, seed=0)
-    name, lora_id, directory = versions.write(streamed, version=3)
+    directory = adapters.write(streamed)
     written = load_file(os.path.join(directory, "adapter_model.safetensors"))
     assert sorted(written) == sorted(streamed)
     assert all(torch.equal(written[k], streamed[k]) for k in streamed)
@@ -49,9 +49,10 @@ def test_each_version_is_a_peft_directory_of_exactly_the_streamed_tensors(tiny_p
     expected = adapter_parameters(learner)
     assert sorted(adapter_parameters(loaded)) == sorted(expected)
     assert all(torch.equal(p, expected[k]) for k, p in adapter_parameters(loaded).items())
-    _, second = trained(tiny_policy, seed=1)
-    next_name, next_id, next_directory = versions.write(second, version=4)
-    assert next_name != name and next_id > lora_id > 0 and next_directory != directory
+    _, second = trained(tiny_policy, seed=1)  # the next version replaces the files, in the same directory
+    assert adapters.write(second) == directory
+    rewritten = load_file(os.path.join(directory, "adapter_model.safetensors"))
+    assert all(torch.equal(rewritten[k], second[k]) for k in second)
 
 
 def test_max_lora_rank_is_the_smallest_vllm_rank_that_fits():
@@ -80,17 +81,18 @@ def _gaps(completions, model, temperature: float, start: int = 0) -> float:
     return torch.cat(gaps).mean().item()
 
 
-@pytest.mark.gpu
-def test_streamed_adapters_give_vllm_the_learners_logprobs_in_flight_too(vllm_policy):
-    """bfloat16 (vLLM's LoRA kernels take no float32): vLLM's log-probs sit near the learner's under
-    the same adapters, far from the base model's and from the other version's."""
-    pytest.importorskip("vllm")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"] if not torch.cuda.is_available() else ["bfloat16"])
+def test_streamed_adapters_give_vllm_the_learners_logprobs_and_replace_in_flight(vllm_policy, dtype):
+    """vLLM's log-probs sit near the learner's under the same adapters, far from the base model's and from
+    the other version's (on CPU in float32 and bfloat16; vLLM's CUDA LoRA kernels take no float32). A new
+    version replaces the adapters in place: running requests go on under their own ids, their tokens labelled
+    with the version that produced each, and requests after it get the new adapters' log-probs."""
     from rlplatform.actors.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(vllm_policy, "bfloat16", gpu_memory_utilization=0.3, seed=0, lora=LORA)
-    first, first_state = trained(vllm_policy, seed=0, dtype="bfloat16")
-    second, second_state = trained(vllm_policy, seed=1, dtype="bfloat16")
-    first, second = first.cuda(), second.cuda()
+    engine = VLLMEngine(vllm_policy, dtype, None, seed=0, lora=LORA)
+    first, first_state = trained(vllm_policy, seed=0, dtype=dtype)
+    second, second_state = trained(vllm_policy, seed=1, dtype=dtype)
+    first, second = first.to(engine.device), second.to(engine.device)
     prompts = [engine.tokenizer(p)["input_ids"] for p in ["12+34=", "5+5=", "7="]]
     engine.load_weights(first_state, version=1)
     done = [c for group in engine.generate(prompts, 2, 8, temperature=0.7) for c in group]
@@ -100,21 +102,25 @@ def test_streamed_adapters_give_vllm_the_learners_logprobs_in_flight_too(vllm_po
     assert _gaps(done, first, 0.7) < min(0.02, 0.2 * base)
     batch = engine.decode_batch(max_new_tokens=10, temperature=1.0)
     batch.add(prompts, keys=[0, 1, 2])
-    for _ in range(3):
-        assert batch.step() == []
-    engine.load_weights(second_state, version=2)
     finished = {}
+    for _ in range(3):
+        finished.update(batch.step())
+    running = dict(batch.rows)
+    engine.load_weights(second_state, version=2)
+    assert batch.rows == running  # the same requests, under the same ids, still running
     while batch:
         finished.update(batch.step())
     assert sorted(finished) == [0, 1, 2]  # nothing dropped
-    moved = [c for c in finished.values() if len(c.completion_ids) > 3]
-    assert moved and all(c.versions == [1, 1, 1] + [2] * (len(c.versions) - 3) for c in finished.values())
-    assert _gaps(moved, second, 1.0, start=3) < min(0.02, 0.2 * _gaps(moved, first, 1.0, start=3))
+    went_on = [finished[row.key] for row in running.values()]
+    assert went_on and all(c.versions == [1, 1, 1] + [2] * (len(c.versions) - 3) for c in went_on)
+    after = [c for group in engine.generate(prompts, 2, 8, temperature=0.7) for c in group]
+    assert _gaps(after, second, 0.7) < min(0.02, 0.2 * _gaps(after, first, 0.7))
 
 
 @pytest.mark.parametrize("overrides, message", [
     (["model.lora.rank=1024", "model.dtype=bfloat16"], "'model.lora.rank' is 1024 but 'rollout.engine' is vllm"),
-    (["model.dtype=float32"], "'model.dtype' is float32 with 'model.lora' but 'rollout.engine' is vllm"),
+    (["model.dtype=float32", "ray.address=10.0.0.7:6379"],  # a cluster elsewhere: its engines may be on GPUs
+     "'model.dtype' is float32 with 'model.lora' but 'rollout.engine' is vllm"),
 ])
 def test_lora_that_vllm_cannot_serve_is_refused_before_the_job_starts(overrides, message):
     from rlplatform.config import ConfigError, load_config
@@ -124,3 +130,13 @@ def test_lora_that_vllm_cannot_serve_is_refused_before_the_job_starts(overrides,
     with pytest.raises(ConfigError) as err:
         check_engines(load_config(overrides=base + overrides), "job.yaml")
     assert str(err.value).startswith(f"job.yaml: {message}") and "\n" not in str(err.value)
+
+
+def test_float32_lora_is_served_by_vllm_on_this_cpu():
+    from rlplatform.config import load_config
+    from rlplatform.preflight import check_engines
+
+    if torch.cuda.is_available():
+        pytest.skip("vLLM runs on this machine's GPU")
+    check_engines(load_config(overrides=["rollout.engine=vllm", "model.lora.enabled=true", "model.dtype=float32"]),
+                  "job.yaml")
