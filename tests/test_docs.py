@@ -131,10 +131,12 @@ def test_readme_links_resolve() -> None:
             assert (REPO / target).exists(), f"README.md links to {target}, which does not exist"
 
 
-def test_readme_opens_with_install_test_and_quickstart() -> None:
+def test_readme_opens_with_install_test_and_quickstart_and_ci_runs_the_first_two() -> None:
     first_lines = [line for _, line in shell_lines(README)[:3]]
-    assert [commands_of(line) for line in first_lines] == [[["pip", "install", "-e", ".[dev]"]], [["pytest"]],
-                                                           [["rlp", "run", "configs/quickstart.yaml"]]]
+    commands = [commands_of(line) for line in first_lines]
+    assert commands == [[["bash", "install.sh"]], [["pytest"]], [["rlp", "run", "configs/quickstart.yaml"]]]
+    ci_lines = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
+    assert ci_lines[-2:] == [" ".join(command) for [command] in commands[:2]]
 
 
 def test_every_rlp_command_parses_with_the_cli() -> None:
