@@ -115,6 +115,7 @@ class VLLMEngine(BatchGenerate):
                  lora: Optional[LoraConfig] = None, deltas: bool = False) -> None:
         require_vllm()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core steps in this process, when told to
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not its start-up's INFO lines in the job's output
         from vllm import LLM
         from vllm.config import WeightTransferConfig
         from vllm.platforms import current_platform

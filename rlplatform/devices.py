@@ -95,9 +95,30 @@ def share_kv_heads_on_cpu(device: torch.device) -> None:
     """On CPU, have transformers' SDPA attention read grouped key/value heads in place (`enable_gqa`) even
     under an attention mask, rather than copy each one per query head (`repeat_kv`): the same numbers, about 5%
     less learner step time on the demo model. On CUDA transformers keeps its own rule (a masked grouped call
-    would leave the flash kernels for the math one). Process-wide: it is an environment switch read per call."""
+    would leave the flash kernels for the math one). Process-wide: the `sdpa` attention function transformers
+    looks up at each call is replaced by `sdpa_sharing_kv_heads_on_cpu`."""
+    from transformers import AttentionInterface
+
     if device.type == "cpu":
-        os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+        AttentionInterface.register("sdpa", sdpa_sharing_kv_heads_on_cpu)
+
+
+def sdpa_sharing_kv_heads_on_cpu(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+                                 scaling: Optional[float] = None, is_causal: Optional[bool] = None, **kwargs):
+    """transformers' SDPA attention (its signature and output layout), with grouped key/value heads read in
+    place on CPU."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    plain = kwargs.get("position_bias") is None and kwargs.get("cache") is None  # what this path leaves out
+    if query.device.type != "cpu" or getattr(module, "num_key_value_groups", 1) == 1 or not plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True,
+        is_causal=bool(query.shape[2] > 1 and attention_mask is None and causal))
+    return output.transpose(1, 2).contiguous(), None
 
 
 def assigned_gpu() -> Optional[int]:

@@ -206,7 +206,9 @@ def test_grouped_kv_heads_are_read_in_place_on_cpu_with_the_same_scores(tiny_pol
         (scores.logprobs * scores.mask).sum().backward()
         return scores.logprobs.detach(), torch.cat([p.grad.flatten() for p in model.parameters()]), len(copies)
 
-    monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA", raising=False)
+    from transformers import AttentionInterface
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", sdpa_attention.sdpa_attention_forward)
     share_kv_heads_on_cpu(torch.device("cuda", 0))
     copied, copied_grad, copy_calls = scored()
     share_kv_heads_on_cpu(torch.device("cpu"))
