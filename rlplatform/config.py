@@ -2,20 +2,25 @@
 
 `load_config(path, overrides)` is the only way a job's settings enter the platform. It fails
 before anything starts, with a `ConfigError` naming the file and the key, on unknown keys,
-wrong types, bad YAML and missing files. Everything past `load_config` sees plain dataclasses.
+wrong types, bad YAML (not UTF-8, a key given twice, aliases that recurse or multiply the
+document) and missing files, on values that cannot work (not finite, sizes that do not fit
+each other, the model or this machine's memory) and on keys the chosen kind never reads.
+Everything past `load_config` sees plain dataclasses.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Set
 from urllib.parse import urlsplit, urlunsplit
 
+import psutil
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
@@ -417,22 +422,27 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     merged = OmegaConf.structured(JobConfig)
     source = path or "<defaults>"
     policy_entries: list = []
+    given = OmegaConf.create()  # the keys the YAML and the overrides give, without the schema's defaults
     if path is not None:
         raw = _read_yaml(path)
         _check_keys(OmegaConf.to_container(raw), JobConfig, "", source)
         merged = _merge(merged, raw, source)
         policy_entries = list(raw.get("policies") or [])
+        given = raw
     if overrides:
         _check_override_syntax(overrides)
         dotlist = OmegaConf.from_dotlist(list(overrides))
         _check_keys(OmegaConf.to_container(dotlist), JobConfig, "", "command-line override")
         merged = _merge(merged, dotlist, "command-line override")
         policy_entries = list(dotlist.get("policies") or policy_entries)
+        given = OmegaConf.merge(given, dotlist)
     if policy_entries:
         merged.policies = _expand_policies(merged, policy_entries, source)
     config: JobConfig = OmegaConf.to_object(merged)
     config.redis.url = redis_url_with_secret(config.redis.url, source)
-    _check_values(config, source if not overrides else f"{source} with overrides {' '.join(overrides)}")
+    source = source if not overrides else f"{source} with overrides {' '.join(overrides)}"
+    _check_values(config, source)
+    _check_unread_keys(config, OmegaConf.to_container(given), source)
     return config
 
 
@@ -486,18 +496,90 @@ def redact_url(url: str) -> str:
 def _read_yaml(path: str):
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: no such config file")
+    with open(path, "rb") as f:
+        data = f.read()
     try:
-        with open(path) as f:
-            raw = yaml.safe_load(f)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason})") from None
+    try:
+        raw = _load_yaml(text)
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(raw).__name__}")
+        return OmegaConf.create(raw)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark else ""
-        raise ConfigError(f"{path}{where}: not valid YAML: {getattr(err, 'problem', err)}") from None
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(raw).__name__}")
-    return OmegaConf.create(raw)
+        raise ConfigError(f"{path}{where}: {_yaml_problem(err)}") from None
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"{path}: {str(err).splitlines()[0]}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid YAML: nested too deeply") from None
+
+
+def _load_yaml(text: str) -> Any:
+    """`yaml.safe_load(text)`, once `_check_nodes` has walked the composed document."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        # written without aliases, every value takes at least a character: aliases that expand the document
+        # beyond the file's length multiply it (a "billion laughs") rather than save repeating a section
+        _check_nodes(loader, node, "", {}, set(), len(text))
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+class _DocumentError(yaml.MarkedYAMLError):
+    """A document PyYAML composes but a job config refuses; `problem` is the whole message."""
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    if isinstance(err, _DocumentError):
+        return err.problem
+    return f"not valid YAML: {getattr(err, 'problem', None) or str(err).splitlines()[0]}"
+
+
+MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _check_nodes(loader: yaml.SafeLoader, node: yaml.Node, key: str, sizes: Dict[int, int], open_nodes: Set[int],
+                 limit: int) -> int:
+    """The number of values in `node` with its aliases expanded (`sizes` keeps each node's, so a node shared
+    by aliases is counted without walking it again). Raises `_DocumentError` on a key given twice in one
+    mapping (PyYAML keeps the last silently), an alias inside its own anchor (`open_nodes`: the nodes being
+    walked) and an expansion beyond `limit` values."""
+    if id(node) in sizes:
+        return sizes[id(node)]
+    if id(node) in open_nodes:
+        raise _DocumentError(problem=f"'{key}' is a recursive alias: an alias inside its own anchor",
+                             problem_mark=node.start_mark)
+    open_nodes.add(id(node))
+    size = 1
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            size += _check_nodes(loader, item, f"{key}[{i}]", sizes, open_nodes, limit)
+    elif isinstance(node, yaml.MappingNode):
+        seen = set()
+        for key_node, value in node.value:
+            named = isinstance(key_node, yaml.ScalarNode) and key_node.tag != MERGE_TAG
+            name = loader.construct_object(key_node) if named else "?"
+            child = f"{key}.{name}" if key else str(name)
+            if named and name in seen:
+                raise _DocumentError(problem=f"key '{child}' is given twice", problem_mark=key_node.start_mark)
+            seen.add(name)
+            size += _check_nodes(loader, key_node, child, sizes, open_nodes, limit)
+            size += _check_nodes(loader, value, child, sizes, open_nodes, limit)
+    if size > limit:
+        raise _DocumentError(problem=f"not valid YAML: its aliases expand it to over {limit} values, more than "
+                                     f"its {limit} characters hold written out", problem_mark=node.start_mark)
+    open_nodes.discard(id(node))
+    sizes[id(node)] = size
+    return size
 
 
 def _check_override_syntax(overrides: List[str]) -> None:
@@ -569,11 +651,122 @@ def _check_values(config: JobConfig, source: str) -> None:
     _check_eval(config, source)
     _check_env(config.env, source)
     for i, policy in enumerate(config.policy_list()):
+        prefix = f"policies[{i}]." if config.policies else ""
         limit = config.env.completion_tokens(policy.rl.max_new_tokens)
         if policy.rl.overlong_buffer >= limit:
-            prefix = f"policies[{i}]." if config.policies else ""
             raise ConfigError(f"{source}: '{prefix}rl.overlong_buffer' is {policy.rl.overlong_buffer}; it must be below "
                               f"the completion limit it ends at ({limit} tokens)")
+        _check_sizes(config, policy, prefix, source)
+
+
+def _check_sizes(config: JobConfig, policy: PolicyConfig, prefix: str, source: str) -> None:
+    """One policy's sizes against each other, its model and this machine's memory."""
+    rl = policy.rl
+    if rl.max_staleness > rl.max_steps:
+        raise ConfigError(f"{source}: '{prefix}rl.max_staleness' is {rl.max_staleness}; it must be <= {rl.max_steps} "
+                          f"({prefix}rl.max_steps): no sample can fall more versions behind than the job has steps")
+    if policy.model.kind == "demo":
+        completion = max(config.env.completion_tokens(rl.max_new_tokens), config.eval.max_new_tokens)
+        _check_demo_shape(policy.model, completion, f"{prefix}model.", source)
+    _check_memory(config, policy, prefix, source)
+
+
+def _check_demo_shape(model: ModelConfig, completion: int, prefix: str, source: str) -> None:
+    """The demo model's widths fit together (the heads split the width, the key/value heads the heads, and
+    rotary position embeddings rotate pairs of a head's dimensions) and its context holds a prompt of at least
+    one token and the longest `completion`."""
+    if model.hidden_size % model.num_heads:
+        raise ConfigError(f"{source}: '{prefix}num_heads' is {model.num_heads}; it must divide '{prefix}hidden_size' "
+                          f"({model.hidden_size})")
+    if model.num_heads % model.num_kv_heads:
+        raise ConfigError(f"{source}: '{prefix}num_kv_heads' is {model.num_kv_heads}; it must divide "
+                          f"'{prefix}num_heads' ({model.num_heads})")
+    head_size = model.hidden_size // model.num_heads
+    if head_size % 2:
+        raise ConfigError(f"{source}: '{prefix}num_heads' is {model.num_heads}; the head size, '{prefix}hidden_size' "
+                          f"({model.hidden_size}) / num_heads = {head_size}, must be even (rotary position "
+                          f"embeddings rotate pairs)")
+    if model.max_positions <= completion:
+        raise ConfigError(f"{source}: '{prefix}max_positions' is {model.max_positions}; it must be >= {completion + 1}: "
+                          f"a prompt token and the longest completion ({completion} tokens: rl.max_new_tokens, "
+                          f"env's episode budget or eval.max_new_tokens)")
+
+
+def _check_memory(config: JobConfig, policy: PolicyConfig, prefix: str, source: str) -> None:
+    """What a policy's limits make it hold at once fits this machine's memory: a learner step's token ids and,
+    for the demo model (whose shape the config gives), a rollout worker's KV cache."""
+    rl, model, memory = policy.rl, policy.model, _machine_memory()
+    rows, tokens = rl.batch_prompts * rl.group_size, 1 + config.env.completion_tokens(rl.max_new_tokens)
+    # each row at least one prompt token and a completion at its limit; its ids alone are int64 (8 bytes) on the learner
+    step = rows * tokens * 8
+    if step > memory:
+        raise ConfigError(f"{source}: '{prefix}rl.batch_prompts' x '{prefix}rl.group_size' is {rl.batch_prompts} x "
+                          f"{rl.group_size} = {rows} rows a learner step; their token ids alone ({tokens} a row: a "
+                          f"prompt token and the completion limit) take {_gib(step)}, more than this machine's "
+                          f"{_gib(memory)} of memory")
+    if model.kind != "demo":
+        return
+    # a rollout worker decodes prompts_per_batch groups at once; each sequence keeps keys and values (2 x
+    # num_kv_heads x head size elements a layer, 2 bytes each, 4 in float32) for the context it may fill
+    sequences = policy.rollout.prompts_per_batch * rl.group_size
+    element = 4 if model.dtype == "float32" else 2
+    per_position = model.num_layers * 2 * model.num_kv_heads * (model.hidden_size // model.num_heads) * element
+    cache = sequences * model.max_positions * per_position
+    if cache > memory:
+        raise ConfigError(f"{source}: '{prefix}rollout.prompts_per_batch' x '{prefix}rl.group_size' is "
+                          f"{policy.rollout.prompts_per_batch} x {rl.group_size} = {sequences} sequences a rollout "
+                          f"worker decodes at once; their keys and values over the model's {model.max_positions} "
+                          f"positions take {_gib(cache)}, more than this machine's {_gib(memory)} of memory")
+
+
+def _machine_memory() -> int:
+    """This machine's memory in bytes."""
+    return psutil.virtual_memory().total
+
+
+def _gib(size: int) -> str:
+    return f"{size / (1 << 30):.1f} GiB"
+
+
+DEMO_SHAPE = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_positions",
+              "extra_chars")
+# the kinds that read a key only some kinds read: given to a section of another kind, it would do nothing
+MODEL_READERS = {"path": ("pretrained",), **dict.fromkeys(DEMO_SHAPE, ("demo",))}
+DATA_READERS = {"train_path": ("jsonl", "hf"), "test_path": ("jsonl", "hf"), "path": ("hf",)}
+
+
+def _check_unread_keys(config: JobConfig, given: dict, source: str) -> None:
+    """Refuse a key that the YAML or an override (`given`) sets, to a value other than the one it has anyway,
+    where its section's kind never reads it."""
+    kind = config.data.kind
+    _refuse_unread(given.get("data") or {}, DATA_READERS, config.data, DataConfig(), [kind], "data.",
+                   f"'data.kind' is {kind}", source)
+    if not config.policies:
+        kind = config.model.kind
+        _refuse_unread(given.get("model") or {}, MODEL_READERS, config.model, ModelConfig(), [kind], "model.",
+                       f"'model.kind' is {kind}", source)
+        return
+    entries = [entry.get("model") or {} for entry in given.get("policies") or []]
+    for i, (policy, entry) in enumerate(zip(config.policies, entries)):
+        kind = policy.model.kind  # an entry's own value counts where it differs from the shared one it replaces
+        _refuse_unread(entry, MODEL_READERS, policy.model, config.model, [kind], f"policies[{i}].model.",
+                       f"'policies[{i}].model.kind' is {kind}", source)
+    for key in given.get("model") or {}:  # a shared key reaches the policies whose entry gives no value of its own
+        kinds = [policy.model.kind for policy, entry in zip(config.policies, entries) if key not in entry]
+        _refuse_unread([key], MODEL_READERS, config.model, ModelConfig(), kinds, "model.",
+                       f"the policies taking it have model.kind {'/'.join(sorted(set(kinds)))}", source)
+
+
+def _refuse_unread(keys: Iterable[str], readers: Dict[str, tuple], section: Any, baseline: Any, kinds: List[str], prefix: str,
+                   where: str, source: str) -> None:
+    """The first of `keys` with a value in `section` other than `baseline`'s that none of `kinds` reads."""
+    for key in keys:
+        if key not in readers or not kinds or set(kinds) & set(readers[key]):
+            continue
+        value = getattr(section, key)
+        if value != getattr(baseline, key):
+            raise ConfigError(f"{source}: '{prefix}{key}' is {value!r} but {where}, which does not read it (only "
+                              f"{' or '.join(readers[key])} does)")
 
 
 def _check_env(env: EnvConfig, source: str) -> None:
@@ -629,7 +822,21 @@ def _check_fields(value: Any, prefix: str, source: str) -> None:
                 if dataclasses.is_dataclass(item):
                     _check_fields(item, f"{key}[{i}].", source)
         elif current is not None:
+            _check_number(current, key, source)
             _check_constraint(spec.metadata, current, key, source)
+
+
+INT64 = 2 ** 63  # integers past ±this overflow the int64 tensors, numpy arrays and Redis counters they end up in
+
+
+def _check_number(value: Any, key: str, source: str) -> None:
+    """A float that is a number (nan passes every bound: each comparison with it is false) and an int within
+    int64."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{source}: '{key}' is {value!r}; it must be a finite number")
+    if isinstance(value, int) and not -INT64 <= value < INT64:
+        raise ConfigError(f"{source}: '{key}' is {value!r}; it must fit a signed 64-bit integer "
+                          f"({-INT64} to {INT64 - 1})")
 
 
 def _check_constraint(metadata, value: Any, key: str, source: str) -> None:
@@ -695,9 +902,10 @@ def _check_policy(config, prefix: str, source: str) -> None:
 def _check_resources(resources: Dict[str, float], key: str, source: str) -> None:
     """Custom Ray resources: positive amounts of names Ray does not reserve itself."""
     for name, amount in resources.items():
-        if name in ("CPU", "GPU", "memory", "object_store_memory") or amount <= 0:
+        if name in ("CPU", "GPU", "memory", "object_store_memory") or not 0 < amount < math.inf:
             raise ConfigError(f"{source}: '{key}.{name}' is {amount!r}; give custom resources (a name the nodes "
-                              f"declare with `ray start --resources`) a positive amount; CPUs and GPUs have their own keys")
+                              f"declare with `ray start --resources`) a positive, finite amount; CPUs and GPUs have "
+                              f"their own keys")
 
 
 def _check_reward_spec(spec: RewardSpec, key: str, source: str) -> None:

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from rlplatform import config as config_module
 from rlplatform.config import ConfigError, JobConfig, LearnerConfig, RewardSpec, load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -348,3 +351,187 @@ def test_bfloat16_trains_over_float32_masters_by_default_and_autocasts_under_zer
         load_config(None, ["learner.bf16_mode=master_weights", "learner.zero_stage=0"])
     with pytest.raises(ConfigError, match="bf16_mode"):
         load_config(None, ["learner.bf16_mode=master"])
+
+
+@pytest.mark.parametrize("text, overrides, message", [
+    ("rl:\n  lr: .nan\n", [], "'rl.lr' is nan; it must be a finite number"),
+    ("rl:\n  kl_coef: .inf\n", [], "'rl.kl_coef' is inf; it must be a finite number"),
+    ("rewards:\n  - name: exact_match\n    weight: .inf\n", [], "'rewards[0].weight' is inf; it must be a finite"),
+    ("rewards:\n  - name: exact_match\n    weight: -.inf\n", [], "'rewards[0].weight' is -inf; it must be a finite"),
+    ("", ["rl.lr=nan"], "'rl.lr' is nan; it must be a finite number"),
+    ("", ["rollout.num_gpus=.inf"], "'rollout.num_gpus' is inf; it must be a finite number"),
+    ("", ["learner.resources={learner_node: .inf}"], "'learner.resources.learner_node' is inf"),
+])
+def test_numbers_that_are_not_finite_are_refused_naming_the_key(tmp_path, text, overrides, message):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=re.escape(message)) as info:
+        load_config(path, overrides)
+    assert path in str(info.value)
+
+
+def billion_laughs(levels: int = 9) -> str:
+    """`levels` anchors, each a list of nine aliases of the one before: 9**levels values from ~400 bytes."""
+    lines = ["a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+def error_within(seconds: float, path: str) -> str:
+    """`error_for(path)`, failing (not hanging) when loading takes longer than `seconds`."""
+    def too_slow(*_):
+        raise TimeoutError(f"load_config({path}) took over {seconds}s")
+
+    previous = signal.signal(signal.SIGALRM, too_slow)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return error_for(path)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_aliases_that_expand_a_small_file_into_billions_of_values_are_refused_at_once(tmp_path):
+    text = billion_laughs()
+    assert len(text) < 500
+    path = write(tmp_path, text)
+    started = time.perf_counter()
+    message = error_within(10, path)
+    assert time.perf_counter() - started < 1.0
+    assert path in message and "aliases expand it" in message and len(message.splitlines()) == 1
+
+
+def test_aliases_that_repeat_a_section_still_load(tmp_path):
+    path = write(tmp_path, "rl: &shared\n  max_steps: 3\n  lr: 1.0e-4\n"
+                           "policies:\n  - {name: a, rl: *shared}\n  - name: b\n    rl:\n      <<: *shared\n"
+                           "      max_steps: 5\n")
+    a, b = load_config(path).policy_list()
+    assert (a.rl.max_steps, b.rl.max_steps, b.rl.lr) == (3, 5, 1e-4)  # a merged key may be given again
+
+
+@pytest.mark.parametrize("text", ["a: &a [*a]\n", "rl: &r {max_steps: *r}\n", "rl: &r\n  x: [1, {y: *r}]\n"])
+def test_an_alias_inside_its_own_anchor_is_refused_in_one_line(tmp_path, text):
+    path = write(tmp_path, text)
+    message = error_for(path)
+    assert path in message and "recursive alias" in message and len(message.splitlines()) == 1
+
+
+@pytest.mark.parametrize("depth", [300, 5000])
+def test_deep_nesting_is_refused_in_one_line(tmp_path, depth):
+    path = write(tmp_path, "a: " + "[" * depth + "]" * depth + "\n")
+    message = error_for(path)
+    assert path in message and "nested too deeply" in message
+
+
+def test_a_file_that_is_not_utf8_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("name: café\n".encode("latin-1"))
+    message = error_for(str(path))
+    assert message == f"{path}: not UTF-8 text (byte 9: invalid continuation byte)"
+
+
+@pytest.mark.parametrize("text, said", [
+    ("1: a\n'1': b\n", "Conflicting integer and string keys: 1 and '1'"),
+    ("name: \x07\n", "not valid YAML: unacceptable character #x0007: special characters are not allowed"),
+])
+def test_yaml_a_config_cannot_hold_is_refused_in_one_line(tmp_path, text, said):
+    path = write(tmp_path, text)
+    message = error_for(path)
+    assert path in message and said in message and len(message.splitlines()) == 1
+
+
+@pytest.mark.parametrize("text, key, line", [
+    ("name: a\nname: b\n", "name", 2),
+    ("rl:\n  lr: 1.0e-4\n  max_steps: 3\n  lr: 1.0e-3\n", "rl.lr", 4),
+    ("rewards:\n  - name: exact_match\n    weight: 1\n    weight: 2\n", "rewards[0].weight", 4),
+    ("rl: {max_steps: 3}\nsft: {steps: 2}\nrl: {lr: 1.0e-4}\n", "rl", 3),
+])
+def test_a_key_given_twice_in_one_mapping_is_refused(tmp_path, text, key, line):
+    path = write(tmp_path, text)
+    assert error_for(path) == f"{path} (line {line}): key '{key}' is given twice"
+
+
+@pytest.fixture
+def memory_16gib(monkeypatch):
+    """This machine's memory, as the bounds derived from it see it: 16 GiB."""
+    monkeypatch.setattr(config_module, "_machine_memory", lambda: 16 << 30)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rl.max_steps=1000000000000000000000000000000"],
+     "'rl.max_steps' is 1000000000000000000000000000000; it must fit a signed 64-bit integer"),
+    (["seed=-99999999999999999999"], "'seed' is -99999999999999999999; it must fit a signed 64-bit integer"),
+    (["rl.max_staleness=1000000000000"], "'rl.max_staleness' is 1000000000000; it must be <= 60 (rl.max_steps)"),
+    (["rl.max_staleness=9", "rl.max_steps=8"], "'rl.max_staleness' is 9; it must be <= 8 (rl.max_steps)"),
+    (["rl.batch_prompts=1000000000"], "'rl.batch_prompts' x 'rl.group_size' is 1000000000 x 8 = 8000000000 rows"),
+    (["rl.group_size=100000"], "'rollout.prompts_per_batch' x 'rl.group_size' is 16 x 100000 = 1600000 sequences"),
+    (["model.num_heads=3"], "'model.num_heads' is 3; it must divide 'model.hidden_size' (128)"),
+    (["model.num_kv_heads=3"], "'model.num_kv_heads' is 3; it must divide 'model.num_heads' (4)"),
+    (["model.num_heads=128", "model.num_kv_heads=1"], "'model.num_heads' is 128; the head size, 'model.hidden_size' "
+                                                      "(128) / num_heads = 1, must be even"),
+    (["model.max_positions=1"], "'model.max_positions' is 1; it must be >= 7"),
+    (["env.kind=tools", "env.tools=[{name: calculator}]", "env.max_tokens=80"],
+     "'model.max_positions' is 64; it must be >= 81"),
+    (["policies=[{name: a}, {name: b, model: {num_heads: 3}}]"], "'policies[1].model.num_heads' is 3"),
+])
+def test_sizes_and_shapes_that_cannot_work_are_refused_naming_the_key(memory_16gib, overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)) as info:
+        load_config(None, overrides)
+    assert len(str(info.value).splitlines()) == 1
+
+
+def test_the_memory_bounds_come_from_this_machine(monkeypatch):
+    overrides = ["rl.group_size=100000", "rollout.prompts_per_batch=1"]  # 1 x 100000 sequences, 6.1 GiB of cache
+    monkeypatch.setattr(config_module, "_machine_memory", lambda: 4 << 30)
+    with pytest.raises(ConfigError, match=r"take 6\.1 GiB, more than this machine's 4\.0 GiB of memory"):
+        load_config(None, overrides)
+    monkeypatch.setattr(config_module, "_machine_memory", lambda: 8 << 30)
+    assert load_config(None, overrides).rl.group_size == 100000
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.path=/models/x"], "'model.path' is '/models/x' but 'model.kind' is demo, which does not read it"),
+    (["model.kind=pretrained", "model.path={dir}", "model.hidden_size=64"],
+     "'model.hidden_size' is 64 but 'model.kind' is pretrained, which does not read it"),
+    (["model.kind=pretrained", "model.path={dir}", "model.extra_chars=<>"],
+     "'model.extra_chars' is '<>' but 'model.kind' is pretrained"),
+    (["data.train_path={dir}/train.jsonl"], "'data.train_path' is '{dir}/train.jsonl' but 'data.kind' is addition"),
+    (["data.kind=tool_calc", "data.path={dir}"], "'data.path' is '{dir}' but 'data.kind' is tool_calc"),
+    (["policies=[{name: a}, {name: b, model: {kind: pretrained, path: '{dir}', num_layers: 2}}]"],
+     "'policies[1].model.num_layers' is 2 but 'policies[1].model.kind' is pretrained"),
+    (["model.path={dir}", "policies=[{name: a}, {name: b}]"],
+     "'model.path' is '{dir}' but the policies taking it have model.kind demo, which does not read it"),
+    (["model.hidden_size=64", "policies=[{name: a, model: {hidden_size: 32}}, {name: b, model: {kind: pretrained, "
+      "path: '{dir}'}}]"], "'model.hidden_size' is 64 but the policies taking it have model.kind pretrained"),
+])
+def test_keys_the_chosen_kind_does_not_read_are_refused(tmp_path, overrides, message):
+    overrides = [item.replace("{dir}", str(tmp_path)) for item in overrides]
+    with pytest.raises(ConfigError, match=re.escape(message.replace("{dir}", str(tmp_path)))):
+        load_config(None, overrides)
+
+
+def test_keys_the_chosen_kind_does_not_read_are_refused_from_the_yaml_too(tmp_path):
+    path = write(tmp_path, "model:\n  kind: pretrained\n  path: .\n  max_positions: 256\n")
+    assert error_for(path).startswith(f"{path}: 'model.max_positions' is 256 but 'model.kind' is pretrained")
+
+
+def test_keys_given_their_default_or_shared_value_are_not_refused(tmp_path):
+    pretrained = ["model.kind=pretrained", f"model.path={tmp_path}"]
+    assert load_config(None, [*pretrained, "model.hidden_size=128"]).model.kind == "pretrained"
+    assert load_config(None, ["data.train_path=null"]).data.train_path is None
+    # a shared width one demo policy reads; the pretrained policy beside it ignores it
+    shared = load_config(None, ["model.hidden_size=64", f"policies=[{{name: a}}, {{name: b, model: "
+                                                        f"{{kind: pretrained, path: '{tmp_path}'}}}}]"])
+    assert [p.model.hidden_size for p in shared.policy_list()] == [64, 64]
+
+
+@pytest.mark.parametrize("config", ["two_policies.yaml", "tool_calc.yaml", "quickstart.yaml"])
+def test_a_run_directorys_config_yaml_loads_again(tmp_path, config):
+    """A run directory's config.yaml (`to_yaml`: every key, policies expanded) is what `--resume` loads."""
+    from rlplatform.config import to_yaml
+
+    # a shared width the demo policy reads, which the saved pretrained entry records too
+    overrides = ["model.hidden_size=64", "policies=[{name: a, model: {num_layers: 2}}, {name: b, model: "
+                 f"{{kind: pretrained, path: '{tmp_path}'}}}}]"] if config == "two_policies.yaml" else []
+    first = load_config(str(REPO / "configs" / config), overrides)
+    saved = write(tmp_path, to_yaml(first), "config.yaml")
+    assert load_config(saved) == first
