@@ -109,6 +109,30 @@ def assert_stopped_before_start(result: subprocess.CompletedProcess, tmp_path: P
     assert not (tmp_path / "runs").exists()  # nothing started: no run directory, so no Redis in it
 
 
+LAUGHS = "a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 9))  # 9**9 values from 486 bytes
+BAD_CONFIGS = {
+    "not finite": (b"rl:\n  lr: .nan\n", "'rl.lr' is nan; it must be a finite number"),
+    "billion laughs": (LAUGHS.encode(), "its aliases expand it to over 486 values"),
+    "recursive alias": (b"rl: &r {max_steps: *r}\n", "'rl.max_steps' is a recursive alias"),
+    "not UTF-8": (b"name: caf\xe9\n", "not UTF-8 text (byte 9"),
+    "key given twice": (b"rl:\n  lr: 1.0e-4\n  lr: 1.0e-3\n", "key 'rl.lr' is given twice"),
+    "too many heads": (b"model:\n  num_heads: 3\n", "'model.num_heads' is 3; it must divide 'model.hidden_size'"),
+    "a key the kind does not read": (b"model:\n  path: /models/x\n", "'model.path' is '/models/x' but 'model.kind' "
+                                                                    "is demo, which does not read it"),
+}
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_bad_config_values_stop_before_start_in_one_line(tmp_path, case, command):
+    content, expected = BAD_CONFIGS[case]
+    config = tmp_path / "bad.yaml"
+    config.write_bytes(content)
+    result = rlp(command, str(config), f"output_dir={tmp_path / 'runs'}", cwd=tmp_path)
+    assert_stopped_before_start(result, tmp_path, str(config), expected)
+
+
 @pytest.mark.parametrize("override, expected", [
     ("name=../../x", "'name' is '../../x'"),
     ("redis.url=notaurl", "'redis.url' is 'notaurl'"),
