@@ -135,6 +135,7 @@ class VLLMEngine(BatchGenerate):
                        logprobs_mode="processed_logprobs", max_num_seqs=MAX_NUM_SEQS,
                        weight_transfer_config=WeightTransferConfig(backend=vllm_weights.BACKEND),
                        **memory_args, **lora_args)
+        self._warm_up()
         self.lora_request = None  # the LoRARequest every request carries (with LoRA, after the first update)
         self.tokenizer = load_tokenizer(model_path)
         self.stop_ids = stop_token_ids(self.tokenizer, _generation_config(model_path))
@@ -144,6 +145,15 @@ class VLLMEngine(BatchGenerate):
         self.tied = tied_aliases(model_path)
         self.request_ids = itertools.count()
         self._batch: Optional[VLLMBatch] = None  # the one batch whose requests the engine runs
+
+    def _warm_up(self) -> None:
+        """A first request, to pay vLLM's first-step costs (seconds on CPU) in the engine's start-up rather than in
+        the first requests it serves."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.llm.generate([TokensPrompt(prompt_token_ids=[0, 0])], SamplingParams(max_tokens=2, logprobs=0),
+                          use_tqdm=False)
 
     def load_weights(self, state_dict: Dict[str, torch.Tensor], version: int) -> None:
         """A version into the engine between two steps, requests kept: full weights or a delta (Hugging Face

@@ -7,14 +7,18 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from rlplatform.config import load_config
 from rlplatform.job.controller import run_job
+from tests.job.conftest import ENGINES
 
 TOOL_CALC = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tool_calc.yaml")
 
 
-def test_tool_job_trains_on_episodes_whose_calls_ran_on_tool_workers(ray_session, tmp_path):
-    overrides = [
+@pytest.mark.parametrize("engine", ENGINES)
+def test_tool_job_trains_on_episodes_whose_calls_ran_on_tool_workers(ray_session, tmp_path, engine):
+    overrides = [*ENGINES[engine],
         f"output_dir={tmp_path}", "name=tools", "env.fn=tests.envs.tools_for_tests:CalculateThePrompt",
         "model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=128", "sft.steps=2",
         "sft.stop_at_accuracy=0", "rl.max_steps=2", "rl.batch_prompts=2", "rl.group_size=2",

@@ -18,6 +18,9 @@ TINY = ["model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=1
         "rl.max_new_tokens=4", "rollout.prompts_per_batch=4", "rollout.num_cpus=0.5", "learner.num_cpus=0.5",
         "reward_workers.num_cpus=0.25", "wandb.mode=disabled"]
 
+# each rollout engine, as the overrides that pick it for a TINY job: vLLM's CPU attention needs a head size of 32
+ENGINES = {"transformers": ["rollout.engine=transformers"], "vllm": ["rollout.engine=vllm", "model.num_heads=2"]}
+
 
 @pytest.fixture
 def tiny_job(tmp_path):

@@ -13,6 +13,7 @@ import pytest
 
 from rlplatform.job.controller import run_job
 from rlplatform.scheduling.ledger import balanced
+from tests.job.conftest import ENGINES
 
 pytest.importorskip("verifiers.v1")
 
@@ -21,9 +22,11 @@ TASKSET = ["env.kind=verifiers", "env.taskset=tests/envs/digit_sums.py", "env.te
            "eval.pass_reward=verifiers_reward"]
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 def test_a_taskset_job_trains_ledger_issued_tasks_and_resumes_without_training_one_twice(ray_session, tiny_job,
-                                                                                           run_files):
-    config = tiny_job("taskset", *TASKSET, "rl.max_steps=6", "checkpoint.every_steps=2", "resume=auto")
+                                                                                           run_files, engine):
+    config = tiny_job("taskset", *TASKSET, "rl.max_steps=6", "checkpoint.every_steps=2", "resume=auto",
+                      *ENGINES[engine])
 
     def stop_after_three_steps():
         run_files.wait_for(lambda: run_files.trained_steps(config.run_dir) >= 3)
