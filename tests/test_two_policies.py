@@ -15,9 +15,18 @@ from rlplatform.job.controller import run_job
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "two_policies.yaml")
 
 
-def test_two_policies_train_side_by_side(ray_session, tmp_path, greedy_accuracy):
-    config = load_config(CONFIG, [f"output_dir={tmp_path}", "name=pair", "sft.steps=10", "rl.max_steps=4",
-                                  "eval.every_steps=2", "wandb.mode=disabled", "learner.num_cpus=0.5",
+# vLLM serves both policies with LoRA adapters (its CPU attention takes a head size of 32: 64 / 2, 128 / 2); the
+# merged model is saved, for plain generate to check the evaluation on, within a row of the 100 (vLLM's kernels
+# may break a near-tie of greedy decoding the other way, and the merged weights round apart from the adapters)
+ENGINES = {"transformers": [], "vllm": ["rollout.engine=vllm", "model.num_heads=2", "model.lora.enabled=true",
+                                        "checkpoint.export_merged=true"]}
+ROWS_APART = {"transformers": 0, "vllm": 1}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_two_policies_train_side_by_side(ray_session, tmp_path, greedy_accuracy, engine):
+    config = load_config(CONFIG, [*ENGINES[engine], f"output_dir={tmp_path}", "name=pair", "sft.steps=10",
+                                  "rl.max_steps=4", "eval.every_steps=2", "wandb.mode=disabled", "learner.num_cpus=0.5",
                                   "rollout.num_cpus=0.5",  # 6.5 Ray CPUs would not fit the 4-CPU test cluster
                                   "data.test_size=100",  # each evaluation, and its check row by row, on 100 rows
                                   "rl.batch_prompts=4", "rollout.prompts_per_batch=4"])
@@ -32,7 +41,8 @@ def test_two_policies_train_side_by_side(ray_session, tmp_path, greedy_accuracy)
         assert policy["rl"]["max_staleness_trained"] <= 1
         model_dir = tmp_path / "pair" / name / "model"
         # each policy's evaluation scored its own saved weights, not the other policy's
-        assert policy["eval"]["after_rl"]["accuracy"] == greedy_accuracy(str(model_dir), config)
+        assert policy["eval"]["after_rl"]["accuracy"] == pytest.approx(greedy_accuracy(str(model_dir), config),
+                                                                       abs=ROWS_APART[engine] / 100 + 1e-9)
         assert json.loads((model_dir / "config.json").read_text())["hidden_size"] == (64 if name == "small" else 128)
         assert (tmp_path / "pair" / name / "checkpoint" / "latest").exists()
     assert summary["rl"] == summary["policies"]["small"]["rl"]  # the first policy's figures at the top level
