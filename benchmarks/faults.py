@@ -57,6 +57,7 @@ TINY = ["model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=1
         "data.train_size=300", "data.test_size=8", "eval.batch_size=8", "rl.batch_prompts=2", "rl.group_size=4",
         "rl.max_new_tokens=4", "rollout.prompts_per_batch=4", "rollout.num_cpus=0.5", "learner.num_cpus=0.5",
         "reward_workers.num_cpus=0.25", "wandb.mode=disabled", "rl.group_timeout_s=60"]
+VLLM = ["rollout.engine=vllm", "model.num_heads=2"]  # vLLM's CPU attention takes TINY's width in heads of 32
 MALFORMED = [b"\x00not msgpack", b"\x93\x01\x02\x03", b"\x82\xa1v\x07\xa6sample\xc0",  # garbage, a list, schema 7
              b"\x82\xa1v\x01\xa6sample\x81\xa9sample_id\xa1x"]  # schema 1 with a sample missing its fields
 
@@ -541,6 +542,9 @@ SCENARIOS = [
     Scenario("rollout-kill", ["rollout.num_workers=3"],
              _kills("rollout worker", lambda job: [f"{job}-policy-rollout-{i}" for i in range(3)]),
              alert="worker_restart"),
+    Scenario("rollout-kill-vllm", ["rollout.num_workers=2", *VLLM],  # a restart starts a vLLM engine again
+             _kills("rollout worker on vLLM", lambda job: [f"{job}-policy-rollout-{i}" for i in range(2)]),
+             alert="worker_restart", restarts="rollout"),
     Scenario("reward-kill", ["reward_workers.num_workers=3"],
              _kills("reward worker", lambda job: [f"{job}-reward-{i}" for i in range(3)]), alert="worker_restart"),
     Scenario("evaluator-kill", ["eval.every_steps=1", "eval.priority=normal"],  # it evaluates all along
