@@ -116,9 +116,6 @@ class VLLMEngine(BatchGenerate):
         require_vllm()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core steps in this process, when told to
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not its start-up's INFO lines in the job's output
-        # vLLM keeps the torch threads a worker set (`rollout.num_threads`) only where OMP_NUM_THREADS says so (else
-        # it takes one), then binds them: its steps use the worker's share of the CPUs and no more
-        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
         from vllm import LLM
         from vllm.config import WeightTransferConfig
         from vllm.platforms import current_platform

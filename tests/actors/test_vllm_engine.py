@@ -35,9 +35,7 @@ def engine(vllm_policy):
     from rlplatform.policy import load_policy
 
     set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    torch.set_num_threads(2)  # a worker's `rollout.num_threads`
     engine = VLLMEngine(vllm_policy, "float32", None, seed=0)
-    engine.threads_at_start = torch.get_num_threads()
     engine.load_weights(load_policy(vllm_policy)[0].state_dict(), version=0)
     yield engine
     torch.set_num_threads = set_num_threads
@@ -64,10 +62,6 @@ def _greedy(model, prompt_ids, max_new_tokens: int = 10):
     output = model.generate(torch.tensor([prompt_ids], device=model.device), max_new_tokens=max_new_tokens,
                             do_sample=False)
     return output[0, len(prompt_ids):].tolist()
-
-
-def test_vllm_steps_on_the_threads_its_worker_set(engine):
-    assert engine.threads_at_start == 2  # not the one thread vLLM takes for serving unless told
 
 
 def test_vllm_logprobs_are_the_learners_at_the_sampling_temperature(engine, vllm_policy):
