@@ -115,7 +115,7 @@ class VLLMGeneration:
     def run(self, model_dir: str, dtype: str, prompts: List[List[int]], group: int, new_tokens: int) -> Dict:
         from rlplatform.actors.vllm_engine import VLLMEngine
 
-        engine = VLLMEngine(model_dir, dtype, gpu_memory_utilization=0.4, seed=0)
+        engine = VLLMEngine(model_dir, dtype, 0.4, seed=0)  # 0.4 of the GPU's memory
         engine.version = 0
         engine.generate(prompts[:2], 1, 4, 1.0)  # warm-up
         start = time.perf_counter()
@@ -378,7 +378,7 @@ def main() -> None:
         print(f"generation, dynamic loop: {dynamic['tokens']} tokens in {dynamic['seconds']:.2f} s", flush=True)
     if args.profile:
         _profile_generation(engine, engine.tokenizer(prompts)["input_ids"], args.group)
-    vllm, vllm_note = None, "not measured: needs CUDA" if device != "cuda" else "not measured: vllm is not installed"
+    vllm, vllm_note = None, "not measured: on CPU, see engines.py" if device != "cuda" else "not measured: vllm is not installed"
     if device == "cuda" and importlib.util.find_spec("vllm") is not None:
         vllm = vllm_generation(model_dir, dtype, engine.tokenizer(prompts)["input_ids"], args.group, args.new_tokens)
     learner = learner_rank(model_dir, dtype, LearnerConfig(num_threads=torch.get_num_threads()))

@@ -166,10 +166,10 @@ class RolloutConfig:
     device: str = one_of("auto", "cpu", "cuda")  # auto: the GPU Ray assigns the worker when the cluster has GPUs, else CPU
     num_gpus: Optional[float] = at_least(None, 0)  # Ray GPUs per worker and the evaluator (fractions share one); unset: 1 on a GPU device where one each fits the cluster, else a share (docs/devices.md), 0 on CPU
     resources: Dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker (and the evaluator), e.g. {rollout_node: 1} places them on nodes started with that resource
-    engine: str = one_of("auto", "transformers", "vllm")  # auto: vllm where it is installed and the worker has a CUDA GPU, else transformers; transformers: CPU or GPU; vllm: vLLM on the worker's GPU (the vllm extra)
+    engine: str = one_of("auto", "transformers", "vllm")  # auto: vllm where it is installed and the worker has a CUDA GPU, else transformers (the faster on CPU: benchmarks/engines.py); transformers: CPU or GPU; vllm: vLLM 0.32, its CUDA build on the worker's GPU or its CPU build (install.sh)
     kv_cache: str = one_of("auto", "static", "dynamic")  # transformers engine: auto is static for qwen2/llama policies without LoRA (on CUDA each decode step a replayed CUDA graph), dynamic elsewhere; static: the slot cache, insisting; dynamic: Hugging Face's growing cache (docs/devices.md)
     prefill_tokens: int = at_least(8192, 1)  # transformers engine: padded prompt tokens per prefill forward; more waiting prompts prefill in chunks
-    gpu_memory_utilization: Optional[float] = above(None, 0)  # vllm: fraction of the GPU's memory vLLM takes for weights and KV cache; unset: 0.9 of the worker's share of the GPU (num_gpus)
+    gpu_memory_utilization: Optional[float] = above(None, 0)  # vllm on a GPU: fraction of its memory vLLM takes for weights and KV cache; unset: 0.9 of the worker's share of the GPU (num_gpus); on CPU: the largest share of the machine's memory its KV cache takes (unset: 0.25; it takes what 256 requests at the model's full context need)
     openai_bridge: OpenAIBridgeConfig = field(default_factory=OpenAIBridgeConfig)  # agents sample trainable episodes over HTTP
     source: str = one_of("dataset", "bridge")  # dataset: workers draw prompts from the data; bridge: they generate only what agents ask through the OpenAI bridge
 
