@@ -20,6 +20,7 @@ from typing import Optional, Tuple
 from rlplatform.config import ConfigError, JobConfig
 
 CONNECT_TIMEOUT_S = 5.0  # how long the Ray address may take to accept a connection
+VLLM_MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuse a higher one
 SLOW_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "vocab.txt")  # what a folder without tokenizer.json needs
 
 
@@ -103,6 +104,13 @@ def check_engines(config: JobConfig, source: str) -> None:
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError(f"{source}: '{key}' is vllm but the vllm package is not installed; run install.sh "
                               f"(vLLM's CUDA or CPU build, as the machine has), or use rollout.engine: transformers")
+        sampled = [("rl.temperature", policy.rl.temperature)] + ([] if config.eval.greedy else
+                                                                 [("eval.temperature", config.eval.temperature)])
+        for name, temperature in sampled:
+            if temperature > VLLM_MAX_TEMPERATURE:
+                raise ConfigError(f"{source}: '{prefix}{name}' is {temperature:g} but '{key}' is vllm, which samples at "
+                                  f"temperatures up to {VLLM_MAX_TEMPERATURE:g}; lower it or use rollout.engine: "
+                                  f"transformers")
         if policy.model.kind == "demo" and _vllm_on_cpu(config):
             check_vllm_cpu_head_size(policy.model.hidden_size // policy.model.num_heads, key, source)
 

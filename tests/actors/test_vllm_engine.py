@@ -192,3 +192,10 @@ def test_a_head_size_vllms_cpu_attention_cannot_take_is_refused_in_one_line():
                                      "sizes [32, 64") and "the model's is 16" in str(err.value)
     assert "\n" not in str(err.value)
     check_engines(load_config(overrides=["rollout.engine=vllm"]), "job.yaml")  # the quickstart's: head size 32
+
+
+def test_a_temperature_vllm_cannot_sample_at_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as err:
+        check_engines(load_config(overrides=["rollout.engine=vllm", "rl.temperature=2.5"]), "job.yaml")
+    assert str(err.value) == ("job.yaml: 'rl.temperature' is 2.5 but 'rollout.engine' is vllm, which samples at "
+                              "temperatures up to 2; lower it or use rollout.engine: transformers")
