@@ -52,6 +52,32 @@ def _resolve_rewards(config: JobConfig, source: str):
 
 
 def _run(args) -> int:
+    if args.seeds is not None:
+        return _run_seeds(args)
+    return _run_once(args)
+
+
+def _run_seeds(args) -> int:
+    """`rlp run CONFIG --seeds N`: the job once per seed, each run as `rlp run` runs it (`seeds.run_seeds`)."""
+    from rlplatform.job.seeds import run_seeds
+
+    if args.resume:
+        raise ConfigError("rlp run: --seeds starts new runs and cannot --resume; resume one seed's run with "
+                          "`rlp run --resume runs/<name>/<name>-seed-<seed>`")
+    if args.config is None:
+        raise ConfigError("rlp run --seeds: give a job YAML")
+    config = load_config(args.config, args.overrides)
+
+    def run_seed(overrides: List[str], started_at: Optional[float]) -> int:
+        return _run_once(argparse.Namespace(**{**vars(args), "overrides": [*args.overrides, *overrides]}),
+                         started_at)
+
+    return run_seeds(config, args.seeds, run_seed)
+
+
+def _run_once(args, started_at: Optional[float] = None) -> int:
+    """One job, to its result line; `started_at` (wall clock): when its start-up began, default the process's
+    start."""
     if args.resume:
         if args.config and "=" in args.config:  # `rlp run --resume runs/x key=value`: no config given
             args.config, args.overrides = None, [args.config, *args.overrides]
@@ -75,7 +101,8 @@ def _run(args) -> int:
 
     # the job shuts down the Ray started here too: before it sets back the signal handlers it found, which are
     # Ray's own (a SIGTERM there would exit 15 without a word)
-    summary = run_job(config, started_at=psutil.Process().create_time(), shutdown_ray=True, fresh=args.fresh)
+    summary = run_job(config, started_at=started_at or psutil.Process().create_time(), shutdown_ray=True,
+                      fresh=args.fresh)
     print(_result_line(summary))
     return summary.get("exit_code", 0)
 
@@ -339,6 +366,12 @@ def _redact_argv(argv: List[str]) -> List[str]:
     return redacted
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seeds (1 or more)")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlp", description="Asynchronous RL post-training for language models.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -351,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.choices["run"]
     run.add_argument("--resume", metavar="RUN_DIR", help="continue runs/<name> from its newest checkpoint "
                      "(its config.yaml unless a config is given)")
+    run.add_argument("--seeds", type=_positive, metavar="N", help="run the job once per seed, seed, seed+1, ... "
+                     "seed+N-1, in runs/<name>/<name>-seed-<s>/, one after another, then write the figures' mean, "
+                     "min, max and spread over the seeds to runs/<name>/seeds.json and the console")
     run.add_argument("--fresh", action="store_true", help="start afresh where an earlier run of this name left "
                      "checkpoints, moving that run to runs/<name>.moved-<time> (nothing is deleted)")
     rewards = commands.add_parser("rewards", help="list rewards, or score rows with a config's rewards")

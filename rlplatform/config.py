@@ -309,6 +309,7 @@ class WandbConfig:
     mode: str = one_of("auto", "online", "offline", "disabled")  # auto: online with an API key, else offline; online; offline; disabled
     project: str = "rlplatform"  # W&B project
     entity: Optional[str] = None  # W&B entity (team or user)
+    group: Optional[str] = None  # W&B run group (`rlp run --seeds` sets the job's name: its seeds' runs side by side)
 
 
 @dataclass

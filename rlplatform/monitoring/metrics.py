@@ -43,7 +43,7 @@ class Metrics:
         mode = wandb_mode(config.wandb.mode)
         self.online = mode == "online"
         if mode != "disabled":
-            self.run = wandb.init(project=config.wandb.project, entity=config.wandb.entity,
+            self.run = wandb.init(project=config.wandb.project, entity=config.wandb.entity, group=config.wandb.group,
                                   name=config.name, dir=run_dir, mode=mode, config=to_dict(config),
                                   id=run_id, resume="allow" if run_id else None,
                                   settings=wandb.Settings(console="off", silent=True))
