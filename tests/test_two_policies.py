@@ -1,5 +1,6 @@
 """Several policies in one job: configs/two_policies.yaml, shortened, trains two differently
-sized policies at once, each with its own learner, rollout workers, metrics and checkpoints."""
+sized policies at once, each with its own learner, rollout workers, metrics and checkpoints; also with one
+of them generating on vLLM and training LoRA adapters, beside the other on the transformers engine."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rlplatform.cli import _result_line
 from rlplatform.config import load_config
@@ -15,21 +17,32 @@ from rlplatform.job.controller import run_job
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "two_policies.yaml")
 
 
-# vLLM serves both policies with LoRA adapters (its CPU attention takes a head size of 32: 64 / 2, 128 / 2); the
-# merged model is saved, for plain generate to check the evaluation on, within a row of the 100 (vLLM's kernels
-# may break a near-tie of greedy decoding the other way, and the merged weights round apart from the adapters)
-ENGINES = {"transformers": [], "vllm": ["rollout.engine=vllm", "model.num_heads=2", "model.lora.enabled=true",
-                                        "checkpoint.export_merged=true"]}
+def on_vllm_with_lora(path: Path) -> str:
+    """configs/two_policies.yaml with its small policy on vLLM, serving LoRA adapters (its CPU attention takes a
+    head size of 32: 64 / 2), beside the large one on the transformers engine; the merged models are saved for
+    plain generate to check the evaluations on."""
+    config = yaml.safe_load(Path(CONFIG).read_text())
+    small = config["policies"][0]
+    small["model"].update(num_heads=2, lora={"enabled": True})
+    small["rollout"] = {"engine": "vllm"}
+    config["checkpoint"] = {"export_merged": True}
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+# vLLM's kernels may break a near-tie of greedy decoding the other way, and the merged weights round apart from the
+# adapters: its evaluation may sit a row of the 100 apart from plain generate's
 ROWS_APART = {"transformers": 0, "vllm": 1}
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ROWS_APART)
 def test_two_policies_train_side_by_side(ray_session, tmp_path, greedy_accuracy, engine):
-    config = load_config(CONFIG, [*ENGINES[engine], f"output_dir={tmp_path}", "name=pair", "sft.steps=10",
-                                  "rl.max_steps=4", "eval.every_steps=2", "wandb.mode=disabled", "learner.num_cpus=0.5",
-                                  "rollout.num_cpus=0.5",  # 6.5 Ray CPUs would not fit the 4-CPU test cluster
-                                  "data.test_size=100",  # each evaluation, and its check row by row, on 100 rows
-                                  "rl.batch_prompts=4", "rollout.prompts_per_batch=4"])
+    job = CONFIG if engine == "transformers" else on_vllm_with_lora(tmp_path / "pair.yaml")
+    config = load_config(job, [f"output_dir={tmp_path}", "name=pair", "sft.steps=10", "rl.max_steps=4",
+                               "eval.every_steps=2", "wandb.mode=disabled", "learner.num_cpus=0.5",
+                               "rollout.num_cpus=0.5",  # 6.5 Ray CPUs would not fit the 4-CPU test cluster
+                               "data.test_size=100",  # each evaluation, and its check row by row, on 100 rows
+                               "rl.batch_prompts=4", "rollout.prompts_per_batch=4"])
     assert [(p.name, p.model.hidden_size, p.rl.lr, p.rl.max_steps) for p in config.policy_list()] == [
         ("small", 64, 2e-4, 4), ("large", 128, 3e-4, 4)]  # entries override the shared sections
     summary = run_job(config)
@@ -41,8 +54,9 @@ def test_two_policies_train_side_by_side(ray_session, tmp_path, greedy_accuracy,
         assert policy["rl"]["max_staleness_trained"] <= 1
         model_dir = tmp_path / "pair" / name / "model"
         # each policy's evaluation scored its own saved weights, not the other policy's
+        apart = ROWS_APART[engine] if name == "small" else 0
         assert policy["eval"]["after_rl"]["accuracy"] == pytest.approx(greedy_accuracy(str(model_dir), config),
-                                                                       abs=ROWS_APART[engine] / 100 + 1e-9)
+                                                                       abs=apart / 100 + 1e-9)
         assert json.loads((model_dir / "config.json").read_text())["hidden_size"] == (64 if name == "small" else 128)
         assert (tmp_path / "pair" / name / "checkpoint" / "latest").exists()
     assert summary["rl"] == summary["policies"]["small"]["rl"]  # the first policy's figures at the top level

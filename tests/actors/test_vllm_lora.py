@@ -81,14 +81,14 @@ def _gaps(completions, model, temperature: float, start: int = 0) -> float:
     return torch.cat(gaps).mean().item()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"] if not torch.cuda.is_available() else ["bfloat16"])
-def test_streamed_adapters_give_vllm_the_learners_logprobs_and_replace_in_flight(vllm_policy, dtype):
+def test_streamed_adapters_give_vllm_the_learners_logprobs_and_replace_in_flight(vllm_policy):
     """vLLM's log-probs sit near the learner's under the same adapters, far from the base model's and from
-    the other version's (on CPU in float32 and bfloat16; vLLM's CUDA LoRA kernels take no float32). A new
+    the other version's (on CPU in float32; vLLM's CUDA LoRA kernels take bfloat16). A new
     version replaces the adapters in place: running requests go on under their own ids, their tokens labelled
     with the version that produced each, and requests after it get the new adapters' log-probs."""
     from rlplatform.actors.vllm_engine import VLLMEngine
 
+    dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     engine = VLLMEngine(vllm_policy, dtype, None, seed=0, lora=LORA)
     first, first_state = trained(vllm_policy, seed=0, dtype=dtype)
     second, second_state = trained(vllm_policy, seed=1, dtype=dtype)

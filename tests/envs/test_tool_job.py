@@ -1,6 +1,6 @@
 """A tool job end to end (real Ray, Redis, DeepSpeed; tiny model): the demo config's episodes call the
 calculator through the job's tool workers, the learner trains on them, and the summary reports them;
-resumed from its final checkpoint for one more step, it trains no episode twice."""
+resumed from its final checkpoint for one more step, it trains no episode twice. On either engine."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ from tests.job.conftest import ENGINES
 TOOL_CALC = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tool_calc.yaml")
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_tool_job_trains_on_episodes_whose_calls_ran_on_tool_workers(ray_session, tmp_path, engine):
-    overrides = [*ENGINES[engine],
-        f"output_dir={tmp_path}", "name=tools", "env.fn=tests.envs.tools_for_tests:CalculateThePrompt",
+# resume on vLLM is the taskset job's (tests/job/test_taskset_job.py): each vLLM job builds two engines
+@pytest.mark.parametrize("engine, resume", [("transformers", True), ("vllm", False)])
+def test_tool_job_trains_on_episodes_whose_calls_ran_on_tool_workers(ray_session, tmp_path, engine, resume):
+    overrides = [
+        *ENGINES[engine], f"output_dir={tmp_path}", "name=tools", "env.fn=tests.envs.tools_for_tests:CalculateThePrompt",
         "model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=128", "sft.steps=2",
         "sft.stop_at_accuracy=0", "rl.max_steps=2", "rl.batch_prompts=2", "rl.group_size=2",
         "rl.max_new_tokens=4", "env.max_tokens=40", "eval.max_rows=2", "eval.every_steps=0",
@@ -41,6 +42,8 @@ def test_tool_job_trains_on_episodes_whose_calls_ran_on_tool_workers(ray_session
         assert tools["decode_occupancy_while_waiting"] >= 1 and tools["decode_slots_used_while_waiting"] <= 1
     trained = [json.loads(line) for line in open(os.path.join(tmp_path, "tools", "trained.jsonl"))]
     assert len(trained) == 2
+    if not resume:
+        return
 
     resumed = run_job(load_config(TOOL_CALC, [*overrides, "rl.max_steps=3", "resume=always"]))
     assert resumed["status"] == "completed" and resumed["rl"]["steps"] == 3

@@ -11,14 +11,11 @@ import signal
 import threading
 import urllib.request
 
-import pytest
-
 from rlplatform.job.controller import run_job
 from rlplatform.scheduling.ledger import balanced
 from rlplatform.transport.bridge_protocol import bridge_status_field
 from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import JobKeys
-from tests.job.conftest import ENGINES
 
 BRIDGE_ONLY = ["rl.max_steps=100000", "rollout.source=bridge", "rl.idle_timeout_s=5",
                "rollout.openai_bridge.enabled=true", "rollout.openai_bridge.port=0"]
@@ -52,9 +49,8 @@ def play(url: str, group: str, episode: str) -> None:
     post(f"/episodes/{episode}/finish", {"group": group, "row": {"answer": "15"}}, {})
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_a_bridge_only_job_trains_on_an_agents_groups_through_the_ledger(ray_session, tiny_job, run_files, engine):
-    config = tiny_job("bridge-agent", *BRIDGE_ONLY, "rl.batch_prompts=2", "rl.group_size=4", *ENGINES[engine])
+def test_a_bridge_only_job_trains_on_an_agents_groups_through_the_ledger(ray_session, tiny_job, run_files):
+    config = tiny_job("bridge-agent", *BRIDGE_ONLY, "rl.batch_prompts=2", "rl.group_size=4")
     groups = [f"task-{k}" for k in range(4)]
 
     def agent():

@@ -10,18 +10,14 @@ import os
 import signal
 import threading
 
-import pytest
-
 from rlplatform.job.checkpoint import latest_checkpoint, read_state
 from rlplatform.job.controller import run_job
 from rlplatform.scheduling.ledger import balanced
-from tests.job.conftest import ENGINES
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_stopped_job_resumes_to_the_same_final_step_training_nothing_twice(ray_session, tiny_job, run_files, engine):
+def test_stopped_job_resumes_to_the_same_final_step_training_nothing_twice(ray_session, tiny_job, run_files):
     config = tiny_job("resumed", "rl.max_steps=12", "checkpoint.every_steps=2", "checkpoint.keep_last=2",
-                      "resume=auto", *ENGINES[engine])
+                      "resume=auto")
 
     def stop_after_five_steps():  # periodic checkpoints at 2 and 4 before it
         run_files.wait_for(lambda: run_files.trained_steps(config.run_dir) >= 5)

@@ -1,6 +1,7 @@
 """A job whose rollout workers play a verifiers taskset themselves (`env.kind: verifiers`): every trained
 group is a task the prompt ledger issued, its samples the task's token-exact episodes scored by the task's
-reward; stopped and resumed, it goes on from the trained tasks with none trained twice."""
+reward; stopped and resumed, it goes on from the trained tasks with none trained twice. On either engine: the
+workers play their tasks through their own OpenAI bridges, so on vLLM this is also the bridge's test."""
 
 from __future__ import annotations
 
