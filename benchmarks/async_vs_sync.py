@@ -56,7 +56,7 @@ def run_figures(summary: Dict, target: float) -> Dict:
     """One run's figures: time and steps to target (None: not reached), throughput, busy fractions."""
     rl = summary["rl"]
     reached = time_to_target(rl["eval_history"], target)
-    start = summary["eval"]["after_sft"]["accuracy"]
+    start = summary["eval"]["before_rl"]["accuracy"]
     return {"reached_s": reached["wall_s"] if reached else None, "reached_step": reached["version"] if reached else None,
             "rl_wall_s": rl["wall_s"], "samples_per_s": rl["samples_per_s"], "trained_per_s": rl["trained_per_s"],
             "learner_busy": rl["learner_busy_fraction"], "rollout_busy": rl["rollout_busy_fraction"],

@@ -131,7 +131,7 @@ def ours(scenario: Scenario, staleness: int, work: str, eval_every: int) -> Resu
         config.rewards = [RewardSpec(fn=f"benchmarks.bench_rewards:{fn}", params=params)]
     summary, wall = run_ours(config, work)
     rl = summary["rl"]
-    start = summary["eval"]["after_sft"]["accuracy"]  # no SFT here: the starting weights' accuracy
+    start = summary["eval"]["before_rl"]["accuracy"]  # no SFT here: the starting weights' accuracy
     mode = "sync" if staleness == 0 else f"async (staleness {staleness})"
     return Result(f"rlplatform {mode}", rl["steps"], rl["samples_trained"], rl["wall_s"], wall,
                   summary["startup_s"]["to_first_rl_step_s"], start, summary["eval"]["after_rl"]["accuracy"],

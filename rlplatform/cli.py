@@ -14,6 +14,7 @@ from typing import List, Optional, Tuple
 
 from rlplatform import preflight
 from rlplatform.config import REDIS_URL_ENV, ConfigError, JobConfig, load_config, redact_url, redact_urls_in
+from rlplatform.job.summaries import EVAL_LABELS
 
 
 def _load(args) -> JobConfig:
@@ -160,7 +161,7 @@ def _result_line(summary: dict) -> str:
 def _policy_figures(result: dict) -> str:
     evals = result.get("eval", {})
     figures = [f"accuracy {label.replace('_', ' ')} {evals[label]['accuracy']:.3f}"
-               for label in ("after_sft", "after_rl") if label in evals]
+               for label in EVAL_LABELS if label in evals]
     if "rl" in result:
         figures.append(f"{result['rl']['samples_per_s']:.0f} samples/s")
     return ", ".join(figures)

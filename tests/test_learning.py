@@ -39,8 +39,12 @@ LORA_STEPS = 60
 TASKSET = ["env.kind=verifiers", "env.taskset=tests/envs/digit_sums.py", "env.taskset_args.copies=4",
            "env.test_tasks=100", "rewards=[{name: verifiers_reward}]", "eval.pass_reward=verifiers_reward",
            "rollout.num_workers=2", "rollout.num_cpus=0.5"]
-TASKSET_STEPS = 40  # from the SFT checkpoint's 0.29: 20 steps gained 0.08-0.11, 40 gained 0.08-0.15 over 8 runs,
-TASKSET_GAIN = 0.05  # 60 gained 0.13; a policy that does not learn keeps its greedy pass@1 (lr 1e-12: 0.29 -> 0.29)
+# from the SFT checkpoint (pass@1 0.33 on these tasks), 40 steps gained 0.02, 0.04 and 0.06 in three runs (lr 2e-4,
+# 3e-4, 2e-4): the taskset's first 40 steps learn more slowly than the addition rows' and chaos reaches the bar; 60
+# steps gained 0.13 (and 0.13 from an earlier 0.29 checkpoint). A policy that does not learn keeps its greedy pass@1
+# exactly (lr 1e-12: 0.29 -> 0.29), so the bar separates learning from none
+TASKSET_STEPS = 60
+TASKSET_GAIN = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +82,7 @@ def rl_from(checkpoint, tmp_path, *overrides: str):
 @pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
 def test_async_rl_raises_held_out_accuracy(sft_checkpoint, tmp_path, algorithm):
     summary = rl_from(sft_checkpoint, tmp_path, f"rl.algorithm={algorithm}", "rl.max_staleness=1")
-    start, end = summary["eval"]["after_sft"]["accuracy"], summary["eval"]["after_rl"]["accuracy"]
+    start, end = summary["eval"]["before_rl"]["accuracy"], summary["eval"]["after_rl"]["accuracy"]
     assert start == sft_checkpoint[1]  # the run starts from the checkpoint's weights
     assert end - start >= MIN_GAIN, f"{algorithm}: held-out accuracy {start:.3f} -> {end:.3f}"
     assert summary["rl"]["max_staleness_trained"] == 1  # it did train asynchronously
@@ -104,7 +108,7 @@ def test_staleness_two_keeps_its_bound_and_loses_no_sample(sft_checkpoint, tmp_p
 def test_lora_rl_raises_held_out_accuracy_streaming_adapters_only(sft_checkpoint, tmp_path, greedy_accuracy):
     summary = rl_from(sft_checkpoint, tmp_path, *LORA, f"rl.max_steps={LORA_STEPS}", "eval.every_steps=8",
                       "rl.max_staleness=1", "checkpoint.export_merged=true")
-    start, end = summary["eval"]["after_sft"]["accuracy"], summary["eval"]["after_rl"]["accuracy"]
+    start, end = summary["eval"]["before_rl"]["accuracy"], summary["eval"]["after_rl"]["accuracy"]
     assert end - start >= 0.10, f"LoRA: held-out accuracy {start:.3f} -> {end:.3f}"
     rl = summary["rl"]
     model, _ = load_policy(sft_checkpoint[0])
@@ -119,7 +123,7 @@ def test_rl_on_a_verifiers_taskset_raises_held_out_pass_at_1(sft_checkpoint, tmp
     pytest.importorskip("verifiers.v1")
     summary = rl_from(sft_checkpoint, tmp_path, *TASKSET, f"rl.max_steps={TASKSET_STEPS}", "rl.max_staleness=1",
                       "eval.every_steps=0")
-    start, end = summary["eval"]["after_sft"]["pass_at_1"], summary["eval"]["after_rl"]["pass_at_1"]
+    start, end = summary["eval"]["before_rl"]["pass_at_1"], summary["eval"]["after_rl"]["pass_at_1"]
     assert summary["eval"]["after_rl"]["rows"] == 100  # the held-out tasks, scored by their own reward
     assert end - start >= TASKSET_GAIN, f"taskset: held-out pass@1 {start:.3f} -> {end:.3f}"
     assert summary["rl"]["ledger"]["admitted"] == 0  # every group a task the ledger issued

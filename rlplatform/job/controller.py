@@ -29,7 +29,8 @@ from rlplatform.job.run_dir import RunLock, check_fresh_start, move_aside, run_i
 from rlplatform.job.rl_loop import Resume, run_rl
 from rlplatform.job.sft import run_sft
 from rlplatform.job.signals import Interrupted, StopSignals
-from rlplatform.job.summaries import JobSummary, PolicyResults, RLSummary, SFTSummary, StartupTimes
+from rlplatform.job.summaries import (JobSummary, PolicyResults, RLSummary, SFTSummary, StartupTimes,
+                                     first_eval_label)
 from rlplatform.job.supervision import MAX_RESTARTS
 from rlplatform.job.workers import Evaluator, PolicyWorkers, publish
 from rlplatform.learners.group import LearnerGroup
@@ -446,7 +447,8 @@ def _context_length(model_path: str) -> int:
 def _supervised_stage(config: JobConfig, workers: PolicyWorkers, train_rows, metrics: Metrics, client,
                       record_eval: Callable[[str, Dict], None]) -> Optional[SFTSummary]:
     """SFT (when enabled), then version 0 published and evaluated (in the background when RL follows);
-    returns the SFT summary (None without SFT) and hands the evaluation to `record_eval` as "after_sft"."""
+    returns the SFT summary (None without SFT) and hands the evaluation to `record_eval` (labelled "after_sft",
+    or "before_rl" without SFT)."""
     sft = None
     if workers.config.sft.enabled:
         stage = "sft" if not config.policies else f"{workers.name}/sft"
@@ -457,9 +459,10 @@ def _supervised_stage(config: JobConfig, workers: PolicyWorkers, train_rows, met
     if workers.config.rl.enabled and not workers.config.sft.enabled:  # the evaluator is still starting: it
         # evaluates version 0 while RL runs, and the RL stage waits for the figures at its end
         workers.evaluator.start_baseline(_baseline_snapshot(workers, streamed), lambda figures: record_eval(
-            "after_sft", _report(workers, metrics, "after_sft", 0, figures)))
+            "before_rl", _report(workers, metrics, "before_rl", 0, figures)))
     else:
-        record_eval("after_sft", _evaluate(workers, metrics, "after_sft"))
+        label = first_eval_label(workers.config.sft.enabled)
+        record_eval(label, _evaluate(workers, metrics, label))
     return sft
 
 

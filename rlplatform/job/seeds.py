@@ -18,11 +18,13 @@ import time
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from rlplatform.config import JobConfig
+from rlplatform.job.summaries import EVAL_LABELS
 
 SEEDS_JSON = "seeds.json"
 SUMMARY_JSON = "summary.json"  # what each seed's job writes in its run directory
 # a policy's figure -> (column heading, format); `wall_s` is the job's
-FIGURES = {"accuracy_after_sft": ("after SFT", "{:.3f}"), "accuracy_after_rl": ("after RL", "{:.3f}"),
+FIGURES = {"accuracy_after_sft": ("after SFT", "{:.3f}"), "accuracy_before_rl": ("before RL", "{:.3f}"),
+           "accuracy_after_rl": ("after RL", "{:.3f}"),
            "gain": ("gain", "{:.3f}"), "trained_per_s": ("trained/s", "{:.1f}")}
 WALL = ("wall s", "{:.0f}")
 STATISTICS = ("mean", "min", "max", "spread")
@@ -90,18 +92,19 @@ def _summary_written(run_dir: str, earlier: Optional[Tuple[int, int, int]]) -> O
 
 
 def seed_figures(summary: Mapping) -> Dict[str, float]:
-    """A run's figures from its summary.json, those it holds: held-out accuracy after SFT and after RL, the
-    gain, trained samples/s (`<policy>/<figure>` for each of several policies) and the job's wall time."""
+    """A run's figures from its summary.json, those it holds: held-out accuracy after SFT (or before RL, without
+    SFT) and after RL, the gain, trained samples/s (`<policy>/<figure>` for each of several policies) and the job's wall time."""
     policies = summary.get("policies") or {None: summary}
     figures: Dict[str, float] = {}
     for policy, result in policies.items():
         prefix = f"{policy}/" if policy else ""
         evals = result.get("eval", {})
-        accuracy = {label: evals[label]["accuracy"] for label in ("after_sft", "after_rl") if label in evals}
+        accuracy = {label: evals[label]["accuracy"] for label in EVAL_LABELS if label in evals}
         for label, value in accuracy.items():
             figures[f"{prefix}accuracy_{label}"] = value
-        if len(accuracy) == 2:
-            figures[f"{prefix}gain"] = round(accuracy["after_rl"] - accuracy["after_sft"], 6)
+        if len(accuracy) == 2 and "after_rl" in accuracy:
+            start = accuracy.get("after_sft", accuracy.get("before_rl"))
+            figures[f"{prefix}gain"] = round(accuracy["after_rl"] - start, 6)
         if "trained_per_s" in result.get("rl", {}):
             figures[f"{prefix}trained_per_s"] = result["rl"]["trained_per_s"]
     if summary.get("wall_s") is not None:

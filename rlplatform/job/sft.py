@@ -23,6 +23,7 @@ def run_sft(config: SFTConfig, learner: LearnerGroup, rows: List[Dict], metrics:
     """Train up to `config.steps` steps on random batches; `accuracy()` measures the learner's current
     weights on held-out rows for the stop rule. Returns the stage's figures."""
     rng = random.Random(seed)
+    metrics.begin(stage)
     learner.start_stage(config.lr)
     start = time.perf_counter()
     result: Optional[StepResult] = None

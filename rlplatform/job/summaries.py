@@ -76,10 +76,20 @@ class RLSummary:
                 "wandb_dir": self.wandb_dir}
 
 
+# evaluation labels in the order a job records them: the version-0 weights after SFT, or as they started when
+# SFT is off, then the weights after RL
+EVAL_LABELS = ("after_sft", "before_rl", "after_rl")
+
+
+def first_eval_label(sft_enabled: bool) -> str:
+    """The label of version 0's evaluation: "after_sft", or "before_rl" for a job without SFT."""
+    return "after_sft" if sft_enabled else "before_rl"
+
+
 @dataclass
 class PolicyResults:
     """A policy's results as the controller gathers them: its data counts, each stage's summary as the stage
-    returns it, and its evaluations by label ("after_sft", "after_rl")."""
+    returns it, and its evaluations by label (`EVAL_LABELS`)."""
     data: Dict[str, int]
     sft: Optional[SFTSummary] = None
     rl: Optional[RLSummary] = None

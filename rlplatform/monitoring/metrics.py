@@ -53,6 +53,10 @@ class Metrics:
     def wandb_dir(self) -> Optional[str]:
         return os.path.abspath(os.path.dirname(self.run.dir)) if self.run else None
 
+    def begin(self, stage: str) -> None:
+        """A stage starts: events until its first figures are dated by it, at step 0."""
+        self.stage, self.step = stage, 0
+
     def log(self, stage: str, step: int, values: Dict[str, float]) -> None:
         """A stage's figures as `<stage>/<name>` against its own `<stage>/step` axis."""
         self.stage, self.step = stage, step

@@ -172,6 +172,14 @@ class RLMonitor:
         return {"samples": self._rewarded, "mean": self._reward_sum / count,
                 "components": {name: total / count for name, total in self._component_sums.items()}}
 
+    def reward_state(self) -> Dict:
+        """The sums behind `reward_totals`, for a checkpoint: a resumed stage's totals cover every attempt."""
+        return {"samples": self._rewarded, "sum": self._reward_sum, "component_sums": dict(self._component_sums)}
+
+    def restore_rewards(self, state: Dict) -> None:
+        self._rewarded, self._reward_sum = state["samples"], state["sum"]
+        self._component_sums = dict(state["component_sums"])
+
     def _canary_checks(self) -> Optional[Dict[str, float]]:
         """The parity canary checks engines recorded since the last step: the worst one's figures (W&B `canary/…`)."""
         checks, self._canary_id = checks_since(self.queue.client, self.keys.canary_checks, self._canary_id)

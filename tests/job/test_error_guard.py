@@ -34,5 +34,7 @@ def test_a_reward_that_always_raises_stops_the_job_within_its_window(ray_session
     assert f"rlp run --resume {config.run_dir}" in message and latest_checkpoint(config.run_dir) is not None
     summary = json.loads((Path(config.run_dir) / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["wall_s"] < 120
-    kinds = [json.loads(line)["kind"] for line in (Path(config.run_dir) / "events.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (Path(config.run_dir) / "events.jsonl").read_text().splitlines()]
+    kinds = [event["kind"] for event in events]
     assert kinds.index("reward_errors_alert") < kinds.index("reward_errors_stop")
+    assert {event["stage"] for event in events} == {"rl"}  # before RL's first step too, they are RL's

@@ -15,7 +15,7 @@ from rlplatform.job.controller import run_job
 from rlplatform.scheduling.ledger import balanced
 
 
-def test_stopped_job_resumes_to_the_same_final_step_training_nothing_twice(ray_session, tiny_job, run_files):
+def test_stopped_job_resumes_to_the_same_final_step_training_nothing_twice(ray_session, tiny_job, run_files, capsys):
     config = tiny_job("resumed", "rl.max_steps=12", "checkpoint.every_steps=2", "checkpoint.keep_last=2",
                       "resume=auto")
 
@@ -37,7 +37,10 @@ def test_stopped_job_resumes_to_the_same_final_step_training_nothing_twice(ray_s
     assert state["version"] == stopped_at and state["counters"]["samples_trained"] == stopped_at * 2 * 4
     in_flight = len(state["ledger"]["in_flight_prompts"])
 
+    capsys.readouterr()
     second = run_job(config)
+    printed = capsys.readouterr().out
+    assert printed.count(f"checkpoint {second['rl']['checkpoint']}\n") == 1  # the periodic one at the last step, once
     assert second["status"] == "completed" and second["rl"]["steps"] == 12
     ids = run_files.trained_ids(config.run_dir)
     assert len(ids) == len(set(ids)) == 12 * 2 * 4
@@ -45,6 +48,7 @@ def test_stopped_job_resumes_to_the_same_final_step_training_nothing_twice(ray_s
     assert ledger["trained"] == 12 * 2 and balanced(ledger)
     assert ledger["reissued"] >= in_flight  # what was in flight at the checkpoint was issued again
     assert second["rl"]["samples_trained"] == 12 * 2 * 4
+    assert second["rl"]["rewards"]["samples"] == 12 * 2 * 4  # the reward totals count both attempts' samples too
     # counts run over both attempts and balance; the samples in flight at the checkpoint were abandoned
     for rl in (first["rl"], second["rl"]):
         assert rl["samples_generated"] == (rl["samples_trained"] + rl["samples_dropped_stale"]

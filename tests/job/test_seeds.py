@@ -52,18 +52,24 @@ def test_several_policies_have_figures_each_and_only_figures_that_exist_are_show
     both = {"status": "completed", "wall_s": 50.0, "policies": {
         "small": {"eval": {"after_sft": {"accuracy": 0.25}, "after_rl": {"accuracy": 0.5}},
                   "rl": {"trained_per_s": 10.0}},
-        "large": {"eval": {"after_rl": {"accuracy": 0.75}}}}}
+        "large": {"eval": {"after_rl": {"accuracy": 0.75}}},
+        "no_sft": {"eval": {"before_rl": {"accuracy": 0.5}, "after_rl": {"accuracy": 0.625}}}}}
     assert seed_figures(both) == {"small/accuracy_after_sft": 0.25, "small/accuracy_after_rl": 0.5, "small/gain": 0.25,
-                                  "small/trained_per_s": 10.0, "large/accuracy_after_rl": 0.75, "wall_s": 50.0}
+                                  "small/trained_per_s": 10.0, "large/accuracy_after_rl": 0.75,
+                                  "no_sft/accuracy_before_rl": 0.5, "no_sft/accuracy_after_rl": 0.625,
+                                  "no_sft/gain": 0.125, "wall_s": 50.0}
     failed = {"status": "failed", "wall_s": 3.0}  # stopped before any evaluation
     rows = [{"seed": 0, "run_dir": "a", "status": "completed", "figures": seed_figures(both)},
             {"seed": 1, "run_dir": "b", "status": "failed", "figures": seed_figures(failed)}]
     lines = format_table({"seeds": rows, "statistics": statistics(rows)}).splitlines()
     assert lines[0].split() == ["seed", "status", "small", "after", "SFT", "small", "after", "RL", "small", "gain",
-                                "small", "trained/s", "large", "after", "RL", "wall", "s"]
-    assert lines[1].split() == ["0", "completed", "0.250", "0.500", "0.250", "10.0", "0.750", "50"]
-    assert lines[2].split() == ["1", "failed", "-", "-", "-", "-", "-", "3"]
-    assert lines[3].split() == ["mean", "0.250", "0.500", "0.250", "10.0", "0.750", "50"]  # seed 0's alone
+                                "small", "trained/s", "large", "after", "RL", "no_sft", "before", "RL", "no_sft",
+                                "after", "RL", "no_sft", "gain", "wall", "s"]
+    assert lines[1].split() == ["0", "completed", "0.250", "0.500", "0.250", "10.0", "0.750", "0.500", "0.625",
+                                "0.125", "50"]
+    assert lines[2].split() == ["1", "failed", "-", "-", "-", "-", "-", "-", "-", "-", "3"]
+    assert lines[3].split() == ["mean", "0.250", "0.500", "0.250", "10.0", "0.750", "0.500", "0.625", "0.125",
+                                "50"]  # seed 0's alone
     assert [line.split()[0] for line in lines[3:]] == ["mean", "min", "max", "spread"]
 
 

@@ -105,7 +105,7 @@ def _signal_group(job: subprocess.Popen, tmp_path: Path, run_files, signals: int
         run_files.wait_for(lambda: run_files.trained_steps(str(run_dir)) >= 1, timeout_s=300)
         redis_pid, redis_dir = _redis_child(run_dir)
         if priorities is not None:  # once the evaluator, started after the learner, has evaluated the start
-            run_files.wait_for(lambda: "eval policy after_sft" in log.read_text(), timeout_s=300)
+            run_files.wait_for(lambda: "eval policy before_rl" in log.read_text(), timeout_s=300)
             priorities.update(_cpu_priorities(job.pid))
         for sent in range(signals):
             if sent:

@@ -64,10 +64,12 @@ def test_events_without_a_step_are_dated_by_the_latest_figures(tmp_path):
     metrics.event("redis_restart", "before any figure")
     metrics.log("sft", 300, {"loss": 0.5})
     metrics.event("worker_restart", "during SFT")
+    metrics.begin("rl")
+    metrics.event("worker_restart", "before RL's first figures")
     metrics.log_rl("policy", {}, {"learner_step": 17, "samples_seen": 2176, "wall_time_s": 9.0})
     metrics.event("worker_restart", "during RL")
     events = [json.loads(line) for line in open(tmp_path / "events.jsonl")]
-    assert [(e["stage"], e["step"]) for e in events] == [("start", 0), ("sft", 300), ("rl", 17)]
+    assert [(e["stage"], e["step"]) for e in events] == [("start", 0), ("sft", 300), ("rl", 0), ("rl", 17)]
 
 
 def test_trailing_rate_spans_intervals_in_which_nothing_finished():
