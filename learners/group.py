@@ -89,11 +89,12 @@ class LearnerGroup:
         return merge_rank_metrics(deadline_get([rank.sft_step.remote(p) for rank, p in zip(self.ranks, parts)],
                                                "a learner rank's SFT step", LEARNER_TIMEOUT_S))
 
-    def connect_results(self, redis_url: str, run: str, policy: Optional[str] = None) -> None:
+    def connect_results(self, redis_url: str, run: str, reconnect_s: float, policy: Optional[str] = None) -> None:
         """Let every rank fetch the run's scored samples from Redis (`rl_step_async`; `run`: its `run_scope`); with
-        `policy`, each step's end is announced there for the RL loop (`LearnerRank.connect_results`)."""
-        deadline_get([rank.connect_results.remote(redis_url, run, policy) for rank in self.ranks], "a learner rank",
-                     LEARNER_TIMEOUT_S)
+        `policy`, each step's end is announced there for the RL loop (`LearnerRank.connect_results`). A Redis
+        that went away is reconnected to for `reconnect_s`."""
+        deadline_get([rank.connect_results.remote(redis_url, run, reconnect_s, policy) for rank in self.ranks],
+                     "a learner rank", LEARNER_TIMEOUT_S)
 
     def watch_parity(self, prompt_ids: List[List[int]], reference_key: str, every: int) -> None:
         """Score the parity canary with every `every`-th version streamed (`LearnerRank.watch_parity`)."""
@@ -114,10 +115,12 @@ class LearnerGroup:
         return shard(sft_rows, len(self.ranks)) if sft_rows else [None] * len(self.ranks)
 
     @staticmethod
-    def gather(refs: List[ray.ObjectRef]) -> Tuple[StepResult, ray.ObjectRef]:
-        """(the ranks' merged metrics, what rank 0 streamed the new weights as) of a step started by `rl_step_async`."""
+    def gather(refs: List[ray.ObjectRef]) -> Tuple[StepResult, Optional[ray.ObjectRef]]:
+        """(the ranks' merged metrics, what rank 0 streamed the new weights as) of a step started by `rl_step_async`;
+        nothing was streamed (None) when the job's Redis went away after the step was applied."""
         results = deadline_get(refs, "a learner rank's RL step", LEARNER_TIMEOUT_S)
-        return merge_rank_metrics([metrics for metrics, _ in results]), results[0][1][0]
+        streamed = results[0][1]
+        return merge_rank_metrics([metrics for metrics, _ in results]), streamed[0] if streamed else None
 
     def snapshot_weights(self) -> ray.ObjectRef:
         refs = deadline_get([rank.snapshot_weights.remote() for rank in self.ranks], "a learner rank's weights",

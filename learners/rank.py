@@ -41,7 +41,7 @@ from rlplatform.policy import enable_activation_checkpointing, load_policy
 from rlplatform.token_budget import micro_batches
 from rlplatform.tokenization import encode_sft
 from rlplatform.transport.adapters import AdapterSnapshot
-from rlplatform.transport.redis_server import connect
+from rlplatform.transport.redis_server import RedisUnavailable, connect
 from rlplatform.transport.results import ResultStore
 from rlplatform.transport.reward_queue import JobKeys, announce_step_end
 from rlplatform.transport.samples import Sample
@@ -554,10 +554,10 @@ class LearnerRank:
                 return cast_weights(module.state_dict(), dtype, copy=True) if wanted else None
         return cast_weights(module.state_dict(), dtype) if wanted else None
 
-    def connect_results(self, redis_url: str, run: str, policy: Optional[str] = None) -> None:
-        """Fetch the run's scored samples from Redis; with `policy`, rank 0 also announces each RL step's end there
-        (`announce_step_end`), which wakes the RL loop."""
-        self.results = ResultStore(connect(redis_url), JobKeys(run).result_prefix)
+    def connect_results(self, redis_url: str, run: str, reconnect_s: float, policy: Optional[str] = None) -> None:
+        """Fetch the run's scored samples from Redis (reconnecting for `reconnect_s` to one that went away); with
+        `policy`, rank 0 also announces each RL step's end there (`announce_step_end`), which wakes the RL loop."""
+        self.results = ResultStore(connect(redis_url, reconnect_s), JobKeys(run).result_prefix)
         self.step_ends = (run, policy) if policy is not None and self.rank == 0 else None
 
     def watch_parity(self, prompt_ids: List[List[int]], reference_key: str, every: int) -> None:
@@ -574,10 +574,14 @@ class LearnerRank:
         if self.results is None:
             raise RuntimeError("learner rank has no Redis to fetch samples from: call connect_results first")
         samples = self.results.fetch(sample_ids)
-        result = self.rl_step(samples, advantages, rl, sft_rows, step, max_tokens), self.stream_weights(step + 1)
-        if self.step_ends is not None:
-            announce_step_end(self.results.client, *self.step_ends, step)
-        return result
+        metrics = self.rl_step(samples, advantages, rl, sft_rows, step, max_tokens)
+        try:
+            streamed = self.stream_weights(step + 1)
+            if self.step_ends is not None:
+                announce_step_end(self.results.client, *self.step_ends, step)
+        except RedisUnavailable:  # the step is applied and the job is ending: it checkpoints these weights
+            streamed = None
+        return metrics, streamed
 
     def stream_weights(self, version: int) -> Optional[List]:
         """[what the weight store gets] for `version` through `weights.transport` (rank 0): a snapshot or

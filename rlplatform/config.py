@@ -297,6 +297,7 @@ class LearnerConfig:
 class RedisConfig:
     url: Optional[str] = None  # redis://, rediss:// or unix:// URL; unset: $RLP_REDIS_URL when set (the way to keep a password out of configs), else an embedded server for the job
     max_stream_len: int = at_least(10000, 1)  # unscored reward requests at most; producers wait at this bound
+    reconnect_s: float = above(30.0, 0)  # how long the controller and learner keep reconnecting to a Redis that went away; then the job checkpoints from the learner's memory and stops
 
 
 @dataclass

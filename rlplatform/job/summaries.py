@@ -8,6 +8,7 @@ W&B show; `state` what a checkpoint keeps, read back by `from_state`.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -74,6 +75,14 @@ class RLSummary:
                 "ended_by": self.ended_by, **tools, "restarts": dict(self.restarts), "checkpoint": self.checkpoint,
                 "results_held_at_end": self.results_held_at_end, "controller_cpu_s": self.controller_cpu_s,
                 "wandb_dir": self.wandb_dir}
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")  # terminal escape sequences (colours) in library messages
+
+
+def plain_text(text: str) -> str:
+    """`text` without terminal escape sequences: error messages as summary.json keeps them."""
+    return _ANSI.sub("", text)
 
 
 # evaluation labels in the order a job records them: the version-0 weights after SFT, or as they started when

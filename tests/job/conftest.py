@@ -6,6 +6,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Tuple
 
 import pytest
 
@@ -54,6 +55,19 @@ class RunFiles:
     def redis_url(self, run_dir: str) -> str:
         self.wait_for(lambda: os.path.exists(os.path.join(run_dir, "redis.url")))
         return Path(run_dir, "redis.url").read_text().strip()
+
+    @staticmethod
+    def redis_server(run_dir) -> Tuple[int, str]:
+        """(pid, data folder) of the embedded redis-server serving the job, found by its port."""
+        port = Path(run_dir, "redis.url").read_text().strip().rsplit(":", 1)[1].split("/")[0]
+        for entry in Path("/proc").iterdir():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"redis-server" in argv[0] and argv[0].strip().endswith(f":{port}".encode()):  # its process title
+                return int(entry.name), os.readlink(entry / "cwd")  # it runs in its --dir
+        raise AssertionError(f"no redis-server on port {port}")
 
     def run(self, config: JobConfig) -> str:
         """The `run_scope` of the job's run: what its Redis keys are named by."""

@@ -31,19 +31,6 @@ TINY = {"name": "sigterm", "model": {"hidden_size": 64, "num_layers": 2, "interm
         "reward_workers": {"num_cpus": 0.25}, "wandb": {"mode": "offline"}}
 
 
-def _redis_child(run_dir: Path):
-    """(pid, temp folder) of the embedded redis-server serving the job, found by its port."""
-    port = (run_dir / "redis.url").read_text().strip().rsplit(":", 1)[1].split("/")[0]
-    for entry in Path("/proc").iterdir():
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"redis-server" in argv[0] and argv[0].strip().endswith(f":{port}".encode()):  # its process title
-            return int(entry.name), os.readlink(entry / "cwd")  # it runs in its --dir
-    raise AssertionError(f"no redis-server on port {port}")
-
-
 def _stat(pid: int) -> list:
     """Fields of /proc/<pid>/stat after the command name: state, ppid, pgrp, session, ..."""
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -103,7 +90,7 @@ def _signal_group(job: subprocess.Popen, tmp_path: Path, run_files, signals: int
     run_dir, log = tmp_path / "sigterm", tmp_path / "log.txt"
     try:
         run_files.wait_for(lambda: run_files.trained_steps(str(run_dir)) >= 1, timeout_s=300)
-        redis_pid, redis_dir = _redis_child(run_dir)
+        redis_pid, redis_dir = run_files.redis_server(run_dir)
         if priorities is not None:  # once the evaluator, started after the learner, has evaluated the start
             run_files.wait_for(lambda: "eval policy before_rl" in log.read_text(), timeout_s=300)
             priorities.update(_cpu_priorities(job.pid))

@@ -11,7 +11,7 @@ from dataclasses import asdict
 
 from rlplatform.config import LearnerConfig, RLConfig
 from rlplatform.learners.group import LearnerGroup, TrainItem, shard_minibatches
-from rlplatform.transport.redis_server import connect
+from rlplatform.transport.redis_server import RECONNECT_S, connect
 from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.samples import ScoredSample, decode_sample
 from tests.learners.test_learner import rl_batch
@@ -70,7 +70,7 @@ def test_ranks_fetch_their_own_shard_and_the_controller_reads_no_tokens(ray_sess
     learner = LearnerGroup(LearnerConfig(num_ranks=2, num_cpus=0.5), tiny_policy, seed=0)
     try:
         learner.start_stage(lr=1e-3)
-        learner.connect_results(redis_server, job, "policy-a")
+        learner.connect_results(redis_server, job, RECONNECT_S, "policy-a")
         steps = []
         gets = gets_by_connection(redis_server, lambda: steps.append(
             LearnerGroup.gather(learner.rl_step_async(batch, RLConfig(), step=0))[0]))

@@ -20,6 +20,7 @@ from rlplatform.monitoring.parity_canary import CANARY_PROMPTS, CanaryCheck
 from rlplatform.monitoring.rl_monitor import RLMonitor
 from rlplatform.job.rl_loop import RLCounters
 from rlplatform.scheduling.buffer import Batch
+from rlplatform.transport.redis_server import RECONNECT_S
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.samples import ResultMeta, Sample, ScoredSample
 from rlplatform.transport.weights import from_snapshot
@@ -50,7 +51,7 @@ def test_an_engine_that_left_a_layer_behind_raises_the_parity_alert_at_its_next_
     learner = LearnerGroup(LearnerConfig(zero_stage=1), tiny_policy, seed=0)
     figures, prompt_ids = {}, engine.tokenizer(PROMPTS)["input_ids"]
     try:
-        learner.connect_results(redis_server, job)
+        learner.connect_results(redis_server, job, RECONNECT_S)
         learner.watch_parity(prompt_ids, keys.canary_reference, every=2)
         learner.start_stage(lr=5e-2)  # steps that move the weights far, so a layer left behind shows
         for version in range(5):
