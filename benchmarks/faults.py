@@ -5,7 +5,10 @@ external one, a learner rank's SIGKILL, a SIGTERM and a SIGKILL of the job's who
 each followed by `rlp run --resume`, malformed messages written into the reward queue's streams, a
 flood of oversized and malformed requests on the OpenAI bridge, a same-name job started beside the
 live one (same run directory, and another directory on its Redis), and the only reward worker
-stopped with SIGSTOP.
+stopped with SIGSTOP. Two hit its checkpoints: the newest one truncated after a SIGKILL of the job's
+process group (the resume sets it aside and goes on from the one before), and the disk the checkpoints
+go to (a small tmpfs; root only) filled until the job fails at its next checkpoint, then freed for the
+resume.
 
 For each scenario it reports whether the job completed, samples lost, samples and prompts trained
 twice, prompts skipped, the recovery time of each fault (seconds from the fault until a learner
@@ -21,6 +24,8 @@ Usage: python benchmarks/faults.py [--steps 20] [--seed 0] [--only NAME ...] [--
 from __future__ import annotations
 
 import argparse
+import errno
+import glob
 import json
 import os
 import urllib.error
@@ -37,14 +42,15 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Callable, Dict, List, Optional
+from contextlib import contextmanager, nullcontext
+from typing import Callable, Dict, Iterator, List, Optional
 
 import psutil
 import ray
 from ray._private.state import state as ray_state  # the GCS actor table: names, pids, states
 
 from rlplatform.config import JobConfig, load_config, to_yaml
-from rlplatform.job.checkpoint import latest_checkpoint, read_state
+from rlplatform.job.checkpoint import DiskFull, checkpoints_dir, latest_checkpoint, read_state
 from rlplatform.job.controller import run_job
 from rlplatform.job.run_dir import RUN_ID
 from rlplatform.transport.deadlines import JobFailed
@@ -290,6 +296,55 @@ def kill_process_group(fault: Fault, job: Running) -> float:
     return time.time()
 
 
+def kill_and_corrupt(fault: Fault, job: Running) -> float:
+    """SIGKILL the job's process group, then truncate the weights of its newest checkpoint to half."""
+    os.killpg(job.pid, signal.SIGKILL)
+    struck = time.time()
+    root = checkpoints_dir(job.run_dir)
+    kept = sorted(name for name in os.listdir(root) if name.startswith("step-"))
+    if len(kept) < 2:
+        fault.wrong.append(f"{len(kept)} checkpoints when it struck: none older to go on from")
+    for weights in glob.glob(os.path.join(root, kept[-1], "*", "learner", "global_step*", "*model_states.pt")):
+        os.truncate(weights, os.path.getsize(weights) // 2)
+    fault.what += f" ({kept[-1]} truncated)"
+    return struck
+
+
+def fill_disk(fault: Fault, job: Running) -> float:
+    """Fill the filesystem the checkpoints go to; once the job has ended (at its next checkpoint), free it again,
+    as its operator would before `rlp run --resume`. A job that did not end on the disk-full line is wrong."""
+    filler = os.path.join(checkpoints_dir(job.run_dir), "filler")
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(bytes(1 << 20))
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+    struck = time.time()
+    summary = os.path.join(job.run_dir, "summary.json")
+    deadline = time.monotonic() + 600
+    while not os.path.exists(summary) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.remove(filler)
+    error = json.load(open(summary)).get("error", "") if os.path.exists(summary) else "no summary.json"
+    if not error.startswith("DiskFull: no space left on "):
+        fault.wrong.append(f"the job did not end on the full disk: {error[:200]}")
+    return struck
+
+
+@contextmanager
+def checkpoint_disk(run_dir: str, size: str) -> Iterator[None]:
+    """A tmpfs of `size` mounted where the job in `run_dir` writes its checkpoints, unmounted after."""
+    where = checkpoints_dir(run_dir)
+    os.makedirs(where, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", where], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", "--lazy", where], check=True)
+
+
 class ProcessTree(threading.Thread):
     """`argv` run in its own session (so its process group is the job's), and every process it started
     (its descendants, found every 0.5 s while it runs); `left` names those alive after it ended."""
@@ -341,6 +396,7 @@ class Scenario:
     alert: Optional[str] = None  # the event kind the job must raise for the fault (events.jsonl)
     steps: Optional[int] = None  # RL steps of its job, where a fault takes longer than --steps leave it
     restarts: Optional[str] = None  # the restart kind (summary's rl.restarts) each landed fault must add
+    disk: Optional[str] = None  # the size of a tmpfs mounted for its checkpoints (only root can mount one)
 
 
 @dataclass
@@ -363,6 +419,11 @@ def fault_steps(rng: random.Random, steps: int, count: int) -> List[int]:
 
 
 def run_scenario(scenario: Scenario, out_dir: str, steps: int, seed: int) -> Outcome:
+    with checkpoint_disk(os.path.join(out_dir, scenario.name), scenario.disk) if scenario.disk else nullcontext():
+        return _run_scenario(scenario, out_dir, steps, seed)
+
+
+def _run_scenario(scenario: Scenario, out_dir: str, steps: int, seed: int) -> Outcome:
     name, steps = scenario.name, scenario.steps or steps
     server = EmbeddedRedis(os.path.join(out_dir, f"{name}-external-redis")).start() \
         if scenario.external_redis else None
@@ -434,8 +495,8 @@ def _run_in_process(config: JobConfig, faults: List[Fault], progress: Progress) 
     injector.start()
     try:
         run_job(config)
-    except JobFailed:
-        pass  # a learner rank's death: the summary says failed, and the scenario resumes
+    except (JobFailed, DiskFull):
+        pass  # a learner rank's death, a full disk: the summary says failed, and the scenario resumes
     finally:
         ended.set()
     injector.join(timeout=120)  # an injection still under way when the job ended (it reports what it saw)
@@ -574,6 +635,13 @@ SCENARIOS = [
              lambda job, rng, steps: [Fault("SIGSTOP the only reward worker for 20 s", s,
                                             stop_reward_worker(f"{job}-reward-0"))
                                       for s in fault_steps(rng, steps, 1)], alert="scoring_stalled"),
+    Scenario("corrupt-checkpoint-resume", ["checkpoint.every_steps=3"], lambda job, rng, steps: [  # after 2
+        Fault("SIGKILL of `rlp run`'s process group, its newest checkpoint truncated, then `rlp run --resume`",
+              rng.randint(7, steps - 2), kill_and_corrupt)], resume=True, in_process=False,
+             alert="checkpoint_set_aside"),
+    Scenario("full-disk-resume", ["checkpoint.every_steps=3"], lambda job, rng, steps: [  # after the first
+        Fault("the checkpoints' disk filled, freed once the job failed, then `rlp run --resume`",
+              rng.randint(4, steps - 2), fill_disk)], resume=True, disk="64m"),
 ]
 
 
@@ -634,6 +702,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rlp-faults-") as out_dir:
         for scenario in SCENARIOS:
             if args.only and scenario.name not in args.only:
+                continue
+            if scenario.disk and os.geteuid() != 0:
+                print(f"{scenario.name}: not run (its small disk is a tmpfs, which only root can mount)", flush=True)
                 continue
             outcome = run_scenario(scenario, out_dir, args.steps, args.seed)
             print("\n".join(table([outcome])[2:]), flush=True)

@@ -450,10 +450,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"rlp: config error: {redact_urls_in(str(err))}", file=sys.stderr)
         return 2
     except Exception as err:
+        from rlplatform.job.checkpoint import DiskFull
         from rlplatform.transport.deadlines import JobFailed
 
         cause = getattr(err, "cause", err)  # a failed Ray task keeps the worker's own error as `cause`
-        if isinstance(err, JobFailed) or isinstance(cause, ConnectionError):  # one line, without a traceback
+        if isinstance(err, (JobFailed, DiskFull)) or isinstance(cause, ConnectionError):  # one line, no traceback
             print(f"rlp: {redact_urls_in(str(cause))}", file=sys.stderr)
             return 1
         raise

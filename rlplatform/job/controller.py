@@ -2,8 +2,9 @@
 
 `run_job` is what `rlp run` calls. It starts (or joins) Ray and Redis, saves the initial
 policy, runs SFT then asynchronous RL with evaluations after each (or continues RL from the
-run's newest checkpoint), saves the checkpoint and the final Hugging Face model, and always
-writes `summary.json`, also when the job fails or a signal stops it (status `interrupted`).
+run's newest intact checkpoint, setting corrupt ones aside), saves the checkpoint and the final
+Hugging Face model, and always writes `summary.json`, also when the job fails or a signal stops it
+(status `interrupted`; `failed` where the stop's checkpoint found the disk full).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch
 from rlplatform.config import ConfigError, JobConfig, LearnerConfig, PolicyConfig, RolloutConfig, to_yaml
 from rlplatform.data import load_rows
 from rlplatform.devices import gpu_shares, gpus_per_actor, resolve_dtype
-from rlplatform.job.checkpoint import latest_checkpoint, read_state
+from rlplatform.job.checkpoint import (DiskFull, checkpoints_dir, intact_checkpoint, latest_checkpoint, read_state,
+                                       remove_partial)
 from rlplatform.job.cluster import cpus_needed, start_ray
 from rlplatform.job.run_dir import RunLock, check_fresh_start, move_aside, run_id
 from rlplatform.job.rl_loop import Resume, run_rl
@@ -69,6 +71,7 @@ def _run_locked(config: JobConfig, started_at: float, shutdown_ray: Optional[boo
     startup = StartupTimes(started_at)
     startup.mark("job_started_s")  # interpreter, config, imports
     metrics: Optional[Metrics] = None
+    remove_partial(run_dir)  # what a writer killed mid-checkpoint left
     resume = find_resume(config)
     summary = JobSummary(config.name, os.path.abspath(run_dir), run_id(run_dir, resuming=resume is not None),
                          startup, several_policies=bool(config.policies))  # a resumed run keeps its keys
@@ -84,6 +87,8 @@ def _run_locked(config: JobConfig, started_at: float, shutdown_ray: Optional[boo
             _record_redis_url(redis_url, run_dir)
             learners = {p.name: _start_learner(config, p) for p in config.policy_list()}  # set up in _start_policy
             metrics = Metrics(config, run_dir, run_id=resume.state["wandb_run_id"] if resume else None)
+            for line in resume.set_aside if resume else []:
+                metrics.event("checkpoint_set_aside", line)
             metrics.console.note(f"job status: rlp status {run_dir}")
             if shared:
                 metrics.console.note(shared)
@@ -100,14 +105,14 @@ def _run_locked(config: JobConfig, started_at: float, shutdown_ray: Optional[boo
     except Interrupted as err:
         summary.status, summary.error = "interrupted", str(err)
     except BaseException as err:
-        if not stop.requested:
+        if not stop.requested or isinstance(err, DiskFull):  # the stop's own checkpoint could not be written
             summary.status, summary.error = "failed", f"{type(err).__name__}: {err}"
             raise
         # a signal's Interrupted raised inside library code can surface as another error
         summary.status, summary.error = "interrupted", f"stopped by {signal.Signals(stop.signum).name}"
     finally:
         summary.wall_s = round(time.perf_counter() - start, 2)
-        if stop.requested:
+        if stop.requested and summary.status != "failed":
             summary.exit_code = stop.exit_code
         shown = summary.to_json()
         try:
@@ -124,14 +129,22 @@ def _run_locked(config: JobConfig, started_at: float, shutdown_ray: Optional[boo
 
 
 def find_resume(config: JobConfig) -> Optional[Resume]:
-    """The checkpoint this run continues from, as `resume` asks: never, auto (if any), always."""
-    checkpoint = latest_checkpoint(config.run_dir) if config.resume != "never" else None
+    """The checkpoint this run continues from, as `resume` asks: never, auto (if any), always; the newest intact
+    one, any newer set aside (`intact_checkpoint`). Where checkpoints lie but none is intact, the job stops."""
+    if config.resume == "never":
+        return None
+    set_aside: List[str] = []
+    checkpoint = intact_checkpoint(config.run_dir, set_aside.append)
     if checkpoint is None:
+        if set_aside:
+            raise ConfigError(f"resume: no checkpoint under {checkpoints_dir(config.run_dir)} is intact "
+                              f"({'; '.join(set_aside)}); start the job afresh with `rlp run --fresh <job yaml>`, "
+                              f"which moves this run aside")
         if config.resume == "always":
             raise ConfigError(f"resume: no checkpoint under {config.run_dir}/checkpoints to resume from; "
                               f"run without --resume to start the job afresh")
         return None
-    return Resume(checkpoint, read_state(checkpoint))
+    return Resume(checkpoint, read_state(checkpoint), set_aside)
 
 
 def _record_redis_url(url: str, run_dir: str) -> None:

@@ -348,9 +348,11 @@ class PolicyRun:
 
 @dataclass
 class Resume:
-    """A checkpoint to continue from: its path and its state.json."""
+    """A checkpoint to continue from: its path and its state.json; `set_aside`: a line for each newer checkpoint
+    found corrupt and set aside."""
     path: str
     state: Dict
+    set_aside: List[str] = field(default_factory=list)
 
     @property
     def attempt(self) -> int:

@@ -1,7 +1,8 @@
 """Checkpoints and resume: a job stopped by SIGTERM after a few steps writes a checkpoint and an
 `interrupted` summary; resumed, it reaches the same final step, re-issues the prompts that were
 in flight, trains no sample twice, and its prompt ledger and sample counts balance over both attempts. Periodic checkpoints land at the
-multiples of `checkpoint.every_steps`, also after a resume from a step between them."""
+multiples of `checkpoint.every_steps`, also after a resume from a step between them. A newest checkpoint
+found truncated is set aside, named in one line, and the job resumes from the one before it."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ import json
 import os
 import signal
 import threading
+from pathlib import Path
 
-from rlplatform.job.checkpoint import latest_checkpoint, read_state
+from rlplatform.job.checkpoint import latest_checkpoint, learner_dir, read_state
 from rlplatform.job.controller import run_job
 from rlplatform.scheduling.ledger import balanced
 
 
 def test_stopped_job_resumes_to_the_same_final_step_training_nothing_twice(ray_session, tiny_job, run_files, capsys):
+    """Its newest checkpoint is truncated before the resume: the job goes on from the one before."""
     config = tiny_job("resumed", "rl.max_steps=12", "checkpoint.every_steps=2", "checkpoint.keep_last=2",
                       "resume=auto")
 
@@ -35,11 +38,17 @@ def test_stopped_job_resumes_to_the_same_final_step_training_nothing_twice(ray_s
     assert len(kept) == 2 and not any(name.startswith(".tmp") for name in kept)  # keep_last, nothing half-written
     state = read_state(checkpoint)["policies"]["policy"]
     assert state["version"] == stopped_at and state["counters"]["samples_trained"] == stopped_at * 2 * 4
-    in_flight = len(state["ledger"]["in_flight_prompts"])
+    older = os.path.join(os.path.dirname(checkpoint), kept[0])
+    in_flight = len(read_state(older)["policies"]["policy"]["ledger"]["in_flight_prompts"])
+    (weights,) = Path(learner_dir(checkpoint, "policy")).glob("global_step*/mp_rank_00_model_states.pt")
+    os.truncate(weights, weights.stat().st_size // 2)  # the newest checkpoint damaged on disk
 
     capsys.readouterr()
     second = run_job(config)
     printed = capsys.readouterr().out
+    corrupt = os.path.join(os.path.dirname(checkpoint), f"corrupt-step-{stopped_at:06d}")
+    assert printed.count(f"checkpoint {checkpoint} is corrupt ({os.path.relpath(weights, checkpoint)} has ") == 1
+    assert f"set aside as {corrupt}\n" in printed and os.path.isfile(os.path.join(corrupt, "state.json"))
     assert printed.count(f"checkpoint {second['rl']['checkpoint']}\n") == 1  # the periodic one at the last step, once
     assert second["status"] == "completed" and second["rl"]["steps"] == 12
     ids = run_files.trained_ids(config.run_dir)
@@ -59,5 +68,6 @@ def test_stopped_job_resumes_to_the_same_final_step_training_nothing_twice(ray_s
     with open(os.path.join(config.run_dir, "summary.json")) as f:
         assert json.load(f)["status"] == "completed"
     # after the resume the periodic checkpoints fell on multiples of 2 again (keep_last holds the newest two)
-    kept = [int(name.split("-")[1]) for name in sorted(os.listdir(os.path.dirname(checkpoint)))]
+    kept = [int(name.split("-")[1]) for name in sorted(os.listdir(os.path.dirname(checkpoint)))
+            if name.startswith("step-")]
     assert kept[-1] == 12 and all(step % 2 == 0 for step in kept if step > stopped_at), kept
