@@ -1,7 +1,7 @@
 """Fault injection: small real jobs (a tiny Qwen2 built from config; real Ray, Redis and DeepSpeed)
 with faults injected at seeded random learner steps: SIGKILL of rollout workers, reward workers
-and the evaluator, SIGKILL of the job's embedded redis-server and an operator's restart of an
-external one, a learner rank's SIGKILL, a SIGTERM and a SIGKILL of the job's whole process group
+and the evaluator, SIGKILL of the job's embedded redis-server, a SIGSTOP of it (the job checkpoints from
+the learner's memory, stops, and is resumed) and an operator's restart of an external one, a learner rank's SIGKILL, a SIGTERM and a SIGKILL of the job's whole process group
 each followed by `rlp run --resume`, malformed messages written into the reward queue's streams, a
 flood of oversized and malformed requests on the OpenAI bridge, a same-name job started beside the
 live one (same run directory, and another directory on its Redis), and the only reward worker
@@ -172,16 +172,27 @@ def job_keys(run_dir: str) -> JobKeys:
 
 def kill_embedded_redis(fault: Fault, job: Running) -> float:
     """SIGKILL the redis-server listening on the port of the job's Redis URL."""
+    _embedded_redis(job).kill()
+    return time.time()
+
+
+def _embedded_redis(job: Running) -> psutil.Process:
+    """The redis-server listening on the port of the job's Redis URL."""
     port = int(job_redis_url(job.run_dir).rsplit(":", 1)[1].split("/")[0])
     for process in psutil.process_iter(["name"]):
         if process.info["name"] == "redis-server":
             try:
                 if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in process.net_connections()):
-                    process.kill()
-                    return time.time()
+                    return process
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
     raise RuntimeError(f"no redis-server listens on port {port}")
+
+
+def stall_embedded_redis(fault: Fault, job: Running) -> float:
+    """SIGSTOP the job's redis-server: alive, holding its connections, answering nothing (the job stops it)."""
+    os.kill(_embedded_redis(job).pid, signal.SIGSTOP)
+    return time.time()
 
 
 def restart_external_redis(server: EmbeddedRedis, down_s: float = 3.0) -> Callable[[Fault, Running], float]:
@@ -614,6 +625,10 @@ SCENARIOS = [
     # RL: the kill waits until it is alive, then 5 s more
     Scenario("embedded-redis-kill", [], lambda job, rng, steps: [
         Fault("SIGKILL embedded redis-server", s, kill_embedded_redis) for s in fault_steps(rng, steps, 2)]),
+    Scenario("embedded-redis-stall-resume", ["redis.reconnect_s=5"], lambda job, rng, steps: [
+        Fault("SIGSTOP embedded redis-server, then `rlp run --resume`", fault_steps(rng, 20, 1)[0],
+              stall_embedded_redis)], resume=True, steps=200),  # early in a job long enough to be running
+    # when its Redis is found gone: it checkpoints from the learner's memory and stops
     Scenario("external-redis-restart", [], lambda job, rng, steps: [], external_redis=True),
     Scenario("malformed-messages", [], lambda job, rng, steps: [
         Fault(f"{2 * len(MALFORMED) + 1} malformed stream entries", s, write_malformed)

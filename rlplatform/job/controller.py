@@ -28,11 +28,11 @@ from rlplatform.job.checkpoint import (DiskFull, checkpoints_dir, intact_checkpo
                                        remove_partial)
 from rlplatform.job.cluster import cpus_needed, start_ray
 from rlplatform.job.run_dir import RunLock, check_fresh_start, move_aside, run_id
-from rlplatform.job.rl_loop import Resume, run_rl
+from rlplatform.job.rl_loop import Resume, StageFailed, run_rl
 from rlplatform.job.sft import run_sft
 from rlplatform.job.signals import Interrupted, StopSignals
 from rlplatform.job.summaries import (JobSummary, PolicyResults, RLSummary, SFTSummary, StartupTimes,
-                                     first_eval_label)
+                                     first_eval_label, plain_text)
 from rlplatform.job.supervision import MAX_RESTARTS
 from rlplatform.job.workers import Evaluator, PolicyWorkers, publish
 from rlplatform.learners.group import LearnerGroup
@@ -42,10 +42,18 @@ from rlplatform.policy import load_tokenizer, save_initial_policy
 from rlplatform.tokenization import encode_prompts, save_prompts, within_limit
 from rlplatform.transport.deadlines import LEARNER_TIMEOUT_S, JobFailed, LearnerDied
 from rlplatform.transport.job_lease import JobLease
-from rlplatform.transport.redis_server import EmbeddedRedis, connect
+from rlplatform.transport.redis_server import EmbeddedRedis, RedisUnavailable, connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue, run_scope
 from rlplatform.transport.weight_store import WeightStore
 from rlplatform.transport.weight_transports import resolve_auto, weight_transport
+
+
+class JobEnded(JobFailed):
+    """The job failed after its stages began; `results` are its policies' results as they stood."""
+
+    def __init__(self, message: str, results: Dict[str, PolicyResults]) -> None:
+        super().__init__(message)
+        self.results = results
 
 
 def run_job(config: JobConfig, started_at: Optional[float] = None, shutdown_ray: Optional[bool] = None,
@@ -94,19 +102,25 @@ def _run_locked(config: JobConfig, started_at: float, shutdown_ray: Optional[boo
                 metrics.console.note(shared)
             if embedded is not None:
                 embedded.keep_alive(lambda text: metrics.event("redis_restart", text))
-            metrics.status = JobStatus(connect(redis_url), run)
+            metrics.status = JobStatus(connect(redis_url, config.redis.reconnect_s), run)
             summary.wandb_dir = metrics.wandb_dir
             try:
                 summary.results = _run_stages(config, run, redis_url, learners, metrics, startup, stop, resume)
                 summary.status = "interrupted" if stop.requested else "completed"
+            except JobEnded as ended:
+                summary.results = ended.results
+                raise
             finally:
                 final = summary.status if summary.status != "running" else "failed"
-                metrics.status.write({"stage": final, "wall_s": round(time.perf_counter() - start, 2)})
+                try:
+                    metrics.status.write({"stage": final, "wall_s": round(time.perf_counter() - start, 2)})
+                except RedisUnavailable:  # the job's error says so
+                    pass
     except Interrupted as err:
         summary.status, summary.error = "interrupted", str(err)
     except BaseException as err:
         if not stop.requested or isinstance(err, DiskFull):  # the stop's own checkpoint could not be written
-            summary.status, summary.error = "failed", f"{type(err).__name__}: {err}"
+            summary.status, summary.error = "failed", plain_text(f"{type(err).__name__}: {err}")
             raise
         # a signal's Interrupted raised inside library code can surface as another error
         summary.status, summary.error = "interrupted", f"stopped by {signal.Signals(stop.signum).name}"
@@ -169,7 +183,8 @@ def _start_services(config: JobConfig, run_id: str,
         embedded = resources.enter_context(EmbeddedRedis(os.path.join(config.run_dir, "redis")))
         redis_url = embedded.url
     # connect: a clear error when unreachable
-    resources.enter_context(JobLease(connect(redis_url), config.name, run_id, config.run_dir))
+    resources.enter_context(JobLease(connect(redis_url, config.redis.reconnect_s), config.name, run_id,
+                                     config.run_dir))
     if not ray.is_initialized():  # else `rlp run` started it (rlplatform.job.cluster), or the caller did
         start_ray(config)
     cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
@@ -272,7 +287,7 @@ def _run_stages(config: JobConfig, run: str, redis_url: str, learners: Dict[str,
     `run`: the run's `run_scope`, which names every Redis key its workers share; `startup` is marked as the
     workers become ready and the first steps end."""
     train_rows, test_rows = load_rows(config.data, config.seed)
-    client = connect(redis_url)
+    client = connect(redis_url, config.redis.reconnect_s)
     queue = _open_queue(config, run, client)
     policies: List[PolicyWorkers] = []
     reward_actors: List = []
@@ -294,8 +309,13 @@ def _run_stages(config: JobConfig, run: str, redis_url: str, learners: Dict[str,
                                                               results[workers.name].record_eval)
         if any(p.config.rl.enabled for p in policies):
             job_state = partial(_job_state, results, metrics.run.id if metrics.run else None)
-            summaries = _rl_stage(config, [p for p in policies if p.config.rl.enabled], queue, reward_actors,
-                                  metrics, train_rows, results, stop, job_state, resume)
+            try:
+                summaries = _rl_stage(config, [p for p in policies if p.config.rl.enabled], queue, reward_actors,
+                                      metrics, train_rows, results, stop, job_state, resume)
+            except StageFailed as failed:
+                for name, rl in failed.summaries.items():
+                    results[name].rl = rl
+                raise JobEnded(str(failed), results) from None
             for name, rl in summaries.items():
                 results[name].rl = rl
         if not stop.requested:
@@ -305,8 +325,11 @@ def _run_stages(config: JobConfig, run: str, redis_url: str, learners: Dict[str,
     except LearnerDied as err:
         raise JobFailed(_resume_hint(config, str(err))) from None
     finally:
-        queue.request_stop()
-        queue.clear()
+        try:
+            queue.request_stop()
+            queue.clear()
+        except RedisUnavailable:  # gone with what it held; the job ends on that error
+            pass
         _stop(policies, reward_actors + tool_actors)
 
 
@@ -394,7 +417,7 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup
         learner.set_up()
     evaluator = Evaluator(start_rollout(policy.rollout.num_workers), test, config.eval,
                           config.rewards, config.imports, on_restart)  # after the learner's set-up (`Evaluator`)
-    learner.connect_results(redis_url, run, policy.name)
+    learner.connect_results(redis_url, run, config.redis.reconnect_s, policy.name)
     keys = PolicyKeys(run, policy.name)
     if config.monitoring.parity_every:
         learner.watch_parity([p.ids for p in train], keys.canary_reference, config.monitoring.parity_every)

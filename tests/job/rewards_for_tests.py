@@ -6,3 +6,10 @@ from __future__ import annotations
 def always_raises(sample) -> float:
     """A reward whose backend is gone: every call fails."""
     raise RuntimeError("the grader is unreachable")
+
+
+def agrees_with_verifiers(sample) -> float:
+    """1.0 when the reward verifiers reported for the episode is the exact match of this sample's own completion
+    with its task's answer: the episode's tokens and its reward belong together."""
+    matched = float(sample.completion.strip() == str(sample.row["answer"]).strip())
+    return float(matched == float(sample.row["verifiers_reward"]))

@@ -1,5 +1,5 @@
 """A job whose reward always raises stops within its error window, checkpointed, with one line naming
-the reward and its error; an alert came first."""
+the reward and its error, and its summary keeps the RL counters; an alert came first."""
 
 from __future__ import annotations
 
@@ -34,6 +34,11 @@ def test_a_reward_that_always_raises_stops_the_job_within_its_window(ray_session
     assert f"rlp run --resume {config.run_dir}" in message and latest_checkpoint(config.run_dir) is not None
     summary = json.loads((Path(config.run_dir) / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["wall_s"] < 120
+    rl = summary["rl"]  # the counters as they stood, balanced
+    assert rl["ended_by"] == "failed" and rl["reward_errors"] > 0
+    assert rl["samples_generated"] == (rl["samples_trained"] + rl["samples_dropped_stale"] + rl["samples_dropped_error"]
+                                       + rl["samples_dropped_zero_advantage"] + rl["samples_dropped_invalid"]
+                                       + rl["samples_abandoned_at_resume"] + rl["samples_unused_at_end"])
     events = [json.loads(line) for line in (Path(config.run_dir) / "events.jsonl").read_text().splitlines()]
     kinds = [event["kind"] for event in events]
     assert kinds.index("reward_errors_alert") < kinds.index("reward_errors_stop")

@@ -1,0 +1,86 @@
+"""A job that fails keeps its progress: whatever ends it, it checkpoints first and says where in one line, and
+summary.json keeps the RL counters, balanced as a completed job's are.
+
+- Its Redis stops answering (SIGSTOPped: alive, holding its connections, silent): the job ends within its
+  `redis.reconnect_s`, naming the Redis and the checkpoint it wrote from the learner's memory; resumed (with a
+  fresh Redis), it trains on to its last step and no sample is trained twice.
+- A worker's loop ends on its own (its job's stop flag set from outside): the job checkpoints and names it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+from rlplatform.job.checkpoint import latest_checkpoint, read_state
+from rlplatform.job.controller import run_job
+from rlplatform.transport.deadlines import JobFailed
+from rlplatform.transport.redis_server import connect
+from rlplatform.transport.reward_queue import RewardQueue
+
+
+def balanced(rl: dict) -> bool:
+    return rl["samples_generated"] == (rl["samples_trained"] + rl["samples_dropped_stale"]
+                                       + rl["samples_dropped_error"] + rl["samples_dropped_zero_advantage"]
+                                       + rl["samples_dropped_invalid"] + rl["samples_abandoned_at_resume"]
+                                       + rl["samples_unused_at_end"])
+
+
+def test_a_job_whose_redis_stalls_checkpoints_from_the_learner_and_resumes(ray_session, tiny_job, run_files):
+    config = tiny_job("lost-redis", "rl.max_steps=100000", "redis.reconnect_s=3", "resume=auto")
+    stalled = {}
+
+    def stall_redis():
+        run_files.wait_for(lambda: run_files.trained_steps(config.run_dir) >= 3)
+        stalled["pid"], _ = run_files.redis_server(config.run_dir)
+        os.kill(stalled["pid"], signal.SIGSTOP)
+        stalled["steps"] = run_files.trained_steps(config.run_dir)
+    thread = threading.Thread(target=stall_redis, daemon=True)
+    thread.start()
+    with pytest.raises(JobFailed) as failed:
+        run_job(config)
+    thread.join()
+    message = str(failed.value)
+    assert "\n" not in message and "went away" in message and "(no reconnect within 3s)" in message
+    checkpoint = latest_checkpoint(config.run_dir)  # no periodic checkpoints: this one is the failure's
+    assert checkpoint is not None and f"checkpoint {checkpoint} written from the learner's memory" in message
+    assert f"rlp run --resume {config.run_dir}" in message
+
+    summary = json.loads((Path(config.run_dir) / "summary.json").read_text())
+    rl = summary["rl"]
+    assert summary["status"] == "failed" and "\x1b" not in summary["error"] and rl["ended_by"] == "failed"
+    steps = rl["steps"]
+    assert steps >= stalled["steps"] and read_state(checkpoint)["policies"]["policy"]["version"] == steps
+    assert rl["samples_trained"] == steps * 2 * 4 == len(run_files.trained_ids(config.run_dir))
+    assert balanced(rl) and set(rl["samples_unused_where"]) == {"in_flight_at_failure"}
+
+    config.rl.max_steps = steps + 3
+    resumed = run_job(config)  # the stalled server was stopped with the job: a fresh one serves the resume
+    assert resumed["status"] == "completed" and resumed["rl"]["steps"] == steps + 3
+    ids = run_files.trained_ids(config.run_dir)
+    assert len(ids) == len(set(ids)) == (steps + 3) * 2 * 4
+    assert resumed["rl"]["samples_trained"] == (steps + 3) * 2 * 4
+
+
+def test_a_worker_loop_that_ends_on_its_own_fails_the_job_checkpointed(ray_session, tiny_job, run_files):
+    config = tiny_job("early-end", "rl.max_steps=100000")
+
+    def stop_the_workers_behind_the_jobs_back():
+        run_files.wait_for(lambda: run_files.trained_steps(config.run_dir) >= 3)
+        RewardQueue(connect(run_files.redis_url(config.run_dir)), run_files.run(config)).request_stop()
+    thread = threading.Thread(target=stop_the_workers_behind_the_jobs_back, daemon=True)
+    thread.start()
+    with pytest.raises(JobFailed) as failed:
+        run_job(config)
+    thread.join()
+    message = str(failed.value)
+    checkpoint = latest_checkpoint(config.run_dir)
+    assert "\n" not in message and "stopped before the job asked it to" in message
+    assert checkpoint is not None and f"(checkpoint {checkpoint})" in message
+    summary = json.loads((Path(config.run_dir) / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["rl"]["ended_by"] == "failed" and balanced(summary["rl"])
+    assert read_state(checkpoint)["policies"]["policy"]["version"] == summary["rl"]["steps"] >= 3
