@@ -104,6 +104,8 @@ class StageEnd:
 
 TURN_WAIT_MS = 20  # the RL loop's longest wait for results or a learner step's end before going round
 STEP_RESULT_WAIT_S = 0.05  # a learner step announced as ended: its result is awaited this long at most, then next turn
+WORKERS_END_S = 600.0  # at the stage's end, how long workers may take to finish what they hold and stop
+STOP_GRACE_S = 5.0  # after a signal: workers still inside a call then are stopped with it (their samples unscored)
 STEPS_IN_FLIGHT = 2  # learner steps sent at most: the one running and the next, queued on the learner so it starts
 # the moment the first ends (a step's batch must still meet the staleness bound at the version it trains)
 
@@ -494,8 +496,14 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
         raise StageFailed(f"{_failure(runs)}; fix the reward, then resume with `rlp run --resume {job.run_dir}` "
                           f"(checkpoint {checkpoints.latest})", failed())
     queue.request_stop()
-    supervisor.wait_ended("reward", 600.0)
-    supervisor.wait_ended("rollout", 600.0)
+    for kind in ("reward", "rollout"):
+        try:
+            supervisor.wait_ended(kind, STOP_GRACE_S if stop.requested else WORKERS_END_S)
+        except WorkerHung:
+            if not stop.requested:
+                raise
+            metrics.console.note(f"{kind} workers still inside a call {STOP_GRACE_S:g}s after the stop: stopped "
+                                 f"with it (what they held counts as unscored)")
     unused = _unused_at_end(runs, queue)
     end = StageEnd(supervisor.restarts, checkpoints.latest, queue.results.held(),
                    round(time.process_time() - controller_cpu_start, 3), metrics.wandb_dir)

@@ -4,7 +4,9 @@ summary.json keeps the RL counters, balanced as a completed job's are.
 - Its Redis stops answering (SIGSTOPped: alive, holding its connections, silent): the job ends within its
   `redis.reconnect_s`, naming the Redis and the checkpoint it wrote from the learner's memory; resumed (with a
   fresh Redis), it trains on to its last step and no sample is trained twice.
-- A worker's loop ends on its own (its job's stop flag set from outside): the job checkpoints and names it."""
+- A worker's loop ends on its own (its job's stop flag set from outside): the job checkpoints and names it.
+- SIGINT while a reward call hangs: the job stops as on SIGTERM, checkpointed, within seconds, not when the
+  call's timeout ends it."""
 
 from __future__ import annotations
 
@@ -12,10 +14,12 @@ import json
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from rlplatform.config import RewardSpec
 from rlplatform.job.checkpoint import latest_checkpoint, read_state
 from rlplatform.job.controller import run_job
 from rlplatform.transport.deadlines import JobFailed
@@ -84,3 +88,24 @@ def test_a_worker_loop_that_ends_on_its_own_fails_the_job_checkpointed(ray_sessi
     summary = json.loads((Path(config.run_dir) / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["rl"]["ended_by"] == "failed" and balanced(summary["rl"])
     assert read_state(checkpoint)["policies"]["policy"]["version"] == summary["rl"]["steps"] >= 3
+
+
+def test_sigint_while_a_reward_call_hangs_stops_the_job_within_seconds(ray_session, tiny_job, run_files):
+    config = tiny_job("hung-reward", "rl.max_steps=100000", "rl.max_staleness=0")
+    config.rewards = [RewardSpec(fn="tests.job.rewards_for_tests:hangs_from_version_2", timeout_s=200.0)]
+    sent = {}
+
+    def interrupt_once_the_reward_hangs():
+        run_files.wait_for(lambda: run_files.trained_steps(config.run_dir) >= 2)
+        time.sleep(3.0)  # version 2's samples are in the reward's hanging calls
+        sent["at"] = time.monotonic()
+        os.kill(os.getpid(), signal.SIGINT)
+    thread = threading.Thread(target=interrupt_once_the_reward_hangs, daemon=True)
+    thread.start()
+    summary = run_job(config)
+    ended_s = time.monotonic() - sent["at"]
+    thread.join()
+    assert summary["status"] == "interrupted" and summary["exit_code"] == 130
+    assert ended_s < 60, f"the job took {ended_s:.0f}s to stop; the reward call's timeout is 200s"
+    assert summary["rl"]["steps"] == 2 and latest_checkpoint(config.run_dir).endswith("step-000002")
+    assert balanced(summary["rl"])
