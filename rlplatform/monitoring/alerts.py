@@ -35,6 +35,8 @@ class StepFigures:
     seconds_since_progress: float
     parity: Optional[Dict[str, float]] = None  # abs_mean, abs_max, k3, tokens; None: not measured this step
     canary: Optional[Dict[str, float]] = None  # the worst parity canary check since the last step (`parity_canary`)
+    scored: int = 0  # samples scored since the step before
+    errors: int = 0  # of those, reward errors
 
 
 class AlertRules:
@@ -79,10 +81,11 @@ class AlertRules:
             return None
         if rule.kind == "reward_collapse":
             return self._reward_collapse(rule, window)
-        if rule.kind == "reward_errors":
-            errors = sum(f.error_fraction for f in window) / len(window)
-            return f"reward error rate {errors:.2f} over {rule.window} steps (limit {rule.threshold:g})" \
-                if errors > rule.threshold else None
+        if rule.kind == "reward_errors":  # the rate over the samples scored in the window, not a mean of steps' rates
+            scored, errors = sum(f.scored for f in window), sum(f.errors for f in window)
+            rate = errors / scored if scored else 0.0
+            return f"reward errors on {errors} of {scored} samples scored over the last {rule.window} steps: rate " \
+                   f"{rate:.2f}, limit {rule.threshold:g}" if rate > rule.threshold else None
         growing = window[-1].queue_depth > window[0].queue_depth
         return f"reward queue backlog {window[-1].queue_depth} and growing (limit {rule.threshold:g})" \
             if growing and window[-1].queue_depth > rule.threshold else None

@@ -73,6 +73,7 @@ class RLMonitor:
         self._token_rate = TrailingRate(RATE_WINDOW_S, self._previous["time"],
                                         self._previous.get("rollout_tokens", 0.0))
         self._scored = (0, 0, 0, 0)  # scored, errors, timeouts, filtered at the previous step
+        self._step_scored = (0, 0)  # samples scored and reward errors since the step before
         self._tool_counters = self._episode_counters()  # at the previous step
         rollout = next(p.rollout for p in config.policy_list() if p.name == policy)
         self.decode_slots = rollout.prompts_per_batch * rl.group_size  # a worker's decode batch at its fullest
@@ -119,7 +120,7 @@ class RLMonitor:
         self.metrics.log_rl(self.policy, families, self._axes(version))
         self.last_step = self.clock()
         figures = StepFigures(version, families["rewards"]["total"], families["rewards"]["error_fraction"],
-                              families["async"]["queue_depth"], 0.0, parity or None, canary)
+                              families["async"]["queue_depth"], 0.0, parity or None, canary, *self._step_scored)
         for alert in self.alerts.check(figures):
             self.metrics.event(alert.kind, alert.message, alert.step)
         if version % self.rl.log_every == 0 or version == self.rl.max_steps or self._line_due(self.last_step):
@@ -204,7 +205,7 @@ class RLMonitor:
         samples = batch.samples
         now = (counters.samples_scored, counters.reward_errors, counters.reward_timeouts, counters.samples_filtered)
         scored, errors, timeouts, filtered = (a - b for a, b in zip(now, self._scored))
-        self._scored = now
+        self._scored, self._step_scored = now, (scored, errors)
         components = {name: sum(s.components.get(name, 0.0) for s in samples) for name in samples[0].components}
         reward = sum(s.reward for s in samples)
         self._rewarded += len(samples)

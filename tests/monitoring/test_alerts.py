@@ -7,8 +7,9 @@ from rlplatform.config import AlertRule
 from rlplatform.monitoring.alerts import AlertRules, StepFigures
 
 
-def figures(step, reward=0.5, errors=0.0, queue=0, idle_s=0.0):
-    return StepFigures(step, reward, errors, queue, idle_s)
+def figures(step, reward=0.5, errors=0.0, queue=0, idle_s=0.0, scored=100):
+    """A step's figures; `errors`: the fraction of its `scored` samples that were reward errors."""
+    return StepFigures(step, reward, errors, queue, idle_s, scored=scored, errors=round(errors * scored))
 
 
 def fired(rules, series):
@@ -34,6 +35,14 @@ def test_reward_errors_fire_and_rearm():
               figures(4, errors=0.0), figures(5, errors=0.0),  # clears at 5 (mean 0)
               figures(6, errors=0.5)]  # mean 0.25: fires again
     assert fired(rules, series) == [("reward_errors", 2), ("reward_errors", 6)]
+
+
+def test_the_reward_error_rate_is_over_the_windows_samples_and_its_counts_are_stated():
+    rules = AlertRules([AlertRule("reward_errors", threshold=0.2, window=2)])
+    # one step's 10 samples all errors, the next's 90 none: 10 of 100 (0.1), not the steps' mean rate 0.5
+    assert fired(rules, [figures(1, errors=1.0, scored=10), figures(2, errors=0.0, scored=90)]) == []
+    alert, = rules.check(figures(3, errors=0.5, scored=90))
+    assert alert.message == "reward errors on 45 of 180 samples scored over the last 2 steps: rate 0.25, limit 0.2"
 
 
 def test_queue_backlog_fires_only_when_large_and_growing():
