@@ -466,7 +466,8 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
     checkpoints = Checkpoints(job, runs, job_state, attempt)
     heartbeats = Heartbeats(queue.client, queue.keys.run)
     watch = WorkerWatch(SilentWorkers(heartbeats, job.monitoring.worker_silent_s),
-                        ScoringStall(heartbeats, job.monitoring.scoring_stall_s), queue, metrics)
+                        ScoringStall(heartbeats, job.monitoring.scoring_stall_s,
+                                     {spec.label: spec.timeout_s for spec in job.rewards}), queue, metrics)
     failed = partial(_as_they_stood, runs, supervisor, checkpoints, controller_cpu_start, metrics)
     try:
         with stop.polled():

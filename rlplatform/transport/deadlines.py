@@ -104,10 +104,11 @@ class SilentWorkers:
 
 class ScoringStall:
     """Names the reward queue once when samples wait in it and none was scored for `after_s`, and again after
-    scoring resumed and stalls anew; the message gives each reward worker's last beat."""
+    scoring resumed and stalls anew; the message gives each reward worker's last beat and the calls' timeouts
+    (`timeouts`: reward label -> timeout_s), since a slow reward stalls the queue as a hung worker does."""
 
-    def __init__(self, heartbeats: Heartbeats, after_s: float) -> None:
-        self.heartbeats, self.after_s = heartbeats, after_s
+    def __init__(self, heartbeats: Heartbeats, after_s: float, timeouts: Dict[str, float]) -> None:
+        self.heartbeats, self.after_s, self.timeouts = heartbeats, after_s, timeouts
         self.stalled = False
 
     def check(self, waiting: int, since_scored_s: float) -> Optional[str]:
@@ -117,5 +118,7 @@ class ScoringStall:
             return None
         beats = ", ".join(f"{worker} {age:.0f}s ago" for worker, age in sorted(self.heartbeats.ages().items())
                           if worker.startswith(REWARD_WORKER))
-        return unresponsive(f"the reward queue ({waiting} samples waiting)", since_scored_s, "scored nothing") + \
-            f"; reward workers last went round: {beats or 'none has started'}"
+        timeouts = ", ".join(f"{label} {seconds:g}s" for label, seconds in self.timeouts.items())
+        return (f"the reward queue ({waiting} samples waiting) scored nothing for {since_scored_s:.0f}s; reward "
+                f"workers last went round: {beats or 'none has started'}; a reward call runs up to its timeout "
+                f"({timeouts}) before it counts as an error, else a worker hangs or its node is lost")

@@ -91,4 +91,5 @@ def test_a_stalled_reward_queue_is_named_before_its_only_worker_goes_silent(ray_
     assert summary["status"] == "interrupted" and "trained_then" in seen
     stalled = _alerts(config.run_dir, "scoring_stalled")
     assert len(stalled) == 1 and stalled[0].startswith("the reward queue (") and "scored nothing for" in stalled[0]
+    assert "a reward call runs up to its timeout (exact_match 30s)" in stalled[0]  # slow calls stall it too
     assert "reward worker only " in stalled[0] and not _alerts(config.run_dir)  # named by its beat, not yet silent
