@@ -216,7 +216,13 @@ def test_a_job_stopped_onto_a_full_disk_fails_with_that_error_in_its_summary(ray
     def fill_then_stop():  # the disk fills up after the first checkpoint, then the job is asked to stop
         run_files.wait_for(lambda: latest_checkpoint(config.run_dir) is not None)
         fill(root)
-        os.kill(os.getpid(), signal.SIGTERM)
+        saved = int(latest_checkpoint(config.run_dir).rsplit("-", 1)[1])
+        # with a step since that checkpoint, the stop has one to write (the next periodic one may come first: it
+        # fails the same way, and the job has ended)
+        ended = Path(config.run_dir, "summary.json")
+        run_files.wait_for(lambda: run_files.trained_steps(config.run_dir) > saved or ended.exists())
+        if not ended.exists():
+            os.kill(os.getpid(), signal.SIGTERM)
     thread = threading.Thread(target=fill_then_stop, daemon=True)
     thread.start()
     with pytest.raises(DiskFull) as full:

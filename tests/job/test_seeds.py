@@ -170,7 +170,7 @@ def test_two_seeds_of_a_tiny_job_through_rlp_run(tmp_path):
 
     table = result.stdout.splitlines()
     start = next(i for i, line in enumerate(table) if line.startswith("seed "))
-    assert table[start].split() == ["seed", "status", "after", "SFT", "after", "RL", "gain", "trained/s", "wall", "s"]
+    assert table[start].split() == ["seed", "status", "before", "RL", "after", "RL", "gain", "trained/s", "wall", "s"]
     assert [line.split()[:2] for line in table[start + 1:start + 3]] == [["3", "completed"], ["4", "completed"]]
     mean = table[start + 3].split()
     assert mean[0] == "mean" and mean[4] == f"{written['statistics']['trained_per_s']['mean']:.1f}"

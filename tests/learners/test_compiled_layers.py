@@ -85,13 +85,14 @@ def test_layers_are_found_through_a_lora_wrapper(tiny_policy):
 
 def test_a_failed_compile_runs_the_layers_eagerly(tiny_policy, monkeypatch, caplog):
     monkeypatch.setattr(compile_guard, "_FAILED", [])  # this test's failure stays out of the process's record
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/bin/false",))  # a C++ compiler that always fails
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # no compiled graph from an earlier run
     torch._dynamo.reset()
     eager, _ = load_policy(tiny_policy)
     compiled, _ = load_policy(tiny_policy)
     compile_layers(compiled)
-    with caplog.at_level(logging.WARNING, logger=compile_guard.__name__):
+    # a C++ compiler that always fails, and no compiled graph from an earlier run; torch's own patch restores both
+    # (monkeypatch's undo deletes them from the config module, which then hides them from every later compile)
+    with caplog.at_level(logging.WARNING, logger=compile_guard.__name__), \
+            torch._inductor.config.patch({"cpp.cxx": ("/bin/false",), "fx_graph_cache": False}):
         got = scores_and_gradient(compiled, "packed")
     assert compile_guard.compiling_failed()
     assert "the decoder layers runs uncompiled: torch.compile failed" in caplog.text
