@@ -84,9 +84,10 @@ class LearnerGroup:
         deadline_get([rank.start_stage.remote(lr, keep_reference) for rank in self.ranks], "a learner rank",
                      LEARNER_TIMEOUT_S)
 
-    def sft_step(self, rows: List[Dict]) -> StepResult:
+    def sft_step(self, rows: List[Dict], lr_fraction: float = 1.0) -> StepResult:
         parts = shard(rows, len(self.ranks))
-        return merge_rank_metrics(deadline_get([rank.sft_step.remote(p) for rank, p in zip(self.ranks, parts)],
+        return merge_rank_metrics(deadline_get([rank.sft_step.remote(p, lr_fraction)
+                                                for rank, p in zip(self.ranks, parts)],
                                                "a learner rank's SFT step", LEARNER_TIMEOUT_S))
 
     def connect_results(self, redis_url: str, run: str, reconnect_s: float, policy: Optional[str] = None) -> None:

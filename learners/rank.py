@@ -309,11 +309,13 @@ class LearnerRank:
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
             module.load_state_dict(state)
 
-    def sft_step(self, rows: List[Dict]) -> Dict[str, float]:
+    def sft_step(self, rows: List[Dict], lr_fraction: float = 1.0) -> Dict[str, float]:
         """One optimizer step on prompt -> answer+EOS, loss on the answer tokens only: the mean over
         every rank's tokens (DeepSpeed averages the ranks' gradients, hence the rank count), gradients
-        accumulated over micro-batches of at most `micro_batch_tokens`."""
+        accumulated over micro-batches of at most `micro_batch_tokens`; at `lr_fraction` of the stage's rate."""
         started = time.perf_counter()
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = self.stage_lr * lr_fraction
         parts, tokens = self._sft_parts(rows)
         sums: Dict[str, torch.Tensor] = {}
         for k, part in enumerate(parts):

@@ -104,6 +104,8 @@ class SFTConfig:
     log_every: int = at_least(25, 1)  # console/W&B interval in steps
     stop_at_accuracy: float = at_least(0.0, 0.0)  # end SFT once held-out greedy accuracy reaches this (0: never)
     eval_every: int = at_least(50, 1)  # SFT steps between held-out checks, when stop_at_accuracy is set
+    warmup_steps: int = at_least(0, 0)  # the learning rate rises linearly from 0 over these first steps
+    lr_schedule: str = one_of("constant", "cosine")  # after warm-up: constant, or cosine decay to 10% at `steps`
 
 
 @dataclass

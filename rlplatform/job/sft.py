@@ -7,6 +7,7 @@ partial accuracy whatever the machine's speed or floating-point path.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from typing import Callable, Dict, List, Optional
@@ -32,7 +33,7 @@ def run_sft(config: SFTConfig, learner: LearnerGroup, rows: List[Dict], metrics:
     totals = LearnerTotals()
     while step < config.steps and not _reached(checks, config.stop_at_accuracy):
         step += 1
-        result = learner.sft_step(rng.sample(rows, min(config.batch_size, len(rows))))
+        result = learner.sft_step(rng.sample(rows, min(config.batch_size, len(rows))), lr_fraction(config, step))
         tokens += result.tokens_total
         totals.add(result)
         first_step_at = first_step_at or time.time()
@@ -53,3 +54,14 @@ def run_sft(config: SFTConfig, learner: LearnerGroup, rows: List[Dict], metrics:
 
 def _reached(checks: List[Dict], threshold: float) -> bool:
     return bool(threshold and checks and checks[-1]["accuracy"] >= threshold)
+
+
+def lr_fraction(config: SFTConfig, step: int) -> float:
+    """The fraction of `sft.lr` SFT step `step` (1-based) trains at: a linear rise over `warmup_steps`, then 1, or
+    under `cosine` a decay to 10% at `steps`."""
+    if step <= config.warmup_steps:
+        return step / (config.warmup_steps + 1)
+    if config.lr_schedule == "constant":
+        return 1.0
+    progress = (step - config.warmup_steps) / max(config.steps - config.warmup_steps, 1)
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -41,6 +41,17 @@ def test_sft_step_changes_weights_and_lowers_loss(learner):
     assert second.loss < first.loss
 
 
+def test_an_sft_step_trains_at_the_fraction_of_the_stage_rate_it_is_given(learner):
+    learner.start_stage(lr=1e-2)
+    before = snapshot(learner)
+    assert learner.sft_step(ROWS, lr_fraction=0.25).metrics()["lr"] == pytest.approx(2.5e-3)
+    assert learner.sft_step(ROWS, lr_fraction=0.0).metrics()["lr"] == 0.0
+    after_one = snapshot(learner)
+    assert max_change(before, after_one) > 1e-4
+    learner.sft_step(ROWS, lr_fraction=0.0)  # AdamW at rate 0 leaves the weights as they are
+    assert max_change(after_one, snapshot(learner)) == 0.0
+
+
 def rl_batch(policy_path: str):
     """Sampled completions for two prompts; completions of prompt 0 get +1, prompt 1 gets -1."""
     engine = TransformersEngine(policy_path)
