@@ -4,8 +4,8 @@ and the evaluator, SIGKILL of the job's embedded redis-server, a SIGSTOP of it (
 the learner's memory, stops, and is resumed) and an operator's restart of an external one, a learner rank's SIGKILL, a SIGTERM and a SIGKILL of the job's whole process group
 each followed by `rlp run --resume`, malformed messages written into the reward queue's streams, a
 flood of oversized and malformed requests on the OpenAI bridge, a same-name job started beside the
-live one (same run directory, and another directory on its Redis), and the only reward worker
-stopped with SIGSTOP. Two hit its checkpoints: the newest one truncated after a SIGKILL of the job's
+live one (same run directory, and another directory on its Redis), a SIGTERM while the job's reward is
+slow on one sample in ten (then `--resume`), and the only reward worker stopped with SIGSTOP. Two hit its checkpoints: the newest one truncated after a SIGKILL of the job's
 process group (the resume sets it aside and goes on from the one before), and the disk the checkpoints
 go to (a small tmpfs; root only) filled until the job fails at its next checkpoint, then freed for the
 resume.
@@ -646,6 +646,9 @@ SCENARIOS = [
     Scenario("same-name-beside", [], lambda job, rng, steps: [
         Fault("`rlp run` of the same name: same run directory, then same Redis", s, start_beside)
         for s in fault_steps(rng, 16, 1)], in_process=False, steps=100),  # live through both refused starts
+    Scenario("slow-reward-sigterm-resume",  # one sample in 10 takes 10 s to score: the stop does not wait for it
+             ["imports=[benchmarks.bench_rewards]", "rewards=[{fn: 'benchmarks.bench_rewards:sometimes_slow_exact_match'}]"],
+             _sigterm, resume=True, in_process=False),
     Scenario("reward-sigstop", ["reward_workers.num_workers=1", "monitoring.scoring_stall_s=10"],
              lambda job, rng, steps: [Fault("SIGSTOP the only reward worker for 20 s", s,
                                             stop_reward_worker(f"{job}-reward-0"))
