@@ -175,8 +175,7 @@ class PolicyRun:
         self.trained_at_start = self.counters.samples_trained
         self.monitor.samples_seen = self.counters.samples_trained
         self.monitor.eval_history = state["eval_history"]
-        if "rewards" in state:  # written before the reward totals were kept: they count this attempt's samples only
-            self.monitor.restore_rewards(state["rewards"])
+        self.monitor.restore_rewards(state["rewards"])
         self.schedule.resume(state["ledger"], attempt, self.version)
         _keep_lines(self.trained_log, self.version)
         publish(self.workers, self.queue.client, self.version)
@@ -192,9 +191,9 @@ class PolicyRun:
                 "eval_history": self.monitor.eval_history, "rewards": self.monitor.reward_state()}
 
     def mirror_redis(self) -> None:
-        """Read what a checkpoint and the summary need from Redis into `mirror`."""
-        self.mirror = RedisMirror(self.schedule.ledger.state(), self.queue.counters(self.workers.keys.rollout_stats),
-                                  self.queue.counters(self.queue.keys.reward_stats))
+        """Keep what a checkpoint and the summary need from Redis in `mirror`: the ledger read now, the workers'
+        counters as the monitor last read them."""
+        self.mirror = RedisMirror(self.schedule.ledger.state(), *self.monitor.worker_counters())
 
     def _rollout_counters(self, offline: bool) -> Dict[str, float]:
         """This attempt's rollout counters: from Redis, or mirrored with at least the samples the stage accounted

@@ -173,6 +173,11 @@ class RLMonitor:
         return {"samples": self._rewarded, "mean": self._reward_sum / count,
                 "components": {name: total / count for name, total in self._component_sums.items()}}
 
+    def worker_counters(self) -> Tuple[Dict[str, float], Dict[str, float]]:
+        """The rollout and the reward workers' counters as last read from Redis (at each step and the stage's start)."""
+        return tuple({k[len(prefix):]: v for k, v in self._previous.items() if k.startswith(prefix)}
+                     for prefix in ("rollout_", "reward_"))
+
     def reward_state(self) -> Dict:
         """The sums behind `reward_totals`, for a checkpoint: a resumed stage's totals cover every attempt."""
         return {"samples": self._rewarded, "sum": self._reward_sum, "component_sums": dict(self._component_sums)}

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
-from typing import Tuple
+from typing import Callable, Dict, Tuple
 
 import pytest
 
@@ -68,6 +69,19 @@ class RunFiles:
             if b"redis-server" in argv[0] and argv[0].strip().endswith(f":{port}".encode()):  # its process title
                 return int(entry.name), os.readlink(entry / "cwd")  # it runs in its --dir
         raise AssertionError(f"no redis-server on port {port}")
+
+    @staticmethod
+    def run_job_while(config: JobConfig, action: Callable[[], None]) -> Dict:
+        """`run_job(config)` with `action` on a thread beside it (it waits on the run's files, then acts on the
+        job), the thread joined however the job ends."""
+        from rlplatform.job.controller import run_job
+
+        thread = threading.Thread(target=action, daemon=True)
+        thread.start()
+        try:
+            return run_job(config)
+        finally:
+            thread.join()
 
     def run(self, config: JobConfig) -> str:
         """The `run_scope` of the job's run: what its Redis keys are named by."""

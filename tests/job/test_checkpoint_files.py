@@ -17,7 +17,6 @@ import re
 import shutil
 import signal
 import subprocess
-import threading
 from pathlib import Path
 
 import pytest
@@ -223,11 +222,8 @@ def test_a_job_stopped_onto_a_full_disk_fails_with_that_error_in_its_summary(ray
         run_files.wait_for(lambda: run_files.trained_steps(config.run_dir) > saved or ended.exists())
         if not ended.exists():
             os.kill(os.getpid(), signal.SIGTERM)
-    thread = threading.Thread(target=fill_then_stop, daemon=True)
-    thread.start()
     with pytest.raises(DiskFull) as full:
-        run_job(config)
-    thread.join()
+        run_files.run_job_while(config, fill_then_stop)
     said = str(full.value)
     named = re.fullmatch(rf"no space left on {re.escape(str(root))} writing checkpoint step (\d+); step (\d+) is "
                          rf"intact; free space and `rlp run --resume {re.escape(config.run_dir)}`", said)

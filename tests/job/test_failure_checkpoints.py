@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -43,11 +42,8 @@ def test_a_job_whose_redis_stalls_checkpoints_from_the_learner_and_resumes(ray_s
         stalled["pid"], _ = run_files.redis_server(config.run_dir)
         os.kill(stalled["pid"], signal.SIGSTOP)
         stalled["steps"] = run_files.trained_steps(config.run_dir)
-    thread = threading.Thread(target=stall_redis, daemon=True)
-    thread.start()
     with pytest.raises(JobFailed) as failed:
-        run_job(config)
-    thread.join()
+        run_files.run_job_while(config, stall_redis)
     message = str(failed.value)
     assert "\n" not in message and "went away" in message and "(no reconnect within 3s)" in message
     checkpoint = latest_checkpoint(config.run_dir)  # no periodic checkpoints: this one is the failure's
@@ -76,11 +72,8 @@ def test_a_worker_loop_that_ends_on_its_own_fails_the_job_checkpointed(ray_sessi
     def stop_the_workers_behind_the_jobs_back():
         run_files.wait_for(lambda: run_files.trained_steps(config.run_dir) >= 3)
         RewardQueue(connect(run_files.redis_url(config.run_dir)), run_files.run(config)).request_stop()
-    thread = threading.Thread(target=stop_the_workers_behind_the_jobs_back, daemon=True)
-    thread.start()
     with pytest.raises(JobFailed) as failed:
-        run_job(config)
-    thread.join()
+        run_files.run_job_while(config, stop_the_workers_behind_the_jobs_back)
     message = str(failed.value)
     checkpoint = latest_checkpoint(config.run_dir)
     assert "\n" not in message and "stopped before the job asked it to" in message
@@ -100,11 +93,8 @@ def test_sigint_while_a_reward_call_hangs_stops_the_job_within_seconds(ray_sessi
         time.sleep(3.0)  # version 2's samples are in the reward's hanging calls
         sent["at"] = time.monotonic()
         os.kill(os.getpid(), signal.SIGINT)
-    thread = threading.Thread(target=interrupt_once_the_reward_hangs, daemon=True)
-    thread.start()
-    summary = run_job(config)
+    summary = run_files.run_job_while(config, interrupt_once_the_reward_hangs)
     ended_s = time.monotonic() - sent["at"]
-    thread.join()
     assert summary["status"] == "interrupted" and summary["exit_code"] == 130
     assert ended_s < 60, f"the job took {ended_s:.0f}s to stop; the reward call's timeout is 200s"
     assert summary["rl"]["steps"] == 2 and latest_checkpoint(config.run_dir).endswith("step-000002")
