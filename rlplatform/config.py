@@ -435,7 +435,10 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
         given = raw
     if overrides:
         _check_override_syntax(overrides)
-        dotlist = OmegaConf.from_dotlist(list(overrides))
+        entries = [OmegaConf.to_container(entry) if OmegaConf.is_config(entry) else entry for entry in policy_entries]
+        current = {**OmegaConf.to_container(merged), "policies": entries}
+        dotlist = OmegaConf.create(_indexed_into_lists(OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides))),
+                                                       current, ""))
         _check_keys(OmegaConf.to_container(dotlist), JobConfig, "", "command-line override")
         merged = _merge(merged, dotlist, "command-line override")
         policy_entries = list(dotlist.get("policies") or policy_entries)
@@ -590,6 +593,28 @@ def _check_override_syntax(overrides: List[str]) -> None:
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override '{item}': expected key=value, e.g. rl.max_steps=5")
+
+
+def _indexed_into_lists(given: dict, current: dict, prefix: str) -> dict:
+    """`rewards[0].weight=2` reaches here as {'rewards': {'0': {'weight': 2}}}: each indexed entry is merged onto
+    a copy of the list it indexes (the YAML's, or the default), so an override changes one entry of a list."""
+    out = {}
+    for key, value in given.items():
+        here = current.get(key) if isinstance(current, dict) else None
+        if isinstance(here, list) and isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+            items = list(here)
+            for index, entry in value.items():
+                if int(index) >= len(items):
+                    raise ConfigError(f"command-line override: '{prefix}{key}[{index}]': '{prefix}{key}' has "
+                                      f"{len(items)} entries (indices 0-{len(items) - 1})")
+                both = isinstance(entry, dict) and isinstance(items[int(index)], dict)
+                items[int(index)] = OmegaConf.to_container(OmegaConf.merge(items[int(index)], entry)) if both else entry
+            out[key] = items
+        elif isinstance(value, dict) and isinstance(here, dict):
+            out[key] = _indexed_into_lists(value, here, f"{prefix}{key}.")
+        else:
+            out[key] = value
+    return out
 
 
 def _expand_policies(merged, entries: list, source: str) -> list:

@@ -64,6 +64,16 @@ def test_overrides_win_over_yaml(tmp_path):
     assert config.rl.group_size == 4  # YAML value not overridden stays
 
 
+def test_an_override_changes_one_entry_of_a_list(tmp_path):
+    path = write(tmp_path, "rewards:\n  - name: exact_match\n  - name: length_reward\n    weight: 0.5\n"
+                           "policies:\n  - name: small\n    rl: {lr: 1.0e-4}\n  - name: large\n")
+    config = load_config(path, ["rewards[1].weight=2", "policies.1.rl.lr=1e-3"])
+    assert [(r.name, r.weight) for r in config.rewards] == [("exact_match", 1.0), ("length_reward", 2.0)]
+    assert [(p.name, p.rl.lr) for p in config.policies] == [("small", 1.0e-4), ("large", 1.0e-3)]
+    with pytest.raises(ConfigError, match=re.escape("'rewards[2]': 'rewards' has 2 entries (indices 0-1)")):
+        load_config(path, ["rewards[2].weight=2"])
+
+
 def test_quickstart_config_loads():
     config = load_config(str(REPO / "configs" / "quickstart.yaml"))
     assert config.name == "quickstart"
@@ -359,6 +369,7 @@ def test_bfloat16_trains_over_float32_masters_by_default_and_autocasts_under_zer
     ("rewards:\n  - name: exact_match\n    weight: .inf\n", [], "'rewards[0].weight' is inf; it must be a finite"),
     ("rewards:\n  - name: exact_match\n    weight: -.inf\n", [], "'rewards[0].weight' is -inf; it must be a finite"),
     ("", ["rl.lr=nan"], "'rl.lr' is nan; it must be a finite number"),
+    ("", ["rewards[0].weight=.inf"], "'rewards[0].weight' is inf; it must be a finite number"),
     ("", ["rollout.num_gpus=.inf"], "'rollout.num_gpus' is inf; it must be a finite number"),
     ("", ["learner.resources={learner_node: .inf}"], "'learner.resources.learner_node' is inf"),
 ])
