@@ -289,6 +289,26 @@ def start_beside(fault: Fault, job: Running) -> float:
     return struck
 
 
+def refuse_resume(run_dir: str, override: str) -> List[str]:
+    """`rlp run --resume run_dir override` must refuse in one line naming the key (exit 2) and leave the run's
+    files as they were; what went otherwise."""
+    before = _files(run_dir)
+    attempt = subprocess.run([RLP, "run", "--resume", run_dir, override], cwd=REPO, env=_command_env(),
+                             capture_output=True, text=True, timeout=300)
+    said, key = attempt.stderr.strip(), override.split("=")[0]
+    wrong = [] if attempt.returncode == 2 and "\n" not in said and f"'{key}'" in said else \
+        [f"--resume {override}: exit {attempt.returncode}: {said[-200:]}"]
+    if _files(run_dir) != before:
+        wrong.append(f"--resume {override} changed the run's files")
+    return wrong
+
+
+def _files(run_dir: str) -> Dict[str, float]:
+    """Each file under `run_dir` and when it was last written."""
+    return {os.path.join(root, name): os.stat(os.path.join(root, name)).st_mtime
+            for root, _, names in os.walk(run_dir) for name in names}
+
+
 def stop_reward_worker(name: str, stopped_s: float = 20.0) -> Callable[[Fault, Running], float]:
     """SIGSTOP the reward worker actor `name` for `stopped_s`, then SIGCONT."""
     def inject(fault: Fault, job: Running) -> float:
@@ -408,6 +428,7 @@ class Scenario:
     steps: Optional[int] = None  # RL steps of its job, where a fault takes longer than --steps leave it
     restarts: Optional[str] = None  # the restart kind (summary's rl.restarts) each landed fault must add
     disk: Optional[str] = None  # the size of a tmpfs mounted for its checkpoints (only root can mount one)
+    refused: List[str] = field(default_factory=list)  # overrides each of which a `--resume` must refuse first
 
 
 @dataclass
@@ -453,6 +474,7 @@ def _run_scenario(scenario: Scenario, out_dir: str, steps: int, seed: int) -> Ou
         else:
             orphans = _run_as_command(config, faults, progress, out_dir)
         if scenario.resume:
+            refusals = [wrong for override in scenario.refused for wrong in refuse_resume(config.run_dir, override)]
             orphans = (orphans or []) + ProcessTree([RLP, "run", "--resume", config.run_dir]).left()
     finally:
         progress.stop()
@@ -464,6 +486,8 @@ def _run_scenario(scenario: Scenario, out_dir: str, steps: int, seed: int) -> Ou
     outcome.wall_s = round(time.time() - start, 1)
     outcome.orphans, outcome.alerts = orphans, _alerts(config.run_dir)
     outcome.checks += [wrong for fault in faults for wrong in fault.wrong]
+    if scenario.resume:
+        outcome.checks += refusals
     if orphans:
         outcome.checks.append(f"{len(orphans)} processes outlived the job: {'; '.join(orphans)[:300]}")
     if scenario.alert and not outcome.alerts.get(scenario.alert):
@@ -649,6 +673,10 @@ SCENARIOS = [
     Scenario("slow-reward-sigterm-resume",  # one sample in 10 takes 10 s to score: the stop does not wait for it
              ["imports=[benchmarks.bench_rewards]", "rewards=[{fn: 'benchmarks.bench_rewards:sometimes_slow_exact_match'}]"],
              _sigterm, resume=True, in_process=False),
+    Scenario("nan-config-resume", ["checkpoint.every_steps=3"], lambda job, rng, steps: [
+        Fault("SIGTERM to `rlp run`, `rlp run --resume` refused with rl.lr=.nan and with rewards[0].weight=.inf, "
+              "then `rlp run --resume`", fault_steps(rng, steps, 1)[0], _terminate)],
+             resume=True, in_process=False, refused=["rl.lr=.nan", "rewards[0].weight=.inf"]),
     Scenario("reward-sigstop", ["reward_workers.num_workers=1", "monitoring.scoring_stall_s=10"],
              lambda job, rng, steps: [Fault("SIGSTOP the only reward worker for 20 s", s,
                                             stop_reward_worker(f"{job}-reward-0"))

@@ -68,17 +68,26 @@ def _run_seeds(args) -> int:
     if args.config is None:
         raise ConfigError("rlp run --seeds: give a job YAML")
     config = load_config(args.config, args.overrides)
+    import ray
+
+    from rlplatform.job.cluster import shutdown_ray
+
+    ours = not ray.is_initialized()  # the first seed starts a local Ray, which the later seeds run on
 
     def run_seed(overrides: List[str], started_at: Optional[float]) -> int:
         return _run_once(argparse.Namespace(**{**vars(args), "overrides": [*args.overrides, *overrides]}),
-                         started_at)
+                         started_at, keep_ray=True)
 
-    return run_seeds(config, args.seeds, run_seed)
+    try:
+        return run_seeds(config, args.seeds, run_seed)
+    finally:
+        if ours and ray.is_initialized():
+            shutdown_ray()
 
 
-def _run_once(args, started_at: Optional[float] = None) -> int:
+def _run_once(args, started_at: Optional[float] = None, keep_ray: bool = False) -> int:
     """One job, to its result line; `started_at` (wall clock): when its start-up began, default the process's
-    start."""
+    start. The job shuts down the Ray it started or joined, unless `keep_ray` (the caller's to shut down)."""
     if args.resume:
         if args.config and "=" in args.config:  # `rlp run --resume runs/x key=value`: no config given
             args.config, args.overrides = None, [args.config, *args.overrides]
@@ -97,13 +106,16 @@ def _run_once(args, started_at: Optional[float] = None) -> int:
         preflight.check_models(config, args.config)
         importlib.import_module("rlplatform.job.controller")
 
+    import ray
+
+    ours = not ray.is_initialized()  # else the caller's (`--seeds` after its first seed, or a program's)
     start_local_ray_while(config, load)
     from rlplatform.job.controller import run_job
 
-    # the job shuts down the Ray started here too: before it sets back the signal handlers it found, which are
-    # Ray's own (a SIGTERM there would exit 15 without a word)
-    summary = run_job(config, started_at=started_at or psutil.Process().create_time(), shutdown_ray=True,
-                      fresh=args.fresh)
+    # the job shuts down the Ray started (or joined) here too: before it sets back the signal handlers it found,
+    # which are Ray's own (a SIGTERM there would exit 15 without a word)
+    summary = run_job(config, started_at=started_at or psutil.Process().create_time(),
+                      shutdown_ray=ours and not keep_ray, fresh=args.fresh)
     print(_result_line(summary))
     return summary.get("exit_code", 0)
 

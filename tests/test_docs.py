@@ -6,6 +6,7 @@ blocks show is real: each `rlp` command parses with the CLI's own parser, every 
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -37,6 +38,20 @@ PREPARED_BY: Dict[str, Tuple[str, List[str]]] = {
 }
 # argv: a config, then a script and its arguments; runs the script as `python SCRIPT ARGUMENTS` would,
 # then `rlp validate CONFIG`
+VALIDATE_EACH = """
+import contextlib, io, json, sys, traceback
+from rlplatform.cli import main
+results = {}
+for config in sys.argv[1:]:
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+        try:
+            code = main(["validate", config])
+        except BaseException:
+            code, _ = 1, traceback.print_exc()
+    results[config] = [code, said.getvalue()]
+print(json.dumps(results))
+"""
 PREPARE_THEN_VALIDATE = """
 import runpy, sys
 from rlplatform.cli import main
@@ -93,12 +108,17 @@ def nav_pages(nav: list) -> List[str]:
     return pages
 
 
-def validate(config: str, scratch: Path) -> subprocess.CompletedProcess:
-    """`rlp validate config` from the repository; for a config in PREPARED_BY, from a scratch directory,
-    in the process that first ran its documented command there (torch and transformers load once)."""
-    if config not in PREPARED_BY:
-        return subprocess.run([sys.executable, "-m", "rlplatform.cli", "validate", config], cwd=REPO,
-                              capture_output=True, text=True)
+def validate_in_one_process(configs: List[str]) -> Dict[str, Tuple[int, str]]:
+    """`rlp validate` of each config from the repository, all in one process (torch and Ray import once):
+    config -> (exit code, what it printed)."""
+    done = subprocess.run([sys.executable, "-c", VALIDATE_EACH, *configs], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {config: tuple(result) for config, result in json.loads(done.stdout.splitlines()[-1]).items()}
+
+
+def validate_prepared(config: str, scratch: Path) -> subprocess.CompletedProcess:
+    """`rlp validate config` for a config in PREPARED_BY: from a scratch directory, in the process that first
+    ran its documented command there (torch and transformers load once)."""
     documented, small = PREPARED_BY[config]
     _, script, *arguments = shlex.split(documented)  # `python SCRIPT ARGUMENTS`
     workdir = scratch / Path(config).stem
@@ -163,6 +183,9 @@ def test_every_config_an_rlp_command_names_validates(tmp_path: Path) -> None:
     for config, (command, _) in PREPARED_BY.items():
         assert config in configs and any(line.startswith(command) for line in documented), \
             f"PREPARED_BY lists {config}, made by `{command}`: the docs no longer show both"
-    results = {config: validate(config, tmp_path) for config in configs}
-    failed = {config: result.stdout + result.stderr for config, result in results.items() if result.returncode}
+    results = validate_in_one_process([config for config in configs if config not in PREPARED_BY])
+    for config in PREPARED_BY:
+        prepared = validate_prepared(config, tmp_path)
+        results[config] = (prepared.returncode, prepared.stdout + prepared.stderr)
+    failed = {config: said for config, (code, said) in results.items() if code}
     assert not failed, failed

@@ -42,10 +42,10 @@ def start_ray(config: JobConfig) -> None:
 
 
 def start_local_ray_while(config: JobConfig, work: Callable[[], None]) -> None:
-    """Run `work` on another thread while starting a local Ray here. No Ray starts when the job joins
-    a cluster or its `redis.url` does not answer: `run_job` then joins the cluster, or fails on Redis
-    before any Ray starts, and reports either in its summary. When `work` raises, the Ray started here
-    is shut down and its error raised here."""
+    """Run `work` on another thread while starting a local Ray here. No Ray starts when one runs in this
+    process already, the job joins a cluster or its `redis.url` does not answer: `run_job` then joins the
+    cluster, or fails on Redis before any Ray starts, and reports either in its summary. When `work` raises,
+    the Ray started here is shut down and its error raised here."""
     failed: List[BaseException] = []
 
     def run() -> None:
@@ -64,6 +64,12 @@ def start_local_ray_while(config: JobConfig, work: Callable[[], None]) -> None:
         if started:
             ray.shutdown()
         raise failed[0]
+
+
+def shutdown_ray() -> None:
+    """Shut down the Ray this process started or joined, keeping the SIGTERM handler it has."""
+    with _sigterm_handler_kept():
+        ray.shutdown()
 
 
 @contextmanager

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,6 @@ from rlplatform.config import ConfigError, load_config
 from rlplatform.job.seeds import format_table, run_seeds, seed_figures, seed_overrides, statistics
 from tests.job.conftest import TINY
 
-RLP = str(Path(sys.executable).parent / "rlp")
 QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml")
 
 
@@ -140,11 +137,11 @@ def test_the_seeds_runs_are_one_wandb_group(tmp_path, monkeypatch):
     assert given["group"] == "sweep" and given["name"] == "sweep-seed-4"
 
 
-def test_two_seeds_of_a_tiny_job_through_rlp_run(tmp_path):
-    result = subprocess.run([RLP, "run", "--seeds", "2", QUICKSTART, f"output_dir={tmp_path}", "name=pair", "seed=3",
-                             *TINY, "rl.max_steps=2"],
-                            capture_output=True, text=True, timeout=600, env=dict(os.environ, RAY_ADDRESS=""))
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_two_seeds_of_a_tiny_job_through_rlp_run(ray_session, tmp_path, capsys):
+    code = cli.main(["run", "--seeds", "2", QUICKSTART, f"output_dir={tmp_path}", "name=pair", "seed=3", *TINY,
+                     "rl.max_steps=2"])
+    result = capsys.readouterr()
+    assert code == 0, result.err[-3000:]
     parent = tmp_path / "pair"
     assert sorted(os.listdir(parent)) == ["pair-seed-3", "pair-seed-4", "seeds.json"]
     summaries = []
@@ -168,7 +165,7 @@ def test_two_seeds_of_a_tiny_job_through_rlp_run(tmp_path):
     after_rl = [s["eval"]["after_rl"]["accuracy"] for s in summaries]
     assert written["statistics"]["accuracy_after_rl"]["max"] == max(after_rl)
 
-    table = result.stdout.splitlines()
+    table = result.out.splitlines()
     start = next(i for i, line in enumerate(table) if line.startswith("seed "))
     assert table[start].split() == ["seed", "status", "before", "RL", "after", "RL", "gain", "trained/s", "wall", "s"]
     assert [line.split()[:2] for line in table[start + 1:start + 3]] == [["3", "completed"], ["4", "completed"]]
