@@ -107,6 +107,7 @@ class RolloutWorker:
         newer = self.weights_in.newer(self.engine.version)
         if newer is not None:
             version, state_dict = newer
+            self.heartbeats.beat(self.label, f"loading weights v{version}", self.engine.version)
             self.engine.load_weights(state_dict, version)
             received = sum(t.numel() * t.element_size() for t in state_dict.values())  # with LoRA, the adapters' alone
             self._count(weight_sync_bytes=received)
@@ -155,7 +156,7 @@ class RolloutWorker:
         self.schedule.taken_over(self.index)  # after a restart: the groups a predecessor left unsubmitted
         player = self._taskset_player(bridge, capacity)
         while not self._poll():
-            self.heartbeats.beat(self.label)
+            self.heartbeats.beat(self.label, "generating", self.version)
             if in_flight or not batch:
                 self._sync_counted()
             if self.version < 0:

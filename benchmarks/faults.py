@@ -64,6 +64,7 @@ TINY = ["model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=1
         "rl.max_new_tokens=4", "rollout.prompts_per_batch=4", "rollout.num_cpus=0.5", "learner.num_cpus=0.5",
         "reward_workers.num_cpus=0.25", "wandb.mode=disabled", "rl.group_timeout_s=60"]
 VLLM = ["rollout.engine=vllm", "model.num_heads=2"]  # vLLM's CPU attention takes TINY's width in heads of 32
+WATCHDOG = ["monitoring.hang_floor_s=5"]  # deadlines a tiny job reaches: 10x its longest round or step, at least 5 s
 MALFORMED = [b"\x00not msgpack", b"\x93\x01\x02\x03", b"\x82\xa1v\x07\xa6sample\xc0",  # garbage, a list, schema 7
              b"\x82\xa1v\x01\xa6sample\x81\xa9sample_id\xa1x"]  # schema 1 with a sample missing its fields
 
@@ -307,6 +308,14 @@ def _files(run_dir: str) -> Dict[str, float]:
     """Each file under `run_dir` and when it was last written."""
     return {os.path.join(root, name): os.stat(os.path.join(root, name)).st_mtime
             for root, _, names in os.walk(run_dir) for name in names}
+
+
+def stop_for_good(name: str) -> Callable[[Fault, Running], float]:
+    """SIGSTOP the live actor `name`, never continued: the watchdog has to find it hung and recover."""
+    def inject(fault: Fault, job: Running) -> float:
+        os.kill(actor_pid(name), signal.SIGSTOP)
+        return time.time()
+    return inject
 
 
 def stop_reward_worker(name: str, stopped_s: float = 20.0) -> Callable[[Fault, Running], float]:
@@ -677,6 +686,19 @@ SCENARIOS = [
         Fault("SIGTERM to `rlp run`, `rlp run --resume` refused with rl.lr=.nan and with rewards[0].weight=.inf, "
               "then `rlp run --resume`", fault_steps(rng, steps, 1)[0], _terminate)],
              resume=True, in_process=False, refused=["rl.lr=.nan", "rewards[0].weight=.inf"]),
+    Scenario("rollout-hang", WATCHDOG, lambda job, rng, steps: [
+        Fault("SIGSTOP rollout worker for good", s, stop_for_good(f"{job}-policy-rollout-0"))
+        for s in fault_steps(rng, steps, 1)], alert="hang", restarts="rollout"),
+    Scenario("rollout-hang-vllm", [*WATCHDOG, *VLLM], lambda job, rng, steps: [
+        Fault("SIGSTOP rollout worker on vLLM for good", s, stop_for_good(f"{job}-policy-rollout-0"))
+        for s in fault_steps(rng, steps, 1)], alert="hang", restarts="rollout"),
+    Scenario("reward-hang", [*WATCHDOG, "reward_workers.num_workers=1", "rewards=[{name: exact_match, timeout_s: 1}]"],
+             lambda job, rng, steps: [Fault("SIGSTOP the only reward worker for good", s,
+                                            stop_for_good(f"{job}-reward-0")) for s in fault_steps(rng, steps, 1)],
+             alert="hang", restarts="reward"),
+    Scenario("learner-hang-resume", [*WATCHDOG, "checkpoint.every_steps=3"], lambda job, rng, steps: [
+        Fault("SIGSTOP learner rank for good, then `rlp run --resume`", s, stop_for_good(f"{job}-policy-learner-0"))
+        for s in fault_steps(rng, steps, 1)], resume=True, alert="hang"),
     Scenario("reward-sigstop", ["reward_workers.num_workers=1", "monitoring.scoring_stall_s=10"],
              lambda job, rng, steps: [Fault("SIGSTOP the only reward worker for 20 s", s,
                                             stop_reward_worker(f"{job}-reward-0"))

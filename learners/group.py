@@ -72,9 +72,12 @@ class LearnerGroup:
     def set_up(self) -> None:
         """Rendezvous the ranks and wrap the policy at `model_path` in DeepSpeed on each; waits for them."""
         host, port = deadline_get(self.ranks[0].address.remote(), "learner rank 0", LEARNER_TIMEOUT_S)
+        started = time.time()
         deadline_get([rank.setup.remote(host, port) for rank in self.ranks], "a learner rank's setup",
                      LEARNER_TIMEOUT_S)
         self.ready_at = time.time()  # wall clock when every rank was set up
+        self.set_up_s = self.ready_at - started
+        self.processes = ray.get([rank.process.remote() for rank in self.ranks])  # `this_process()` of each rank
 
     def placements(self) -> List[Dict]:
         """Each rank's `LearnerRank.placement`: device, LOCAL_RANK, backend, Ray GPU ids, dtype, precision mode."""

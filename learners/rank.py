@@ -41,6 +41,7 @@ from rlplatform.policy import enable_activation_checkpointing, load_policy
 from rlplatform.token_budget import micro_batches
 from rlplatform.tokenization import encode_sft
 from rlplatform.transport.adapters import AdapterSnapshot
+from rlplatform.transport.deadlines import this_process
 from rlplatform.transport.redis_server import RedisUnavailable, connect
 from rlplatform.transport.results import ResultStore
 from rlplatform.transport.reward_queue import JobKeys, announce_step_end
@@ -135,6 +136,10 @@ class LearnerRank:
         # Imported here, so that the import runs while the job writes the policy that `setup` loads
         os.environ["DS_ACCELERATOR"] = self.device.type
         importlib.import_module("deepspeed")
+
+    def process(self) -> Dict:
+        """Where this rank runs (pid, node, Ray ids), for the watchdog's alert and stack dump."""
+        return this_process()
 
     def address(self) -> tuple:
         """(host, free port) where rank 0 listens for the rendezvous."""

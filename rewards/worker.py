@@ -56,7 +56,7 @@ class RewardWorker(QueueWorker):
         self.scorer = Scorer(resolve(rewards), config.concurrency)
         queue = RewardQueue(connect(redis_url, wait_s=RECONNECT_S), run)  # a restart may meet Redis restarting
         super().__init__(name, queue, queue, config, RewardStats(), Heartbeats(queue.client, run),
-                         REWARD_WORKER + name)
+                         REWARD_WORKER + name, round_limit_s=max(spec.timeout_s for spec in rewards))
 
     def decode(self, raw: bytes) -> Sample:
         return decode_sample(raw)

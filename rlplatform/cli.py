@@ -298,7 +298,8 @@ def _verifiers(args) -> int:
 def _status(args) -> int:
     import time
 
-    from rlplatform.monitoring.job_status import JobStatus, format_status
+    from rlplatform.monitoring.job_status import JobStatus, format_beats, format_status
+    from rlplatform.transport.deadlines import Heartbeats
     from rlplatform.transport.job_lease import newest_run
     from rlplatform.transport.redis_server import connect
 
@@ -316,6 +317,8 @@ def _status(args) -> int:
         print(f"rlp: no status for job '{job}' on this Redis (not started, or expired)", file=sys.stderr)
         return 1
     print(f"{job}: {format_status(fields, time.time())}")
+    for line in format_beats(Heartbeats(client, run).beats(), time.time()):
+        print(f"  {line}")
     return 0
 
 
@@ -468,7 +471,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         cause = getattr(err, "cause", err)  # a failed Ray task keeps the worker's own error as `cause`
         if isinstance(err, (JobFailed, DiskFull)) or isinstance(cause, ConnectionError):  # one line, no traceback
             print(f"rlp: {redact_urls_in(str(cause))}", file=sys.stderr)
-            return 1
+            return getattr(err, "exit_code", 1)
         raise
     except KeyboardInterrupt:
         print("rlp: interrupted", file=sys.stderr)

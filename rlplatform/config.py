@@ -363,6 +363,9 @@ class MonitoringConfig:
     worker_silent_s: float = above(120.0, 0)  # a rollout or reward worker whose loop has not gone round this long is named (console, alert, rlp status)
     parity_every: int = at_least(10, 0)  # versions between each rollout engine's parity canary checks against the learner (0: never; docs/monitoring.md)
     scoring_stall_s: float = above(30.0, 0)  # samples waiting for rewards and none scored this long: an alert naming the reward workers' last beats
+    watchdog: bool = True  # hung components are alerted, their stacks dumped to <run>/hangs/, and recovered (docs/failures-and-resume.md)
+    hang_factor: float = above(10.0, 1)  # a component is hung after this many times its longest round or learner step so far without progress
+    hang_floor_s: float = above(60.0, 0)  # ... and at least this long
 
 
 POLICY_SECTIONS = ("model", "sft", "rl", "rollout", "learner", "weights")

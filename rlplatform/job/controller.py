@@ -51,9 +51,9 @@ from rlplatform.transport.weight_transports import resolve_auto, weight_transpor
 class JobEnded(JobFailed):
     """The job failed after its stages began; `results` are its policies' results as they stood."""
 
-    def __init__(self, message: str, results: Dict[str, PolicyResults]) -> None:
+    def __init__(self, message: str, results: Dict[str, PolicyResults], exit_code: int = 1) -> None:
         super().__init__(message)
-        self.results = results
+        self.results, self.exit_code = results, exit_code
 
 
 def run_job(config: JobConfig, started_at: Optional[float] = None, shutdown_ray: Optional[bool] = None,
@@ -121,6 +121,7 @@ def _run_locked(config: JobConfig, started_at: float, shutdown_ray: Optional[boo
     except BaseException as err:
         if not stop.requested or isinstance(err, DiskFull):  # the stop's own checkpoint could not be written
             summary.status, summary.error = "failed", plain_text(f"{type(err).__name__}: {err}")
+            summary.exit_code = getattr(err, "exit_code", None)
             raise
         # a signal's Interrupted raised inside library code can surface as another error
         summary.status, summary.error = "interrupted", f"stopped by {signal.Signals(stop.signum).name}"
@@ -315,7 +316,7 @@ def _run_stages(config: JobConfig, run: str, redis_url: str, learners: Dict[str,
             except StageFailed as failed:
                 for name, rl in failed.summaries.items():
                     results[name].rl = rl
-                raise JobEnded(str(failed), results) from None
+                raise JobEnded(str(failed), results, failed.exit_code) from None
             for name, rl in summaries.items():
                 results[name].rl = rl
         if not stop.requested:

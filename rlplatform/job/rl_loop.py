@@ -34,12 +34,13 @@ from rlplatform.monitoring.error_guard import RewardErrorGuard, Verdict
 from rlplatform.monitoring.job_status import SILENT_WORKERS
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.rl_monitor import RLMonitor
+from rlplatform.monitoring.watchdog import HangRule, LearnerProcess, WorkerWatchdog, learner_hang
 from rlplatform.rewards.shaping import overlong_penalty
 from rlplatform.scheduling.buffer import Batch, GroupBuffer, has_signal
 from rlplatform.scheduling.groups import GroupSchedule
 from rlplatform.scheduling.staleness import StalenessRule
-from rlplatform.transport.deadlines import (LEARNER_TIMEOUT_S, Heartbeats, JobFailed, LearnerDied, ScoringStall,
-                                            SilentWorkers, WorkerHung)
+from rlplatform.transport.deadlines import (LEARNER_TIMEOUT_S, Heartbeats, JobFailed, LearnerDied, LearnerHung,
+                                            ScoringStall, SilentWorkers, WorkerHung)
 from rlplatform.transport.redis_server import RedisUnavailable
 from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.samples import ResultMeta
@@ -130,9 +131,9 @@ class RedisMirror:
 class StageFailed(JobFailed):
     """The RL stage ended on an error: `summaries` are its policies' figures as they stood (`PolicyRun.summary`)."""
 
-    def __init__(self, message: str, summaries: Dict[str, RLSummary]) -> None:
+    def __init__(self, message: str, summaries: Dict[str, RLSummary], exit_code: int = 1) -> None:
         super().__init__(message)
-        self.summaries = summaries
+        self.summaries, self.exit_code = summaries, exit_code
 
 
 class PolicyRun:
@@ -348,6 +349,18 @@ class PolicyRun:
             self._log_trained(step.batch, None)
         return True
 
+    def learner_hang(self, rule: HangRule, checkpoint: Optional[str]) -> Optional[LearnerHung]:
+        """The learner's hang, once the step it runs made no progress past `rule`'s deadline: the longest step so
+        far (before one ended, the learner's set-up) times the rule's factor; its ranks' stacks are dumped."""
+        if not self._steps:
+            return None
+        running = time.perf_counter() - max(self._steps[0].sent, self._last_step_end)
+        learner = self.workers.learner
+        ranks = [LearnerProcess(f"learner rank {i} of policy '{self.workers.name}'", p["pid"], p["node_ip"],
+                                p.get("node_id", "")) for i, p in enumerate(learner.processes)]
+        return learner_hang(rule, self.job.run_dir, ranks, running, self.longest_step_s or learner.set_up_s,
+                            checkpoint)
+
     def step_deadline_s(self) -> float:
         """How long a learner step in flight may take to end once the job's Redis went away: its ranks' reconnect
         time (a step that could not fetch its samples ends when they give up), plus 4x the longest step so far and
@@ -464,9 +477,11 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
     supervisor = _start_loops(job, policies, reward_actors, metrics)
     checkpoints = Checkpoints(job, runs, job_state, attempt)
     heartbeats = Heartbeats(queue.client, queue.keys.run)
+    rule = HangRule(job.monitoring.hang_factor, job.monitoring.hang_floor_s) if job.monitoring.watchdog else None
     watch = WorkerWatch(SilentWorkers(heartbeats, job.monitoring.worker_silent_s),
                         ScoringStall(heartbeats, job.monitoring.scoring_stall_s,
-                                     {spec.label: spec.timeout_s for spec in job.rewards}), queue, metrics)
+                                     {spec.label: spec.timeout_s for spec in job.rewards}), queue, metrics,
+                        WorkerWatchdog(rule, job.run_dir, supervisor.restart_hung) if rule else None)
     failed = partial(_as_they_stood, runs, supervisor, checkpoints, controller_cpu_start, metrics)
     try:
         with stop.polled():
@@ -475,6 +490,7 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
                 supervisor.check()
                 watch.check(max(run.version for run in runs.values()),
                             min(run.since_scored_s for run in runs.values()))
+                _check_learners(runs, rule, checkpoints.latest)
                 checkpoints.maybe_save()
             checkpoints.save_now()
     except RedisUnavailable as lost:
@@ -483,6 +499,9 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
             f"a learner step did not end, so no checkpoint could be written ({_newest(checkpoints.latest)})"
         raise StageFailed(f"{lost}; {kept}; resume with `rlp run --resume {job.run_dir}` once it is back",
                           failed(offline=True)) from None
+    except LearnerHung as hung:  # no checkpoint can be taken from it; the figures are Redis's
+        metrics.event("hang", str(hung))
+        raise StageFailed(str(hung), failed(), hung.exit_code) from None
     except (LearnerDied, WorkerHung, DiskFull):  # the learner's weights cannot be saved, a wait would not end, or
         raise  # the checkpoint that failed says what is intact
     except Exception as err:
@@ -538,10 +557,12 @@ def _newest(checkpoint: Optional[str]) -> str:
 
 class WorkerWatch:
     """Every few seconds: names rollout and reward workers gone silent, and a reward queue that stalled, in an
-    alert (and the silent workers in the job status)."""
+    alert (and the silent workers in the job status); the watchdog, when on, recovers hung workers."""
 
-    def __init__(self, silent: SilentWorkers, stall: ScoringStall, queue: RewardQueue, metrics: Metrics) -> None:
+    def __init__(self, silent: SilentWorkers, stall: ScoringStall, queue: RewardQueue, metrics: Metrics,
+                 watchdog: Optional[WorkerWatchdog]) -> None:
         self.silent, self.stall, self.queue, self.metrics = silent, stall, queue, metrics
+        self.watchdog = watchdog
         self._last = time.monotonic()
 
     def check(self, step: int, since_scored_s: float) -> None:
@@ -549,6 +570,8 @@ class WorkerWatch:
         if time.monotonic() - self._last < 2.0:
             return
         self._last = time.monotonic()
+        for message in self.watchdog.check(self.silent.heartbeats.beats()) if self.watchdog else []:
+            self.metrics.event("hang", message, step)
         for message in self.silent.newly_silent():
             self.metrics.event("worker_silent", message, step)
         stalled = self.stall.check(self.queue.pending(), since_scored_s)
@@ -665,6 +688,14 @@ def _shaped(scored: ResultMeta, max_tokens: int, buffer: int) -> ResultMeta:
     """`scored` with DAPO's overlong penalty added to its reward, and as its `overlong_penalty` component."""
     penalty = overlong_penalty(scored.completion_tokens, max_tokens, buffer)
     return replace(scored, reward=scored.reward + penalty, components={**scored.components, "overlong_penalty": penalty})
+
+
+def _check_learners(runs: Dict[str, PolicyRun], rule: Optional[HangRule], checkpoint: Optional[str]) -> None:
+    """Raise `LearnerHung` for a policy whose learner step ran past the watchdog's deadline (none when it is off)."""
+    for run in runs.values():
+        hung = run.learner_hang(rule, checkpoint) if rule else None
+        if hung:
+            raise hung
 
 
 def _failure(runs: Dict[str, PolicyRun]) -> Optional[str]:

@@ -164,7 +164,7 @@ class JobSummary:
     wandb_dir: Optional[str] = None
     error: Optional[str] = None
     wall_s: Optional[float] = None
-    exit_code: Optional[int] = None  # a signal's: set when one stopped the job
+    exit_code: Optional[int] = None  # a signal's, or the failure's own (1; 3: a learner hung)
 
     def to_json(self) -> Dict[str, Any]:
         shown: Dict[str, Any] = {"status": self.status, "name": self.name, "run_dir": self.run_dir,

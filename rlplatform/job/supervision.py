@@ -105,6 +105,15 @@ class Supervisor:
             return
         raise RuntimeError(f"{loop.kind} worker {loop.name} stopped before the job asked it to")
 
+    def restart_hung(self, actor_id: str) -> bool:
+        """Kill the actor `actor_id` (Ray actor id, hex) of a hung worker loop, so that Ray restarts it and `check`
+        runs its loop again; False where no loop of the stage runs on that actor."""
+        for loop in self._loops:
+            if loop.actor._actor_id.hex() == actor_id:
+                ray.kill(loop.actor, no_restart=False)
+                return True
+        return False
+
     def _count(self, kind: str) -> int:
         return sum(loop.kind == kind for loop in self._loops)
 

@@ -8,11 +8,12 @@ any are), the OpenAI bridges' URLs (while they serve) and when they were written
 from __future__ import annotations
 
 import time
-from typing import Dict
+from typing import Dict, List
 
 import redis
 
 from rlplatform.transport.bridge_protocol import BRIDGE_STATUS_PREFIX
+from rlplatform.transport.deadlines import Beat
 from rlplatform.transport.reward_queue import JobKeys
 
 STATUS_TTL_S = 7 * 24 * 3600  # a finished job's status stays readable for a week
@@ -52,6 +53,12 @@ class JobStatus:
 def _set_on_its_own(field: str) -> bool:
     """Fields not part of a progress line: the silent workers (`set`) and the bridges' URLs (`announce`)."""
     return field == SILENT_WORKERS or field.startswith(BRIDGE_STATUS_PREFIX)
+
+
+def format_beats(beats: List[Beat], now: float) -> List[str]:
+    """One line per worker on the job's heartbeat hash: where it runs, what it is doing, its last progress."""
+    return [f"{beat.describe()}: last progress {now - beat.at:.0f}s ago (longest between two {beat.longest_round_s:g}s)"
+            for beat in sorted(beats, key=lambda beat: beat.worker)]
 
 
 def format_status(fields: Dict[str, str], now: float) -> str:

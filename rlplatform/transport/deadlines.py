@@ -2,7 +2,9 @@
 
 `deadline_get` is `ray.get` with a deadline and a message naming what did not answer; a learner
 rank's death becomes `LearnerDied`. Rollout and reward workers (in the job or standalone) beat on
-the job's heartbeat hash each time their loop goes round (`Heartbeats`), and `SilentWorkers` names
+the job's heartbeat hash each time their loop goes round (`Heartbeats`): a `Beat` says where the worker
+runs, what it is doing and the longest it went between beats, for the watchdog
+(`rlplatform.monitoring.watchdog`) and `rlp status`. `SilentWorkers` names
 those silent past `monitoring.worker_silent_s`; `ScoringStall` names a reward queue where samples wait
 and none was scored for `monitoring.scoring_stall_s` (a stopped or wedged reward worker, sooner than
 its silence is named). All say what stopped answering in one wording.
@@ -10,7 +12,11 @@ its silence is named). All say what stopped answering in one wording.
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import time
+from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional
 
 import ray
@@ -27,7 +33,8 @@ REWARD_WORKER = "reward worker "  # how reward workers' labels on the heartbeat 
 
 
 class JobFailed(RuntimeError):
-    """The job cannot go on; the one-line message says why and how to resume."""
+    """The job cannot go on; the one-line message says why and how to resume. `exit_code`: `rlp run`'s."""
+    exit_code = 1
 
 
 class LearnerDied(JobFailed):
@@ -36,6 +43,12 @@ class LearnerDied(JobFailed):
 
 class WorkerHung(JobFailed):
     """A remote call passed its deadline; the message names the worker."""
+
+
+class LearnerHung(WorkerHung):
+    """A learner step made no progress past the watchdog's deadline: the job ends, to be resumed from its
+    checkpoint, with its own exit code."""
+    exit_code = 3
 
 
 def unresponsive(what: str, seconds: float, how: str = "made no progress") -> str:
@@ -56,29 +69,74 @@ def deadline_get(refs, what: str, timeout_s: float):
                          " (see the Ray logs under /tmp/ray/session_latest/logs)") from None
 
 
+@dataclass(frozen=True)
+class Beat:
+    """A worker's last beat: when, which process where, what it went on to do, and the longest it went between
+    two beats so far (or the longest a round may take by design, a reward call's timeout, if longer)."""
+    worker: str
+    at: float
+    pid: int = 0
+    node_ip: str = ""
+    node_id: str = ""  # Ray's node id ("" outside Ray)
+    actor: str = ""  # its Ray actor id ("" for a worker that is not an actor, a standalone one)
+    action: str = ""
+    version: Optional[int] = None  # the policy version it holds (rollout workers)
+    longest_round_s: float = 0.0
+
+    def describe(self) -> str:
+        doing = f", {self.action}" if self.action else ""
+        version = f" at version {self.version}" if self.version is not None else ""
+        return f"{self.worker} (pid {self.pid} on {self.node_ip}{doing}{version})"
+
+
+def this_process() -> Dict[str, object]:
+    """Where a beat comes from: pid, node, and the Ray node and actor ids where it runs in Ray."""
+    if not ray.is_initialized():
+        return {"pid": os.getpid(), "node_ip": socket.gethostname()}
+    context = ray.get_runtime_context()
+    return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "node_id": context.get_node_id(),
+            "actor": context.get_actor_id() or ""}
+
+
 class Heartbeats:
     """The job's heartbeat hash on Redis: worker label (`rollout worker 0 of policy 'p'`,
-    `reward worker <name>`) -> when its loop last went round."""
+    `reward worker <name>`) -> its last `Beat`, as JSON."""
 
     def __init__(self, client: redis.Redis, run: str) -> None:
         self.client, self.key = client, JobKeys(run).heartbeats
         self._last: Dict[str, float] = {}
+        self._action: Dict[str, str] = {}
+        self._beat_at: Dict[str, float] = {}
+        self._longest: Dict[str, float] = {}
+        self._process: Optional[Dict[str, object]] = None
 
-    def beat(self, worker: str) -> None:
-        """`worker`'s loop is alive; written at most every `BEAT_EVERY_S`."""
+    def beat(self, worker: str, action: str = "", version: Optional[int] = None, round_limit_s: float = 0.0) -> None:
+        """`worker` made progress and goes on to `action`; written at most every `BEAT_EVERY_S`, and at once when
+        the action changes. `round_limit_s`: the longest a round may take by design."""
         now = time.time()
-        if now - self._last.get(worker, 0.0) >= BEAT_EVERY_S:
-            self._last[worker] = now
-            self.client.hset(self.key, worker, now)
+        if worker in self._beat_at:
+            self._longest[worker] = max(self._longest.get(worker, 0.0), now - self._beat_at[worker])
+        self._beat_at[worker] = now
+        if now - self._last.get(worker, 0.0) < BEAT_EVERY_S and action == self._action.get(worker):
+            return
+        self._last[worker], self._action[worker] = now, action
+        self._process = self._process or this_process()
+        longest = max(self._longest.get(worker, 0.0), round_limit_s)
+        beat = Beat(worker, now, action=action, version=version, longest_round_s=round(longest, 3), **self._process)
+        self.client.hset(self.key, worker, json.dumps({k: v for k, v in asdict(beat).items() if k != "worker"}))
 
     def leave(self, worker: str) -> None:
         """`worker` stopped on purpose: it is no longer watched."""
         self.client.hdel(self.key, worker)
 
+    def beats(self) -> List[Beat]:
+        """Each watched worker's last beat."""
+        return [Beat(k.decode(), **json.loads(v)) for k, v in self.client.hgetall(self.key).items()]
+
     def ages(self) -> Dict[str, float]:
         """Seconds since each watched worker last beat."""
         now = time.time()
-        return {k.decode(): now - float(v) for k, v in self.client.hgetall(self.key).items()}
+        return {beat.worker: now - beat.at for beat in self.beats()}
 
     def silent(self, after_s: float) -> Dict[str, float]:
         """Seconds since each worker silent for more than `after_s` last beat."""

@@ -32,12 +32,13 @@ class QueueWorker:
     delivered too often, `handle` the rest and store their results idempotently. Subclasses give
     `decode` and `handle`; `stats` (a `QueueStats`) counts `dead_letters` and `reclaimed` and time spent `busy_s`.
     `run_queue` is the run's reward queue: its stop flag ends `run`, its counters collect the figures;
-    `label` names the worker on the job's heartbeat hash (`heartbeats`), as silent workers are named."""
+    `label` names the worker on the job's heartbeat hash (`heartbeats`), as silent workers are named;
+    `round_limit_s`: the longest one round may take by design (its calls' timeout), which its beats state."""
 
     def __init__(self, name: str, queue: StreamQueue, run_queue: RewardQueue, config: RewardWorkersConfig, stats,
-                 heartbeats: Heartbeats, label: str) -> None:
+                 heartbeats: Heartbeats, label: str, round_limit_s: float = 0.0) -> None:
         self.name, self.queue, self.run_queue, self.config, self.stats = name, queue, run_queue, config, stats
-        self.heartbeats, self.label = heartbeats, label
+        self.heartbeats, self.label, self.round_limit_s = heartbeats, label, round_limit_s
         set_cpu_priority(config.priority)
         self.queue.create_group()
         self._last_reclaim = 0.0
@@ -104,7 +105,7 @@ class QueueWorker:
         returns the stats."""
         try:
             while not self.run_queue.stop_requested():
-                self.heartbeats.beat(self.label)
+                self.heartbeats.beat(self.label, "serving", round_limit_s=self.round_limit_s)
                 self.step()
         finally:
             self.heartbeats.leave(self.label)

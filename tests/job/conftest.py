@@ -89,6 +89,19 @@ class RunFiles:
         return run_scope(config.name, Path(config.run_dir, RUN_ID).read_text().strip())
 
 
+def actor_pid(name: str, timeout_s: float = 120.0) -> int:
+    """The pid of the live Ray actor `name`, from the GCS's actor table."""
+    from ray._private.state import state as ray_state
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for actor in ray_state.actor_table(None).values():
+            if actor.get("Name") == name and actor.get("State") == "ALIVE" and actor.get("Pid"):
+                return actor["Pid"]
+        time.sleep(0.2)
+    raise TimeoutError(f"actor {name} is not alive")
+
+
 @pytest.fixture
 def run_files() -> RunFiles:
     return RunFiles()

@@ -1,0 +1,137 @@
+"""The watchdog: no component of a running job stalls it silently.
+
+Rollout and reward workers beat on the job's heartbeat hash as their loops go round (`Beat`: pid, node,
+action, version, the longest round so far); the controller times each learner step. A component that makes
+no progress for `monitoring.hang_factor` times its longest round or step measured so far (at least
+`monitoring.hang_floor_s`) is hung. The watchdog then
+- names it in a `hang` alert: the component, its pid and node, what it was doing and for how long;
+- writes every thread's Python stack of its process to `<run>/hangs/` (`py-spy dump --nonblocking`, which
+  reads a stopped process too, on the process's own node);
+- recovers: a worker's actor is killed, Ray restarts it and the supervisor runs its loop again, re-issuing its
+  unfinished work; its deadline doubles, so that a slow worker is not killed over and over. A learner that
+  hangs ends the job (`LearnerHung`, exit code 3) naming the dump and the checkpoint to resume from.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, List, Optional
+
+import ray
+
+from rlplatform.transport.deadlines import Beat, LearnerHung
+
+DUMP_TIMEOUT_S = 30.0  # one py-spy dump
+
+
+@dataclass(frozen=True)
+class HangRule:
+    """When a component is hung: no progress for `factor` times its longest measured round (at least `floor_s`)."""
+    factor: float
+    floor_s: float
+
+    def deadline_s(self, longest_s: float) -> float:
+        return max(self.floor_s, self.factor * longest_s)
+
+
+def dump_stacks(pid: int, node_id: str, path: str) -> str:
+    """Every thread's Python stack of process `pid` on Ray node `node_id`, written to `path`; returns what to
+    tell the user (the path, or why there is no dump)."""
+    try:
+        if not node_id or node_id == ray.get_runtime_context().get_node_id():
+            text = _py_spy_dump(pid)
+        else:  # read by a task on the process's node
+            strategy = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id, soft=False)
+            text = ray.get(_dump_on_node.options(scheduling_strategy=strategy).remote(pid), timeout=DUMP_TIMEOUT_S)
+    except Exception as err:  # the dump is a courtesy: the alert and the recovery go on without it
+        return f"no stack dump ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+    return f"stacks in {path}"
+
+
+def _py_spy_dump(pid: int) -> str:
+    py_spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if not os.path.exists(py_spy):
+        raise FileNotFoundError("py-spy is not installed")
+    done = subprocess.run([py_spy, "dump", "--nonblocking", "--pid", str(pid)], capture_output=True, text=True,
+                          timeout=DUMP_TIMEOUT_S)
+    if done.returncode:
+        raise RuntimeError(f"py-spy: {(done.stderr or done.stdout).strip()[:300]}")
+    return done.stdout
+
+
+@ray.remote(num_cpus=0)
+def _dump_on_node(pid: int) -> str:
+    return _py_spy_dump(pid)
+
+
+def dump_path(run_dir: str, component: str, pid: int) -> str:
+    """`<run>/hangs/<component>-pid<pid>-<time>.txt`, the component's label made a file name."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", component).strip("-")
+    return os.path.join(run_dir, "hangs", f"{name}-pid{pid}-{time.strftime('%Y%m%d-%H%M%S')}.txt")
+
+
+class WorkerWatchdog:
+    """Hung rollout and reward workers, from their beats: dumped, restarted (`restart(actor_id)` kills the
+    actor, for Ray and the supervisor to bring back; False where the job holds no such actor) and alerted."""
+
+    def __init__(self, rule: HangRule, run_dir: str, restart: Callable[[str], bool]) -> None:
+        self.rule, self.run_dir, self.restart = rule, run_dir, restart
+        self.hangs: Dict[str, int] = {}  # worker label -> hangs recovered so far
+        self._handled: Dict[str, float] = {}  # worker label -> the beat time of the hang already handled
+
+    def deadline_s(self, beat: Beat) -> float:
+        return self.rule.deadline_s(beat.longest_round_s) * 2 ** self.hangs.get(beat.worker, 0)
+
+    def check(self, beats: Iterable[Beat], now: Optional[float] = None) -> List[str]:
+        """Handle each worker hung since its last beat; returns the alerts to raise, one per hang."""
+        now, raised = now or time.time(), []
+        for beat in beats:
+            silent_s, deadline = now - beat.at, self.deadline_s(beat)
+            if silent_s <= deadline or self._handled.get(beat.worker) == beat.at:
+                continue
+            self._handled[beat.worker] = beat.at
+            dumped = dump_stacks(beat.pid, beat.node_id, dump_path(self.run_dir, beat.worker, beat.pid))
+            restarted = bool(beat.actor) and self.restart(beat.actor)
+            if restarted:
+                self.hangs[beat.worker] = self.hangs.get(beat.worker, 0) + 1
+            what = "restarting it, its unfinished work issued again" if restarted else \
+                "it is not one of this job's actors, so it is left as it is"
+            message = (f"{beat.describe()} made no progress for {silent_s:.0f}s (deadline {deadline:.0f}s: "
+                       f"{self.rule.factor:g}x its longest round, {beat.longest_round_s:.1f}s, at least "
+                       f"{self.rule.floor_s:g}s); {dumped}; {what}")
+            raised.append(message)
+        return raised
+
+
+@dataclass(frozen=True)
+class LearnerProcess:
+    """Where a learner rank runs, for its hang alert and stack dump."""
+    label: str  # "learner rank 0 of policy 'p'"
+    pid: int
+    node_ip: str
+    node_id: str
+
+
+def learner_hang(rule: HangRule, run_dir: str, ranks: List[LearnerProcess], running_s: float, longest_s: float,
+                 checkpoint: Optional[str]) -> Optional[LearnerHung]:
+    """The error that ends the job when a learner step has run `running_s` past its deadline (None while it has
+    not): every rank's stacks dumped, the one line naming them and the checkpoint to resume from."""
+    deadline = rule.deadline_s(longest_s)
+    if running_s <= deadline:
+        return None
+    dumps = [dump_stacks(rank.pid, rank.node_id, dump_path(run_dir, rank.label, rank.pid)) for rank in ranks]
+    where = ", ".join(f"{rank.label} (pid {rank.pid} on {rank.node_ip})" for rank in ranks)
+    resume = f"resume with `rlp run --resume {run_dir}` (checkpoint {checkpoint})" if checkpoint else \
+        "no checkpoint was written before it"
+    return LearnerHung(f"the learner hung: a step made no progress for {running_s:.0f}s (deadline {deadline:.0f}s: "
+                       f"{rule.factor:g}x its longest step, {longest_s:.1f}s, at least {rule.floor_s:g}s) on "
+                       f"{where}; {'; '.join(dumps)}; {resume}")

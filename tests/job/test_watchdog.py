@@ -1,0 +1,142 @@
+"""The watchdog: beats say where each worker runs and what it does; a rollout worker stopped for good is named
+in a `hang` alert with its pid and action, its stacks are dumped to the run's hangs/ folder and it is restarted,
+the job completing with every sample accounted for; a learner rank stopped for good ends the job within its
+deadline in one line naming the rank and the dump, exit code 3. With `monitoring.watchdog=false` each job test
+fails by its own deadline (the job never ends, and is stopped after JOB_DEADLINE_S)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rlplatform.monitoring.job_status import format_beats
+from rlplatform.monitoring.watchdog import HangRule, WorkerWatchdog, dump_stacks
+from rlplatform.scheduling.ledger import balanced
+from rlplatform.transport.deadlines import Beat, Heartbeats, JobFailed
+from tests.job.conftest import actor_pid
+
+pytestmark = pytest.mark.slow
+
+# deadlines a tiny job reaches in seconds: 10x the longest round or step (well under a second here), at least 3 s
+FAST_WATCHDOG = ["monitoring.hang_floor_s=3", "monitoring.hang_factor=10"]
+JOB_DEADLINE_S = 100.0  # the test's own: a job still running then is stopped, and the test fails
+
+
+def test_beats_say_where_a_worker_runs_what_it_does_and_its_longest_round(redis_client):
+    heartbeats = Heartbeats(redis_client, "rlp:beats:run")
+    heartbeats.beat("rollout worker 0 of policy 'p'", "generating", 3)
+    time.sleep(0.3)
+    heartbeats.beat("rollout worker 0 of policy 'p'", "loading weights v4", 3)  # a new action is written at once
+    heartbeats.beat("reward worker w", "serving", round_limit_s=30.0)
+    beats = {beat.worker: beat for beat in heartbeats.beats()}
+    rollout = beats["rollout worker 0 of policy 'p'"]
+    assert (rollout.pid, rollout.action, rollout.version) == (os.getpid(), "loading weights v4", 3)
+    assert 0.3 <= rollout.longest_round_s < 5 and rollout.node_ip
+    assert beats["reward worker w"].longest_round_s == 30.0  # a reward call may take its timeout
+    lines = format_beats(list(beats.values()), time.time())
+    assert lines[1].startswith(f"rollout worker 0 of policy 'p' (pid {os.getpid()} on {rollout.node_ip}, "
+                               f"loading weights v4 at version 3): last progress 0s ago")
+
+
+@pytest.fixture
+def stopped_process():
+    """A Python process whose main thread sleeps in `wait_here`, SIGSTOPped."""
+    process = subprocess.Popen([sys.executable, "-c", "import time\ndef wait_here():\n    while True: time.sleep(0.05)"
+                                                      "\nprint('ready', flush=True)\nwait_here()"],
+                               stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "ready"
+    os.kill(process.pid, signal.SIGSTOP)
+    yield process
+    process.kill()
+    process.wait()
+
+
+def test_a_hung_workers_stacks_are_dumped_and_it_is_restarted_once_per_hang(stopped_process, tmp_path):
+    restarted = []
+    watchdog = WorkerWatchdog(HangRule(factor=10, floor_s=3), str(tmp_path), lambda actor: restarted.append(actor) or True)
+    beat = Beat("rollout worker 0 of policy 'p'", at=100.0, pid=stopped_process.pid, node_ip="10.0.0.1",
+                actor="ab12", action="generating", version=7, longest_round_s=0.5)
+    assert watchdog.check([beat], now=104.0) == []  # 4 s silent: under 10 x 0.5 s
+    [message] = watchdog.check([beat], now=106.0)
+    assert message.startswith(f"rollout worker 0 of policy 'p' (pid {stopped_process.pid} on 10.0.0.1, generating at "
+                              f"version 7) made no progress for 6s (deadline 5s") and restarted == ["ab12"]
+    [dump] = list((tmp_path / "hangs").iterdir())
+    assert f"stacks in {dump}" in message and "wait_here" in dump.read_text()  # read from the stopped process
+    assert watchdog.check([beat], now=200.0) == []  # that hang is handled
+    later = Beat(beat.worker, at=300.0, pid=stopped_process.pid, actor="ab12", longest_round_s=0.5)
+    assert watchdog.check([later], now=309.0) == []  # its deadline doubled after the restart
+    assert len(watchdog.check([later], now=311.0)) == 1 and restarted == ["ab12", "ab12"]
+
+
+def test_a_stopped_process_on_another_node_is_dumped_by_a_task_there_or_says_why_not(ray_session, stopped_process,
+                                                                                      tmp_path):
+    said = dump_stacks(stopped_process.pid, "no-such-node", str(tmp_path / "d.txt"))
+    assert said.startswith("no stack dump (") and not (tmp_path / "d.txt").exists()
+
+
+def _job_with_a_stopped_actor(config, actor: str, after_steps: int, run_files):
+    """Run the job, SIGSTOPping actor `actor` for good once `after_steps` steps are trained; a job still running
+    after JOB_DEADLINE_S is stopped (SIGTERM). Returns (summary or the error raised, the stopped pid)."""
+    stopped = []
+
+    def stop_it():
+        run_files.wait_for(lambda: run_files.trained_steps(config.run_dir) >= after_steps)
+        stopped.append(actor_pid(actor))
+        os.kill(stopped[0], signal.SIGSTOP)
+    deadline = threading.Timer(JOB_DEADLINE_S, os.kill, (os.getpid(), signal.SIGTERM))
+    deadline.start()
+    try:
+        result = run_files.run_job_while(config, stop_it)
+    except JobFailed as err:
+        result = err
+    finally:
+        deadline.cancel()
+        if stopped:
+            try:
+                os.kill(stopped[0], signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    return result, stopped[0]
+
+
+def _events(run_dir: str, kind: str):
+    path = Path(run_dir, "events.jsonl")
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [event for event in map(json.loads, lines) if event["kind"] == kind]
+
+
+def test_a_rollout_worker_stopped_for_good_is_named_dumped_and_restarted(ray_session, tiny_job, run_files):
+    config = tiny_job("hung-rollout", "rl.max_steps=12", *FAST_WATCHDOG)
+    summary, pid = _job_with_a_stopped_actor(config, "hung-rollout-policy-rollout-0", 3, run_files)
+    assert summary["status"] == "completed", "the job never ended with its only rollout worker stopped"
+    [hang] = _events(config.run_dir, "hang")
+    assert hang["message"].startswith(f"rollout worker 0 of policy 'policy' (pid {pid} on ")
+    assert ("generating" in hang["message"] or "loading weights" in hang["message"]) and "restarting it" in hang["message"]
+    [dump] = list(Path(config.run_dir, "hangs").iterdir())
+    assert f"stacks in {dump}" in hang["message"] and "rollout.py" in dump.read_text()
+    rl = summary["rl"]
+    assert rl["restarts"]["rollout"] == 1 and rl["steps"] == 12
+    assert rl["samples_trained"] == 12 * 2 * 4 and balanced(rl["ledger"])
+
+
+def test_a_learner_stopped_for_good_ends_the_job_in_one_line_naming_it_and_the_dump(ray_session, tiny_job, run_files):
+    config = tiny_job("hung-learner", "rl.max_steps=200", "checkpoint.every_steps=2", *FAST_WATCHDOG)
+    error, pid = _job_with_a_stopped_actor(config, "hung-learner-policy-learner-0", 3, run_files)
+    summary = json.loads(Path(config.run_dir, "summary.json").read_text())
+    assert isinstance(error, JobFailed) and summary["status"] == "failed", "the job never ended with its learner stopped"
+    message = str(error)
+    assert message.startswith("the learner hung: a step made no progress for ") and "\n" not in message
+    assert f"learner rank 0 of policy 'policy' (pid {pid} on " in message
+    assert f"resume with `rlp run --resume {config.run_dir}` (checkpoint " in message
+    [dump] = list(Path(config.run_dir, "hangs").iterdir())
+    assert f"stacks in {dump}" in message and dump.read_text().strip()
+    assert summary["exit_code"] == 3 and error.exit_code == 3 and _events(config.run_dir, "hang")
+    assert summary["rl"]["ended_by"] == "failed" and summary["rl"]["samples_trained"] >= 3 * 2 * 4
