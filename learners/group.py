@@ -137,11 +137,11 @@ class LearnerGroup:
                             LEARNER_TIMEOUT_S)[0][0]
 
     def save(self, checkpoint_dir: str, model_dir: Optional[str] = None, client_state: Optional[Dict] = None,
-             merged_dir: Optional[str] = None) -> None:
+             merged_dir: Optional[str] = None, timeout_s: float = LEARNER_TIMEOUT_S) -> None:
         """Every rank's checkpoint under `checkpoint_dir` (and the Hugging Face model, or with LoRA the
-        adapters, in `model_dir`; with LoRA the merged model in `merged_dir`)."""
+        adapters, in `model_dir`; with LoRA the merged model in `merged_dir`), in at most `timeout_s`."""
         deadline_get([rank.save.remote(checkpoint_dir, model_dir, client_state, merged_dir) for rank in self.ranks],
-                     f"a learner rank saving to {checkpoint_dir}", LEARNER_TIMEOUT_S)
+                     f"a learner rank saving to {checkpoint_dir}", timeout_s)
 
     def load_checkpoint(self, checkpoint_dir: str) -> Dict:
         """Restore every rank from `save`'s `checkpoint_dir`; returns its client state."""

@@ -160,6 +160,9 @@ class PolicyRun:
         self._steps: Deque[StepInFlight] = deque()  # learner steps sent and not yet finished, oldest first
         self._last_step_end = 0.0  # perf_counter time the newest finished step was seen to end
         self.longest_step_s = 0.0  # the longest a learner step has run (queued ones from when the one before ended)
+        self.longest_save_s = 0.0  # the longest the learner took to write its part of a checkpoint
+        self.hang_rule = HangRule(job.monitoring.hang_factor, job.monitoring.hang_floor_s) \
+            if job.monitoring.watchdog else None
         self.mirror: Optional[RedisMirror] = None
         self.trained_at_start = 0  # samples trained before this attempt (a resumed job's)
         self._last_watch = time.monotonic()
@@ -349,17 +352,36 @@ class PolicyRun:
             self._log_trained(step.batch, None)
         return True
 
-    def learner_hang(self, rule: HangRule, checkpoint: Optional[str]) -> Optional[LearnerHung]:
-        """The learner's hang, once the step it runs made no progress past `rule`'s deadline: the longest step so
-        far (before one ended, the learner's set-up) times the rule's factor; its ranks' stacks are dumped."""
-        if not self._steps:
+    def learner_hang(self, checkpoint: Optional[str]) -> Optional[LearnerHung]:
+        """The learner's hang, once the step it runs made no progress past the watchdog's deadline: the longest
+        step so far (before one ended, the learner's set-up) times `monitoring.hang_factor`; its ranks' stacks are
+        dumped. None while it has not, or the watchdog is off."""
+        if not self._steps or self.hang_rule is None:
             return None
         running = time.perf_counter() - max(self._steps[0].sent, self._last_step_end)
-        learner = self.workers.learner
-        ranks = [LearnerProcess(f"learner rank {i} of policy '{self.workers.name}'", p["pid"], p["node_ip"],
-                                p.get("node_id", "")) for i, p in enumerate(learner.processes)]
-        return learner_hang(rule, self.job.run_dir, ranks, running, self.longest_step_s or learner.set_up_s,
-                            checkpoint)
+        return learner_hang(self.hang_rule, self.job.run_dir, self._learner_ranks(), running, "a step",
+                            self.longest_step_s or self.workers.learner.set_up_s, checkpoint)
+
+    def save_learner(self, directory: str, checkpoint: Optional[str]) -> None:
+        """The learner's part of a checkpoint, written to `directory`; with the watchdog on, a write that takes
+        `monitoring.hang_factor` times the longest so far (before one, times `monitoring.hang_floor_s`) is the
+        learner's hang (`checkpoint`: the newest one before it)."""
+        started = time.perf_counter()
+        rule = self.hang_rule
+        deadline = rule.deadline_s(self.longest_save_s or rule.floor_s) if rule else LEARNER_TIMEOUT_S
+        try:
+            self.workers.learner.save(directory, timeout_s=deadline)
+        except WorkerHung:
+            if rule is None:
+                raise
+            raise learner_hang(rule, self.job.run_dir, self._learner_ranks(),
+                               max(time.perf_counter() - started, deadline), "writing a checkpoint",
+                               self.longest_save_s or rule.floor_s, checkpoint) from None
+        self.longest_save_s = max(self.longest_save_s, time.perf_counter() - started)
+
+    def _learner_ranks(self) -> List[LearnerProcess]:
+        return [LearnerProcess(f"learner rank {i} of policy '{self.workers.name}'", p["pid"], p["node_ip"],
+                               p.get("node_id", "")) for i, p in enumerate(self.workers.learner.processes)]
 
     def step_deadline_s(self) -> float:
         """How long a learner step in flight may take to end once the job's Redis went away: its ranks' reconnect
@@ -490,7 +512,7 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
                 supervisor.check()
                 watch.check(max(run.version for run in runs.values()),
                             min(run.since_scored_s for run in runs.values()))
-                _check_learners(runs, rule, checkpoints.latest)
+                _check_learners(runs, checkpoints.latest)
                 checkpoints.maybe_save()
             checkpoints.save_now()
     except RedisUnavailable as lost:
@@ -654,6 +676,7 @@ class Checkpoints:
             run.hold = True
         while any(run.step_refs for run in self.runs.values()):
             _turn(self.runs, self.runs[next(iter(self.runs))].queue)
+            _check_learners(self.runs, self.latest)
         if self.latest and all(run.version == self.saved[name] for name, run in self.runs.items()):
             for run in self.runs.values():  # no step since the last checkpoint, which stands
                 run.hold = False
@@ -681,7 +704,7 @@ class Checkpoints:
 
     def _save_learners(self, directory: str) -> None:
         for name, run in self.runs.items():
-            run.workers.learner.save(os.path.abspath(learner_dir(directory, name)))
+            run.save_learner(os.path.abspath(learner_dir(directory, name)), self.latest)
 
 
 def _shaped(scored: ResultMeta, max_tokens: int, buffer: int) -> ResultMeta:
@@ -690,10 +713,10 @@ def _shaped(scored: ResultMeta, max_tokens: int, buffer: int) -> ResultMeta:
     return replace(scored, reward=scored.reward + penalty, components={**scored.components, "overlong_penalty": penalty})
 
 
-def _check_learners(runs: Dict[str, PolicyRun], rule: Optional[HangRule], checkpoint: Optional[str]) -> None:
+def _check_learners(runs: Dict[str, PolicyRun], checkpoint: Optional[str]) -> None:
     """Raise `LearnerHung` for a policy whose learner step ran past the watchdog's deadline (none when it is off)."""
     for run in runs.values():
-        hung = run.learner_hang(rule, checkpoint) if rule else None
+        hung = run.learner_hang(checkpoint)
         if hung:
             raise hung
 

@@ -121,17 +121,18 @@ class LearnerProcess:
     node_id: str
 
 
-def learner_hang(rule: HangRule, run_dir: str, ranks: List[LearnerProcess], running_s: float, longest_s: float,
-                 checkpoint: Optional[str]) -> Optional[LearnerHung]:
-    """The error that ends the job when a learner step has run `running_s` past its deadline (None while it has
-    not): every rank's stacks dumped, the one line naming them and the checkpoint to resume from."""
+def learner_hang(rule: HangRule, run_dir: str, ranks: List[LearnerProcess], running_s: float, doing: str,
+                 longest_s: float, checkpoint: Optional[str]) -> Optional[LearnerHung]:
+    """The error that ends the job when the learner has been `doing` a call for `running_s`, past its deadline
+    from `longest_s` (None while it has not): every rank's stacks dumped, the one line naming them and the
+    checkpoint to resume from."""
     deadline = rule.deadline_s(longest_s)
-    if running_s <= deadline:
+    if running_s < deadline:
         return None
     dumps = [dump_stacks(rank.pid, rank.node_id, dump_path(run_dir, rank.label, rank.pid)) for rank in ranks]
     where = ", ".join(f"{rank.label} (pid {rank.pid} on {rank.node_ip})" for rank in ranks)
     resume = f"resume with `rlp run --resume {run_dir}` (checkpoint {checkpoint})" if checkpoint else \
         "no checkpoint was written before it"
-    return LearnerHung(f"the learner hung: a step made no progress for {running_s:.0f}s (deadline {deadline:.0f}s: "
-                       f"{rule.factor:g}x its longest step, {longest_s:.1f}s, at least {rule.floor_s:g}s) on "
+    return LearnerHung(f"the learner hung: {doing} made no progress for {running_s:.0f}s (deadline {deadline:.0f}s: "
+                       f"{rule.factor:g}x the longest so far, {longest_s:.1f}s, at least {rule.floor_s:g}s) on "
                        f"{where}; {'; '.join(dumps)}; {resume}")

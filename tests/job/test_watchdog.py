@@ -84,21 +84,25 @@ def test_a_stopped_process_on_another_node_is_dumped_by_a_task_there_or_says_why
 
 def _job_with_a_stopped_actor(config, actor: str, after_steps: int, run_files):
     """Run the job, SIGSTOPping actor `actor` for good once `after_steps` steps are trained; a job still running
-    after JOB_DEADLINE_S is stopped (SIGTERM). Returns (summary or the error raised, the stopped pid)."""
+    after JOB_DEADLINE_S is stopped (SIGTERM; 20 s later the stopped process is killed, ending a wait on it).
+    Returns (summary or the error raised, the stopped pid)."""
     stopped = []
 
     def stop_it():
         run_files.wait_for(lambda: run_files.trained_steps(config.run_dir) >= after_steps)
         stopped.append(actor_pid(actor))
         os.kill(stopped[0], signal.SIGSTOP)
-    deadline = threading.Timer(JOB_DEADLINE_S, os.kill, (os.getpid(), signal.SIGTERM))
-    deadline.start()
+    deadlines = [threading.Timer(JOB_DEADLINE_S, os.kill, (os.getpid(), signal.SIGTERM)),
+                 threading.Timer(JOB_DEADLINE_S + 20, lambda: os.kill(stopped[0], signal.SIGKILL))]  # a wait on it
+    for deadline in deadlines:
+        deadline.start()
     try:
         result = run_files.run_job_while(config, stop_it)
     except JobFailed as err:
         result = err
     finally:
-        deadline.cancel()
+        for deadline in deadlines:
+            deadline.cancel()
         if stopped:
             try:
                 os.kill(stopped[0], signal.SIGCONT)
@@ -133,7 +137,7 @@ def test_a_learner_stopped_for_good_ends_the_job_in_one_line_naming_it_and_the_d
     summary = json.loads(Path(config.run_dir, "summary.json").read_text())
     assert isinstance(error, JobFailed) and summary["status"] == "failed", "the job never ended with its learner stopped"
     message = str(error)
-    assert message.startswith("the learner hung: a step made no progress for ") and "\n" not in message
+    assert message.startswith("the learner hung: ") and " made no progress for " in message and "\n" not in message
     assert f"learner rank 0 of policy 'policy' (pid {pid} on " in message
     assert f"resume with `rlp run --resume {config.run_dir}` (checkpoint " in message
     [dump] = list(Path(config.run_dir, "hangs").iterdir())
