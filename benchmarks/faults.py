@@ -452,6 +452,7 @@ class Outcome:
     wall_s: float = 0.0
     orphans: Optional[List[str]] = None  # processes of `rlp run` alive after it (None: run in this process)
     alerts: Dict[str, int] = field(default_factory=dict)  # events.jsonl's alert kinds and counts
+    alerted_after: str = ""  # the scenario's own alert and its seconds after the first fault ("hang 5.7 s")
 
 
 def fault_steps(rng: random.Random, steps: int, count: int) -> List[int]:
@@ -494,6 +495,10 @@ def _run_scenario(scenario: Scenario, out_dir: str, steps: int, seed: int) -> Ou
     outcome = account(config, faults)
     outcome.wall_s = round(time.time() - start, 1)
     outcome.orphans, outcome.alerts = orphans, _alerts(config.run_dir)
+    struck = [fault.at for fault in faults if fault.at]
+    after_s = _first_alert_after(config.run_dir, scenario.alert, struck[0]) if scenario.alert and struck else None
+    if after_s is not None:
+        outcome.alerted_after = f"{scenario.alert} {after_s:g} s"
     outcome.checks += [wrong for fault in faults for wrong in fault.wrong]
     if scenario.resume:
         outcome.checks += refusals
@@ -509,6 +514,14 @@ def _run_scenario(scenario: Scenario, out_dir: str, steps: int, seed: int) -> Ou
         outcome.checks.append(f"{landed} faults landed but the job counted "
                               f"{outcome.restarts.get(scenario.restarts, 0)} {scenario.restarts} restarts")
     return outcome
+
+
+def _first_alert_after(run_dir: str, kind: str, since: float) -> Optional[float]:
+    """Seconds from `since` to the first `kind` event the job logged after it (None: none)."""
+    path = os.path.join(run_dir, "events.jsonl")
+    times = [event["time"] for event in map(json.loads, open(path)) if event["kind"] == kind and event["time"] >= since] \
+        if os.path.exists(path) else []
+    return round(min(times) - since, 1) if times else None
 
 
 def _alerts(run_dir: str) -> Dict[str, int]:
@@ -698,7 +711,7 @@ SCENARIOS = [
              alert="hang", restarts="reward"),
     Scenario("learner-hang-resume", [*WATCHDOG, "checkpoint.every_steps=3"], lambda job, rng, steps: [
         Fault("SIGSTOP learner rank for good, then `rlp run --resume`", s, stop_for_good(f"{job}-policy-learner-0"))
-        for s in fault_steps(rng, steps, 1)], resume=True, alert="hang"),
+        for s in fault_steps(rng, 16, 1)], resume=True, alert="hang", steps=60),  # lands while RL runs
     Scenario("reward-sigstop", ["reward_workers.num_workers=1", "monitoring.scoring_stall_s=10"],
              lambda job, rng, steps: [Fault("SIGSTOP the only reward worker for 20 s", s,
                                             stop_reward_worker(f"{job}-reward-0"))
@@ -727,6 +740,8 @@ def table(outcomes: List[Outcome]) -> List[str]:
         c = o.counts
         left = "- (in process)" if o.orphans is None else str(len(o.orphans))
         alerts = ", ".join(f"{kind} {n}" for kind, n in sorted(o.alerts.items())) or "none"
+        if o.alerted_after:
+            alerts += f" ({o.alerted_after} after the fault)"
         rows.append(f"| {o.scenario} | {injected} | {'yes' if o.completed else 'NO'} | {o.steps} | "
                     f"{c['samples_trained']} | {c['samples_lost']} | {c['samples_trained_twice']} / "
                     f"{c['prompts_trained_twice']} | {c['prompts_skipped']} | {recovery} | {restarts} | {left} | "
@@ -749,7 +764,8 @@ def write_report(outcomes: List[Outcome], path: str, command: str, wall_s: float
              "until a learner step next ended (for a resume, including the new process's start-up); restarts: "
              "worker restarts the job counted (a restarted Redis is a `redis_restart` event instead); processes "
              "left: processes `rlp run` started (its descendants) still alive 10 s after it ended, for jobs run as a "
-             "command; alerts: the events the job logged (events.jsonl) by kind, over all its attempts; a fault's "
+             "command; alerts: the events the job logged (events.jsonl) by kind, over all its attempts, and how "
+             "soon after the fault came the alert the scenario expects; a fault's "
              "own check (a start that should have refused, a bridge answering a bad request with 200 or 5xx, or "
              "not answering a good one after the flood) is listed with the accounting checks.", "",
              *table(outcomes), ""]

@@ -34,7 +34,8 @@ from rlplatform.monitoring.error_guard import RewardErrorGuard, Verdict
 from rlplatform.monitoring.job_status import SILENT_WORKERS
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.rl_monitor import RLMonitor
-from rlplatform.monitoring.watchdog import HangRule, LearnerProcess, WorkerWatchdog, learner_hang
+from rlplatform.monitoring.watchdog import (LearnerProcess, WorkerWatchdog, hang_rule, learner_hang,
+                                            rank_processes)
 from rlplatform.rewards.shaping import overlong_penalty
 from rlplatform.scheduling.buffer import Batch, GroupBuffer, has_signal
 from rlplatform.scheduling.groups import GroupSchedule
@@ -161,8 +162,7 @@ class PolicyRun:
         self._last_step_end = 0.0  # perf_counter time the newest finished step was seen to end
         self.longest_step_s = 0.0  # the longest a learner step has run (queued ones from when the one before ended)
         self.longest_save_s = 0.0  # the longest the learner took to write its part of a checkpoint
-        self.hang_rule = HangRule(job.monitoring.hang_factor, job.monitoring.hang_floor_s) \
-            if job.monitoring.watchdog else None
+        self.hang_rule = hang_rule(job.monitoring)
         self.mirror: Optional[RedisMirror] = None
         self.trained_at_start = 0  # samples trained before this attempt (a resumed job's)
         self._last_watch = time.monotonic()
@@ -380,8 +380,7 @@ class PolicyRun:
         self.longest_save_s = max(self.longest_save_s, time.perf_counter() - started)
 
     def _learner_ranks(self) -> List[LearnerProcess]:
-        return [LearnerProcess(f"learner rank {i} of policy '{self.workers.name}'", p["pid"], p["node_ip"],
-                               p.get("node_id", "")) for i, p in enumerate(self.workers.learner.processes)]
+        return rank_processes(self.workers.name, self.workers.learner.processes)
 
     def step_deadline_s(self) -> float:
         """How long a learner step in flight may take to end once the job's Redis went away: its ranks' reconnect
@@ -499,7 +498,7 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
     supervisor = _start_loops(job, policies, reward_actors, metrics)
     checkpoints = Checkpoints(job, runs, job_state, attempt)
     heartbeats = Heartbeats(queue.client, queue.keys.run)
-    rule = HangRule(job.monitoring.hang_factor, job.monitoring.hang_floor_s) if job.monitoring.watchdog else None
+    rule = hang_rule(job.monitoring)
     watch = WorkerWatch(SilentWorkers(heartbeats, job.monitoring.worker_silent_s),
                         ScoringStall(heartbeats, job.monitoring.scoring_stall_s,
                                      {spec.label: spec.timeout_s for spec in job.rewards}), queue, metrics,

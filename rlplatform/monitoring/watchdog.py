@@ -40,6 +40,11 @@ class HangRule:
         return max(self.floor_s, self.factor * longest_s)
 
 
+def hang_rule(monitoring) -> Optional[HangRule]:
+    """The job's `HangRule` (`monitoring.hang_factor`, `monitoring.hang_floor_s`); None with the watchdog off."""
+    return HangRule(monitoring.hang_factor, monitoring.hang_floor_s) if monitoring.watchdog else None
+
+
 def dump_stacks(pid: int, node_id: str, path: str) -> str:
     """Every thread's Python stack of process `pid` on Ray node `node_id`, written to `path`; returns what to
     tell the user (the path, or why there is no dump)."""
@@ -119,6 +124,12 @@ class LearnerProcess:
     pid: int
     node_ip: str
     node_id: str
+
+
+def rank_processes(policy: str, processes: List[Dict]) -> List[LearnerProcess]:
+    """A policy's learner ranks from their `this_process()` records (`LearnerGroup.processes`)."""
+    return [LearnerProcess(f"learner rank {i} of policy '{policy}'", p["pid"], p["node_ip"], p.get("node_id", ""))
+            for i, p in enumerate(processes)]
 
 
 def learner_hang(rule: HangRule, run_dir: str, ranks: List[LearnerProcess], running_s: float, doing: str,
