@@ -297,7 +297,7 @@ def _run_stages(config: JobConfig, run: str, redis_url: str, learners: Dict[str,
     try:
         for policy in config.policy_list():
             policies.append(_start_policy(config, policy, learners[policy.name], train_rows, test_rows, redis_url,
-                                          run, lambda text: metrics.event("worker_restart", text)))
+                                          run, metrics.event))
         reward_actors = _start_reward_workers(config, run, redis_url)  # needed from RL on
         tool_actors = _start_tool_workers(config, run, redis_url, client)
         startup.mark("learners_ready_s", at=max(p.learner.ready_at for p in policies))
@@ -409,7 +409,7 @@ def _start_tool_workers(config: JobConfig, run: str, redis_url: str, client) -> 
 
 
 def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup, train_rows, test_rows,
-                  redis_url: str, run: str, on_restart: Callable[[str], None]) -> PolicyWorkers:
+                  redis_url: str, run: str, alert: Callable[[str, str], None]) -> PolicyWorkers:
     """A policy's initial weights on disk, its learner ranks, rollout workers and evaluator (the last
     rollout actor, started last: `Evaluator`). Actors are named `<job>-<policy>-rollout-<i>`,
     `<job>-<policy>-learner-<rank>` and `<job>-<policy>-weights`; rollout workers find the weight store
@@ -432,8 +432,9 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup
     else:
         rollout = [start_rollout(i) for i in range(policy.rollout.num_workers)]
         learner.set_up()
-    evaluator = Evaluator(start_rollout(policy.rollout.num_workers), test, config.eval,
-                          config.rewards, config.imports, on_restart)  # after the learner's set-up (`Evaluator`)
+    evaluator = Evaluator(start_rollout(policy.rollout.num_workers), test, config.eval, config.rewards,
+                          config.imports, partial(alert, "worker_restart"), hang_rule(config.monitoring),
+                          partial(alert, "hang"), config.run_dir)  # after the learner's set-up (`Evaluator`)
     learner.connect_results(redis_url, run, config.redis.reconnect_s, policy.name)
     keys = PolicyKeys(run, policy.name)
     if config.monitoring.parity_every:

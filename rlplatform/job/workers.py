@@ -17,7 +17,8 @@ from rlplatform.config import EvalConfig, PolicyConfig, RewardSpec
 from rlplatform.job.supervision import MAX_RESTARTS, Revival
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.tokenization import Prompt
-from rlplatform.transport.deadlines import EVAL_TIMEOUT_S, WEIGHTS_TIMEOUT_S, JobFailed, deadline_get
+from rlplatform.monitoring.watchdog import HangRule, dump_path, dump_stacks
+from rlplatform.transport.deadlines import EVAL_TIMEOUT_S, WEIGHTS_TIMEOUT_S, JobFailed, WorkerHung, deadline_get
 from rlplatform.transport.reward_queue import PolicyKeys
 from rlplatform.transport.versions import publish_version
 
@@ -30,12 +31,19 @@ class Evaluator:
     the first steps rather than beside the workers the first step waits for; without SFT it evaluates
     the starting weights in the background (`start_baseline`). Ray restarts the actor when its process
     dies; the evaluation it was running starts again once the actor answers. Every restart, during an
-    evaluation or between two (seen from the process each answer names), is counted and told to `on_restart`."""
+    evaluation or between two (seen from the process each answer names), is counted and told to `on_restart`.
+    With the watchdog's `hang_rule`, a wait for an evaluation past the rule's deadline (from the longest one so
+    far) is a hang: told to `on_hang` with its stacks dumped under `run_dir`, the actor is killed for Ray to
+    restart and the evaluation made again."""
 
     def __init__(self, actor, prompts: List[Prompt], config: EvalConfig, rewards: List[RewardSpec],
-                 imports: List[str], on_restart: Callable[[str], None]) -> None:
+                 imports: List[str], on_restart: Callable[[str], None], hang_rule: Optional[HangRule] = None,
+                 on_hang: Callable[[str], None] = lambda message: None, run_dir: str = "") -> None:
         self.actor, self.prompts, self.config, self.rewards, self.imports = actor, prompts, config, rewards, imports
-        self.on_restart = on_restart
+        self.on_restart, self.hang_rule, self.on_hang, self.run_dir = on_restart, hang_rule, on_hang, run_dir
+        self.longest_s = 0.0  # the longest wait for an evaluation so far
+        self._where: Dict = {}  # `this_process()` of the process that answered last
+        self._where_ref = actor.process.remote() if hang_rule else None  # its first process's, once constructed
         self._heard: Set[str] = set()  # the actor processes that have answered
         self._counted_unheard = 0  # restarts counted when a call failed, whose new process has not answered yet
         self._pending: Optional[ray.ObjectRef] = None  # a background evaluation of the newest weights
@@ -58,9 +66,16 @@ class Evaluator:
             self._revival.wait()
             self._revival, made = None, None
         ref = made if made is not None else call()
+        started = time.monotonic()
         while True:
             try:
-                return self._answer(deadline_get(ref, "the evaluator", EVAL_TIMEOUT_S))
+                answer = deadline_get(ref, "the evaluator", self._deadline_s())
+                self.longest_s = max(self.longest_s, time.monotonic() - started)
+                return self._answer(answer)
+            except WorkerHung:
+                if self.hang_rule is None:
+                    raise
+                self._hung(time.monotonic() - started)  # its actor is killed: the wait ends as a death does
             except RayActorError:
                 if ref in self._lost:  # its process's death is counted: only the call is made again
                     self._lost.discard(ref)
@@ -68,7 +83,27 @@ class Evaluator:
                     self._restarted()
                     self._revival.wait()
                     self._revival = None
-                ref = call()
+                ref, started = call(), time.monotonic()
+
+    def _deadline_s(self) -> float:
+        return self.hang_rule.deadline_s(self.longest_s or self.hang_rule.floor_s) if self.hang_rule \
+            else EVAL_TIMEOUT_S
+
+    def _hung(self, waited_s: float) -> None:
+        """The evaluator answered nothing for `waited_s`, past its deadline: dump its stacks, say so, kill it."""
+        if not self._where and self._where_ref is not None and ray.wait([self._where_ref], timeout=0)[0]:
+            self._where = ray.get(self._where_ref)
+        where = self._where
+        dumped = dump_stacks(where["pid"], where.get("node_id", ""),
+                             dump_path(self.run_dir, "evaluator", where["pid"])) if where else \
+            "no stack dump (it has not answered yet, so its process is not known)"
+        pid = f" (pid {where['pid']} on {where['node_ip']})" if where else ""
+        rule = self.hang_rule
+        basis = f"the longest evaluation so far, {self.longest_s:.1f}s, at least {rule.floor_s:g}s" if self.longest_s \
+            else "monitoring.hang_floor_s, no evaluation waited for yet"
+        self.on_hang(f"the evaluator{pid} answered nothing for {waited_s:.0f}s (deadline {self._deadline_s():.0f}s: "
+                     f"{rule.factor:g}x {basis}); {dumped}; restarting it, the evaluation made again")
+        ray.kill(self.actor, no_restart=False)
 
     def run_now(self) -> Tuple[int, Dict]:
         """(version, figures) of the newest published weights, evaluated now."""
@@ -144,7 +179,8 @@ class Evaluator:
     def _answer(self, answer: Tuple[Tuple[str, bool], Any]) -> Any:
         """An evaluator call's result. A process not heard from before that Ray started as a restart is a restart:
         counted here, unless a failed call counted it already."""
-        (process, restarted), result = answer
+        (process, restarted, *where), result = answer
+        self._where = where[0] if where else self._where
         if process not in self._heard:
             self._heard.add(process)
             if restarted and self._counted_unheard:

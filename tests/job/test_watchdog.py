@@ -1,8 +1,9 @@
-"""The watchdog: beats say where each worker runs and what it does; a rollout worker stopped for good is named
-in a `hang` alert with its pid and action, its stacks are dumped to the run's hangs/ folder and it is restarted,
-the job completing with every sample accounted for; a learner rank stopped for good ends the job within its
-deadline in one line naming the rank and the dump, exit code 3. With `monitoring.watchdog=false` each job test
-fails by its own deadline (the job never ends, and is stopped after JOB_DEADLINE_S)."""
+"""The watchdog: beats say where each worker runs and what it does; a rollout worker or the evaluator stopped for
+good is named in a `hang` alert with its pid, its stacks are dumped to the run's hangs/ folder and it is restarted,
+the job completing with every sample accounted for (and its evaluations); a learner rank stopped for good ends
+the job within its deadline in one line naming the rank and the dump, exit code 3. With
+`monitoring.watchdog=false` each job test fails by its own deadline (the job never ends, and is stopped after
+JOB_DEADLINE_S)."""
 
 from __future__ import annotations
 
@@ -144,3 +145,17 @@ def test_a_learner_stopped_for_good_ends_the_job_in_one_line_naming_it_and_the_d
     assert f"stacks in {dump}" in message and dump.read_text().strip()
     assert summary["exit_code"] == 3 and error.exit_code == 3 and _events(config.run_dir, "hang")
     assert summary["rl"]["ended_by"] == "failed" and summary["rl"]["samples_trained"] >= 3 * 2 * 4
+
+
+def test_an_evaluator_stopped_for_good_is_named_dumped_and_restarted(ray_session, tiny_job, run_files):
+    # before an evaluation was waited for, its deadline is hang_factor x hang_floor_s: 9 s here
+    config = tiny_job("hung-eval", "rl.max_steps=150", "eval.priority=normal", "monitoring.hang_floor_s=3",
+                      "monitoring.hang_factor=3")
+    summary, pid = _job_with_a_stopped_actor(config, "hung-eval-policy-rollout-1", 3, run_files)  # the evaluator
+    assert summary["status"] == "completed", "the job never ended with its evaluator stopped"
+    [hang] = _events(config.run_dir, "hang")
+    assert hang["message"].startswith(f"the evaluator (pid {pid} on ") and "restarting it" in hang["message"]
+    [dump] = list(Path(config.run_dir, "hangs").iterdir())
+    assert f"stacks in {dump}" in hang["message"] and dump.read_text().strip()
+    assert summary["rl"]["restarts"]["evaluator"] == 1
+    assert summary["eval"]["after_rl"]["policy_version"] == 150 and "before_rl" in summary["eval"]
