@@ -162,6 +162,7 @@ class PolicyRun:
         self._last_step_end = 0.0  # perf_counter time the newest finished step was seen to end
         self.longest_step_s = 0.0  # the longest a learner step has run (queued ones from when the one before ended)
         self.longest_save_s = 0.0  # the longest the learner took to write its part of a checkpoint
+        self._unrecorded: Optional[Batch] = None  # a step counted as trained whose record has not been written
         self.hang_rule = hang_rule(job.monitoring)
         self.mirror: Optional[RedisMirror] = None
         self.trained_at_start = 0  # samples trained before this attempt (a resumed job's)
@@ -305,13 +306,14 @@ class PolicyRun:
         result, snapshot = self.workers.learner.gather(step.refs)
         self._steps.popleft()
         gaps = self._count_trained(step, result)
-        batch = step.batch
+        batch = self._unrecorded = step.batch  # counted: recorded below, unless the job's Redis goes away first
         self._heed(self.error_guard.stepped())
         self._start_step()  # the learner is running the queued step, if any: queue the next while this one is recorded
         # the rollout workers wait for these weights to generate the next batch: they go out before the records
         publish_s = publish(self.workers, self.queue.client, self.version, snapshot)
         self.counters.weight_publish_s += publish_s
         self._record_trained(batch)
+        self._unrecorded = None
         self._evaluate_in_background()
         self.monitor.step(self.version, result, batch, gaps, self.counters, publish_s)
         self.queue.results.delete(s.sample_id for s in batch.samples)
@@ -338,7 +340,11 @@ class PolicyRun:
         """The job's Redis went away: wait for the learner steps in flight (`step_deadline_s` each) and count those
         the learner applied; their groups stay open in the mirrored ledger, to be issued again at a resume. A step
         whose ranks could not fetch its samples applied nothing. False if a step did not end: the learner then
-        holds weights no checkpoint can take."""
+        holds weights no checkpoint can take. A step counted before Redis went away, but not yet recorded, is
+        logged as those are."""
+        if self._unrecorded is not None:
+            self._log_trained(self._unrecorded, None)
+            self._unrecorded = None
         while self._steps:
             step = self._steps.popleft()
             ended, _ = ray.wait(step.refs, num_returns=len(step.refs), timeout=self.step_deadline_s())
