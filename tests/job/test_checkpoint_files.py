@@ -209,7 +209,8 @@ def test_torch_save_onto_a_full_filesystem_is_reported_as_disk_full(tmp_path, tm
 
 def test_a_job_stopped_onto_a_full_disk_fails_with_that_error_in_its_summary(ray_session, tiny_job, run_files,
                                                                              tmpfs):
-    config = tiny_job("disk-full", "rl.max_steps=200", "checkpoint.every_steps=2")
+    # none pruned: deleting an older checkpoint after the fill would free the space the next one needs
+    config = tiny_job("disk-full", "rl.max_steps=200", "checkpoint.every_steps=2", "checkpoint.keep_last=1000")
     root = tmpfs(Path(checkpoints_dir(config.run_dir)), "64m")
 
     def fill_then_stop():  # the disk fills up after the first checkpoint, then the job is asked to stop
