@@ -118,7 +118,13 @@ def _run_locked(config: JobConfig, started_at: float, shutdown_ray: Optional[boo
                 except RedisUnavailable:  # the job's error says so
                     pass
     except Interrupted as err:
-        summary.status, summary.error = "interrupted", str(err)
+        failing = err.__context__  # a first signal while a failure was ending the job: the failure stands
+        if not isinstance(failing, (JobFailed, DiskFull)):
+            summary.status, summary.error = "interrupted", str(err)
+        else:
+            summary.status, summary.error = "failed", plain_text(f"{type(failing).__name__}: {failing}")
+            summary.exit_code = getattr(failing, "exit_code", None)
+            raise failing from None
     except BaseException as err:
         if not stop.requested or isinstance(err, DiskFull):  # the stop's own checkpoint could not be written
             summary.status, summary.error = "failed", plain_text(f"{type(err).__name__}: {err}")
