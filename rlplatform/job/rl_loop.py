@@ -365,8 +365,11 @@ class PolicyRun:
         if not self._steps or self.hang_rule is None:
             return None
         running = time.perf_counter() - max(self._steps[0].sent, self._last_step_end)
-        return learner_hang(self.hang_rule, self.job.run_dir, self._learner_ranks(), running, "a step",
-                            self.longest_step_s or self.workers.learner.set_up_s, checkpoint)
+        longest = self.longest_step_s or self.workers.learner.set_up_s
+        if running < self.hang_rule.deadline_s(longest):  # every turn: the ranks are looked up only once hung
+            return None
+        return learner_hang(self.hang_rule, self.job.run_dir, self._learner_ranks(), running, "a step", longest,
+                            checkpoint)
 
     def save_learner(self, directory: str, checkpoint: Optional[str]) -> None:
         """The learner's part of a checkpoint, written to `directory`; with the watchdog on, a write that takes
