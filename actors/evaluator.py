@@ -6,36 +6,38 @@ torch and transformers: seconds of CPU at the priority the process started with.
 neither; its constructor lowers the process's priority first, then imports and builds the rollout
 worker. At `eval.priority: idle` the evaluator's whole start-up so runs on the CPU time the rest of
 the job leaves, beside RL's first steps. Each answer names the process that gave it (an id, whether Ray started
-it as a restart, and where it runs), so the job sees a restart that happened between two evaluations and can
-dump the stacks of one that hangs.
+it as a restart), so the job sees a restart that happened between two evaluations. Each process records where it
+runs on Redis before anything else (`PolicyKeys.evaluator_process`), so the job can dump the stacks of one that
+hangs even before it first answered.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any, Dict, List, Tuple
 
 import ray
+import redis
 
 from rlplatform.actors.rollout_spec import RolloutSpec
 from rlplatform.priority import set_cpu_priority
 from rlplatform.transport.deadlines import this_process
+from rlplatform.transport.reward_queue import PolicyKeys
 
 
 class EvaluatorWorker:
     """A `RolloutWorker` built after the process took its spec's priority; it serves what the job asks of its
-    evaluator, each answer as ((this process's id, whether it is a restart, `this_process()`), the answer)."""
+    evaluator, each answer as ((this process's id, whether it is a restart), the answer)."""
 
     def __init__(self, spec: RolloutSpec) -> None:
+        with redis.Redis.from_url(spec.redis_url) as client:
+            client.set(PolicyKeys(spec.run, spec.policy).evaluator_process, json.dumps(this_process()))
         set_cpu_priority(spec.priority)
         from rlplatform.actors.rollout import RolloutWorker
 
         self.worker = RolloutWorker(spec)
-        self.instance = (uuid.uuid4().hex, ray.get_runtime_context().was_current_actor_reconstructed, this_process())
-
-    def process(self) -> Dict:
-        """Where this process runs (`this_process()`)."""
-        return self.instance[2]
+        self.instance = (uuid.uuid4().hex, ray.get_runtime_context().was_current_actor_reconstructed)
 
     def open_broadcast(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
         self.worker.open_broadcast(host, port, rank, world_size, backend)

@@ -438,11 +438,12 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup
     else:
         rollout = [start_rollout(i) for i in range(policy.rollout.num_workers)]
         learner.set_up()
+    keys = PolicyKeys(run, policy.name)
     evaluator = Evaluator(start_rollout(policy.rollout.num_workers), test, config.eval, config.rewards,
                           config.imports, partial(alert, "worker_restart"), hang_rule(config.monitoring),
-                          partial(alert, "hang"), config.run_dir)  # after the learner's set-up (`Evaluator`)
+                          partial(alert, "hang"), config.run_dir, redis_url,
+                          keys.evaluator_process)  # after the learner's set-up (`Evaluator`)
     learner.connect_results(redis_url, run, config.redis.reconnect_s, policy.name)
-    keys = PolicyKeys(run, policy.name)
     if config.monitoring.parity_every:
         learner.watch_parity([p.ids for p in train], keys.canary_reference, config.monitoring.parity_every)
     weight_transport(policy.weights).connect(learner.ranks[0], rollout + [evaluator.actor], redis_url, keys.version,

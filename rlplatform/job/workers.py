@@ -6,11 +6,13 @@ The controller builds these; the SFT and RL stages use them.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import ray
+import redis
 from ray.exceptions import RayActorError
 
 from rlplatform.config import EvalConfig, PolicyConfig, RewardSpec
@@ -33,17 +35,18 @@ class Evaluator:
     dies; the evaluation it was running starts again once the actor answers. Every restart, during an
     evaluation or between two (seen from the process each answer names), is counted and told to `on_restart`.
     With the watchdog's `hang_rule`, a wait for an evaluation past the rule's deadline (from the longest one so
-    far) is a hang: told to `on_hang` with its stacks dumped under `run_dir`, the actor is killed for Ray to
-    restart and the evaluation made again."""
+    far) is a hang: told to `on_hang` with the stacks of the process the actor recorded at `process_key` on the
+    Redis at `redis_url` dumped under `run_dir`, the actor is killed for Ray to restart and the evaluation made
+    again."""
 
     def __init__(self, actor, prompts: List[Prompt], config: EvalConfig, rewards: List[RewardSpec],
                  imports: List[str], on_restart: Callable[[str], None], hang_rule: Optional[HangRule] = None,
-                 on_hang: Callable[[str], None] = lambda message: None, run_dir: str = "") -> None:
+                 on_hang: Callable[[str], None] = lambda message: None, run_dir: str = "", redis_url: str = "",
+                 process_key: str = "") -> None:
         self.actor, self.prompts, self.config, self.rewards, self.imports = actor, prompts, config, rewards, imports
         self.on_restart, self.hang_rule, self.on_hang, self.run_dir = on_restart, hang_rule, on_hang, run_dir
+        self.redis_url, self.process_key = redis_url, process_key
         self.longest_s = 0.0  # the longest wait for an evaluation so far
-        self._where: Dict = {}  # `this_process()` of the process that answered last
-        self._where_ref = actor.process.remote() if hang_rule else None  # its first process's, once constructed
         self._heard: Set[str] = set()  # the actor processes that have answered
         self._counted_unheard = 0  # restarts counted when a call failed, whose new process has not answered yet
         self._pending: Optional[ray.ObjectRef] = None  # a background evaluation of the newest weights
@@ -61,12 +64,14 @@ class Evaluator:
         return self.actor.evaluate_snapshot.remote(snapshot, self.prompts, self.config, self.rewards, self.imports)
 
     def _get(self, call: Callable[[], ray.ObjectRef], made: Optional[ray.ObjectRef] = None):
-        """The result of `call` (or of `made`, a call already made), made again after each restart."""
+        """The result of `call` (or of `made`, a call already made), made again after each restart. A hang is
+        told once per process: while Ray's kill lands (seconds for a process that answers nothing), each further
+        deadline only kills it again."""
         if self._revival is not None:  # died during a background evaluation
             self._revival.wait()
             self._revival, made = None, None
         ref = made if made is not None else call()
-        started = time.monotonic()
+        started, killed = time.monotonic(), False
         while True:
             try:
                 answer = deadline_get(ref, "the evaluator", self._deadline_s())
@@ -75,8 +80,12 @@ class Evaluator:
             except WorkerHung:
                 if self.hang_rule is None:
                     raise
-                self._hung(time.monotonic() - started)  # its actor is killed: the wait ends as a death does
+                if not killed:
+                    self._hung(time.monotonic() - started)
+                ray.kill(self.actor, no_restart=False)  # the wait ends as a death does
+                killed = True
             except RayActorError:
+                killed = False
                 if ref in self._lost:  # its process's death is counted: only the call is made again
                     self._lost.discard(ref)
                 else:
@@ -90,20 +99,26 @@ class Evaluator:
             else EVAL_TIMEOUT_S
 
     def _hung(self, waited_s: float) -> None:
-        """The evaluator answered nothing for `waited_s`, past its deadline: dump its stacks, say so, kill it."""
-        if not self._where and self._where_ref is not None and ray.wait([self._where_ref], timeout=0)[0]:
-            self._where = ray.get(self._where_ref)
-        where = self._where
+        """The evaluator answered nothing for `waited_s`, past its deadline: dump its stacks and say so."""
+        where = self._recorded_process()
         dumped = dump_stacks(where["pid"], where.get("node_id", ""),
                              dump_path(self.run_dir, "evaluator", where["pid"])) if where else \
-            "no stack dump (it has not answered yet, so its process is not known)"
+            "no stack dump (its process is not recorded on Redis)"
         pid = f" (pid {where['pid']} on {where['node_ip']})" if where else ""
         rule = self.hang_rule
         basis = f"the longest evaluation so far, {self.longest_s:.1f}s, at least {rule.floor_s:g}s" if self.longest_s \
             else "monitoring.hang_floor_s, no evaluation waited for yet"
         self.on_hang(f"the evaluator{pid} answered nothing for {waited_s:.0f}s (deadline {self._deadline_s():.0f}s: "
                      f"{rule.factor:g}x {basis}); {dumped}; restarting it, the evaluation made again")
-        ray.kill(self.actor, no_restart=False)
+
+    def _recorded_process(self) -> Optional[Dict]:
+        """`this_process()` of the actor's newest process, as it recorded it on starting (None: not readable)."""
+        try:
+            with redis.Redis.from_url(self.redis_url, socket_timeout=5) as client:
+                recorded = client.get(self.process_key)
+        except (redis.RedisError, ValueError):
+            return None
+        return json.loads(recorded) if recorded else None
 
     def run_now(self) -> Tuple[int, Dict]:
         """(version, figures) of the newest published weights, evaluated now."""
@@ -179,8 +194,7 @@ class Evaluator:
     def _answer(self, answer: Tuple[Tuple[str, bool], Any]) -> Any:
         """An evaluator call's result. A process not heard from before that Ray started as a restart is a restart:
         counted here, unless a failed call counted it already."""
-        (process, restarted, *where), result = answer
-        self._where = where[0] if where else self._where
+        (process, restarted), result = answer
         if process not in self._heard:
             self._heard.add(process)
             if restarted and self._counted_unheard:

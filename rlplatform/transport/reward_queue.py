@@ -110,6 +110,7 @@ class PolicyKeys:
         self.rollout_stats = f"{prefix}:rollout-stats"  # the policy's rollout counters (the one record of them)
         self.canary_reference = f"{prefix}:canary-reference"  # the learner's parity canary scores (`parity_canary`)
         self.canary_checks = f"{prefix}:canary-checks"  # the engines' canary checks, a stream
+        self.evaluator_process = f"{prefix}:evaluator-process"  # `this_process()` of the evaluator's newest process
 
 
 class StreamQueue:
