@@ -317,6 +317,7 @@ class WandbConfig:
 
 @dataclass
 class EvalConfig:
+    enabled: bool = True  # held-out evaluation by an evaluator actor per policy; false: none (no accuracy figures)
     every_steps: int = at_least(0, 0)  # RL steps between held-out evaluations during RL (0: after each stage only)
     max_new_tokens: int = at_least(6, 1)  # completion length limit on the held-out set
     batch_size: int = at_least(256, 1)  # prompts per generate call
@@ -418,6 +419,10 @@ class JobConfig:
         if self.policies:
             return self.policies
         return [PolicyConfig("policy", self.model, self.sft, self.rl, self.rollout, self.learner, self.weights)]
+
+    def generating_actors(self, policy: PolicyConfig) -> int:
+        """A policy's actors that generate: its rollout workers and, where the job evaluates, its evaluator."""
+        return policy.rollout.num_workers + int(self.eval.enabled)
 
     def policy_dir(self, policy: str) -> str:
         """Where a policy's checkpoint and models go: the run directory itself for a one-policy job."""
@@ -834,6 +839,11 @@ def _check_data(data: DataConfig, source: str) -> None:
 
 
 def _check_eval(config: JobConfig, source: str) -> None:
+    stopping = [f"{f'policies[{i}].' if config.policies else ''}sft.stop_at_accuracy"
+                for i, policy in enumerate(config.policy_list()) if policy.sft.enabled and policy.sft.stop_at_accuracy]
+    if not config.eval.enabled and stopping:
+        raise ConfigError(f"{source}: '{stopping[0]}' is set but 'eval.enabled' is false: SFT stops on held-out "
+                          f"accuracy, which only the evaluator measures; enable eval or unset {stopping[0]}")
     if config.eval.greedy and config.eval.samples_per_prompt > 1:
         raise ConfigError(f"{source}: 'eval.samples_per_prompt' is {config.eval.samples_per_prompt}; greedy "
                           f"completions are all alike: set 'eval.greedy: false' to sample several")

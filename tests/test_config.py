@@ -546,3 +546,11 @@ def test_a_run_directorys_config_yaml_loads_again(tmp_path, config):
     first = load_config(str(REPO / "configs" / config), overrides)
     saved = write(tmp_path, to_yaml(first), "config.yaml")
     assert load_config(saved) == first
+
+
+def test_sft_that_stops_on_held_out_accuracy_needs_the_evaluation():
+    load_config(None, ["eval.enabled=false"])  # the quickstart's SFT runs its steps without accuracy checks
+    with pytest.raises(ConfigError, match=r"'sft.stop_at_accuracy' is set but 'eval.enabled' is false"):
+        load_config(None, ["eval.enabled=false", "sft.stop_at_accuracy=0.5"])
+    with pytest.raises(ConfigError, match=r"'policies\[1\].sft.stop_at_accuracy' is set"):
+        load_config(None, ["eval.enabled=false", "policies=[{name: a}, {name: b, sft: {stop_at_accuracy: 0.5}}]"])

@@ -100,5 +100,5 @@ def cpus_needed(config: JobConfig) -> float:
     workers and evaluator."""
     tools = config.env.tool_workers.num_workers * config.env.tool_workers.num_cpus if config.env.tools else 0.0
     return tools + config.reward_workers.num_workers * config.reward_workers.num_cpus + sum(
-        p.learner.num_ranks * p.learner.num_cpus + (p.rollout.num_workers + 1) * p.rollout.num_cpus
+        p.learner.num_ranks * p.learner.num_cpus + config.generating_actors(p) * p.rollout.num_cpus
         for p in config.policy_list())

@@ -211,9 +211,9 @@ def share_gpus(config: JobConfig, cluster_gpus: float) -> Optional[str]:
     learners = [p for p in policies if p.learner.num_gpus is None and _on_gpu(p.learner, cluster_gpus)]
     rollouts = [p for p in policies if p.rollout.num_gpus is None and _on_gpu(p.rollout, cluster_gpus)]
     reserved = sum(p.learner.num_ranks * (p.learner.num_gpus or 0)
-                   + (p.rollout.num_workers + 1) * (p.rollout.num_gpus or 0) for p in policies)
+                   + config.generating_actors(p) * (p.rollout.num_gpus or 0) for p in policies)
     per_rank, per_actor = gpu_shares(cluster_gpus, reserved, sum(p.learner.num_ranks for p in learners),
-                                     sum(p.rollout.num_workers + 1 for p in rollouts),
+                                     sum(config.generating_actors(p) for p in rollouts),
                                      all(p.learner.num_ranks == 1 for p in learners))
     if per_rank == per_actor == 1.0:
         return None
@@ -275,7 +275,7 @@ def _custom_resources_needed(config: JobConfig) -> Dict[str, float]:
     needed: Dict[str, float] = {}
     holders = [(config.reward_workers.num_workers, config.reward_workers.resources)]
     for p in config.policy_list():
-        holders += [(p.learner.num_ranks, p.learner.resources), (p.rollout.num_workers + 1, p.rollout.resources)]
+        holders += [(p.learner.num_ranks, p.learner.resources), (config.generating_actors(p), p.rollout.resources)]
     for count, resources in holders:
         for name, amount in resources.items():
             needed[name] = needed.get(name, 0.0) + count * amount
@@ -285,7 +285,7 @@ def _custom_resources_needed(config: JobConfig) -> Dict[str, float]:
 def _gpus_needed(config: JobConfig, cluster_gpus: float) -> float:
     """Ray GPUs the job's actors reserve: per policy its ranks, rollout workers and evaluator."""
     return sum(p.learner.num_ranks * gpus_per_actor(p.learner.device, p.learner.num_gpus, cluster_gpus)
-               + (p.rollout.num_workers + 1) * gpus_per_actor(p.rollout.device, p.rollout.num_gpus, cluster_gpus)
+               + config.generating_actors(p) * gpus_per_actor(p.rollout.device, p.rollout.num_gpus, cluster_gpus)
                for p in config.policy_list())
 
 
@@ -441,15 +441,15 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup
     keys = PolicyKeys(run, policy.name)
     evaluator = Evaluator(start_rollout(policy.rollout.num_workers), test, config.eval, config.rewards,
                           config.imports, partial(alert, "worker_restart"), hang_rule(config.monitoring),
-                          partial(alert, "hang"), config.run_dir, redis_url,
-                          keys.evaluator_process)  # after the learner's set-up (`Evaluator`)
+                          partial(alert, "hang"), config.run_dir, redis_url, keys.evaluator_process
+                          ) if config.eval.enabled else None  # after the learner's set-up (`Evaluator`)
     learner.connect_results(redis_url, run, config.redis.reconnect_s, policy.name)
     if config.monitoring.parity_every:
         learner.watch_parity([p.ids for p in train], keys.canary_reference, config.monitoring.parity_every)
-    weight_transport(policy.weights).connect(learner.ranks[0], rollout + [evaluator.actor], redis_url, keys.version,
+    workers = PolicyWorkers(policy, learner, rollout, store, evaluator, keys, [p.row for p in train], data)
+    weight_transport(policy.weights).connect(learner.ranks[0], workers.generating, redis_url, keys.version,
                                              LEARNER_TIMEOUT_S)
-    return PolicyWorkers(policy, learner, rollout, store, evaluator, keys,
-                         [p.row for p in train], data)
+    return workers
 
 
 def _initial_dir(config: JobConfig, policy: PolicyConfig) -> str:
@@ -509,7 +509,7 @@ def _supervised_stage(config: JobConfig, workers: PolicyWorkers, train_rows, met
                       record_eval: Callable[[str, Dict], None]) -> Optional[SFTSummary]:
     """SFT (when enabled), then version 0 published and evaluated (in the background when RL follows);
     returns the SFT summary (None without SFT) and hands the evaluation to `record_eval` (labelled "after_sft",
-    or "before_rl" without SFT)."""
+    or "before_rl" without SFT), if the job evaluates."""
     sft = None
     if workers.config.sft.enabled:
         stage = "sft" if not config.policies else f"{workers.name}/sft"
@@ -517,6 +517,8 @@ def _supervised_stage(config: JobConfig, workers: PolicyWorkers, train_rows, met
                       lambda: workers.evaluator.score(workers.learner.snapshot_weights()))
     streamed = workers.learner.stream_weights(0)
     publish(workers, client, 0, streamed)
+    if workers.evaluator is None:  # `eval.enabled: false`
+        return sft
     if workers.config.rl.enabled and not workers.config.sft.enabled:  # the evaluator is still starting: it
         # evaluates version 0 while RL runs, and the RL stage waits for the figures at its end
         workers.evaluator.start_baseline(_baseline_snapshot(workers, streamed), lambda figures: record_eval(
@@ -542,20 +544,20 @@ def _rl_stage(config: JobConfig, policies: List[PolicyWorkers], queue: RewardQue
     policy's RL summary."""
     summaries = run_rl(config, policies, queue, reward_actors, metrics, train_rows, stop, job_state, resume)
     for workers in policies:
-        if not stop.requested:
+        if not stop.requested and workers.evaluator is not None:
             workers.evaluator.finish_baseline()
             results[workers.name].record_eval("after_rl", _evaluate(workers, metrics, "after_rl"))
     # the evaluator's restarts as of its last answer: a restart is seen when the restarted process answers,
     # which may be the final evaluation
     return {w.name: replace(summaries[w.name], restarts={**summaries[w.name].restarts,
-                                                          "evaluator": w.evaluator.restarts}) for w in policies}
+                                                          "evaluator": w.evaluator_restarts}) for w in policies}
 
 
 def _stop(policies: List[PolicyWorkers], reward_actors: List) -> None:
     for actor in reward_actors:
         ray.kill(actor)
     for workers in policies:
-        for actor in workers.rollout + [workers.evaluator.actor, workers.weight_store]:
+        for actor in workers.generating + [workers.weight_store]:
             ray.kill(actor)
         workers.learner.shutdown()
 

@@ -148,7 +148,7 @@ class PolicyRun:
         self.rule = StalenessRule.of(self.rl)
         self.schedule = GroupSchedule(queue.client, queue.keys.run, workers.name, self.rule)
         self.monitor = RLMonitor(job, self.rl, metrics, queue, workers.name, workers.keys, len(workers.rollout))
-        self.monitor.last_accuracy = workers.evaluator.last_accuracy
+        self.monitor.last_accuracy = workers.evaluator.last_accuracy if workers.evaluator else None
         self.version, self.start = 0, time.perf_counter()
         self.hold = False  # no new learner step starts while set (a checkpoint or a stop is under way)
         self.error_guard = RewardErrorGuard(job.monitoring, self.rl.batch_prompts * self.rl.group_size,
@@ -421,6 +421,8 @@ class PolicyRun:
                                 "prompts": prompts}) + "\n")
 
     def _evaluate_in_background(self) -> None:
+        if self.workers.evaluator is None:
+            return
         finished = self.workers.evaluator.poll()
         if finished:
             self.monitor.evaluation(*finished)
@@ -430,7 +432,7 @@ class PolicyRun:
 
     def finish_evaluation(self) -> None:
         """Wait for the in-run evaluation under way, if any, and record it (`eval_history`)."""
-        finished = self.workers.evaluator.finish_pending()
+        finished = self.workers.evaluator.finish_pending() if self.workers.evaluator else None
         if finished:
             self.monitor.evaluation(*finished)
 
@@ -465,7 +467,7 @@ class PolicyRun:
             eval_history=self.monitor.eval_history, parity=self.monitor.parity_totals(),
             rewards=self.monitor.reward_totals(), ledger=ledger, first_step_at=self.first_step_at, ended_by=ended_by,
             tools=self.monitor.tool_totals() if self.job.env.multi_turn else None,
-            restarts={"rollout": 0, "reward": 0, **end.restarts, "evaluator": self.workers.evaluator.restarts},
+            restarts={"rollout": 0, "reward": 0, **end.restarts, "evaluator": self.workers.evaluator_restarts},
             checkpoint=end.checkpoint, results_held_at_end=end.results_held, controller_cpu_s=end.controller_cpu_s,
             wandb_dir=end.wandb_dir)
 

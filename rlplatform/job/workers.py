@@ -224,7 +224,7 @@ class PolicyWorkers:
     learner: LearnerGroup
     rollout: List  # RolloutActor handles
     weight_store: object  # WeightStore handle
-    evaluator: Evaluator
+    evaluator: Optional[Evaluator]  # None with `eval.enabled: false`
     keys: PolicyKeys
     sft_rows: List[Dict]  # the training rows whose prompts fit `data.max_prompt_tokens`
     data: Dict[str, int]  # rows kept and skipped as too long, for the summary
@@ -232,6 +232,15 @@ class PolicyWorkers:
     @property
     def name(self) -> str:
         return self.config.name
+
+    @property
+    def generating(self) -> List:
+        """The actors that load each published version: the rollout workers and the evaluator."""
+        return self.rollout + ([self.evaluator.actor] if self.evaluator else [])
+
+    @property
+    def evaluator_restarts(self) -> int:
+        return self.evaluator.restarts if self.evaluator else 0
 
 
 def publish(workers: PolicyWorkers, client, version: int, snapshot=None) -> float:

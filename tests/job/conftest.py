@@ -18,7 +18,10 @@ from rlplatform.transport.reward_queue import run_scope
 TINY = ["model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=128", "sft.enabled=false",
         "data.train_size=300", "data.test_size=8", "eval.batch_size=8", "rl.batch_prompts=2", "rl.group_size=4",
         "rl.max_new_tokens=4", "rollout.prompts_per_batch=4", "rollout.num_cpus=0.5", "learner.num_cpus=0.5",
-        "reward_workers.num_cpus=0.25", "wandb.mode=disabled"]
+        "reward_workers.num_cpus=0.25", "wandb.mode=disabled", "eval.enabled=false"]
+# a TINY job's held-out evaluation, for the tests that read its figures (TINY runs none: an evaluator's process
+# is a third of a tiny job's CPU time)
+EVAL = ["eval.enabled=true"]
 
 # each rollout engine, as the overrides that pick it for a TINY job: vLLM's CPU attention needs a head size of 32
 ENGINES = {"transformers": ["rollout.engine=transformers"], "vllm": ["rollout.engine=vllm", "model.num_heads=2"]}

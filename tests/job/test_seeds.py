@@ -15,7 +15,7 @@ import yaml
 from rlplatform import cli
 from rlplatform.config import ConfigError, load_config
 from rlplatform.job.seeds import format_table, run_seeds, seed_figures, seed_overrides, statistics
-from tests.job.conftest import TINY
+from tests.job.conftest import EVAL, TINY
 
 QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml")
 
@@ -139,7 +139,7 @@ def test_the_seeds_runs_are_one_wandb_group(tmp_path, monkeypatch):
 
 def test_two_seeds_of_a_tiny_job_through_rlp_run(ray_session, tmp_path, capsys):
     code = cli.main(["run", "--seeds", "2", QUICKSTART, f"output_dir={tmp_path}", "name=pair", "seed=3", *TINY,
-                     "rl.max_steps=2"])
+                     *EVAL, "rl.max_steps=2"])
     result = capsys.readouterr()
     assert code == 0, result.err[-3000:]
     parent = tmp_path / "pair"

@@ -15,13 +15,13 @@ import pytest
 
 from rlplatform.job.controller import run_job
 from rlplatform.scheduling.ledger import balanced
-from tests.job.conftest import ENGINES
+from tests.job.conftest import ENGINES, EVAL
 
 pytest.importorskip("verifiers.v1")
 
 TASKSET = ["env.kind=verifiers", "env.taskset=tests/envs/digit_sums.py", "env.test_tasks=4",
            "rewards=[{name: verifiers_reward}, {name: verifiers_components, weight: 0}]",
-           "eval.pass_reward=verifiers_reward"]
+           "eval.pass_reward=verifiers_reward", *EVAL]
 
 
 def test_a_taskset_job_on_vllm_trains_ledger_issued_tasks_and_resumes_without_training_one_twice(

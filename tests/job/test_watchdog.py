@@ -22,7 +22,7 @@ from rlplatform.monitoring.job_status import format_beats
 from rlplatform.monitoring.watchdog import HangRule, WorkerWatchdog, dump_stacks
 from rlplatform.scheduling.ledger import balanced
 from rlplatform.transport.deadlines import Beat, Heartbeats, JobFailed
-from tests.job.conftest import actor_pid
+from tests.job.conftest import EVAL, actor_pid
 
 pytestmark = pytest.mark.slow
 
@@ -149,7 +149,7 @@ def test_a_learner_stopped_for_good_ends_the_job_in_one_line_naming_it_and_the_d
 
 def test_an_evaluator_stopped_for_good_is_named_dumped_and_restarted(ray_session, tiny_job, run_files):
     # before an evaluation was waited for, its deadline is hang_factor x hang_floor_s: 9 s here
-    config = tiny_job("hung-eval", "rl.max_steps=150", "eval.priority=normal", "monitoring.hang_floor_s=3",
+    config = tiny_job("hung-eval", "rl.max_steps=150", *EVAL, "eval.priority=normal", "monitoring.hang_floor_s=3",
                       "monitoring.hang_factor=3")
     summary, pid = _job_with_a_stopped_actor(config, "hung-eval-policy-rollout-1", 3, run_files)  # the evaluator
     assert summary["status"] == "completed", "the job never ended with its evaluator stopped"
