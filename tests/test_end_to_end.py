@@ -74,7 +74,7 @@ def test_short_quickstart_writes_a_valid_summary_and_logs_every_dashboard_key(ra
 def test_synchronous_mode_trains_only_on_fresh_samples(ray_session, tmp_path):
     config = load_config(QUICKSTART, [f"output_dir={tmp_path}", "name=sync", "sft.enabled=false",
                                       "rl.max_steps=4", "rl.max_staleness=0", "wandb.mode=disabled",
-                                      "data.test_size=100", "rl.batch_prompts=4", "rollout.prompts_per_batch=4"])
+                                      "eval.enabled=false", "rl.batch_prompts=4", "rollout.prompts_per_batch=4"])
     summary = run_job(config)
     assert summary["rl"]["staleness_histogram"] == {"0": 4 * 4 * 8}
     assert summary["rl"]["samples_dropped_stale"] == 0
@@ -87,7 +87,7 @@ def test_a_learner_slower_than_generation_gets_its_next_step_queued_within_the_s
     before still runs, so the learner starts it the moment it is free, and no sample is staler than the bound."""
     config = load_config(QUICKSTART, [f"output_dir={tmp_path}", "name=queued", "sft.enabled=false",
                                       "rl.max_steps=6", "rl.max_staleness=1", "rl.ppo_epochs=4", "rl.minibatches=2",
-                                      "wandb.mode=disabled", "data.test_size=100", "rl.batch_prompts=4",
+                                      "wandb.mode=disabled", "eval.enabled=false", "rl.batch_prompts=4",
                                       "rollout.prompts_per_batch=4"])
     rl = run_job(config)["rl"]
     assert rl["learner_steps_queued"] >= 3

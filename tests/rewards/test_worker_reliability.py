@@ -138,7 +138,7 @@ def test_standalone_reward_worker_serves_a_running_job(ray_session, redis_server
                               stderr=subprocess.PIPE, text=True)
     config = load_config(str(REPO / "configs" / "quickstart.yaml"), [
         f"name={job}", f"output_dir={tmp_path}", f"redis.url={redis_server}", "reward_workers.num_workers=0",
-        "sft.enabled=false", "rl.max_steps=3", "wandb.mode=disabled"])
+        "sft.enabled=false", "rl.max_steps=3", "wandb.mode=disabled", "eval.enabled=false"])
     summary = run_job(config)
     _, stderr = worker.communicate(timeout=60)
     assert worker.returncode == 0, stderr
