@@ -31,8 +31,11 @@ class EvaluatorWorker:
     evaluator, each answer as ((this process's id, whether it is a restart), the answer)."""
 
     def __init__(self, spec: RolloutSpec) -> None:
-        with redis.Redis.from_url(spec.redis_url) as client:
-            client.set(PolicyKeys(spec.run, spec.policy).evaluator_process, json.dumps(this_process()))
+        try:  # for the job's hang alert: a Redis that does not answer now leaves it without the pid, nothing more
+            with redis.Redis.from_url(spec.redis_url, socket_timeout=5) as client:
+                client.set(PolicyKeys(spec.run, spec.policy).evaluator_process, json.dumps(this_process()))
+        except redis.RedisError:
+            pass
         set_cpu_priority(spec.priority)
         from rlplatform.actors.rollout import RolloutWorker
 
