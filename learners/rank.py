@@ -35,6 +35,7 @@ from rlplatform.learners.budget import free_device_bytes, plan_micro_batches
 from rlplatform.learners.compiled_layers import WARM_UP_BATCHES, compile_layers, layers_compiled
 from rlplatform.learners.flops import DevicePeak
 from rlplatform.learners.lora import AdaptersOff, adapter_state, copy_head_weight_per_call, save_adapters
+from rlplatform.learners.moe import RouterLoad, aux_loss_coef, routers
 from rlplatform.learners.losses import reference_kl, sft_loss
 from rlplatform.lora import with_adapters
 from rlplatform.policy import enable_activation_checkpointing, load_policy
@@ -121,6 +122,8 @@ class LearnerRank:
         self.tokenizer = None
         self.micro_batch_tokens = 0  # tokens per forward/backward: learner.micro_batch_tokens, or from memory at setup
         self.params = 0  # the model's parameters, for MFU (6 x params x tokens)
+        self.routers: List[torch.nn.Module] = []  # a mixture-of-experts policy's routers, first layer first
+        self.aux_coef = 0.0  # the weight of their load-balancing loss (the model config's router_aux_loss_coef)
         self.compiled_layers = 0  # decoder layers under torch.compile (`learner.compile`)
         self.peak: Optional[DevicePeak] = None  # the device's peak FLOP/s in the compute dtype
         self.reference = None  # frozen policy for KL, kept during RL when asked
@@ -173,6 +176,7 @@ class LearnerRank:
         if self.world_size == 1 and self.zero_stage == 0:  # a lone rank's gradients are their own average: DeepSpeed
             self.engine.enable_backward_allreduce = False  # would flatten them, all-reduce over one rank and copy back
         self.params = sum(p.numel() for p in model.parameters())
+        self.routers, self.aux_coef = routers(model), aux_loss_coef(model)
         self.peak = DevicePeak(self.device, torch_dtype(self.dtype))  # the dtype the matmuls run in
         self.micro_batch_tokens, checkpointing = plan_micro_batches(
             free_device_bytes(self.device, self.world_size, self.config.num_gpus), sum(p.numel() for p in trainable),
@@ -325,8 +329,14 @@ class LearnerRank:
         sums: Dict[str, torch.Tensor] = {}
         for k, part in enumerate(parts):
             self.engine.set_gradient_accumulation_boundary(k == len(parts) - 1)
-            scores = self._sft_scores(part)
-            loss, metrics = sft_loss(scores.logprobs, scores.mask * part.live, max(tokens, 1.0) / self.world_size)
+            with RouterLoad(self.routers) as routing:
+                scores = self._sft_scores(part)
+            mask = scores.mask * part.live
+            loss, metrics = sft_loss(scores.logprobs, mask, max(tokens, 1.0) / self.world_size)
+            if self.routers:  # its share of the load-balancing loss, on the scale of the NLL beside it
+                balance = routing.loss() * mask.sum() * self.world_size / max(tokens, 1.0)
+                loss = loss + self.aux_coef * balance
+                metrics["router_aux_loss"] = balance.detach()
             self.engine.backward(loss * part.live, scale_wrt_gas=False)
             _accumulate(sums, metrics)
         grad_norm = self._optimizer_step()
@@ -486,8 +496,9 @@ class LearnerRank:
 
     def _rl_loss(self, part: MicroBatch, minibatch: Minibatch,
                  rl: RLConfig) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        scores = self._scores(self.engine, part.prompts, part.completions, temperature=rl.temperature,
-                              entropy_grad=rl.entropy_coef > 0, token_mask=part.token_mask)
+        with RouterLoad(self.routers) as routing:
+            scores = self._scores(self.engine, part.prompts, part.completions, temperature=rl.temperature,
+                                  entropy_grad=rl.entropy_coef > 0, token_mask=part.token_mask)
         mask, totals = scores.mask * part.live, minibatch.totals
         proximal = scores.logprobs.detach() if minibatch.proximal_is_current else part.proximal
         loss, metrics = policy_loss(scores.logprobs, proximal, part.behaviour, part.advantages, mask, rl.correction,
@@ -501,6 +512,10 @@ class LearnerRank:
         if rl.entropy_coef:
             loss = loss + entropy_bonus(scores.entropy, mask, rl.entropy_coef, totals)
         metrics["entropy"] = token_mean(scores.entropy.detach(), mask, totals=totals)
+        if self.routers:  # the micro-batch's share of the minibatch's load-balancing loss, as its tokens are
+            balance = routing.loss() * mask.sum() / max(totals.tokens, 1)
+            loss = loss + self.aux_coef * balance
+            metrics["router_aux_loss"] = balance.detach()
         # a stand-in's loss keeps its graph (every parameter gets a gradient, as on other ranks) but counts 0
         return loss * part.live, metrics
 

@@ -60,13 +60,17 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    kind: str = one_of("demo", "pretrained")  # demo: a small Qwen2 built from the fields below; pretrained: load `path`
+    kind: str = one_of("demo", "pretrained")  # demo: a small Qwen2 (or Qwen3-MoE) built from the fields below; pretrained: load `path`
     path: Optional[str] = None  # Hugging Face model directory (kind=pretrained)
     hidden_size: int = at_least(128, 1)  # demo model width
     num_layers: int = at_least(4, 1)  # demo model depth
     num_heads: int = at_least(4, 1)  # demo attention heads
     num_kv_heads: int = at_least(2, 1)  # demo key/value heads (grouped-query attention)
     intermediate_size: int = at_least(384, 1)  # demo MLP width
+    num_experts: int = at_least(0, 0)  # demo: 0 builds a dense Qwen2; more builds a Qwen3-MoE of this many experts a layer
+    experts_per_token: int = at_least(2, 1)  # demo MoE: the experts each token is routed to (top-k)
+    expert_size: int = at_least(128, 1)  # demo MoE: each expert's MLP width
+    router_aux_loss_coef: float = at_least(0.01, 0.0)  # demo MoE: weight of the routers' load-balancing loss in the learner's loss
     max_positions: int = at_least(64, 1)  # demo context length
     extra_chars: str = ""  # characters the demo tokenizer knows beyond its default alphabet (e.g. "<>/" for tool tags)
     dtype: str = one_of("auto", "float32", "bfloat16", "float16")  # precision: auto is bfloat16 when the learner computes on a GPU, else float32; bfloat16 trains float32 weights under bfloat16 autocast and serves bfloat16 to rollout workers and the saved model
@@ -723,6 +727,9 @@ def _check_demo_shape(model: ModelConfig, completion: int, prefix: str, source: 
         raise ConfigError(f"{source}: '{prefix}num_heads' is {model.num_heads}; the head size, '{prefix}hidden_size' "
                           f"({model.hidden_size}) / num_heads = {head_size}, must be even (rotary position "
                           f"embeddings rotate pairs)")
+    if model.num_experts and model.experts_per_token > model.num_experts:
+        raise ConfigError(f"{source}: '{prefix}experts_per_token' is {model.experts_per_token}; a token can be routed "
+                          f"to at most the layer's {model.num_experts} experts ('{prefix}num_experts')")
     if model.max_positions <= completion:
         raise ConfigError(f"{source}: '{prefix}max_positions' is {model.max_positions}; it must be >= {completion + 1}: "
                           f"a prompt token and the longest completion ({completion} tokens: rl.max_new_tokens, "
@@ -766,7 +773,7 @@ def _gib(size: int) -> str:
 
 
 DEMO_SHAPE = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_positions",
-              "extra_chars")
+              "extra_chars", "num_experts", "experts_per_token", "expert_size", "router_aux_loss_coef")
 # the kinds that read a key only some kinds read: given to a section of another kind, it would do nothing
 MODEL_READERS = {"path": ("pretrained",), **dict.fromkeys(DEMO_SHAPE, ("demo",))}
 DATA_READERS = {"train_path": ("jsonl", "hf"), "test_path": ("jsonl", "hf"), "path": ("hf",)}

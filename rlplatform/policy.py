@@ -1,7 +1,7 @@
 """Policy models: the demo policy built from config, and loading any saved policy.
 
-The demo policy is a small Qwen2 causal LM with a character-level tokenizer, built offline
-from `ModelConfig`; the controller saves the initial policy once in Hugging Face format, in
+The demo policy is a small Qwen2 causal LM (with `model.num_experts`, a Qwen3-MoE: every layer's MLP a
+mixture of experts) with a character-level tokenizer, built offline from `ModelConfig`; the controller saves the initial policy once in Hugging Face format, in
 `model.dtype`, and every learner rank and rollout worker loads it from that directory in that dtype.
 The engine and the learner call a model's forward and its activation checkpointing through the
 names the installed transformers uses (`kv_cache_keyword`, `enable_activation_checkpointing`).
@@ -18,7 +18,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config,
-                          Qwen2ForCausalLM)
+                          Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from rlplatform.config import ModelConfig
 from rlplatform.devices import resolve_dtype, torch_dtype
@@ -44,14 +44,18 @@ def demo_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
 def build_demo_policy(config: ModelConfig, seed: int) -> Tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     tokenizer = demo_tokenizer(config.extra_chars)
     torch.manual_seed(seed)
-    model_config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
-        max_position_embeddings=config.max_positions, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id)
-    return Qwen2ForCausalLM(model_config), tokenizer
+    shape = dict(vocab_size=len(tokenizer), hidden_size=config.hidden_size,
+                 intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+                 num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+                 max_position_embeddings=config.max_positions, tie_word_embeddings=True,
+                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                 pad_token_id=tokenizer.pad_token_id)
+    if not config.num_experts:
+        return Qwen2ForCausalLM(Qwen2Config(**shape)), tokenizer
+    moe = Qwen3MoeConfig(**shape, num_experts=config.num_experts, num_experts_per_tok=config.experts_per_token,
+                         moe_intermediate_size=config.expert_size, norm_topk_prob=True,
+                         router_aux_loss_coef=config.router_aux_loss_coef)
+    return Qwen3MoeForCausalLM(moe), tokenizer
 
 
 def save_initial_policy(config: ModelConfig, seed: int, out_dir: str) -> str:

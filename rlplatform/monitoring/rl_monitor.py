@@ -30,7 +30,7 @@ from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.tool_queue import ToolKeys
 
 LEARNING_KEYS = ("loss", "pg_loss", "kl_to_reference", "entropy", "clip_fraction", "importance_weight_mean",
-                 "importance_weight_max", "logprob_mismatch_abs", "grad_norm", "lr")
+                 "importance_weight_max", "logprob_mismatch_abs", "grad_norm", "lr", "router_aux_loss")
 STALL_CHECK_S = 5.0
 PROGRESS_EVERY_S = 30.0  # a progress line at least this often, also while no learner step ends
 RATE_WINDOW_S = 10.0  # throughput is averaged over at least this much of the recent past

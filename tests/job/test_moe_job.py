@@ -1,0 +1,29 @@
+"""A mixture-of-experts policy (`model.num_experts`) through a whole job on the transformers engine: SFT, RL, its
+checkpoint and final model as a Qwen3-MoE, and a resume that goes on from the checkpoint training nothing twice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlplatform.job.controller import run_job
+from rlplatform.scheduling.ledger import balanced
+
+pytestmark = pytest.mark.slow
+
+MOE = ["model.num_experts=4", "model.experts_per_token=2", "model.expert_size=32", "sft.enabled=true",
+       "sft.steps=3", "sft.batch_size=16", "checkpoint.every_steps=2", "resume=auto"]
+
+
+def test_a_mixture_of_experts_trains_sft_and_rl_checkpoints_and_resumes(ray_session, tiny_job, run_files):
+    first = run_job(tiny_job("moe", *MOE, "rl.max_steps=4"))
+    assert first["status"] == "completed" and first["stages"]["sft"]["steps"] == 3 and first["rl"]["steps"] == 4
+    config = tiny_job("moe", *MOE, "rl.max_steps=6")
+    saved = json.loads(Path(config.run_dir, "model", "config.json").read_text())
+    assert saved["model_type"] == "qwen3_moe" and saved["num_local_experts"] == 4
+    resumed = run_job(config)  # from step 4's checkpoint, to step 6
+    assert resumed["status"] == "completed" and resumed["rl"]["steps"] == 6
+    trained = run_files.trained_ids(config.run_dir)
+    assert len(trained) == len(set(trained)) == 6 * 2 * 4 and balanced(resumed["rl"]["ledger"])
