@@ -89,11 +89,29 @@ def cpu_cache_args(model_path: str, dtype: str, share: Optional[float]) -> Dict[
                 block_size=max(32, min(128, context // 2 // 32 * 32)))
 
 
-def tied_aliases(model_path: str) -> Dict[str, str]:
-    """Each weight the model ties to an earlier one (an output head sharing the embedding), by the name of that
-    one: updates carry each storage once (`unique_weights`), and vLLM reloads a tied layer only when given it."""
-    with torch.device("meta"):  # the model's structure, without memory
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+class CheckpointForm:
+    """The learner's weights as vLLM loads them: under the names and in the layout of the model's checkpoint
+    files. Transformers holds some parameters in another form in memory (each layer's experts of a mixture of
+    experts fused into one tensor) and writes them back in the checkpoint's form when it saves; vLLM's
+    `load_weights` knows only that form, and passes over names it does not know. A tied weight (an output head
+    sharing the embedding) is sent once (`unique_weights`) and given here under its alias too: vLLM reloads a
+    tied layer only when given it."""
+
+    def __init__(self, model_path: str) -> None:
+        with torch.device("meta"):  # the model's structure, without memory
+            self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+        self.tied = tied_aliases(self.model)
+
+    def of(self, weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        weights = {**weights, **{alias: weights[name] for alias, name in self.tied.items()
+                                 if alias not in weights and name in weights}}
+        return revert_weight_conversion(self.model, weights)
+
+
+def tied_aliases(model: torch.nn.Module) -> Dict[str, str]:
+    """Each weight `model` ties to an earlier one, by the name of that one."""
     first: Dict[int, str] = {}
     aliases = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -142,7 +160,7 @@ class VLLMEngine(BatchGenerate):
         self.device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
         self.version = -1
         self.served: Optional[Dict[str, torch.Tensor]] = {} if deltas else None  # with deltas: the weights held
-        self.tied = tied_aliases(model_path)
+        self.checkpoint_form = CheckpointForm(model_path)
         self.request_ids = itertools.count()
         self._batch: Optional[VLLMBatch] = None  # the one batch whose requests the engine runs
 
@@ -182,9 +200,8 @@ class VLLMEngine(BatchGenerate):
 
     def _load_full(self, state_dict: Dict[str, torch.Tensor]) -> None:
         """Every weight through vLLM's weight-update lifecycle (a layer's weights are reloaded together)."""
-        weights = {name: tensor.to(self.device, non_blocking=True) for name, tensor in state_dict.items()}
-        weights.update({alias: weights[name] for alias, name in self.tied.items()
-                        if alias not in weights and name in weights})
+        weights = self.checkpoint_form.of({name: tensor.to(self.device, non_blocking=True)
+                                           for name, tensor in state_dict.items()})
         engine = self.llm.llm_engine
         engine.collective_rpc("start_weight_update")
         engine.collective_rpc("update_weights", kwargs={"update_info": {"weights": list(weights.items())}})

@@ -92,7 +92,7 @@ def is_loopback(host: str) -> bool:
 
 def check_engines(config: JobConfig, source: str) -> None:
     """`rollout.engine: vllm` has the vllm package and, on a local cluster without a CUDA GPU (vLLM's CPU
-    build), a model whose head size vLLM's CPU attention takes; with `model.lora`, a rank and dtype vLLM's
+    build), a dense model whose head size vLLM's CPU attention takes; with `model.lora`, a rank and dtype vLLM's
     LoRA layers take."""
     for i, policy in enumerate(config.policy_list()):
         if policy.rollout.engine != "vllm":
@@ -111,8 +111,24 @@ def check_engines(config: JobConfig, source: str) -> None:
                 raise ConfigError(f"{source}: '{prefix}{name}' is {temperature:g} but '{key}' is vllm, which samples at "
                                   f"temperatures up to {VLLM_MAX_TEMPERATURE:g}; lower it or use rollout.engine: "
                                   f"transformers")
+        if _vllm_on_cpu(config) and _experts(policy.model):
+            raise ConfigError(f"{source}: '{key}' is vllm on the CPU and the model is a mixture of "
+                              f"{_experts(policy.model)} experts a layer: vLLM's CPU build serves the weights it "
+                              f"started with, but after a weight update its experts are left unpacked for its CPU "
+                              f"kernel, which then computes with them wrongly (vLLM 0.32); use rollout.engine: "
+                              f"transformers on CPU")
         if policy.model.kind == "demo" and _vllm_on_cpu(config):
             check_vllm_cpu_head_size(policy.model.hidden_size // policy.model.num_heads, key, source)
+
+
+def _experts(model) -> int:
+    """The experts a layer of the policy's model holds (0: a dense model)."""
+    if model.kind == "demo":
+        return model.num_experts
+    from transformers import AutoConfig
+
+    loaded = AutoConfig.from_pretrained(model.path)
+    return int(getattr(loaded, "num_experts", 0) or getattr(loaded, "num_local_experts", 0) or 0)
 
 
 def _vllm_on_cpu(config: JobConfig) -> bool:

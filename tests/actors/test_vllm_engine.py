@@ -5,6 +5,10 @@ and the preflight checks of a job that asks for it."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -199,3 +203,64 @@ def test_a_temperature_vllm_cannot_sample_at_is_refused_in_one_line():
         check_engines(load_config(overrides=["rollout.engine=vllm", "rl.temperature=2.5"]), "job.yaml")
     assert str(err.value) == ("job.yaml: 'rl.temperature' is 2.5 but 'rollout.engine' is vllm, which samples at "
                               "temperatures up to 2; lower it or use rollout.engine: transformers")
+
+
+@pytest.fixture(scope="module")
+def moe_policy(tmp_path_factory):
+    """A mixture of 4 experts a layer, top 2, head size 32."""
+    from rlplatform.policy import save_initial_policy
+
+    return save_initial_policy(ModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
+                                           intermediate_size=128, num_experts=4, expert_size=32), 0,
+                               str(tmp_path_factory.mktemp("moe_policy")))
+
+
+def test_updates_reach_vllm_in_the_checkpoints_form_a_mixture_of_experts_fused_in_memory(moe_policy):
+    """Transformers holds each layer's experts as two fused tensors; vLLM loads them under the per-expert names
+    of the checkpoint files, and passes over names it does not know."""
+    from safetensors import safe_open
+
+    from rlplatform.actors.vllm_engine import CheckpointForm
+    from rlplatform.policy import load_policy
+
+    state = load_policy(moe_policy)[0].state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    form = CheckpointForm(moe_policy).of(state)
+    with safe_open(f"{moe_policy}/model.safetensors", "pt") as saved:
+        assert set(form) == set(saved.keys()) | {"lm_head.weight"}  # the tied head under its alias too
+        for name in saved.keys():
+            torch.testing.assert_close(form[name], saved.get_tensor(name), atol=0, rtol=0)
+
+
+MOE_SCORES = """
+import json, sys
+from rlplatform.actors.vllm_engine import VLLMEngine
+from rlplatform.learners.batching import completion_logprobs
+from rlplatform.policy import load_policy
+engine = VLLMEngine(sys.argv[1], "float32", None, seed=0)
+prompts, completions = [engine.tokenizer("12+34=")["input_ids"]], [[5, 6, 7, 8]]
+model = load_policy(sys.argv[1])[0]
+learner = completion_logprobs(model, prompts, completions, pad_id=0)
+served = engine.score(prompts, completions)[0]
+engine.load_weights(model.state_dict(), version=1)  # the same weights again
+print(json.dumps([learner.logprobs[learner.mask.bool()].tolist(), served, engine.score(prompts, completions)[0]]))
+"""
+
+
+def test_vllms_cpu_build_serves_a_mixture_of_experts_as_the_learner_scores_it_but_a_job_is_refused(moe_policy):
+    """vLLM's CPU build scores the MoE it started with as the learner does; after a weight update (here the same
+    weights again) its CPU kernel reads the experts unpacked (vLLM 0.32) and the scores move, so a job with vLLM on
+    the CPU and an MoE is refused in one line. (Its own process: vLLM sets up its parallel groups once per process,
+    for the first model's kind.)"""
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is for vLLM's CPU build")
+    run = subprocess.run([sys.executable, "-c", MOE_SCORES, moe_policy], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    learner, served, after_update = json.loads(run.stdout.splitlines()[-1])
+    assert served == pytest.approx(learner, abs=1e-4)
+    assert after_update != pytest.approx(learner, abs=1e-4)  # when this fails, vLLM reloads MoE weights: lift the refusal
+    with pytest.raises(ConfigError) as err:
+        check_engines(load_config(overrides=["rollout.engine=vllm", "model.num_heads=2", "model.num_experts=4"]),
+                      "job.yaml")
+    assert str(err.value).startswith("job.yaml: 'rollout.engine' is vllm on the CPU and the model is a mixture of 4 "
+                                     "experts a layer") and "\n" not in str(err.value)
