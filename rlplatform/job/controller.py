@@ -38,10 +38,10 @@ from rlplatform.job.workers import Evaluator, PolicyWorkers, publish
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.monitoring.job_status import JobStatus
 from rlplatform.monitoring.metrics import Metrics
-from rlplatform.monitoring.watchdog import hang_rule, learner_hang, rank_processes
+from rlplatform.monitoring.watchdog import hang_rule, rank_processes, watched_write
 from rlplatform.policy import load_tokenizer, save_initial_policy
 from rlplatform.tokenization import encode_prompts, save_prompts, within_limit
-from rlplatform.transport.deadlines import LEARNER_TIMEOUT_S, JobFailed, LearnerDied, LearnerHung, WorkerHung
+from rlplatform.transport.deadlines import LEARNER_TIMEOUT_S, JobFailed, LearnerDied, LearnerHung
 from rlplatform.transport.job_lease import JobLease
 from rlplatform.transport.redis_server import EmbeddedRedis, RedisUnavailable, connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue, run_scope
@@ -360,24 +360,16 @@ def _save_final(config: JobConfig, policies: List[PolicyWorkers]) -> None:
     """Each policy's final DeepSpeed checkpoint and Hugging Face model; with LoRA its adapters (a peft
     directory on `initial_policy`) and, when `checkpoint.export_merged`, the merged model. With the watchdog on,
     a learner that writes nothing for `monitoring.hang_factor` x `monitoring.hang_floor_s` hangs (`LearnerHung`)."""
-    rule = hang_rule(config.monitoring)
-    deadline = rule.deadline_s(rule.floor_s) if rule else LEARNER_TIMEOUT_S
     for workers in policies:
         policy_dir = os.path.abspath(config.policy_dir(workers.name))
         checkpoint, model = os.path.join(policy_dir, "checkpoint"), os.path.join(policy_dir, "model")
         merged = model if workers.config.model.lora.enabled and config.checkpoint.export_merged else None
-        try:
-            if workers.config.model.lora.enabled:
-                workers.learner.save(checkpoint, os.path.join(policy_dir, "adapter"), merged_dir=merged,
-                                     timeout_s=deadline)
-            else:
-                workers.learner.save(checkpoint, model, timeout_s=deadline)
-        except WorkerHung:
-            if rule is None:
-                raise
-            raise learner_hang(rule, config.run_dir, rank_processes(workers.name, workers.learner.processes),
-                               deadline, "writing the final model", rule.floor_s,
-                               latest_checkpoint(config.run_dir)) from None
+        saves = dict(model_dir=os.path.join(policy_dir, "adapter"), merged_dir=merged) \
+            if workers.config.model.lora.enabled else dict(model_dir=model)
+        watched_write(hang_rule(config.monitoring), config.run_dir,
+                      partial(rank_processes, workers.name, workers.learner.processes), "writing the final model",
+                      0.0, latest_checkpoint(config.run_dir),
+                      lambda deadline_s: workers.learner.save(checkpoint, **saves, timeout_s=deadline_s))
 
 
 def _open_queue(config: JobConfig, run: str, client) -> RewardQueue:

@@ -35,7 +35,7 @@ from rlplatform.monitoring.job_status import SILENT_WORKERS
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.rl_monitor import RLMonitor
 from rlplatform.monitoring.watchdog import (LearnerProcess, WorkerWatchdog, hang_rule, learner_hang,
-                                            rank_processes)
+                                            rank_processes, watched_write)
 from rlplatform.rewards.shaping import overlong_penalty
 from rlplatform.scheduling.buffer import Batch, GroupBuffer, has_signal
 from rlplatform.scheduling.groups import GroupSchedule
@@ -376,16 +376,9 @@ class PolicyRun:
         `monitoring.hang_factor` times the longest so far (before one, times `monitoring.hang_floor_s`) is the
         learner's hang (`checkpoint`: the newest one before it)."""
         started = time.perf_counter()
-        rule = self.hang_rule
-        deadline = rule.deadline_s(self.longest_save_s or rule.floor_s) if rule else LEARNER_TIMEOUT_S
-        try:
-            self.workers.learner.save(directory, timeout_s=deadline)
-        except WorkerHung:
-            if rule is None:
-                raise
-            raise learner_hang(rule, self.job.run_dir, self._learner_ranks(),
-                               max(time.perf_counter() - started, deadline), "writing a checkpoint",
-                               self.longest_save_s or rule.floor_s, checkpoint) from None
+        watched_write(self.hang_rule, self.job.run_dir, self._learner_ranks, "writing a checkpoint",
+                      self.longest_save_s, checkpoint,
+                      lambda deadline_s: self.workers.learner.save(directory, timeout_s=deadline_s))
         self.longest_save_s = max(self.longest_save_s, time.perf_counter() - started)
 
     def _learner_ranks(self) -> List[LearnerProcess]:

@@ -25,7 +25,7 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 import ray
 
-from rlplatform.transport.deadlines import Beat, LearnerHung
+from rlplatform.transport.deadlines import LEARNER_TIMEOUT_S, Beat, LearnerHung, WorkerHung
 
 DUMP_TIMEOUT_S = 30.0  # one py-spy dump
 
@@ -147,3 +147,19 @@ def learner_hang(rule: HangRule, run_dir: str, ranks: List[LearnerProcess], runn
     return LearnerHung(f"the learner hung: {doing} made no progress for {running_s:.0f}s (deadline {deadline:.0f}s: "
                        f"{rule.factor:g}x the longest so far, {longest_s:.1f}s, at least {rule.floor_s:g}s) on "
                        f"{where}; {'; '.join(dumps)}; {resume}")
+
+
+def watched_write(rule: Optional[HangRule], run_dir: str, ranks: Callable[[], List[LearnerProcess]], doing: str,
+                  longest_s: float, checkpoint: Optional[str], write: Callable[[float], None]) -> None:
+    """`write(deadline_s)`, a learner's write of its weights (`doing`). With the watchdog's `rule` its deadline comes
+    from the longest such write so far, `longest_s` (before one, from the floor), and one past it is the learner's
+    hang (`learner_hang`, naming `ranks()` and `checkpoint`); without, the learner's own limit."""
+    deadline = rule.deadline_s(longest_s or rule.floor_s) if rule else LEARNER_TIMEOUT_S
+    started = time.perf_counter()
+    try:
+        write(deadline)
+    except WorkerHung:
+        if rule is None:
+            raise
+        raise learner_hang(rule, run_dir, ranks(), max(time.perf_counter() - started, deadline), doing,
+                           longest_s or rule.floor_s, checkpoint) from None
