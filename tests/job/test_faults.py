@@ -19,8 +19,9 @@ sys.modules[_spec.name] = faults  # its dataclasses look their module up there
 _spec.loader.exec_module(faults)
 
 
-STEPS = 24  # the faults land by step 5; the steps after it are the margin for the injector to keep up (with 10 steps
-# and the faults by step 3, steps of a few tens of ms left the last faults unlanded in some runs)
+STEPS = 60  # the faults land by step 5; the steps after it are the margin for the injector to keep up (with 10 steps
+# and the faults by step 3, steps of a few tens of ms left the last faults unlanded in some runs; with 24, the
+# evaluator, whose start-up of seconds follows the learner's, was once not yet up when the job ended)
 
 
 def mixed_faults(job: str, rng: random.Random, steps: int) -> List:
@@ -37,7 +38,7 @@ def mixed_faults(job: str, rng: random.Random, steps: int) -> List:
 def test_a_job_survives_worker_kills_a_redis_kill_and_malformed_messages(ray_session, tmp_path):
     # claim_idle_s and group_timeout_s beyond the test's patience: the requests the killed reward
     # worker held come back only if its restart takes them back, and no group may expire
-    scenario = faults.Scenario("mixed", ["reward_workers.num_workers=2", "eval.every_steps=2",
+    scenario = faults.Scenario("mixed", ["reward_workers.num_workers=2", "eval.every_steps=2", "eval.priority=normal",
                                          "reward_workers.claim_idle_s=600", "rl.group_timeout_s=600"], mixed_faults)
     outcome = faults.run_scenario(scenario, str(tmp_path), steps=STEPS, seed=0)
     assert [fault.what for fault in outcome.faults if fault.at is None] == []  # all landed before the job ended
