@@ -62,7 +62,8 @@ class ToolWorker(QueueWorker):
         client = connect(redis_url, wait_s=RECONNECT_S)  # a restart may meet the job's Redis restarting
         self.tool_queue = ToolQueue(client, run)
         super().__init__(name, self.tool_queue, RewardQueue(client, run), config, ToolStats(),
-                         Heartbeats(client, run), f"tool worker {name}")
+                         Heartbeats(client, run), f"tool worker {name}",
+                         round_limit_s=max((spec.timeout_s for spec in tools), default=0.0))
 
     def decode(self, raw: bytes) -> ToolCall:
         return decode_call(raw)
@@ -109,7 +110,8 @@ def default_tool_worker_name(job: str) -> str:
 
 class ToolService(ToolWorker):
     """A tool worker that serves on a thread of its own from the moment it is built until the job kills
-    it: past the job's stop flag, which ends RL before the last evaluation's episodes call tools."""
+    it: past the job's stop flag, which ends RL before the last evaluation's episodes call tools. Each round
+    beats, as `QueueWorker.run`'s do, so the job's watchdog restarts a service that hangs."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -117,6 +119,7 @@ class ToolService(ToolWorker):
 
     def _serve(self) -> None:
         while True:
+            self.heartbeats.beat(self.label, "serving", round_limit_s=self.round_limit_s)
             self.step()
 
     def counts(self) -> ToolStats:

@@ -319,7 +319,7 @@ def _run_stages(config: JobConfig, run: str, redis_url: str, learners: Dict[str,
             job_state = partial(_job_state, results, metrics.run.id if metrics.run else None)
             try:
                 summaries = _rl_stage(config, [p for p in policies if p.config.rl.enabled], queue, reward_actors,
-                                      metrics, train_rows, results, stop, job_state, resume)
+                                      metrics, train_rows, results, stop, job_state, resume, tool_actors)
             except StageFailed as failed:
                 for name, rl in failed.summaries.items():
                     results[name].rl = rl
@@ -531,10 +531,11 @@ def _baseline_snapshot(workers: PolicyWorkers, streamed) -> ray.ObjectRef:
 
 def _rl_stage(config: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, reward_actors: List,
               metrics: Metrics, train_rows, results: Dict[str, PolicyResults], stop: StopSignals,
-              job_state: Callable[[], Dict], resume: Optional[Resume]) -> Dict[str, RLSummary]:
+              job_state: Callable[[], Dict], resume: Optional[Resume], tool_actors: List) -> Dict[str, RLSummary]:
     """RL for `policies`, then each one's final evaluation (recorded in `results` as "after_rl"); returns each
     policy's RL summary."""
-    summaries = run_rl(config, policies, queue, reward_actors, metrics, train_rows, stop, job_state, resume)
+    summaries = run_rl(config, policies, queue, reward_actors, metrics, train_rows, stop, job_state, resume,
+                       tool_actors=tool_actors)
     for workers in policies:
         if not stop.requested and workers.evaluator is not None:
             workers.evaluator.finish_baseline()

@@ -17,7 +17,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field, fields, replace
 from functools import partial
-from typing import Callable, Deque, Dict, List, Mapping, Optional
+from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence
 
 import ray
 
@@ -480,11 +480,12 @@ class Resume:
 
 def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, reward_actors: List,
            metrics: Metrics, train_rows: List[Dict], stop: StopSignals, job_state: Callable[[], Dict],
-           resume: Optional[Resume] = None) -> Dict[str, RLSummary]:
+           resume: Optional[Resume] = None, tool_actors: Sequence = ()) -> Dict[str, RLSummary]:
     """Train every policy to `rl.max_steps` from its version 0 (already published) or from `resume`,
     learner steps of different policies running at once, checkpoints every `checkpoint.every_steps`
     and at the end; a stop signal ends it early, checkpointed. `job_state()`: the job's own part of each
-    checkpoint's state, as it stands when the checkpoint is written. Returns each policy's summary by name.
+    checkpoint's state, as it stands when the checkpoint is written; `tool_actors`, serving since they were built, are
+    restarted when they hang. Returns each policy's summary by name.
     An error ends it checkpointed too (from the learner's memory and the Redis mirror when the job's Redis went
     away; not when a learner rank died or hung), as `StageFailed` with the figures as they stood."""
     controller_cpu_start = time.process_time()
@@ -499,7 +500,7 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
             _keep_lines(run.trained_log, 0)  # a fresh start: nothing trained yet
         run.monitor.started(run.version)
         run.mirror_redis()
-    supervisor = _start_loops(job, policies, reward_actors, metrics)
+    supervisor = _start_loops(job, policies, reward_actors, metrics, tool_actors)
     checkpoints = Checkpoints(job, runs, job_state, attempt)
     heartbeats = Heartbeats(queue.client, queue.keys.run)
     rule = hang_rule(job.monitoring)
@@ -621,8 +622,9 @@ def _await_construction(actors: List, timeout_s: float = RESTART_TIMEOUT_S) -> N
     ray.wait(ready, num_returns=len(ready), timeout=timeout_s)
 
 
-def _start_loops(job: JobConfig, policies: List[PolicyWorkers], reward_actors: List, metrics: Metrics) -> Supervisor:
-    supervisor = Supervisor(lambda text: metrics.event("worker_restart", text))
+def _start_loops(job: JobConfig, policies: List[PolicyWorkers], reward_actors: List, metrics: Metrics,
+                 tool_actors: Sequence) -> Supervisor:
+    supervisor = Supervisor(lambda text: metrics.event("worker_restart", text), tool_actors)
     for workers in policies:
         for i, actor in enumerate(workers.rollout):
             supervisor.start("rollout", f"{workers.name}-{i}", actor)

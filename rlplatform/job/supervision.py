@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
@@ -72,10 +72,13 @@ class _Loop:
 class Supervisor:
     """The worker loops of a stage: restarts dead ones, collects their results at the end."""
 
-    def __init__(self, note: Callable[[str], None]) -> None:
+    def __init__(self, note: Callable[[str], None], services: Sequence = ()) -> None:
+        """`services`: actors that serve from their construction, with no loop to run (tool workers); Ray
+        restarts them whole."""
         self.note = note
         self.restarts: Counter = Counter()
         self._loops: List[_Loop] = []
+        self._services = list(services)
 
     def start(self, kind: str, name: str, actor) -> None:
         self._loops.append(_Loop(kind, name, actor, actor.run.remote()))
@@ -106,11 +109,11 @@ class Supervisor:
         raise RuntimeError(f"{loop.kind} worker {loop.name} stopped before the job asked it to")
 
     def restart_hung(self, actor_id: str) -> bool:
-        """Kill the actor `actor_id` (Ray actor id, hex) of a hung worker loop, so that Ray restarts it and `check`
-        runs its loop again; False where no loop of the stage runs on that actor."""
-        for loop in self._loops:
-            if loop.actor._actor_id.hex() == actor_id:
-                ray.kill(loop.actor, no_restart=False)
+        """Kill the actor `actor_id` (Ray actor id, hex) of a hung worker loop or service, so that Ray restarts it
+        (and `check` runs a loop again); False where the stage holds no such actor."""
+        for actor in [loop.actor for loop in self._loops] + self._services:
+            if actor._actor_id.hex() == actor_id:
+                ray.kill(actor, no_restart=False)
                 return True
         return False
 

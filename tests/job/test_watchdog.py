@@ -159,3 +159,28 @@ def test_an_evaluator_stopped_for_good_is_named_dumped_and_restarted(ray_session
     assert f"stacks in {dump}" in hang["message"] and dump.read_text().strip()
     assert summary["rl"]["restarts"]["evaluator"] == 1
     assert summary["eval"]["after_rl"]["policy_version"] == 150 and "before_rl" in summary["eval"]
+
+
+TOOL_CALC = str(Path(__file__).resolve().parents[2] / "configs" / "tool_calc.yaml")
+
+
+def test_a_tool_worker_stopped_for_good_is_named_dumped_and_restarted(ray_session, tmp_path, run_files):
+    """Tool workers serve from their construction, without a loop of the stage's: the watchdog restarts one whole,
+    and the calls it held are taken back by its restart (every episode here calls the calculator)."""
+    from rlplatform.config import load_config
+
+    config = load_config(TOOL_CALC, [
+        f"output_dir={tmp_path}", "name=hung-tool", "env.fn=tests.envs.tools_for_tests:CalculateThePrompt",
+        "model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=128", "sft.enabled=false",
+        "eval.enabled=false", "rl.max_steps=30", "rl.batch_prompts=2", "rl.group_size=2", "rl.max_new_tokens=4",
+        "env.max_tokens=40", "data.train_size=64", "data.test_size=8", "wandb.mode=disabled",
+        "env.tool_workers.num_cpus=0.25", "env.tools[0].timeout_s=0.3", *FAST_WATCHDOG])  # deadline 3 s
+    summary, pid = _job_with_a_stopped_actor(config, "hung-tool-tool-0", 3, run_files)
+    assert summary["status"] == "completed", "the job never ended with its only tool worker stopped"
+    [hang] = _events(config.run_dir, "hang")
+    assert hang["message"].startswith(f"tool worker hung-tool-tool-0 (pid {pid} on ") and "restarting it" in hang["message"]
+    [dump] = list(Path(config.run_dir, "hangs").iterdir())
+    assert f"stacks in {dump}" in hang["message"] and dump.read_text().strip()
+    rl = summary["rl"]
+    assert rl["steps"] == 30 and rl["samples_trained"] == 30 * 2 * 2 and balanced(rl["ledger"])
+    assert rl["tools"]["calculator/calls"] >= 30 * 2 * 2
