@@ -35,8 +35,8 @@ from rlplatform.learners.budget import free_device_bytes, plan_micro_batches
 from rlplatform.learners.compiled_layers import WARM_UP_BATCHES, compile_layers, layers_compiled
 from rlplatform.learners.flops import DevicePeak
 from rlplatform.learners.lora import AdaptersOff, adapter_state, copy_head_weight_per_call, save_adapters
-from rlplatform.learners.moe import RouterLoad, aux_loss_coef, routers
 from rlplatform.learners.losses import reference_kl, sft_loss
+from rlplatform.learners.moe import RouterLoad, aux_loss_coef, routers
 from rlplatform.lora import with_adapters
 from rlplatform.policy import enable_activation_checkpointing, load_policy
 from rlplatform.token_budget import micro_batches
