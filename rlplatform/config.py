@@ -361,7 +361,7 @@ def _default_alerts() -> List[AlertRule]:
 class MonitoringConfig:
     samples_every: int = at_least(50, 0)  # learner steps between W&B tables of sample completions (0: never)
     samples_rows: int = at_least(16, 1)  # completions per table
-    alerts: List[AlertRule] = field(default_factory=_default_alerts)
+    alerts: List[AlertRule] = field(default_factory=_default_alerts)  # the alert rules the RL stage watches (docs/monitoring.md)
     max_error_fraction: float = at_least(0.9, 0)  # the job stops (checkpointed, exit 1) when reward errors pass this fraction of the samples scored over an error window (1: never)
     error_window: int = at_least(20, 1)  # learner steps in the step error window
     error_window_s: float = above(120.0, 0)  # seconds in the time error window (it needs one batch's samples; an alert at half)
@@ -398,7 +398,7 @@ class JobConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    rewards: List[RewardSpec] = field(default_factory=lambda: [RewardSpec(name="exact_match")])
+    rewards: List[RewardSpec] = field(default_factory=lambda: [RewardSpec(name="exact_match")])  # the rewards summed into each sample's reward, and the filters and monitors beside them
     imports: List[str] = field(default_factory=list)  # modules imported before rewards resolve (@rlplatform.reward files)
     env: EnvConfig = field(default_factory=EnvConfig)  # episodes: single-turn, or multi-turn with tools (rlplatform.envs)
     reward_workers: RewardWorkersConfig = field(default_factory=RewardWorkersConfig)

@@ -135,6 +135,19 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     assert (tmp_path / "site" / "index.html").is_file()
 
 
+def test_the_configuration_reference_is_the_schemas() -> None:
+    """docs/config-reference.md lists every key of the schema, as `python -m rlplatform.config_reference` makes it
+    (regenerate it after a change to rlplatform/config.py)."""
+    from rlplatform.config import JobConfig
+    from rlplatform.config_reference import keys, reference_page
+
+    page = (DOCS / "config-reference.md").read_text()
+    assert page == reference_page(), "docs/config-reference.md is stale: python -m rlplatform.config_reference > docs/config-reference.md"
+    listed = [name for name, _, _ in keys(JobConfig)]
+    assert {"model.num_experts", "learner.grad_clip", "env.tools[].timeout_s", "monitoring.alerts[].kind"} <= set(listed)
+    assert all(f"| `{name}` |" in page for name in listed) and all(comment for _, _, comment in keys(JobConfig))
+
+
 def test_every_page_is_in_the_nav_and_the_readme() -> None:
     config = yaml.safe_load((REPO / "mkdocs.yml").read_text())
     assert config["docs_dir"] == "docs"
