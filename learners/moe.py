@@ -21,9 +21,8 @@ def routers(model: torch.nn.Module) -> List[torch.nn.Module]:
 
 
 def aux_loss_coef(model: torch.nn.Module) -> float:
-    """The weight of the load-balancing loss its config gives a mixture-of-experts model (0 for a dense one)."""
-    config = next((m.config for m in model.modules() if hasattr(m, "config")), None)
-    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if routers(model) else 0.0
+    """The weight of the load-balancing loss the model's config gives (0 where it gives none: a dense model)."""
+    return float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
 
 
 def load_balancing_loss(logits: List[torch.Tensor], top_k: int) -> torch.Tensor:

@@ -81,7 +81,9 @@ def _default(f: dataclasses.Field) -> str:
         return "`[" + ", ".join(_entry(v) for v in value) + "]`"
     if value is None:
         return "unset"
-    return f"`{value}`" if isinstance(value, str) and value else "`''`" if isinstance(value, str) else f"`{value!r}`"
+    if isinstance(value, str):
+        return f"`{value}`" if value else "`''`"
+    return f"`{value!r}`"
 
 
 def _entry(entry: Any) -> str:
