@@ -1,7 +1,7 @@
 """What every engine's decode loop shares: the sequences it carries and the completions it returns.
 
 A `Row` is one sequence being decoded (its prompt, its tokens so far with their behaviour log-probs and
-weight versions); `completion` turns a finished row into the `Completion` a rollout worker receives, and
+weight versions, and for a mixture-of-experts policy the experts of every token fed); `completion` turns a finished row into the `Completion` a rollout worker receives, and
 `sample` draws each row's next token from its logits at the row's own temperature.
 """
 
@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Hashable, List, Tuple
 
 import torch
+
+from rlplatform.transport.routed_experts import encode_routing
 
 
 @dataclass
@@ -22,6 +24,7 @@ class Completion:
     versions: List[int]  # weight version that generated each completion token
     completion_mask: List[int] = field(default_factory=list)  # multi-turn: 1 model token, 0 observation (Sample's)
     episode: Dict[str, Any] = field(default_factory=dict)  # multi-turn: per-episode fields for the sample's row
+    routed_experts: bytes = b""  # a mixture-of-experts policy: each fed token's experts (Sample's; none recorded: empty)
 
 
 @dataclass
@@ -33,13 +36,14 @@ class Row:
     tokens: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
     versions: List[int] = field(default_factory=list)
+    routed: List[torch.Tensor] = field(default_factory=list)  # the experts of the tokens fed so far, (tokens, layers, k) pieces
 
 
 def completion(row: Row, tokenizer) -> Completion:
     """The finished row as a completion, its text decoded with special tokens removed."""
     return Completion(prompt_ids=row.prompt_ids, completion_ids=row.tokens,
                       text=tokenizer.decode(row.tokens, skip_special_tokens=True),
-                      logprobs=row.logprobs, versions=row.versions)
+                      logprobs=row.logprobs, versions=row.versions, routed_experts=encode_routing(row.routed))
 
 
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, any_sampled: bool) -> Tuple[torch.Tensor, torch.Tensor]:

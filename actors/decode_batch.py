@@ -3,7 +3,7 @@
 `DecodeBatch` keeps its rows left-padded in a `DynamicCache` that grows by one column per step and is
 cut when rows leave; `prefill` runs waiting prompts through the model in chunks of at most
 `rollout.prefill_tokens` padded tokens. It serves every model transformers loads, with or without LoRA
-adapters; `rlplatform.actors.static_decode` is the faster loop for the architectures it knows.
+adapters, and records a mixture-of-experts policy's routing for each row (`RoutingRecorder`); `rlplatform.actors.static_decode` is the faster loop for the architectures it knows.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from rlplatform.actors.completions import Completion, Row, completion, sample
+from rlplatform.actors.routing_record import RoutingRecorder
 from rlplatform.token_budget import micro_batches
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ class DecodeBatch:
         self.waiting: List[Tuple[List[int], Hashable, int, float]] = []  # (prompt ids, key, limit, temperature)
         self.cache: Optional[DynamicCache] = None
         self.device = engine.device
+        self.recorder = engine.recorder  # a mixture-of-experts policy's routing record (None: dense)
         # (rows, cache length + 1 when rows have a token to feed)
         self.attention = torch.zeros(0, 0, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(0, 1, dtype=torch.long, device=self.device)  # each row's next token position
@@ -92,10 +94,12 @@ class DecodeBatch:
         self.waiting = []
         distinct: Dict[Tuple[int, ...], int] = {}
         owner = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts], device=self.device)
-        cache, attention, logits = prefill(self.model, [list(p) for p in distinct], self.pad_id, self.device,
-                                           self.engine.prefill_tokens, self.engine.cache_keyword)
+        cache, attention, logits, routed = prefill(self.model, [list(p) for p in distinct], self.pad_id, self.device,
+                                                   self.engine.prefill_tokens, self.engine.cache_keyword, self.recorder)
         new_rows = [Row(key, list(prompt), limit, temperature)
                     for key, prompt, limit, temperature in zip(keys, prompts, limits, temperatures)]
+        for row, prompt in zip(new_rows, owner.tolist() if routed else []):
+            row.routed.append(routed[prompt])
         self._join(new_rows, cache, attention, owner)
         self.rows += new_rows
         return logits[owner]
@@ -104,6 +108,9 @@ class DecodeBatch:
         """The rows' next-token logits: their newest tokens through the model on the cache."""
         out = self.model(input_ids=self.last_tokens[:, None], attention_mask=self.attention,
                          position_ids=self.positions, use_cache=True, **{self.engine.cache_keyword: self.cache})
+        if self.recorder is not None:
+            for row, experts in zip(self.rows, self.recorder.take(len(self.rows), 1)):
+                row.routed.append(experts)
         return out.logits[:, -1]
 
     def _join(self, new_rows: List[Row], cache: DynamicCache, attention: torch.Tensor, owner: torch.Tensor) -> None:
@@ -147,25 +154,30 @@ class DecodeBatch:
 
 
 def prefill(model: torch.nn.Module, prompts: List[List[int]], pad_id: int, device: torch.device, prefill_tokens: int,
-            cache_keyword: str) -> Tuple[DynamicCache, torch.Tensor, torch.Tensor]:
-    """(KV cache, attention mask, last-position logits) of prompts left-padded to the longest, computed
-    in chunks of consecutive prompts of at most `prefill_tokens` padded tokens each (a longer
-    prompt alone), so no forward holds more; only the last position goes through the output head."""
+            cache_keyword: str, recorder: Optional[RoutingRecorder] = None
+            ) -> Tuple[DynamicCache, torch.Tensor, torch.Tensor, List[torch.Tensor]]:
+    """(KV cache, attention mask, last-position logits, with `recorder` each prompt's routing (positions, layers,
+    k)) of prompts left-padded to the longest, computed in chunks of consecutive prompts of at most
+    `prefill_tokens` padded tokens each (a longer prompt alone), so no forward holds more; only the last position
+    goes through the output head."""
     chunks = micro_batches([len(p) for p in prompts], prefill_tokens, padded=True)
-    caches, masks, logits = [], [], []
+    caches, masks, logits, routed = [], [], [], []
     for chunk in chunks:
         ids, attention = _left_padded([prompts[i] for i in chunk], pad_id, device)
         cache = DynamicCache()
         logits.append(model(input_ids=ids, attention_mask=attention, use_cache=True, logits_to_keep=1,
                             position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
                             **{cache_keyword: cache}).logits[:, -1])
+        if recorder is not None:
+            experts = recorder.take(*ids.shape)
+            routed += [experts[row, ids.shape[1] - len(prompts[i]):] for row, i in enumerate(chunk)]
         caches.append(cache)
         masks.append(attention)
     if len(chunks) == 1:
-        return caches[0], masks[0], logits[0]
+        return caches[0], masks[0], logits[0], routed
     width = max(mask.shape[1] for mask in masks)
     return (_merge_caches(caches, width), torch.cat([_pad_left(mask, width) for mask in masks]),
-            torch.cat(logits))
+            torch.cat(logits), routed)
 
 
 def _left_padded(prompts: Sequence[List[int]], pad_id: int, device: torch.device

@@ -5,7 +5,8 @@ come in as token ids (`rlplatform.tokenization` encodes them) and a completion e
 model's stop ids. `TransformersEngine` is the transformers engine (CPU or one GPU, in the policy's
 dtype, log-probs in float32): a KV-cached continuous decode batch over a Hugging Face causal LM
 (`DecodeBatch`, or `StaticDecodeBatch` with its slot cache and CUDA graphs where `rollout.kv_cache` picks it)
-that records, for every token, its log-prob and the weight version that produced it. Between
+that records, for every token, its log-prob and the weight version that produced it (and a mixture-of-experts
+policy's routing: `RoutingRecorder`). Between
 decode steps it calls `between_steps`, which may load newer weights: sequences in progress
 continue with them (in-flight weight update). With `model.lora` it holds the base model wrapped
 with peft adapters, as the learner does, and each update loads the adapters alone. The vLLM engine
@@ -21,6 +22,7 @@ import torch
 
 from rlplatform.actors.completions import Completion
 from rlplatform.actors.decode_batch import DecodeBatch
+from rlplatform.actors.routing_record import RoutingRecorder
 from rlplatform.actors.static_decode import SlotDecoder, StaticDecodeBatch, static_decoding
 from rlplatform.config import LoraConfig, RolloutConfig
 from rlplatform.devices import resolve_device, share_kv_heads_on_cpu, vllm_memory_fraction
@@ -125,6 +127,7 @@ class TransformersEngine(BatchGenerate):
             self.model = with_adapters(self.model, lora)
         self.model.to(self.device).eval()
         self.cache_keyword = kv_cache_keyword(self.model)
+        self.recorder = RoutingRecorder.of(self.model)  # each generated token's experts (a mixture-of-experts policy)
         static = static_decoding(kv_cache, self.model, self.adapters)
         self.slot_decoder = SlotDecoder(self.model, self.device) if static else None
         self.version = -1

@@ -285,7 +285,7 @@ class RolloutWorker:
         return Sample(sample_id=sample_id, group_id=group_id, policy=self.policy, prompt=prompt.text,
                       completion=c.text, prompt_ids=c.prompt_ids, completion_ids=c.completion_ids,
                       behaviour_logprobs=c.logprobs, token_versions=c.versions, row={**prompt.row, **c.episode},
-                      created_at=now, completion_mask=c.completion_mask)
+                      created_at=now, completion_mask=c.completion_mask, routed_experts=c.routed_experts)
 
     def evaluate_snapshot(self, snapshot: Dict, prompts: List[Prompt], config: EvalConfig, rewards: List[RewardSpec],
                           imports: List[str]) -> Dict:

@@ -13,6 +13,10 @@ recomputed: they keep their KV cache and go on under the new weights, so every t
 that produced it, as in the transformers engine. Each request's prompt is salted with the version it
 started under, so the prefix cache never gives a new request KV computed under an older version.
 
+A mixture-of-experts policy's requests return the experts each token was routed to (vLLM's
+`enable_return_routed_experts`, on its V2 model runner, which needs Triton: on a GPU only), which the learner
+replays.
+
 With `model.lora` vLLM serves one LoRA adapter, replaced in place (`LoRARequest.load_inplace`) by each
 version's streamed adapters (peft names, written as a peft adapter directory): requests in flight keep
 their adapter id and go on under the new adapters, like full weights.
@@ -34,9 +38,10 @@ from rlplatform.actors.completions import Completion, Row, completion
 from rlplatform.actors.engine import BatchGenerate
 from rlplatform.config import LoraConfig
 from rlplatform.lora import peft_config
-from rlplatform.policy import load_tokenizer
+from rlplatform.policy import experts_of, load_tokenizer
 from rlplatform.tokenization import stop_token_ids
 from rlplatform.transport.adapters import save_adapter_dir
+from rlplatform.transport.routed_experts import id_dtype
 from rlplatform.transport.weight_deltas import delta_of, load_delta
 
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's LoRAConfig.max_lora_rank takes
@@ -149,10 +154,14 @@ class VLLMEngine(BatchGenerate):
         # on CPU: no compilation (a start of seconds instead of a minute) and a KV cache sized to the work
         memory_args = (dict(**cpu_cache_args(model_path, dtype, memory_share), enforce_eager=True)
                        if cpu else dict(gpu_memory_utilization=memory_share))
+        routing_args = {}
+        if experts_of(model_path) and not cpu:  # each request returns its tokens' experts, for routing replay
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the runner that captures them (it needs Triton: a GPU)
+            routing_args = dict(enable_return_routed_experts=True)
         self.llm = LLM(model=model_path, dtype=dtype, seed=seed, enable_prefix_caching=True, async_scheduling=False,
                        logprobs_mode="processed_logprobs", max_num_seqs=MAX_NUM_SEQS,
                        weight_transfer_config=WeightTransferConfig(backend=vllm_weights.BACKEND),
-                       **memory_args, **lora_args)
+                       **memory_args, **lora_args, **routing_args)
         self._warm_up()
         self.lora_request = None  # the LoRARequest every request carries (with LoRA, after the first update)
         self.tokenizer = load_tokenizer(model_path)
@@ -161,6 +170,7 @@ class VLLMEngine(BatchGenerate):
         self.version = -1
         self.served: Optional[Dict[str, torch.Tensor]] = {} if deltas else None  # with deltas: the weights held
         self.checkpoint_form = CheckpointForm(model_path)
+        self.num_experts = experts_of(model_path)  # a mixture-of-experts policy's experts a layer (0: dense)
         self.request_ids = itertools.count()
         self._batch: Optional[VLLMBatch] = None  # the one batch whose requests the engine runs
 
@@ -305,6 +315,11 @@ class VLLMBatch:
         row.tokens += new.token_ids
         row.logprobs += [float(step[token].logprob) for token, step in zip(new.token_ids, new.logprobs)]
         row.versions += [self.engine.version] * len(new.token_ids)
+        if output.finished and getattr(new, "routed_experts", None) is not None:
+            # (positions, layers, k) ids, in the wire's dtype (uint8 up to 256 experts), for every token vLLM
+            # computed: the prompt and every generated token but the last
+            fed = len(row.prompt_ids) + len(row.tokens) - 1
+            row.routed = [torch.from_numpy(new.routed_experts[:fed]).to(id_dtype(self.engine.num_experts))]
         if output.finished:
             self.finished.append((row.key, completion(self.rows.pop(output.request_id), self.engine.tokenizer)))
 

@@ -180,25 +180,28 @@ def policy_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behavio
 
 
 def parity_sums(learner_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
-                mask: torch.Tensor) -> Metrics:
+                mask: torch.Tensor, kind: str = "") -> Metrics:
     """Engine-learner parity over the masked tokens (those sampled by the weights the learner scores them with):
     their count, the sum and maximum of |learner - engine| log-prob, and the sum of the k3 estimate of
-    KL(engine || learner), exp(d) - 1 - d with d = learner - engine (the samples are the engine's)."""
+    KL(engine || learner), exp(d) - 1 - d with d = learner - engine (the samples are the engine's).
+    `kind` names a variant of the learner's scores (`parity_<kind>_...`: "replayed", "unreplayed")."""
     masked = mask.bool()
     gap = torch.where(masked, learner_logprobs.detach() - behaviour_logprobs.detach(), torch.zeros_like(mask))
-    return {"parity_tokens": masked.sum().to(gap.dtype), "parity_abs_sum": gap.abs().sum(),
-            "parity_abs_max": gap.abs().max(), "parity_k3_sum": (torch.expm1(gap) - gap).sum()}
+    name = f"parity_{kind}_" if kind else "parity_"
+    return {name + "tokens": masked.sum().to(gap.dtype), name + "abs_sum": gap.abs().sum(),
+            name + "abs_max": gap.abs().max(), name + "k3_sum": (torch.expm1(gap) - gap).sum()}
 
 
-def parity_figures(metrics: Dict[str, float]) -> Dict[str, float]:
-    """`parity_sums` summed over a step as the step's figures: mean and max |Δ log-prob|, mean k3 and the
-    tokens measured (none: no figures)."""
-    tokens, abs_sum, k3_sum = (metrics.pop(k, 0.0) for k in ("parity_tokens", "parity_abs_sum", "parity_k3_sum"))
-    abs_max = metrics.pop("parity_abs_max", 0.0)
+def parity_figures(metrics: Dict[str, float], kind: str = "") -> Dict[str, float]:
+    """`parity_sums` (of `kind`) summed over a step as the step's figures: mean and max |Δ log-prob|, mean k3
+    and the tokens measured (none: no figures)."""
+    name = f"parity_{kind}_" if kind else "parity_"
+    tokens, abs_sum, k3_sum = (metrics.pop(name + k, 0.0) for k in ("tokens", "abs_sum", "k3_sum"))
+    abs_max = metrics.pop(name + "abs_max", 0.0)
     if not tokens:
         return {}
-    return {"parity_abs_mean": abs_sum / tokens, "parity_abs_max": abs_max, "parity_k3": k3_sum / tokens,
-            "parity_tokens": tokens}
+    return {name + "abs_mean": abs_sum / tokens, name + "abs_max": abs_max, name + "k3": k3_sum / tokens,
+            name + "tokens": tokens}
 
 
 def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, coef: float,

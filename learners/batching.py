@@ -11,7 +11,8 @@ Both the SFT and the RL step score completions given prompts, in the cheapest of
 - shared prompts: for groups too long for one row, each distinct prompt runs once and its KV
   cache, repeated per completion, serves all of them in a second pass.
 Either way only the completion positions go through the output head, a bounded number of tokens
-at a time, and the log-prob of every completion token comes back in one row per sequence.
+at a time, and the log-prob of every completion token comes back in one row per sequence. Each layout tells a
+mixture-of-experts policy's routing replay (`Routes`) which sequence and position each token it feeds is.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from transformers import DynamicCache
 from rlplatform.devices import to_device
 from rlplatform.learners.compiled_layers import has_compiled_layers
 from rlplatform.learners.head_scores import HeadScores, compute_dtype, fused_head, score_chunks
+from rlplatform.learners.routing_replay import Routes
 from rlplatform.policy import kv_cache_keyword
 
 ROW_TOKENS = 64  # packed row length, unless one sequence is longer
@@ -45,6 +47,7 @@ class PackedBatch:
     position_ids: torch.Tensor  # (rows, L) restarting at 0 with each sequence (and the padding)
     index: torch.Tensor  # (batch, W) flat index into (rows, L-1) of each sequence's next-token positions
     completion_mask: torch.Tensor  # (batch, W) 1 where that next token is a completion token
+    sequence: torch.Tensor  # (rows, L) which sequence each token belongs to (-1: padding)
 
 
 def pack(prompts: List[List[int]], completions: List[List[int]], pad_id: int,
@@ -69,19 +72,21 @@ def pack(prompts: List[List[int]], completions: List[List[int]], pad_id: int,
         rows[row].append(i)
         loads[row] += len(sequences[i])
     length = max(loads)
-    row_ids, row_positions, starts = [], [], [0] * len(sequences)  # starts: each sequence's flat offset
+    row_ids, row_positions, row_sequences, starts = [], [], [], [0] * len(sequences)  # starts: flat offsets
     for r, members in enumerate(rows):
-        ids, positions = [], []
+        ids, positions, owners = [], [], []
         for i in members:
             starts[i] = r * (length - 1) + len(ids)
             ids += sequences[i]
             positions += range(len(sequences[i]))
+            owners += [i] * len(sequences[i])
         row_ids.append(ids + [pad_id] * (length - len(ids)))
         row_positions.append(positions + list(range(length - len(ids))))
+        row_sequences.append(owners + [-1] * (length - len(ids)))
     index = _spans(torch.tensor(starts), torch.zeros(len(sequences), dtype=torch.long),
                    torch.tensor([len(seq) - 1 for seq in sequences]), width - 1)
     return PackedBatch(torch.tensor(row_ids), torch.tensor(row_positions), index,
-                       _completion_mask(prompts, completions))
+                       _completion_mask(prompts, completions), torch.tensor(row_sequences))
 
 
 @dataclass
@@ -97,10 +102,12 @@ LOGIT_CHUNK_ELEMENTS = {"cuda": 2 ** 28, "cpu": 2 ** 25}  # vocabulary logits al
 
 def completion_logprobs(model, prompts: List[List[int]], completions: List[List[int]], pad_id: int,
                         temperature: float = 1.0, entropy_grad: bool = False,
-                        chunk_tokens: int = 0, token_mask: Optional[List[List[int]]] = None) -> TokenScores:
+                        chunk_tokens: int = 0, token_mask: Optional[List[List[int]]] = None,
+                        routes: Optional[Routes] = None) -> TokenScores:
     """Score completions given prompts in the layout `choose_layout` picks; the entropy carries a gradient
     only with `entropy_grad` (an entropy bonus needs it, metrics do not).
-    `token_mask` (0/1 per completion token) keeps only some completion tokens in the mask.
+    `token_mask` (0/1 per completion token) keeps only some completion tokens in the mask. With `routes` (a
+    mixture-of-experts policy), each forward pass's routers follow the sequences' recorded experts.
 
     `model` is a Hugging Face causal LM or a DeepSpeed engine around one. Its body runs once; the
     output head then projects only the completion positions, `chunk_tokens` at a time (0: as many
@@ -110,12 +117,14 @@ def completion_logprobs(model, prompts: List[List[int]], completions: List[List[
     device = next(model.parameters()).device
     layout = choose_layout(model, prompts, completions)
     if layout == "grouped":
-        hidden, targets, index = _grouped_forward(model, prompts, completions, pad_id, device)
+        hidden, targets, index = _grouped_forward(model, prompts, completions, pad_id, device, routes)
     elif layout == "shared_prompt":
-        hidden, targets, index = _shared_prompt_forward(model, prompts, completions, pad_id, device)
+        hidden, targets, index = _shared_prompt_forward(model, prompts, completions, pad_id, device, routes)
     else:
         batch = pack(prompts, completions, pad_id)
         input_ids, index = to_device(batch.input_ids, device), batch.index
+        if routes is not None:
+            routes.follow(batch.sequence, batch.position_ids, device)
         hidden = _final_hidden(model, input_ids=input_ids, use_cache=False, **_packed_attention(batch, device))[:, :-1]
         targets = input_ids[:, 1:]
     # where the scored tokens are, worked out on the host: selecting them by a mask on the device would make the
@@ -284,7 +293,8 @@ def _shared_prompt_tokens(prompts: List[List[int]], completions: List[List[int]]
 
 
 def _shared_prompt_forward(model, prompts: List[List[int]], completions: List[List[int]], pad_id: int,
-                           device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           device: torch.device, routes: Optional[Routes]
+                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(final hidden states, target tokens, index on the host) with each distinct prompt run once, left-padded, and
     every completion run right-padded on a copy of its prompt's KV cache (gradients flow back through it).
 
@@ -297,6 +307,9 @@ def _shared_prompt_forward(model, prompts: List[List[int]], completions: List[Li
     prompt_len, completion_len = max(len(p) for p in distinct), max(len(c) for c in completions)
     prompt_ids = torch.tensor([[pad_id] * (prompt_len - len(p)) + list(p) for p in distinct])
     prompt_mask = torch.tensor([[0] * (prompt_len - len(p)) + [1] * len(p) for p in distinct])
+    if routes is not None:  # each distinct prompt's tokens follow the first sequence that has it
+        first = torch.tensor([owner.tolist().index(d) for d in range(len(distinct))])
+        routes.follow(torch.where(prompt_mask.bool(), first[:, None], -1), prompt_mask.cumsum(-1) - 1, device)
     owner, prompt_ids, prompt_mask = (to_device(t, device) for t in (owner, prompt_ids, prompt_mask))
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
     cache, cache_keyword = DynamicCache(), kv_cache_keyword(_unwrap(model))
@@ -315,6 +328,11 @@ def _shared_prompt_forward(model, prompts: List[List[int]], completions: List[Li
     completion_causal = torch.ones(completion_len, completion_len, dtype=torch.bool, device=device).tril()
     attention = torch.cat([prompt_mask[owner].bool().unsqueeze(1).expand(-1, completion_len, -1),
                            completion_causal.expand(len(prompts), -1, -1)], dim=2)
+    if routes is not None:
+        column = torch.arange(completion_len)
+        inside = column < _lengths(completions)[:, None]
+        routes.follow(torch.where(inside, torch.arange(len(prompts))[:, None], -1),
+                      _lengths(prompts)[:, None] + column, device)
     completion_hidden = _final_hidden(model, input_ids=targets, attention_mask=attention.unsqueeze(1),
                                       position_ids=positions[owner, -1:] + 1 + torch.arange(completion_len, device=device),
                                       use_cache=True, **{cache_keyword: cache})[:, :-1]
@@ -322,7 +340,7 @@ def _shared_prompt_forward(model, prompts: List[List[int]], completions: List[Li
 
 
 def _grouped_forward(model, prompts: List[List[int]], completions: List[List[int]], pad_id: int,
-                     device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     device: torch.device, routes: Optional[Routes]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(hidden states, target tokens, index on the host) from one pass over a row per distinct prompt: the prompt, then
     each of its completions at the positions that follow the prompt, under a mask that lets a completion
     token see its prompt and the completion's earlier tokens only (padding sees itself).
@@ -335,6 +353,7 @@ def _grouped_forward(model, prompts: List[List[int]], completions: List[List[int
     rows: List[List[int]] = []
     segments: List[List[int]] = []  # 0: the prompt, i + 1: completion i, -1: padding
     positions: List[List[int]] = []
+    owners: List[List[int]] = []  # the sequence each token is of (a prompt's: the first that has it), -1: padding
     predictors: List[Tuple[int, int]] = []  # (row, column) of each completion token's prediction, in order
     for i, (p, c) in enumerate(zip(prompts, completions)):
         r = distinct.setdefault(tuple(p), len(distinct))
@@ -342,10 +361,12 @@ def _grouped_forward(model, prompts: List[List[int]], completions: List[List[int
             rows.append(list(p))
             segments.append([0] * len(p))
             positions.append(list(range(len(p))))
+            owners.append([i] * len(p))
         start = len(rows[r])
         rows[r] += c
         segments[r] += [i + 1] * len(c)
         positions[r] += range(len(p), len(p) + len(c))
+        owners[r] += [i] * len(c)
         predictors += [(r, start + j - 1 if j else len(p) - 1) for j in range(len(c))]
     length = max(len(row) for row in rows)
     input_ids = to_device(torch.tensor([row + [pad_id] * (length - len(row)) for row in rows]), device)
@@ -354,6 +375,9 @@ def _grouped_forward(model, prompts: List[List[int]], completions: List[List[int
     query, key = segment.unsqueeze(2), segment.unsqueeze(1)
     causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
     mask = (causal & ((key == 0) | (key == query))) | torch.eye(length, dtype=torch.bool, device=device)
+    if routes is not None:
+        routes.follow(torch.tensor([o + [-1] * (length - len(o)) for o in owners]),
+                      torch.tensor([pos + [0] * (length - len(pos)) for pos in positions]), device)
     hidden = _final_hidden(model, input_ids=input_ids, position_ids=position_ids, attention_mask=mask.unsqueeze(1),
                            use_cache=False)
     flat = to_device(torch.tensor([r * length + column for r, column in predictors]), device)

@@ -1,9 +1,7 @@
 """Mixture-of-experts policies in the learner: the routers a model holds, and the load-balancing loss over the
 routing of the tokens a forward pass scored (`RouterLoad`), which the rank adds to its loss and reports.
 
-A router is a module that maps a layer's token states to (router logits, the chosen experts' weights, the chosen
-experts' ids), as a Qwen3-MoE layer's `mlp.gate` does; its logits are one row per token, in the order the layer saw
-them.
+The routers are `rlplatform.policy.routers`; their logits are one row per token, in the order the layer saw them.
 """
 
 from __future__ import annotations
@@ -11,13 +9,6 @@ from __future__ import annotations
 from typing import List
 
 import torch
-
-
-def routers(model: torch.nn.Module) -> List[torch.nn.Module]:
-    """The model's routers, first layer first (none in a dense model)."""
-    return [module for module in model.modules()
-            if hasattr(module, "top_k") and hasattr(module, "num_experts")
-            and isinstance(getattr(module, "weight", None), torch.nn.Parameter)]
 
 
 def aux_loss_coef(model: torch.nn.Module) -> float:

@@ -14,6 +14,7 @@ only and those alone are published and saved (`learners/lora.py`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -36,15 +37,17 @@ from rlplatform.learners.compiled_layers import WARM_UP_BATCHES, compile_layers,
 from rlplatform.learners.flops import DevicePeak
 from rlplatform.learners.lora import AdaptersOff, adapter_state, copy_head_weight_per_call, save_adapters
 from rlplatform.learners.losses import reference_kl, sft_loss
-from rlplatform.learners.moe import RouterLoad, aux_loss_coef, routers
+from rlplatform.learners.moe import RouterLoad, aux_loss_coef
+from rlplatform.learners.routing_replay import RoutingReplay, Routes
 from rlplatform.lora import with_adapters
-from rlplatform.policy import enable_activation_checkpointing, load_policy
+from rlplatform.policy import enable_activation_checkpointing, load_policy, routers
 from rlplatform.token_budget import micro_batches
 from rlplatform.tokenization import encode_sft
 from rlplatform.transport.adapters import AdapterSnapshot
 from rlplatform.transport.deadlines import this_process
 from rlplatform.transport.redis_server import RedisUnavailable, connect
 from rlplatform.transport.results import ResultStore
+from rlplatform.transport.routed_experts import decode_routing
 from rlplatform.transport.reward_queue import JobKeys, announce_step_end
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.weight_transports import ObjectStoreTransport, WeightTransport
@@ -65,6 +68,8 @@ class MicroBatch:
     live: bool  # False: a stand-in so every rank runs the same passes; its loss counts 0
     token_mask: Optional[List[List[int]]] = None  # per completion token 1 trained, 0 an observation; None: all trained
     current: Optional[torch.Tensor] = None  # (batch, T-1) 1 on samples wholly sampled by the weights at entry
+    routed: Optional[List[Optional[torch.Tensor]]] = None  # a mixture-of-experts policy: each sample's recorded experts
+    routing_check: Optional[Dict[str, torch.Tensor]] = None  # the routing check's sums (`_routing_check`)
 
 
 @dataclass
@@ -124,6 +129,7 @@ class LearnerRank:
         self.params = 0  # the model's parameters, for MFU (6 x params x tokens)
         self.routers: List[torch.nn.Module] = []  # a mixture-of-experts policy's routers, first layer first
         self.aux_coef = 0.0  # the weight of their load-balancing loss (the model config's router_aux_loss_coef)
+        self.replay: Optional[RoutingReplay] = None  # routing replay's hooks on them, entered for each pass
         self.compiled_layers = 0  # decoder layers under torch.compile (`learner.compile`)
         self.peak: Optional[DevicePeak] = None  # the device's peak FLOP/s in the compute dtype
         self.reference = None  # frozen policy for KL, kept during RL when asked
@@ -177,6 +183,7 @@ class LearnerRank:
             self.engine.enable_backward_allreduce = False  # would flatten them, all-reduce over one rank and copy back
         self.params = sum(p.numel() for p in model.parameters())
         self.routers, self.aux_coef = routers(model), aux_loss_coef(model)
+        self.replay = RoutingReplay(self.routers) if self.routers else None
         self.peak = DevicePeak(self.device, torch_dtype(self.dtype))  # the dtype the matmuls run in
         self.micro_batch_tokens, checkpointing = plan_micro_batches(
             free_device_bytes(self.device, self.world_size, self.config.num_gpus), sum(p.numel() for p in trainable),
@@ -396,14 +403,15 @@ class LearnerRank:
         for group in self.engine.optimizer.param_groups:
             group["lr"] = self.stage_lr * lr_scale(rl, step)
         stale = sum(v != step for s in samples for v, m in zip(s.token_versions, s.model_token_mask()) if m)
-        total_samples, stale = self._all_reduce([len(samples), stale])
+        total_samples, stale, routed_bytes = self._all_reduce([len(samples), stale,
+                                                               sum(len(s.routed_experts) for s in samples)])
         parts = max(1, min(rl.minibatches, int(total_samples)))
         single_update = parts == 1 and rl.ppo_epochs == 1
         recompute_proximal = not single_update and stale > 0
         limit = rl.max_new_tokens if max_tokens is None else max_tokens
         minibatches = self._plan(samples, advantages, parts, single_update, limit, step)
         reference = self.reference is not None and (rl.kl_coef > 0 or step % rl.reference_kl_every == 0)
-        minibatches = [self._prepare(m, rl, recompute_proximal, reference) for m in minibatches]
+        minibatches = [self._prepare(m, rl, recompute_proximal, reference, routed_bytes > 0) for m in minibatches]
         # the SFT rows, encoded and cut once for every update of the step
         sft = self._sft_parts(sft_rows) + (len(sft_rows),) if sft_rows is not None and rl.sft_coef else None
         sums: Dict[str, torch.Tensor] = {}
@@ -413,8 +421,16 @@ class LearnerRank:
                 update_sums, grad_norm = self._policy_update(minibatch, rl, sft)
                 _accumulate(sums, update_sums)
                 grad_norms.append(grad_norm)
+        for part in (part for m in minibatches for part in m.parts if part.routing_check):
+            _accumulate(sums, part.routing_check)
         metrics = self._global_mean(sums, rl.ppo_epochs * len(minibatches))
-        metrics.update(parity_figures(metrics))
+        for kind in ("", "replayed", "unreplayed"):
+            metrics.update(parity_figures(metrics, kind))
+        if self.routers:
+            agreed, recorded = metrics.pop("router_agreed", 0.0), metrics.pop("router_recorded", 0.0)
+            if recorded:
+                metrics["router_agreement"] = agreed / recorded
+            metrics["routed_expert_bytes"] = routed_bytes
         metrics.update(grad_norm=sum(grad_norms) / len(grad_norms), lr=self.engine.optimizer.param_groups[0]["lr"],
                        tokens=self._local_tokens(minibatches))
         model_tokens = rl.ppo_epochs * sum(len(p) + len(c) for m in minibatches for part in m.parts if part.live
@@ -460,17 +476,50 @@ class LearnerRank:
         current = align_per_token([[float(all(v == step for v in vs))] * len(vs) for vs in versions], prompts, width)
         return MicroBatch(prompts, completions, torch.tensor(advantages, dtype=torch.float32, device=device),
                           align_per_token(behaviour, prompts, width).to(device), None, None, live, token_mask,
-                          current.to(device))
+                          current.to(device), self._recorded_routing(samples))
+
+    def _recorded_routing(self, samples: List[Sample]) -> Optional[List[Optional[torch.Tensor]]]:
+        """Each sample's recorded experts (`Sample.routed_experts`; None where it has none), when the policy is a
+        mixture of experts and some sample carries them."""
+        if not self.routers or not any(s.routed_experts for s in samples):
+            return None
+        shape = (len(self.routers), self.routers[0].top_k, self.routers[0].num_experts)
+        try:
+            return [decode_routing(s.routed_experts, *shape) if s.routed_experts else None for s in samples]
+        except ValueError as err:
+            raise ValueError(f"a sample's routed experts do not fit this policy: {err}") from None
+
+    def _routes(self, part: MicroBatch, rl: RLConfig) -> Optional[Routes]:
+        """What the micro-batch's passes replay (`rl.routing_replay`): its recorded routing, or None."""
+        return Routes(self.replay, part.routed) if rl.routing_replay and part.routed else None
+
+    def _routing_check(self, part: MicroBatch, rl: RLConfig) -> Dict[str, torch.Tensor]:
+        """The micro-batch scored by the weights at entry the other way (without replay where the learner replays,
+        with it where it does not), counting router agreement: the share of (token, layer) pairs with recorded
+        experts whose top-k the router chose itself. Parity both ways is then in the step's figures."""
+        replayed = not rl.routing_replay
+        with RoutingReplay(self.routers, replace=replayed, count=True) as check:
+            scores = self._scores(self.engine, part.prompts, part.completions, temperature=rl.temperature,
+                                  token_mask=part.token_mask,
+                                  routes=Routes(check, part.routed or [None] * len(part.prompts)))
+        metrics = parity_sums(scores.logprobs, part.behaviour, scores.mask * part.current,
+                              "replayed" if replayed else "unreplayed")
+        return {**metrics, "router_agreed": check.agreed, "router_recorded": check.recorded}
 
     @torch.no_grad()
-    def _prepare(self, minibatch: Minibatch, rl: RLConfig, recompute_proximal: bool, reference: bool) -> Minibatch:
+    def _prepare(self, minibatch: Minibatch, rl: RLConfig, recompute_proximal: bool, reference: bool,
+                 check_routing: bool) -> Minibatch:
         """Proximal (recomputed at entry, or the behaviour log-probs) and, with `reference`, the frozen
-        reference's log-probs per micro-batch."""
+        reference's log-probs per micro-batch; with `check_routing` (some rank's samples carry their experts), the
+        routing check of each (every rank runs the same passes: ZeRO-3 gathers weights in each)."""
         for part in minibatch.parts:
             if not minibatch.proximal_is_current:
-                part.proximal = self._scores(self.engine, part.prompts, part.completions, temperature=rl.temperature,
-                                             token_mask=part.token_mask
-                                             ).logprobs if recompute_proximal else part.behaviour
+                with self.replay or contextlib.nullcontext():
+                    part.proximal = self._scores(self.engine, part.prompts, part.completions, temperature=rl.temperature,
+                                                 token_mask=part.token_mask, routes=self._routes(part, rl)
+                                                 ).logprobs if recompute_proximal else part.behaviour
+            if check_routing:
+                part.routing_check = self._routing_check(part, rl)
             if reference:
                 part.reference = self._scores(self.reference, part.prompts, part.completions,
                                               temperature=rl.temperature, token_mask=part.token_mask).logprobs
@@ -488,8 +537,10 @@ class LearnerRank:
             passes += [functools.partial(self._sft_term, part, sft_tokens, sft_rows, rl) for part in sft_parts]
         for k, loss_of in enumerate(passes):
             self.engine.set_gradient_accumulation_boundary(k == len(passes) - 1)
-            loss, metrics = loss_of()
-            self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+            # routing replay's hooks stay for the backward: layers it recomputes route as their forward did
+            with self.replay or contextlib.nullcontext():
+                loss, metrics = loss_of()
+                self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
             metrics["loss"] = loss.detach()
             _accumulate(sums, metrics)
         return sums, self._optimizer_step()
@@ -498,13 +549,17 @@ class LearnerRank:
                  rl: RLConfig) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         with RouterLoad(self.routers) as routing:
             scores = self._scores(self.engine, part.prompts, part.completions, temperature=rl.temperature,
-                                  entropy_grad=rl.entropy_coef > 0, token_mask=part.token_mask)
+                                  entropy_grad=rl.entropy_coef > 0, token_mask=part.token_mask,
+                                  routes=self._routes(part, rl))
         mask, totals = scores.mask * part.live, minibatch.totals
         proximal = scores.logprobs.detach() if minibatch.proximal_is_current else part.proximal
         loss, metrics = policy_loss(scores.logprobs, proximal, part.behaviour, part.advantages, mask, rl.correction,
                                     rl.clip_eps, rl.is_cap, rl.loss_aggregation, minibatch.max_tokens, totals)
         if proximal is not part.behaviour:  # the weights at entry scored the tokens: parity with the engine
             metrics.update(parity_sums(proximal, part.behaviour, mask * part.current))
+            if part.routed is not None:  # the same figures under the name of the routing they were scored with
+                metrics.update(parity_sums(proximal, part.behaviour, mask * part.current,
+                                           "replayed" if rl.routing_replay else "unreplayed"))
         if part.reference is not None:
             kl = token_mean(reference_kl(scores.logprobs, part.reference), mask, totals=totals)
             loss = loss + rl.kl_coef * kl

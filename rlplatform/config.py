@@ -138,6 +138,7 @@ class RLConfig:
     overlong_buffer: int = at_least(0, 0)  # DAPO's soft overlong penalty: 0 down to -1 over the last this many completion tokens before the limit (rl.max_new_tokens, or env's episode budget); 0: off
     kl_coef: float = at_least(0.0, 0)  # weight of the KL-to-reference penalty in the loss
     track_reference_kl: bool = True  # keep the RL-start policy frozen and log KL to it
+    routing_replay: bool = True  # a mixture-of-experts policy: the learner routes each token to the experts the engine chose for it (rollout routing replay; docs/async-rl.md)
     reference_kl_every: int = at_least(10, 1)  # with kl_coef 0, the KL to the reference is measured every this many steps (a forward pass each time); with kl_coef > 0, every step
     idle_timeout_s: float = at_least(0.0, 0)  # the stage ends after this many seconds without a scored sample, once no step is in flight (0: never); a bridge-only job's end when its agents stop
     group_timeout_s: float = above(300.0, 0)  # a group not complete this long after its claim expires and frees its capacity

@@ -12,12 +12,12 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from typing import Tuple
+from typing import List, Tuple
 
 import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config,
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from rlplatform.config import ModelConfig
@@ -91,6 +91,21 @@ def load_policy(path: str, dtype: str = "float32") -> Tuple[PreTrainedModel, Pre
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def routers(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """A mixture-of-experts model's routers, first layer first (none in a dense model). A router maps a layer's
+    token states to (router logits, the chosen experts' weights, the chosen experts' ids), one row per token, as
+    a Qwen3-MoE layer's `mlp.gate` does; it carries `num_experts` and `top_k`."""
+    return [module for module in model.modules()
+            if hasattr(module, "top_k") and hasattr(module, "num_experts")
+            and isinstance(getattr(module, "weight", None), torch.nn.Parameter)]
+
+
+def experts_of(path: str) -> int:
+    """The experts a layer of the saved model at `path` holds (0: a dense model)."""
+    config = AutoConfig.from_pretrained(path)
+    return int(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0) or 0)
 
 
 def kv_cache_keyword(model: torch.nn.Module) -> str:

@@ -125,10 +125,9 @@ def _experts(model) -> int:
     """The experts a layer of the policy's model holds (0: a dense model)."""
     if model.kind == "demo":
         return model.num_experts
-    from transformers import AutoConfig
+    from rlplatform.policy import experts_of
 
-    loaded = AutoConfig.from_pretrained(model.path)
-    return int(getattr(loaded, "num_experts", 0) or getattr(loaded, "num_local_experts", 0) or 0)
+    return experts_of(model.path)
 
 
 def _vllm_on_cpu(config: JobConfig) -> bool:

@@ -30,7 +30,8 @@ from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.tool_queue import ToolKeys
 
 LEARNING_KEYS = ("loss", "pg_loss", "kl_to_reference", "entropy", "clip_fraction", "importance_weight_mean",
-                 "importance_weight_max", "logprob_mismatch_abs", "grad_norm", "lr", "router_aux_loss")
+                 "importance_weight_max", "logprob_mismatch_abs", "grad_norm", "lr", "router_aux_loss",
+                 "router_agreement", "routed_expert_bytes")
 STALL_CHECK_S = 5.0
 PROGRESS_EVERY_S = 30.0  # a progress line at least this often, also while no learner step ends
 RATE_WINDOW_S = 10.0  # throughput is averaged over at least this much of the recent past
@@ -154,8 +155,9 @@ class RLMonitor:
         self.metrics.log_rl(self.policy, {"eval": {**logged, "policy_version": version}}, self._axes(version))
 
     def parity_totals(self) -> Dict:
-        """The stage's parity: the mean of its steps' mean |Δ log-prob| and k3, the largest |Δ|, steps measured;
-        and its canary checks: how many, the largest mean |Δ| of one and the largest |Δ|."""
+        """The stage's parity: the mean of its steps' mean |Δ log-prob| and k3, the largest |Δ|, steps measured
+        (a mixture-of-experts policy: also the mean |Δ| with and without routing replay); and its canary checks: how
+        many, the largest mean |Δ| of one and the largest |Δ|."""
         canary = {"checks": len(self._canary)}
         if self._canary:
             canary.update(abs_mean_max=max(c["abs_mean"] for c in self._canary),
@@ -163,9 +165,14 @@ class RLMonitor:
         if not self._parity:
             return {"steps_measured": 0, "canary": canary}
         steps = len(self._parity)
-        return {"abs_mean": sum(p["abs_mean"] for p in self._parity) / steps,
-                "abs_max": max(p["abs_max"] for p in self._parity),
-                "k3": sum(p["k3"] for p in self._parity) / steps, "steps_measured": steps, "canary": canary}
+        totals = {"abs_mean": sum(p["abs_mean"] for p in self._parity) / steps,
+                  "abs_max": max(p["abs_max"] for p in self._parity),
+                  "k3": sum(p["k3"] for p in self._parity) / steps, "steps_measured": steps, "canary": canary}
+        for kind in ("replayed", "unreplayed"):  # a mixture-of-experts policy's routing check (docs/async-rl.md)
+            measured = [p[f"{kind}_abs_mean"] for p in self._parity if f"{kind}_abs_mean" in p]
+            if measured:
+                totals[f"{kind}_abs_mean"] = sum(measured) / len(measured)
+        return totals
 
     def reward_totals(self) -> Dict:
         """The stage's trained samples: how many, their mean reward and each component's mean."""

@@ -3,7 +3,9 @@
 A `Sample` is one completion with everything the learner needs to train on it off-policy:
 token ids, the behaviour log-prob and the policy version of every completion token, and the
 data row it answers. A multi-turn episode is one sample too: its completion interleaves the
-model's tokens with observation tokens the environment inserted, told apart by `completion_mask`. On Redis they travel as msgpack maps with a schema version; decoding
+model's tokens with observation tokens the environment inserted, told apart by `completion_mask`. A
+mixture-of-experts policy's sample also carries the experts its tokens were routed to (`routed_experts`), which
+the learner replays. On Redis they travel as msgpack maps with a schema version; decoding
 checks every field, so a malformed message is rejected with a reason and never executed.
 A `ResultMeta` is the few fields of a scored sample the controller batches on (ids, version,
 reward, token counts), without its tokens or text.
@@ -37,6 +39,7 @@ class Sample:
     row: Dict[str, Any] = field(default_factory=dict)  # the data row: answer and other fields
     created_at: float = 0.0  # unix time the completion was generated
     completion_mask: List[int] = field(default_factory=list)  # per completion token: 1 the model's own (trained), 0 an observation inserted by the environment; empty: all the model's
+    routed_experts: bytes = b""  # a mixture-of-experts policy: the experts each layer routed each token to (`routed_experts` module); empty: none recorded
 
     def __getattr__(self, name: str) -> Any:
         """The data row's fields read as attributes: `sample.answer`, `sample.tests`."""
@@ -212,7 +215,11 @@ def _sample_from(fields: Any) -> Sample:
     if not isinstance(created_at, (int, float)) or isinstance(created_at, bool):
         raise WireFormatError("sample field 'created_at' is not a number")
     mask = _completion_mask(fields, lengths.pop())
-    return Sample(**{name: fields[name] for name in _SAMPLE_TYPES}, created_at=float(created_at), completion_mask=mask)
+    routed = fields.get("routed_experts", b"")
+    if not isinstance(routed, bytes):
+        raise WireFormatError(f"sample {fields['sample_id']}: 'routed_experts' must be bytes")
+    return Sample(**{name: fields[name] for name in _SAMPLE_TYPES}, created_at=float(created_at), completion_mask=mask,
+                  routed_experts=routed)
 
 
 def _completion_mask(fields: dict, tokens: int) -> List[int]:

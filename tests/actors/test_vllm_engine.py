@@ -264,3 +264,37 @@ def test_vllms_cpu_build_serves_a_mixture_of_experts_as_the_learner_scores_it_bu
                       "job.yaml")
     assert str(err.value).startswith("job.yaml: 'rollout.engine' is vllm on the CPU and the model is a mixture of 4 "
                                      "experts a layer") and "\n" not in str(err.value)
+
+
+MOE_ROUTING = """
+import json, sys, torch
+from rlplatform.actors.vllm_engine import VLLMEngine
+from rlplatform.policy import load_policy, routers
+from rlplatform.transport.routed_experts import decode_routing
+engine = VLLMEngine(sys.argv[1], "bfloat16", 0.3, seed=0)
+model = load_policy(sys.argv[1])[0].cuda()
+chosen = []
+hooks = [router.register_forward_hook(lambda m, a, o: chosen.append(o[2])) for router in routers(model)]
+agreed = total = 0
+for c in [c for group in engine.generate([engine.tokenizer("12+34=")["input_ids"]], 4, 8, 1.0) for c in group]:
+    sequence = c.prompt_ids + c.completion_ids
+    recorded = decode_routing(c.routed_experts, 2, 2, 4)
+    assert len(recorded) == len(sequence) - 1, (len(recorded), len(sequence))
+    chosen.clear()
+    with torch.no_grad():
+        model(torch.tensor([sequence[:-1]], device="cuda"))
+    own = torch.stack(chosen, dim=1).cpu()
+    agreed += int((own.sort(-1).values == recorded.sort(-1).values).all(-1).sum())
+    total += own.shape[0] * own.shape[1]
+print(json.dumps(agreed / total))
+"""
+
+
+@pytest.mark.gpu
+def test_vllm_returns_the_experts_of_every_token_it_computed(moe_policy):
+    """On a GPU, vLLM (its V2 model runner) returns each request's routed experts: one (layers, k) row per token
+    it computed, mostly the experts the learner's routers choose for the same tokens (bfloat16 kernels may part at
+    near-ties; that gap is what routing replay closes)."""
+    run = subprocess.run([sys.executable, "-c", MOE_ROUTING, moe_policy], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.splitlines()[-1]) > 0.8

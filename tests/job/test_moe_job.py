@@ -1,5 +1,6 @@
-"""A mixture-of-experts policy (`model.num_experts`) through a whole job on the transformers engine: SFT, RL, its
-checkpoint and final model as a Qwen3-MoE, and a resume that goes on from the checkpoint training nothing twice."""
+"""A mixture-of-experts policy (`model.num_experts`) through a whole job on the transformers engine: SFT, RL with
+routing replay (the samples carry their experts; summary.json has parity with and without replay), its checkpoint
+and final model as a Qwen3-MoE, and a resume that goes on from the checkpoint training nothing twice."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ MOE = ["model.num_experts=4", "model.experts_per_token=2", "model.expert_size=32
 def test_a_mixture_of_experts_trains_sft_and_rl_checkpoints_and_resumes(ray_session, tiny_job, run_files):
     first = run_job(tiny_job("moe", *MOE, "rl.max_steps=4"))
     assert first["status"] == "completed" and first["stages"]["sft"]["steps"] == 3 and first["rl"]["steps"] == 4
+    # the same weights sampled and scored: replayed, the learner's log-probs are the engine's to float rounding
+    parity = first["rl"]["parity"]
+    assert parity["replayed_abs_mean"] == pytest.approx(parity["abs_mean"]) and parity["abs_mean"] < 1e-4, parity
+    assert "unreplayed_abs_mean" in parity
     config = tiny_job("moe", *MOE, "rl.max_steps=6")
     saved = json.loads(Path(config.run_dir, "model", "config.json").read_text())
     assert saved["model_type"] == "qwen3_moe" and saved["num_local_experts"] == 4

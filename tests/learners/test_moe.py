@@ -13,8 +13,8 @@ import torch
 from rlplatform.actors.engine import TransformersEngine
 from rlplatform.config import ConfigError, LearnerConfig, ModelConfig, RLConfig, load_config
 from rlplatform.learners.group import LearnerGroup
-from rlplatform.learners.moe import RouterLoad, aux_loss_coef, load_balancing_loss, routers
-from rlplatform.policy import load_policy, save_initial_policy
+from rlplatform.learners.moe import RouterLoad, aux_loss_coef, load_balancing_loss
+from rlplatform.policy import load_policy, routers, save_initial_policy
 from rlplatform.transport.samples import Sample
 from tests.learners.steps import rl_step
 
