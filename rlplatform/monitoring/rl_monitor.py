@@ -81,6 +81,7 @@ class RLMonitor:
         self._learner_busy_s = 0.0
         self._first_version = 0  # the version the stage started from (a resumed one's)
         self._parity: List[Dict[str, float]] = []  # each step's parity figures, where it measured any
+        self._routing: List[Dict[str, float]] = []  # a mixture-of-experts policy's router agreement and expert bytes
         self._canary: List[Dict] = []  # the engines' parity canary checks (`parity_canary`)
         self._canary_id: Optional[str] = None  # the newest check read
         self._reward_sum = 0.0  # the trained samples' rewards, summed
@@ -113,6 +114,8 @@ class RLMonitor:
         if parity:
             families["parity"] = parity
             self._parity.append(parity)
+        if "router_agreement" in learner.figures:
+            self._routing.append({k: learner.figures[k] for k in ("router_agreement", "routed_expert_bytes")})
         canary = self._canary_checks()
         if canary:
             families["canary"] = canary
@@ -156,8 +159,9 @@ class RLMonitor:
 
     def parity_totals(self) -> Dict:
         """The stage's parity: the mean of its steps' mean |Δ log-prob| and k3, the largest |Δ|, steps measured
-        (a mixture-of-experts policy: also the mean |Δ| with and without routing replay); and its canary checks: how
-        many, the largest mean |Δ| of one and the largest |Δ|."""
+        (a mixture-of-experts policy: also the mean |Δ| with and without routing replay, the mean router agreement
+        and expert-id bytes a step); and its canary checks: how many, the largest mean |Δ| of one and the largest
+        |Δ|."""
         canary = {"checks": len(self._canary)}
         if self._canary:
             canary.update(abs_mean_max=max(c["abs_mean"] for c in self._canary),
@@ -172,6 +176,10 @@ class RLMonitor:
             measured = [p[f"{kind}_abs_mean"] for p in self._parity if f"{kind}_abs_mean" in p]
             if measured:
                 totals[f"{kind}_abs_mean"] = sum(measured) / len(measured)
+        if self._routing:
+            steps = len(self._routing)
+            totals["router_agreement"] = sum(r["router_agreement"] for r in self._routing) / steps
+            totals["routed_expert_bytes_per_step"] = sum(r["routed_expert_bytes"] for r in self._routing) / steps
         return totals
 
     def reward_totals(self) -> Dict:

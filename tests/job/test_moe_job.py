@@ -24,7 +24,8 @@ def test_a_mixture_of_experts_trains_sft_and_rl_checkpoints_and_resumes(ray_sess
     # the same weights sampled and scored: replayed, the learner's log-probs are the engine's to float rounding
     parity = first["rl"]["parity"]
     assert parity["replayed_abs_mean"] == pytest.approx(parity["abs_mean"]) and parity["abs_mean"] < 1e-4, parity
-    assert "unreplayed_abs_mean" in parity
+    assert "unreplayed_abs_mean" in parity and 0 < parity["router_agreement"] <= 1
+    assert parity["routed_expert_bytes_per_step"] > 2 * 4 * 2 * 2  # a step's 8 samples, 2 layers x top-2, a byte each
     config = tiny_job("moe", *MOE, "rl.max_steps=6")
     saved = json.loads(Path(config.run_dir, "model", "config.json").read_text())
     assert saved["model_type"] == "qwen3_moe" and saved["num_local_experts"] == 4
