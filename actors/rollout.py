@@ -2,7 +2,8 @@
 
 Each worker is a Ray actor that loops until the job's stop flag is set: pull newer weights if
 published, claim groups from the staleness gate, decode their `group_size` completions each in a
-continuous batch, and submit every group to the reward queue as soon as it is complete. It never
+continuous batch, and submit every group to the reward queue (a distilling policy's: to its teacher queue,
+`actors/teacher.py`) as soon as it is complete. It never
 waits for the learner except when the staleness bound says any more samples would arrive too old.
 Prompts are read as token ids from the file the controller saved, and the weight store is found by
 name, so a worker Ray restarts gets both again with none of its constructor arguments held in the
@@ -49,6 +50,7 @@ from rlplatform.transport.deadlines import Heartbeats
 from rlplatform.transport.redis_server import RECONNECT_S, connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.samples import Sample
+from rlplatform.transport.teacher_queue import TeacherQueue
 from rlplatform.transport.tool_queue import ToolQueue
 from rlplatform.transport.versions import VersionAnnouncements
 from rlplatform.transport.weight_transports import ObjectStoreTransport
@@ -83,6 +85,8 @@ class RolloutWorker:
         self.redis_url = spec.redis_url
         client = connect(spec.redis_url, wait_s=RECONNECT_S)  # a restart may meet the job's Redis restarting
         self.queue = RewardQueue(client, run)
+        # where samples go to be scored: the reward queue, or a distilling policy's teacher queue before it
+        self.scoring = TeacherQueue(client, run, policy) if spec.distilled else self.queue
         self.keys = PolicyKeys(run, policy)
         self.schedule = GroupSchedule(client, run, policy, StalenessRule.of(rl))
         self.seed, self.chat_template = spec.seed, spec.chat_template
@@ -215,7 +219,7 @@ class RolloutWorker:
     def _submit(self, samples: List[Sample]) -> None:
         """Queue complete groups for scoring; the queue counts their samples and tokens as it takes them."""
         start = time.perf_counter()
-        self.queue.submit(samples, counters=self.keys.rollout_stats)
+        self.scoring.submit(samples, counters=self.keys.rollout_stats)
         self.schedule.submitted(sorted({s.group_id for s in samples}))
         self._count(busy_s=self._unreported_busy_s, submit_s=time.perf_counter() - start,
                     **self.occupancy.take_counts())

@@ -36,3 +36,4 @@ class RolloutSpec:
     env: EnvConfig = field(default_factory=EnvConfig)
     priority: str = "normal"  # the process's CPU priority: `rollout.priority`, or the evaluator's `eval.priority`
     parity_every: int = 0  # `monitoring.parity_every`: versions between parity canary checks (0: none)
+    distilled: bool = False  # the policy distils (`distill.teacher`): samples go to its teacher queue, not the reward queue

@@ -151,8 +151,9 @@ def policy_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behavio
     """PPO-clip surrogate on r = pi_theta / pi_prox, weighted per token by `correction`, then aggregated.
 
     Per token: loss_t = -w_t * min(r_t * A, clip(r_t, 1 - clip_eps, 1 + clip_eps) * A), with
-    w_t = CORRECTIONS[correction](proximal, behaviour, is_cap) and A the completion's advantage.
-    Shapes: log-probs and mask (batch, tokens); advantages (batch,). `max_tokens` is for "fixed_length".
+    w_t = CORRECTIONS[correction](proximal, behaviour, is_cap) and A the completion's advantage (or the token's own).
+    Shapes: log-probs and mask (batch, tokens); advantages (batch,), or (batch, tokens) per token. `max_tokens` is
+    for "fixed_length".
     With `totals` (a part of a larger minibatch) the loss and the token-averaged metrics are this part's
     share of the minibatch's: summing them over the parts gives the minibatch's values.
     """
@@ -163,7 +164,7 @@ def policy_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behavio
     behaviour = behaviour_logprobs.detach()
     weight = torch.where(masked, weigh(proximal, behaviour, is_cap), torch.zeros_like(proximal))
     ratio = torch.exp(logprobs - proximal)
-    advantage = advantages.unsqueeze(-1)
+    advantage = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)
     unclipped = ratio * advantage
     clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantage
     loss = aggregate(-weight * torch.minimum(unclipped, clipped), mask, max_tokens, totals)
@@ -202,6 +203,13 @@ def parity_figures(metrics: Dict[str, float], kind: str = "") -> Dict[str, float
         return {}
     return {name + "abs_mean": abs_sum / tokens, name + "abs_max": abs_max, name + "k3": k3_sum / tokens,
             name + "tokens": tokens}
+
+
+def distillation_signal(teacher_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, coef: float) -> torch.Tensor:
+    """On-policy distillation's per-token advantage: coef x (log teacher(x_t) - log student(x_t)) on the student's
+    own samples, minus `coef` times the per-token estimate of the reverse KL(student || teacher), whose
+    policy gradient it is (the sampled log-probs stand for the student's)."""
+    return coef * (teacher_logprobs - behaviour_logprobs)
 
 
 def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, coef: float,

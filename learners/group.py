@@ -83,9 +83,10 @@ class LearnerGroup:
         """Each rank's `LearnerRank.placement`: device, LOCAL_RANK, backend, Ray GPU ids, dtype, precision mode."""
         return ray.get([rank.placement.remote() for rank in self.ranks])
 
-    def start_stage(self, lr: float, keep_reference: bool = False) -> None:
-        deadline_get([rank.start_stage.remote(lr, keep_reference) for rank in self.ranks], "a learner rank",
-                     LEARNER_TIMEOUT_S)
+    def start_stage(self, lr: float, keep_reference: bool = False, distill_coef: float = 0.0) -> None:
+        """`LearnerRank.start_stage` on every rank."""
+        deadline_get([rank.start_stage.remote(lr, keep_reference, distill_coef) for rank in self.ranks],
+                     "a learner rank", LEARNER_TIMEOUT_S)
 
     def sft_step(self, rows: List[Dict], lr_fraction: float = 1.0) -> StepResult:
         parts = shard(rows, len(self.ranks))

@@ -29,8 +29,8 @@ import torch
 
 from rlplatform.config import LearnerConfig, LoraConfig, RLConfig
 from rlplatform.devices import resolve_device, share_kv_heads_on_cpu, torch_dtype
-from rlplatform.learners.algorithms import (Totals, entropy_bonus, parity_figures, parity_sums, policy_loss,
-                                            sft_auxiliary_loss, token_mean)
+from rlplatform.learners.algorithms import (Totals, distillation_signal, entropy_bonus, parity_figures, parity_sums,
+                                            policy_loss, sft_auxiliary_loss, token_mean)
 from rlplatform.learners.batching import TokenScores, align_per_token, completion_logprobs
 from rlplatform.learners.budget import free_device_bytes, plan_micro_batches
 from rlplatform.learners.compiled_layers import WARM_UP_BATCHES, compile_layers, layers_compiled
@@ -70,6 +70,7 @@ class MicroBatch:
     current: Optional[torch.Tensor] = None  # (batch, T-1) 1 on samples wholly sampled by the weights at entry
     routed: Optional[List[Optional[torch.Tensor]]] = None  # a mixture-of-experts policy: each sample's recorded experts
     routing_check: Optional[Dict[str, torch.Tensor]] = None  # the routing check's sums (`_routing_check`)
+    teacher: Optional[torch.Tensor] = None  # (batch, T-1) on-policy distillation: the teacher's log-probs
 
 
 @dataclass
@@ -130,6 +131,7 @@ class LearnerRank:
         self.routers: List[torch.nn.Module] = []  # a mixture-of-experts policy's routers, first layer first
         self.aux_coef = 0.0  # the weight of their load-balancing loss (the model config's router_aux_loss_coef)
         self.replay: Optional[RoutingReplay] = None  # routing replay's hooks on them, entered for each pass
+        self.distill_coef = 0.0  # the stage's weight of the teacher's per-token signal (`start_stage`)
         self.compiled_layers = 0  # decoder layers under torch.compile (`learner.compile`)
         self.peak: Optional[DevicePeak] = None  # the device's peak FLOP/s in the compute dtype
         self.reference = None  # frozen policy for KL, kept during RL when asked
@@ -271,12 +273,14 @@ class LearnerRank:
             config["fp16"] = {"enabled": True}
         return config
 
-    def start_stage(self, lr: float, keep_reference: bool = False) -> None:
+    def start_stage(self, lr: float, keep_reference: bool = False, distill_coef: float = 0.0) -> None:
         """Fresh optimizer state at `lr`: each stage (SFT, RL) has its own AdamW moments.
 
         With `keep_reference`, the current weights are frozen as the reference policy that
-        the RL step measures (and optionally penalises) KL against.
+        the RL step measures (and optionally penalises) KL against. With `distill_coef` (`distill.coef`), the RL
+        steps add each token's distillation signal at that weight to its advantage (`distillation_signal`).
         """
+        self.distill_coef = distill_coef
         inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
         inner.state.clear()
         for group in self.engine.optimizer.param_groups:
@@ -474,9 +478,15 @@ class LearnerRank:
         # a sample wholly sampled by version `step`: a weight swap in flight leaves later tokens on a KV cache the
         # older weights wrote, a gap that is not the engine's numerics
         current = align_per_token([[float(all(v == step for v in vs))] * len(vs) for vs in versions], prompts, width)
+        teacher = None
+        if live and self.distill_coef:  # every sample of a distilling policy passed its teacher queue
+            unscored = [s.sample_id for s in samples if not s.teacher_logprobs]
+            if unscored:
+                raise ValueError(f"sample {unscored[0]} reached a distilling learner without its teacher's log-probs")
+            teacher = align_per_token([s.teacher_logprobs for s in samples], prompts, width).to(device)
         return MicroBatch(prompts, completions, torch.tensor(advantages, dtype=torch.float32, device=device),
                           align_per_token(behaviour, prompts, width).to(device), None, None, live, token_mask,
-                          current.to(device), self._recorded_routing(samples))
+                          current.to(device), self._recorded_routing(samples), teacher=teacher)
 
     def _recorded_routing(self, samples: List[Sample]) -> Optional[List[Optional[torch.Tensor]]]:
         """Each sample's recorded experts (`Sample.routed_experts`; None where it has none), when the policy is a
@@ -553,8 +563,13 @@ class LearnerRank:
                                   routes=self._routes(part, rl))
         mask, totals = scores.mask * part.live, minibatch.totals
         proximal = scores.logprobs.detach() if minibatch.proximal_is_current else part.proximal
-        loss, metrics = policy_loss(scores.logprobs, proximal, part.behaviour, part.advantages, mask, rl.correction,
+        advantages = part.advantages
+        if part.teacher is not None:  # each token's advantage: the task's, plus the teacher's signal
+            advantages = advantages[:, None] + distillation_signal(part.teacher, part.behaviour, self.distill_coef)
+        loss, metrics = policy_loss(scores.logprobs, proximal, part.behaviour, advantages, mask, rl.correction,
                                     rl.clip_eps, rl.is_cap, rl.loss_aggregation, minibatch.max_tokens, totals)
+        if part.teacher is not None:
+            metrics["distill_kl"] = token_mean(part.behaviour - part.teacher, mask, totals=totals)
         if proximal is not part.behaviour:  # the weights at entry scored the tokens: parity with the engine
             metrics.update(parity_sums(proximal, part.behaviour, mask * part.current))
             if part.routed is not None:  # the same figures under the name of the routing they were scored with

@@ -378,6 +378,16 @@ POLICY_SECTIONS = ("model", "sft", "rl", "rollout", "learner", "weights")
 
 
 @dataclass
+class DistillConfig:
+    teacher: Optional[str] = None  # another policy of the job that scores this policy's samples token by token (on-policy distillation, docs/async-rl.md); unset: none
+    coef: float = above(1.0, 0)  # weight of the per-token signal, teacher log-prob minus the sampled log-prob, in each token's advantage
+    mode: str = one_of("reverse_kl")  # reverse_kl: the student's samples scored by the teacher, the per-token reverse KL minimised
+    task_reward: bool = True  # add the signal to the task rewards' advantage; false: the signal alone (rewards are still scored and reported)
+    workers: int = at_least(1, 1)  # teacher scoring workers (Ray actors holding the teacher's newest weights)
+    num_cpus: float = at_least(1.0, 0)  # Ray CPUs reserved per teacher scoring worker
+
+
+@dataclass
 class PolicyConfig:
     """One policy of a job: its own model, schedule, rollout workers and learner."""
     name: str = "policy"  # metrics, checkpoints and samples are kept under this name
@@ -387,6 +397,7 @@ class PolicyConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)  # learn from another policy of the job as it trains
 
 
 @dataclass
@@ -424,6 +435,10 @@ class JobConfig:
         if self.policies:
             return self.policies
         return [PolicyConfig("policy", self.model, self.sft, self.rl, self.rollout, self.learner, self.weights)]
+
+    def teacher_of(self, policy: PolicyConfig) -> Optional[PolicyConfig]:
+        """The policy `policy` distils from (`distill.teacher`), or None."""
+        return next((p for p in self.policy_list() if p.name == policy.distill.teacher), None)
 
     def generating_actors(self, policy: PolicyConfig) -> int:
         """A policy's actors that generate: its rollout workers and, where the job evaluates, its evaluator."""
@@ -679,6 +694,7 @@ def _check_values(config: JobConfig, source: str) -> None:
     for i, policy in enumerate(config.policies):
         _check_name(policy.name, f"policies[{i}].name", source)
         _check_policy(policy, f"policies[{i}].", source)
+        _check_distill(config, policy, f"policies[{i}].distill.", source)
     _check_policy(config, "", source)
     _check_resources(config.reward_workers.resources, "reward_workers.resources", source)
     for i, spec in enumerate(config.rewards):
@@ -699,6 +715,33 @@ def _check_values(config: JobConfig, source: str) -> None:
             raise ConfigError(f"{source}: '{prefix}rl.overlong_buffer' is {policy.rl.overlong_buffer}; it must be below "
                               f"the completion limit it ends at ({limit} tokens)")
         _check_sizes(config, policy, prefix, source)
+
+
+def _check_distill(config: JobConfig, policy: PolicyConfig, prefix: str, source: str) -> None:
+    """A student's teacher is another policy of the job, itself no student, that reads the student's token ids as
+    the student does, and the student's samples are single turns it generates itself."""
+    distill = policy.distill
+    if distill.teacher is None:
+        return
+    names = [p.name for p in config.policies]
+    teacher = config.teacher_of(policy)
+    if teacher is None or teacher.name == policy.name:
+        raise ConfigError(f"{source}: '{prefix}teacher' is {distill.teacher!r}; it must name another policy of the "
+                          f"job: {', '.join(n for n in names if n != policy.name)}")
+    if teacher.distill.teacher is not None:
+        raise ConfigError(f"{source}: '{prefix}teacher' is {teacher.name!r}, which distils from "
+                          f"{teacher.distill.teacher!r} itself; a teacher learns from rewards alone")
+    if (policy.model.kind, teacher.model.kind) == ("demo", "demo") and \
+            policy.model.extra_chars != teacher.model.extra_chars:
+        raise ConfigError(f"{source}: '{prefix}teacher' {teacher.name!r} has another tokenizer (model.extra_chars "
+                          f"{teacher.model.extra_chars!r}, the student's {policy.model.extra_chars!r}); the teacher "
+                          f"scores the student's token ids")
+    if config.env.multi_turn or policy.rollout.source != "dataset":
+        raise ConfigError(f"{source}: '{prefix}teacher' is set; distillation scores single-turn samples a rollout "
+                          f"worker generates from the data (env.kind single_turn, rollout.source dataset)")
+    if not distill.task_reward and policy.rl.dynamic_sampling:
+        raise ConfigError(f"{source}: '{prefix}task_reward' is false with rl.dynamic_sampling, which drops groups "
+                          f"for their rewards; the distillation signal alone does not read them")
 
 
 def _check_sizes(config: JobConfig, policy: PolicyConfig, prefix: str, source: str) -> None:

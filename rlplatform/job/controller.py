@@ -304,6 +304,8 @@ def _run_stages(config: JobConfig, run: str, redis_url: str, learners: Dict[str,
         for policy in config.policy_list():
             policies.append(_start_policy(config, policy, learners[policy.name], train_rows, test_rows, redis_url,
                                           run, metrics.event))
+        for workers in policies:  # once every policy's initial weights and weight store exist
+            workers.teachers = _start_teacher_workers(config, workers.config, run, redis_url)
         reward_actors = _start_reward_workers(config, run, redis_url)  # needed from RL on
         tool_actors = _start_tool_workers(config, run, redis_url, client)
         startup.mark("learners_ready_s", at=max(p.learner.ready_at for p in policies))
@@ -444,6 +446,33 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup
     return workers
 
 
+def _start_teacher_workers(config: JobConfig, student: PolicyConfig, run: str, redis_url: str) -> List:
+    """A distilling policy's teacher scoring workers (`distill.workers`), each holding the teacher's engine and
+    pulling its published versions from the teacher's weight store; none for a policy that does not distil."""
+    teacher = config.teacher_of(student)
+    if teacher is None:
+        return []
+    from rlplatform.actors.rollout_spec import RolloutSpec
+    from rlplatform.actors.teacher import TeacherActor
+
+    if not weight_transport(teacher.weights).snapshots_in_store:
+        raise ConfigError(f"policy {student.name!r} distils from {teacher.name!r}, whose weights.transport is not the "
+                          f"object store: its teacher workers pull each version from the teacher's weight store")
+    distill = student.distill
+    gpus = gpus_per_actor(teacher.rollout.device, teacher.rollout.num_gpus, ray.cluster_resources().get("GPU", 0.0))
+    actors = []
+    for i in range(distill.workers):
+        spec = RolloutSpec(10_000 + i, teacher.name, run, _initial_dir(config, teacher),
+                           os.path.join(config.policy_dir(teacher.name), "train_prompts.jsonl"), redis_url, teacher.rl,
+                           teacher.rollout, config.seed, f"{config.name}-{teacher.name}-weights", teacher.model.dtype,
+                           weight_transport(teacher.weights), teacher.model.lora, config.data.chat_template, config.env,
+                           teacher.rollout.priority)
+        actors.append(TeacherActor.options(num_cpus=distill.num_cpus, num_gpus=gpus, max_restarts=MAX_RESTARTS,
+                                           name=f"{config.name}-{student.name}-teacher-{i}"
+                                           ).remote(spec, student.name, i, config.reward_workers))
+    return actors
+
+
 def _initial_dir(config: JobConfig, policy: PolicyConfig) -> str:
     return os.path.join(config.policy_dir(policy.name), "initial_policy")
 
@@ -473,7 +502,8 @@ def _start_rollout_actor(config: JobConfig, policy: PolicyConfig, run: str, mode
                        config.seed, store_name, policy.model.dtype, weight_transport(policy.weights), policy.model.lora,
                        config.data.chat_template, config.env,
                        config.eval.priority if evaluator else policy.rollout.priority,
-                       parity_every=0 if evaluator else config.monitoring.parity_every)
+                       parity_every=0 if evaluator else config.monitoring.parity_every,
+                       distilled=policy.distill.teacher is not None)
     return (EvaluatorActor if evaluator else RolloutActor).options(**options).remote(spec)
 
 
@@ -550,7 +580,7 @@ def _stop(policies: List[PolicyWorkers], reward_actors: List) -> None:
     for actor in reward_actors:
         ray.kill(actor)
     for workers in policies:
-        for actor in workers.generating + [workers.weight_store]:
+        for actor in workers.generating + [workers.weight_store] + workers.teachers:
             ray.kill(actor)
         workers.learner.shutdown()
 

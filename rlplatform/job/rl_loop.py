@@ -43,7 +43,7 @@ from rlplatform.scheduling.staleness import StalenessRule
 from rlplatform.transport.deadlines import (LEARNER_TIMEOUT_S, Heartbeats, JobFailed, LearnerDied, LearnerHung,
                                             ScoringStall, SilentWorkers, WorkerHung)
 from rlplatform.transport.redis_server import RedisUnavailable
-from rlplatform.transport.reward_queue import RewardQueue
+from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.samples import ResultMeta
 
 
@@ -168,7 +168,11 @@ class PolicyRun:
         self.trained_at_start = 0  # samples trained before this attempt (a resumed job's)
         self._last_watch = time.monotonic()
         self.trained_log = os.path.join(job.policy_dir(workers.name), "trained.jsonl")
-        workers.learner.start_stage(self.rl.lr, keep_reference=self.rl.kl_coef > 0 or self.rl.track_reference_kl)
+        self.teacher = job.teacher_of(workers.config)  # on-policy distillation's teacher policy, or None
+        self.teacher_keys = PolicyKeys(queue.keys.run, self.teacher.name) if self.teacher else None
+        distill = workers.config.distill
+        workers.learner.start_stage(self.rl.lr, keep_reference=self.rl.kl_coef > 0 or self.rl.track_reference_kl,
+                                    distill_coef=distill.coef if self.teacher else 0.0)
 
     def restore(self, state: Dict, checkpoint: str, attempt: int) -> None:
         """Continue from a checkpoint: learner, counters, ledger (in-flight prompts re-issued), gate, weights."""
@@ -277,7 +281,8 @@ class PolicyRun:
             return False
         sampling = self.rl.dynamic_sampling and \
             self._signal_drops < self.rl.dynamic_sampling_limit * self.rl.batch_prompts
-        batch = self.buffer.take(version, self.rule, filter_zero_advantage=sampling)
+        teacher_version = self._teacher_version()
+        batch = self.buffer.take(version, self.rule, filter_zero_advantage=sampling, teacher_version=teacher_version)
         self._signal_drops += len(batch.dropped_zero_advantage)
         _drop(batch, self.counters, self.schedule)
         self.queue.results.delete(batch.dropped_ids())
@@ -290,6 +295,9 @@ class PolicyRun:
         self.counters.groups_with_signal += sum(map(has_signal, batch.groups))
         rewards = [[s.reward for s in group] for group in batch.groups]
         advantages = [a for group in _advantages(self.rl, rewards) for a in group]
+        if self.teacher is not None:
+            if not self.workers.config.distill.task_reward:  # the teacher's per-token signal alone
+                advantages = [0.0] * len(advantages)
         sft_rows = random.Random(version).sample(self.train_rows, self.rl.batch_prompts) \
             if self.rl.sft_coef else None
         items = [TrainItem(s.sample_id, a, s.tokens) for s, a in zip(batch.samples, advantages)]
@@ -298,6 +306,13 @@ class PolicyRun:
         self.counters.steps_queued += bool(self._steps)
         self._steps.append(StepInFlight(refs, batch, version, time.perf_counter()))
         return True
+
+    def _teacher_version(self) -> Optional[int]:
+        """The teacher's newest published version (on-policy distillation; None without a teacher)."""
+        if self.teacher_keys is None:
+            return None
+        published = self.queue.client.get(self.teacher_keys.version)
+        return None if published is None else int(published)
 
     def _finish_step(self) -> bool:
         step = self._steps[0]
@@ -462,7 +477,7 @@ class PolicyRun:
             tools=self.monitor.tool_totals() if self.job.env.multi_turn else None,
             restarts={"rollout": 0, "reward": 0, **end.restarts, "evaluator": self.workers.evaluator_restarts},
             checkpoint=end.checkpoint, results_held_at_end=end.results_held, controller_cpu_s=end.controller_cpu_s,
-            wandb_dir=end.wandb_dir)
+            wandb_dir=end.wandb_dir, distill=self.monitor.distill_totals())
 
 
 @dataclass
@@ -490,7 +505,7 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
     away; not when a learner rank died or hung), as `StageFailed` with the figures as they stood."""
     controller_cpu_start = time.process_time()
     metrics.begin("rl")
-    _await_construction([actor for p in policies for actor in p.rollout] + reward_actors)
+    _await_construction([actor for p in policies for actor in p.rollout + p.teachers] + reward_actors)
     runs = {p.name: PolicyRun(job, p, queue, metrics, train_rows) for p in policies}
     attempt = resume.attempt if resume else 0
     for name, run in runs.items():
@@ -541,7 +556,7 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
         raise StageFailed(f"{_failure(runs)}; fix the reward, then resume with `rlp run --resume {job.run_dir}` "
                           f"(checkpoint {checkpoints.latest})", failed())
     queue.request_stop()
-    for kind in ("reward", "rollout"):
+    for kind in ("reward", "rollout", "teacher"):
         try:
             supervisor.wait_ended(kind, STOP_GRACE_S if stop.requested else WORKERS_END_S)
         except WorkerHung:
@@ -628,6 +643,8 @@ def _start_loops(job: JobConfig, policies: List[PolicyWorkers], reward_actors: L
     for workers in policies:
         for i, actor in enumerate(workers.rollout):
             supervisor.start("rollout", f"{workers.name}-{i}", actor)
+        for i, actor in enumerate(workers.teachers):
+            supervisor.start("teacher", f"{workers.name}-teacher-{i}", actor)
     for i, actor in enumerate(reward_actors):
         supervisor.start("reward", f"{job.name}-reward-{i}", actor)
     return supervisor

@@ -61,6 +61,7 @@ class RLSummary:
     results_held_at_end: int  # results stored and neither trained nor dropped, all policies'
     controller_cpu_s: float  # the controller's CPU time in the stage, all policies'
     wandb_dir: Optional[str]
+    distill: Mapping[str, Any] = field(default_factory=dict)  # `RLMonitor.distill_totals` (empty: the policy does not distil)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "figures", MappingProxyType(dict(self.figures)))  # a copy, read-only
@@ -68,11 +69,12 @@ class RLSummary:
 
     def to_json(self) -> Dict[str, Any]:
         """The figures summary.json shows under `rl` (the first step's clock reading left out)."""
-        tools = {"tools": dict(self.tools)} if self.tools is not None else {}
+        extras = {"tools": dict(self.tools)} if self.tools is not None else {}
+        extras.update({"distill": dict(self.distill)} if self.distill else {})
         return {"steps": self.steps, "wall_s": self.wall_s, **self.figures,
                 "time_breakdown": dict(self.time_breakdown), "eval_history": [dict(h) for h in self.eval_history],
                 "parity": dict(self.parity), "rewards": dict(self.rewards), "ledger": dict(self.ledger),
-                "ended_by": self.ended_by, **tools, "restarts": dict(self.restarts), "checkpoint": self.checkpoint,
+                "ended_by": self.ended_by, **extras, "restarts": dict(self.restarts), "checkpoint": self.checkpoint,
                 "results_held_at_end": self.results_held_at_end, "controller_cpu_s": self.controller_cpu_s,
                 "wandb_dir": self.wandb_dir}
 

@@ -62,7 +62,7 @@ class Revival:
 
 @dataclass
 class _Loop:
-    kind: str  # rollout, reward
+    kind: str  # rollout, reward, teacher
     name: str
     actor: object
     ref: Optional[ray.ObjectRef]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import ray
@@ -219,7 +219,8 @@ class Evaluator:
 
 @dataclass
 class PolicyWorkers:
-    """One policy's actors and handles: learner ranks, rollout workers, weight store, evaluator."""
+    """One policy's actors and handles: learner ranks, rollout workers, weight store, evaluator, and a distilling
+    policy's teacher scoring workers."""
     config: PolicyConfig
     learner: LearnerGroup
     rollout: List  # RolloutActor handles
@@ -228,6 +229,7 @@ class PolicyWorkers:
     keys: PolicyKeys
     sft_rows: List[Dict]  # the training rows whose prompts fit `data.max_prompt_tokens`
     data: Dict[str, int]  # rows kept and skipped as too long, for the summary
+    teachers: List = field(default_factory=list)  # a distilling policy's teacher scoring workers (TeacherActor handles)
 
     @property
     def name(self) -> str:

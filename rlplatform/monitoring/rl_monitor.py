@@ -82,6 +82,11 @@ class RLMonitor:
         self._first_version = 0  # the version the stage started from (a resumed one's)
         self._parity: List[Dict[str, float]] = []  # each step's parity figures, where it measured any
         self._routing: List[Dict[str, float]] = []  # a mixture-of-experts policy's router agreement and expert bytes
+        teacher = config.teacher_of(next(p for p in config.policy_list() if p.name == policy))
+        # on-policy distillation: the teacher's version key, and its workers' counters at the previous step
+        self._teacher_version_key = PolicyKeys(queue.keys.run, teacher.name).version if teacher else None
+        self._teacher_counters = self.queue.counters(keys.teacher_stats) if teacher else {}
+        self._distill: List[Dict[str, float]] = []  # each step's distillation figures
         self._canary: List[Dict] = []  # the engines' parity canary checks (`parity_canary`)
         self._canary_id: Optional[str] = None  # the newest check read
         self._reward_sum = 0.0  # the trained samples' rewards, summed
@@ -110,6 +115,9 @@ class RLMonitor:
         families["async"]["learner_mfu"] = learner.mfu
         if self.config.env.multi_turn:
             families["tools"] = self._tools()
+        distill = self._distillation(learner, batch)
+        if distill:
+            families["distill"] = distill
         parity = {k[len("parity_"):]: v for k, v in learner.figures.items() if k.startswith("parity_")}
         if parity:
             families["parity"] = parity
@@ -181,6 +189,34 @@ class RLMonitor:
             totals["router_agreement"] = sum(r["router_agreement"] for r in self._routing) / steps
             totals["routed_expert_bytes_per_step"] = sum(r["routed_expert_bytes"] for r in self._routing) / steps
         return totals
+
+    def _distillation(self, learner: StepResult, batch: Batch) -> Dict[str, float]:
+        """A distilling policy's step figures (W&B `<policy>/distill/...`): the learner's mean per-token reverse KL
+        to the teacher (sampled minus teacher log-prob), how many versions the teacher had moved on from the
+        version that scored the batch's samples, and the teacher workers' scoring seconds per sample since the
+        step before."""
+        if self._teacher_version_key is None or "distill_kl" not in learner.figures:
+            return {}
+        published = self.queue.client.get(self._teacher_version_key)
+        teacher = int(published) if published is not None else 0
+        now = self.queue.counters(self.keys.teacher_stats)
+        scored = now.get("scored", 0.0) - self._teacher_counters.get("scored", 0.0)
+        busy = now.get("busy_s", 0.0) - self._teacher_counters.get("busy_s", 0.0)
+        self._teacher_counters = now
+        figures = {"kl": learner.figures["distill_kl"],
+                   "teacher_lag": sum(teacher - s.teacher_version for s in batch.samples) / len(batch.samples),
+                   "teacher_score_s_per_sample": busy / scored if scored else 0.0}
+        self._distill.append(figures)
+        return figures
+
+    def distill_totals(self) -> Dict[str, float]:
+        """The stage's distillation figures: the mean of its steps' reverse KL, teacher lag and scoring seconds per
+        sample, and the KL of its first and last steps (empty for a policy that does not distil)."""
+        if not self._distill:
+            return {}
+        steps = len(self._distill)
+        return {**{k: sum(d[k] for d in self._distill) / steps for k in self._distill[0]},
+                "kl_first": self._distill[0]["kl"], "kl_last": self._distill[-1]["kl"], "steps": steps}
 
     def reward_totals(self) -> Dict:
         """The stage's trained samples: how many, their mean reward and each component's mean."""

@@ -2,7 +2,8 @@
 
 Scored samples' metadata (`ResultMeta`: ids, version, reward, token counts) arrive one by one,
 in any order; the buffer assembles them into groups (all completions of one prompt) and chooses
-the learner's batches of complete groups, oldest policy version first. Groups over the staleness bound, and groups left with fewer than two
+the learner's batches of complete groups, oldest policy version first. Groups over the staleness bound (for a
+distilling policy, also the teacher version that scored them), and groups left with fewer than two
 samples once reward errors and filter drops are removed, are dropped and counted, never
 trained on; so are groups expired before they completed (a sample lost to dead letters).
 `forgotten` lists the samples of expired groups, whose stored results can be deleted.
@@ -11,7 +12,7 @@ trained on; so are groups expired before they completed (a sample lost to dead l
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Set
+from typing import Dict, List, Optional, Set
 
 from rlplatform.scheduling.staleness import StalenessRule
 from rlplatform.transport.samples import ResultMeta
@@ -91,16 +92,20 @@ class GroupBuffer:
         """Samples waiting here: in complete groups not yet taken and in groups still filling."""
         return sum(len(g) for g in self._complete) + sum(len(g) for g in self._partial.values())
 
-    def take(self, learner_version: int, rule: StalenessRule, filter_zero_advantage: bool = False) -> Batch:
+    def take(self, learner_version: int, rule: StalenessRule, filter_zero_advantage: bool = False,
+             teacher_version: Optional[int] = None) -> Batch:
         """Drop what the staleness rule no longer lets the learner at `learner_version` train on, or is
         unusable (and, if asked, groups whose rewards are all equal); return the rule's `batch_prompts`
-        groups if that many are left."""
+        groups if that many are left. With `teacher_version` (on-policy distillation: the teacher's newest), the
+        same rule holds for the teacher version that scored each sample."""
         batch_prompts, oldest_allowed = rule.batch_prompts, rule.oldest_trainable(learner_version)
+        oldest_teacher = None if teacher_version is None else rule.oldest_trainable(teacher_version)
         batch = Batch(groups=[])
         usable = []
         for group in self._complete:
             valid = [s for s in group if _trainable(s)]
-            if group_version(group) < oldest_allowed:
+            if group_version(group) < oldest_allowed or \
+                    (oldest_teacher is not None and min(s.teacher_version for s in group) < oldest_teacher):
                 batch.dropped_stale.append(group)
             elif len(valid) < 2:
                 batch.dropped_errors.append(group)

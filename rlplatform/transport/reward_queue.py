@@ -111,6 +111,8 @@ class PolicyKeys:
         self.canary_reference = f"{prefix}:canary-reference"  # the learner's parity canary scores (`parity_canary`)
         self.canary_checks = f"{prefix}:canary-checks"  # the engines' canary checks, a stream
         self.evaluator_process = f"{prefix}:evaluator-process"  # `this_process()` of the evaluator's newest process
+        self.teacher_prefix = f"{prefix}:teacher"  # a distilling policy's teacher queue (`teacher_queue`)
+        self.teacher_stats = f"{prefix}:teacher-stats"  # its teacher scoring workers' counters
 
 
 class StreamQueue:

@@ -5,7 +5,7 @@ token ids, the behaviour log-prob and the policy version of every completion tok
 data row it answers. A multi-turn episode is one sample too: its completion interleaves the
 model's tokens with observation tokens the environment inserted, told apart by `completion_mask`. A
 mixture-of-experts policy's sample also carries the experts its tokens were routed to (`routed_experts`), which
-the learner replays. On Redis they travel as msgpack maps with a schema version; decoding
+the learner replays; a distilling policy's, each token's log-prob under its teacher (`teacher_logprobs`). On Redis they travel as msgpack maps with a schema version; decoding
 checks every field, so a malformed message is rejected with a reason and never executed.
 A `ResultMeta` is the few fields of a scored sample the controller batches on (ids, version,
 reward, token counts), without its tokens or text.
@@ -40,6 +40,8 @@ class Sample:
     created_at: float = 0.0  # unix time the completion was generated
     completion_mask: List[int] = field(default_factory=list)  # per completion token: 1 the model's own (trained), 0 an observation inserted by the environment; empty: all the model's
     routed_experts: bytes = b""  # a mixture-of-experts policy: the experts each layer routed each token to (`routed_experts` module); empty: none recorded
+    teacher_logprobs: List[float] = field(default_factory=list)  # on-policy distillation: each completion token's log-prob under the teacher; empty: not scored
+    teacher_version: int = -1  # the teacher's weight version that scored it (-1: none)
 
     def __getattr__(self, name: str) -> Any:
         """The data row's fields read as attributes: `sample.answer`, `sample.tests`."""
@@ -91,6 +93,7 @@ class ResultMeta:
     filtered: bool = False
     drop: bool = False
     reasons: Dict[str, str] = field(default_factory=dict)  # the scored sample's reasons, by reward label
+    teacher_version: int = -1  # on-policy distillation: the teacher's version that scored it (-1: none)
 
     @property
     def tokens(self) -> int:
@@ -101,7 +104,7 @@ class ResultMeta:
         sample = scored.sample
         return cls(sample.sample_id, sample.group_id, sample.policy, sample.version, len(sample.prompt_ids),
                    len(sample.completion_ids), float(scored.reward), dict(scored.components), scored.error,
-                   bool(scored.filtered), bool(scored.drop), dict(scored.reasons))
+                   bool(scored.filtered), bool(scored.drop), dict(scored.reasons), sample.teacher_version)
 
 
 _META_TYPES = {"sample_id": str, "group_id": str, "policy": str, "version": int, "prompt_tokens": int,
@@ -125,7 +128,11 @@ def decode_meta(data: bytes) -> ResultMeta:
         raise WireFormatError("result record 'components' holds a value that is not a number")
     fields = {name: body[name] for name in _META_TYPES}
     fields.update(reward=float(body["reward"]), components={str(k): float(v) for k, v in components.items()})
-    return ResultMeta(**fields, error=error, reasons=_reasons_from(body.get("reasons", {})))
+    teacher_version = body.get("teacher_version", -1)
+    if type(teacher_version) is not int:
+        raise WireFormatError("result record 'teacher_version' must be an integer")
+    return ResultMeta(**fields, error=error, reasons=_reasons_from(body.get("reasons", {})),
+                      teacher_version=teacher_version)
 
 
 _SAMPLE_TYPES = {
@@ -214,12 +221,20 @@ def _sample_from(fields: Any) -> Sample:
     created_at = fields.get("created_at", 0.0)
     if not isinstance(created_at, (int, float)) or isinstance(created_at, bool):
         raise WireFormatError("sample field 'created_at' is not a number")
-    mask = _completion_mask(fields, lengths.pop())
+    tokens = lengths.pop()
+    mask = _completion_mask(fields, tokens)
     routed = fields.get("routed_experts", b"")
     if not isinstance(routed, bytes):
         raise WireFormatError(f"sample {fields['sample_id']}: 'routed_experts' must be bytes")
+    teacher, teacher_version = fields.get("teacher_logprobs", []), fields.get("teacher_version", -1)
+    if not isinstance(teacher, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in teacher) \
+            or (teacher and len(teacher) != tokens):
+        raise WireFormatError(f"sample {fields['sample_id']}: 'teacher_logprobs' must be empty or a number per "
+                              f"completion token")
+    if type(teacher_version) is not int:
+        raise WireFormatError(f"sample {fields['sample_id']}: 'teacher_version' must be an integer")
     return Sample(**{name: fields[name] for name in _SAMPLE_TYPES}, created_at=float(created_at), completion_mask=mask,
-                  routed_experts=routed)
+                  routed_experts=routed, teacher_logprobs=[float(x) for x in teacher], teacher_version=teacher_version)
 
 
 def _completion_mask(fields: dict, tokens: int) -> List[int]:
