@@ -554,3 +554,21 @@ def test_sft_that_stops_on_held_out_accuracy_needs_the_evaluation():
         load_config(None, ["eval.enabled=false", "sft.stop_at_accuracy=0.5"])
     with pytest.raises(ConfigError, match=r"'policies\[1\].sft.stop_at_accuracy' is set"):
         load_config(None, ["eval.enabled=false", "policies=[{name: a}, {name: b, sft: {stop_at_accuracy: 0.5}}]"])
+
+
+DEVICE_AND_SERVER = "configs/device_and_server.yaml"
+
+
+@pytest.mark.parametrize("override,reason", [
+    ("policies[1].distill.teacher=nobody", "'policies[1].distill.teacher' is 'nobody'; it must name another policy of "
+                                           "the job: server, device_alone"),
+    ("policies[1].distill.teacher=device", "'policies[1].distill.teacher' is 'device'; it must name another policy"),
+    ("policies[0].distill.teacher=device_alone", "'policies[1].distill.teacher' is 'server', which distils from "
+                                                 "'device_alone' itself; a teacher learns from rewards alone"),
+    ("policies[0].model.extra_chars=<>", "'policies[1].distill.teacher' 'server' has another tokenizer"),
+    ("env.kind=tools", "distillation scores single-turn samples a rollout worker generates from the data"),
+])
+def test_a_teacher_the_student_cannot_learn_from_is_refused_in_one_line(override, reason):
+    with pytest.raises(ConfigError) as err:
+        load_config(DEVICE_AND_SERVER, [override])
+    assert reason in str(err.value) and "\n" not in str(err.value)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rlplatform.learners.algorithms import (ADVANTAGE_ESTIMATORS, AGGREGATIONS, CORRECTIONS, decoupled_ppo,
+                                            distillation_signal,
                                             entropy_bonus, grpo_advantages, on_policy, policy_loss,
                                             reinforce_pp_advantages, rloo_advantages, sft_auxiliary_loss,
                                             truncated_is)
@@ -234,3 +235,28 @@ def test_sft_auxiliary_loss_value_and_gradient():
     loss.backward()
     # d loss / d logprob = -0.1 / 3 = -0.0333333 on masked tokens
     assert torch.allclose(logprobs.grad, torch.tensor([[-0.1 / 3, -0.1 / 3, 0.0], [-0.1 / 3, 0.0, 0.0]]), atol=1e-8)
+
+
+def test_the_distillation_signal_on_a_three_token_vocabulary_by_hand():
+    """coef x (log teacher - log student) per sampled token; its mean under the student is -coef x KL(student ||
+    teacher), and as a per-token advantage in the policy loss its gradient is exactly coef x the gradient of that
+    reverse KL (every token of the vocabulary enumerated, weighted by the student's probability)."""
+    student, teacher = torch.tensor([0.5, 0.3, 0.2]).log(), torch.tensor([0.2, 0.5, 0.3]).log()
+    signal = distillation_signal(teacher, student, coef=2.0)
+    torch.testing.assert_close(signal, torch.tensor([2 * math.log(0.2 / 0.5), 2 * math.log(0.5 / 0.3),
+                                                     2 * math.log(0.3 / 0.2)]))
+    kl = 0.5 * math.log(0.5 / 0.2) + 0.3 * math.log(0.3 / 0.5) + 0.2 * math.log(0.2 / 0.3)  # 0.2238
+    assert (student.exp() * signal).sum().item() == pytest.approx(-2.0 * kl, abs=1e-6)
+
+    logits = torch.tensor([0.3, -0.2, 0.5], requires_grad=True)
+    logprobs = torch.log_softmax(logits, -1)
+    expected, = torch.autograd.grad(2.0 * (logprobs.exp() * (logprobs - teacher)).sum(), logits, retain_graph=True)
+    total = 0.0
+    for token in range(3):  # one single-token sample per token, on-policy (ratio 1)
+        logprob = logprobs[token].view(1, 1)
+        advantage = distillation_signal(teacher[token].view(1, 1), logprob.detach(), coef=2.0)
+        loss, _ = policy_loss(logprob, logprob.detach(), logprob.detach(), advantage, torch.ones(1, 1),
+                              correction="on_policy")
+        total = total + logprob.exp().detach() * loss
+    total.backward()
+    torch.testing.assert_close(logits.grad, expected)

@@ -155,3 +155,16 @@ def test_an_expired_group_drops_what_arrived_and_what_arrives_later():
     assert buffer.samples_expired == 3 and buffer.held_samples() == 0 and not buffer.is_complete("lost")
     fill(buffer, "kept")
     assert buffer.held_samples() == 3 and buffer.is_complete("kept")
+
+
+def test_a_group_scored_by_a_teacher_several_versions_behind_is_dropped_as_stale():
+    """On-policy distillation holds the teacher version that scored a group to the same rule as the student's."""
+    buffer = GroupBuffer(group_size=2)
+    for group, teacher in (("t2", 2), ("t4", 4), ("t5", 5)):
+        for i in range(2):
+            meta = scored(group, i, version=5, reward=float(i))
+            meta.teacher_version = teacher if i else 5  # the group's oldest teacher version counts
+            buffer.add(meta)
+    # the student and the teacher both at 5, max_staleness 1: teacher versions >= 4
+    batch = buffer.take(5, StalenessRule(max_staleness=1, batch_prompts=2), teacher_version=5)
+    assert ids(batch.dropped_stale) == ["t2"] and ids(batch.groups) == ["t4", "t5"]

@@ -3,13 +3,14 @@ WireFormatError for every kind of malformed message."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict
 
 import msgpack
 import pytest
 
-from rlplatform.transport.samples import (SCHEMA_VERSION, Sample, ScoredSample, WireFormatError, decode_sample,
-                                          decode_scored, encode_sample, encode_scored)
+from rlplatform.transport.samples import (SCHEMA_VERSION, ResultMeta, Sample, ScoredSample, WireFormatError,
+                                          decode_sample, decode_scored, encode_sample, encode_scored)
 
 
 def make_sample(**changes) -> Sample:
@@ -199,3 +200,14 @@ def test_records_without_a_completion_mask_decode_as_all_model_tokens():
 def test_malformed_completion_mask_is_rejected(mask, reason):
     with pytest.raises(WireFormatError, match=reason):
         decode_sample(msgpack.packb(packed_sample(completion_mask=mask)))
+
+
+def test_teacher_scores_round_trip_and_must_cover_every_completion_token():
+    sample = Sample("g/0", "g", "device", "1+1=", "2", [1, 2], [3, 4], [-0.5, -0.7], [0, 0],
+                    teacher_logprobs=[-0.1, -2.0], teacher_version=3)
+    back = decode_sample(encode_sample(sample))
+    assert (back.teacher_logprobs, back.teacher_version) == ([-0.1, -2.0], 3)
+    assert ResultMeta.of(ScoredSample(back, 1.0, {})).teacher_version == 3
+    for bad in ([-0.1], ["x", -2.0]):
+        with pytest.raises(WireFormatError, match="'teacher_logprobs' must be empty or a number per completion token"):
+            decode_sample(encode_sample(dataclasses.replace(sample, teacher_logprobs=bad)))
