@@ -572,3 +572,10 @@ def test_a_teacher_the_student_cannot_learn_from_is_refused_in_one_line(override
     with pytest.raises(ConfigError) as err:
         load_config(DEVICE_AND_SERVER, [override])
     assert reason in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_local_cluster_holds_the_cpus_of_a_students_teacher_workers():
+    from rlplatform.job.cluster import cpus_needed
+
+    alone = load_config(DEVICE_AND_SERVER, ["policies[1].distill.teacher=null"])
+    assert cpus_needed(load_config(DEVICE_AND_SERVER, ["policies[1].distill.workers=2"])) == cpus_needed(alone) + 1.0

@@ -97,8 +97,8 @@ def _redis_answers(url: Optional[str]) -> bool:
 
 def cpus_needed(config: JobConfig) -> float:
     """Ray CPUs the job's actors reserve: reward and tool workers, and per policy its ranks, rollout
-    workers and evaluator."""
+    workers, evaluator and (distilling) teacher workers."""
     tools = config.env.tool_workers.num_workers * config.env.tool_workers.num_cpus if config.env.tools else 0.0
     return tools + config.reward_workers.num_workers * config.reward_workers.num_cpus + sum(
         p.learner.num_ranks * p.learner.num_cpus + config.generating_actors(p) * p.rollout.num_cpus
-        for p in config.policy_list())
+        + (p.distill.workers * p.distill.num_cpus if p.distill.teacher else 0.0) for p in config.policy_list())
