@@ -26,6 +26,7 @@ from rlplatform.actors.routing_record import RoutingRecorder
 from rlplatform.actors.static_decode import SlotDecoder, StaticDecodeBatch, static_decoding
 from rlplatform.config import LoraConfig, RolloutConfig
 from rlplatform.devices import resolve_device, share_kv_heads_on_cpu, vllm_memory_fraction
+from rlplatform.learners.batching import completion_logprobs
 from rlplatform.lora import load_adapters, with_adapters
 from rlplatform.policy import kv_cache_keyword, load_policy
 from rlplatform.tokenization import stop_token_ids
@@ -147,14 +148,10 @@ class TransformersEngine(BatchGenerate):
         return (StaticDecodeBatch if self.slot_decoder else DecodeBatch)(self, max_new_tokens, temperature)
 
     def score(self, prompts: List[List[int]], completions: List[List[int]]) -> List[List[float]]:
-        """Log-probs of each completion's tokens after its prompt, teacher-forced, one sequence at a time."""
-        scores = []
+        """Log-probs of each completion's tokens after its prompt, teacher-forced: the whole batch in one of the
+        learner's scoring layouts (`completion_logprobs`), so the scores are the learner's computation."""
         with torch.no_grad():
-            for prompt, completion in zip(prompts, completions):
-                ids = torch.tensor([prompt + completion], device=self.device)
-                logits = self.model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
-                targets = ids[0, len(prompt):].unsqueeze(1)
-                scores.append(logits.log_softmax(-1).gather(1, targets).squeeze(1).tolist())
-        return scores
+            scores = completion_logprobs(self.model, prompts, completions, self.tokenizer.pad_token_id)
+        return [row[mask.bool()].tolist() for row, mask in zip(scores.logprobs.float(), scores.mask)]
 
 
