@@ -1,8 +1,8 @@
 """On-policy distillation between the policies of one job (configs/device_and_server.yaml, shortened): the device
 policy's samples go through its teacher queue, where a teacher worker scores every token with the server's newest
 weights, then on to the rewards; its learner adds the per-token signal to each token's advantage and the job
-reports the distillation KL, the teacher's version lag and its scoring time, while the server (a mixture of
-experts) trains by RL with routing replay beside it."""
+reports the distillation KL, the teacher's version lag and its scoring time, while the server trains by RL beside
+it (here a dense model: tests/job/test_moe_job.py runs a mixture of experts with routing replay through a job)."""
 
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "device_and_server.ya
 
 
 def tiny_pair(path: Path) -> str:
-    """The demo's server and device policies alone (not the control), at test sizes."""
+    """The demo's server and device policies alone (not the control), both tiny dense models."""
     config = yaml.safe_load(CONFIG.read_text())
     server, device = config["policies"][:2]
-    server["model"].update(hidden_size=64, num_layers=2, num_experts=4, expert_size=32)
+    server["model"] = {"hidden_size": 64, "num_layers": 2, "intermediate_size": 128}
     device["model"].update(hidden_size=64, num_layers=2, intermediate_size=128)
     for policy in (server, device):
         policy["sft"] = {"steps": 3}
@@ -47,5 +47,5 @@ def test_a_device_policy_distils_from_a_server_that_trains_beside_it(ray_session
     distill = device["distill"]  # every step's samples scored by the teacher (a learner refuses one that was not)
     assert distill["steps"] == 4 and distill["teacher_lag"] >= 0 and distill["teacher_score_s_per_sample"] > 0
     assert all(math.isfinite(distill[k]) for k in ("kl", "kl_first", "kl_last"))
-    assert "distill" not in server and server["parity"]["replayed_abs_mean"] < 1e-4  # replayed, as engines routed
+    assert "distill" not in server
     assert len(run_files.trained_ids(str(tmp_path / "pair" / "device"))) == 4 * 2 * 4
