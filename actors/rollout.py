@@ -103,15 +103,18 @@ class RolloutWorker:
         self._stop, self._published = False, None
         self.announcements = VersionAnnouncements(client, self.keys)
 
-    def sync_weights(self, published: Optional[int] = None) -> int:
+    def sync_weights(self, published: Optional[int] = None, beat: bool = False) -> int:
         """Load the newest published weights if they are newer than those held (`published`: the version the
-        loop last read on Redis; else it is read now); returns the version held."""
+        loop last read on Redis; else it is read now); returns the version held. With `beat` (the generation
+        loop's calls) the load is told on the heartbeat hash: an evaluator or a teacher worker, whose loads come
+        between long idle stretches, would otherwise be named silent once idle."""
         if not self._newer(self._read_published() if published is None else published):
             return self.engine.version
         newer = self.weights_in.newer(self.engine.version)
         if newer is not None:
             version, state_dict = newer
-            self.heartbeats.beat(self.label, f"loading weights v{version}", self.engine.version)
+            if beat:
+                self.heartbeats.beat(self.label, f"loading weights v{version}", self.engine.version)
             self.engine.load_weights(state_dict, version)
             received = sum(t.numel() * t.element_size() for t in state_dict.values())  # with LoRA, the adapters' alone
             self._count(weight_sync_bytes=received)
@@ -122,7 +125,7 @@ class RolloutWorker:
     def _sync_counted(self) -> None:
         """`sync_weights` in the generation loop, counted when it loaded a newer version."""
         start, held = time.perf_counter(), self.version
-        if self.sync_weights(self._published) != held:
+        if self.sync_weights(self._published, beat=True) != held:
             self._count(weight_syncs=1, weight_sync_s=time.perf_counter() - start)
 
     def _episodes(self, client, run: str, chat_template: str, max_new_tokens: int):
