@@ -45,8 +45,9 @@ def test_short_quickstart_writes_a_valid_summary_and_logs_every_dashboard_key(ra
     assert rl["max_staleness_trained"] <= 1
     assert all(int(gap) <= 1 for gap in rl["staleness_histogram"])
     assert sum(rl["staleness_histogram"].values()) == rl["samples_trained"]
-    # every generated sample is accounted for, each bucket counted where its samples were left
-    assert rl["samples_unused_at_end"] == sum(rl["samples_unused_where"].values()) > 0
+    # every generated sample is accounted for, each bucket counted where its samples were left (usually some are
+    # left at the end; none when generation was the bottleneck, as on 2 cores shared with the other test worker)
+    assert rl["samples_unused_at_end"] == sum(rl["samples_unused_where"].values())
     assert rl["samples_generated"] == (rl["samples_trained"] + rl["samples_dropped_stale"]
                                        + rl["samples_dropped_error"] + rl["samples_dropped_zero_advantage"]
                                        + rl["samples_dropped_invalid"] + rl["samples_unused_at_end"])
