@@ -58,10 +58,11 @@ def _entry_class(annotation: Any) -> Any:
     return None
 
 
-def keys(cls: type, prefix: str = "") -> Iterator[Tuple[str, Any, str]]:
-    """(key, its field, its comment) for every key under dataclass `cls`, sections and list entries walked into."""
+def keys(cls: type, prefix: str = "", skip: Tuple[str, ...] = ()) -> Iterator[Tuple[str, Any, str]]:
+    """(key, its field, its comment) for every key under dataclass `cls` but those in `skip`, sections and list
+    entries walked into."""
     comments, hints = field_comments(cls), typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
+    for f in (f for f in dataclasses.fields(cls) if f.name not in skip):
         name = prefix + f.name
         value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         entry = _entry_class(hints[f.name])
@@ -69,8 +70,8 @@ def keys(cls: type, prefix: str = "") -> Iterator[Tuple[str, Any, str]]:
             yield from keys(type(value), name + ".")
         elif entry is not None:
             yield name, f, comments.get(f.name, "")
-            if entry is not schema.PolicyConfig:  # its sections are the top level's
-                yield from keys(entry, name + "[].")
+            # a policy entry's sections are the top level's; its own keys (name, distill) are listed
+            yield from keys(entry, name + "[].", schema.POLICY_SECTIONS if entry is schema.PolicyConfig else ())
         else:
             yield name, f, comments.get(f.name, "")
 
