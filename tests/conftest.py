@@ -8,12 +8,6 @@ import pytest
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
-# Two pytest workers, their in-process torch and their jobs' actors (which inherit this environment through the
-# Ray clusters the workers start) share the machine's cores: an OpenMP thread that spins while it waits for its
-# next parallel region takes a core another process is waiting for. Waiting threads sleep instead (read when torch
-# loads, so before any import of it). A 2-step job beside an in-process bfloat16 SFT test on 2 cores: 31 s -> 8 s,
-# and the SFT test 57 s -> 32 s.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session")
