@@ -165,6 +165,7 @@ class OpenAIBridgeConfig:
 @dataclass
 class RolloutConfig:
     num_workers: int = at_least(1, 1)  # rollout worker actors
+    max_workers: Optional[int] = at_least(None, 1)  # elastic: with more than num_workers, one more worker joins whenever the cluster has room for it (a node joined), up to this many; such a worker leaves with its node, its unsubmitted groups issued again (unset: num_workers, a fixed pool)
     prompts_per_batch: int = at_least(16, 1)  # groups a worker decodes at once (group_size sequences each, continuously refilled)
     weight_swap: str = one_of("in_flight", "finish_then_swap")  # in_flight: new weights load between decode steps; finish_then_swap: once drained
     num_threads: int = at_least(1, 1)  # torch threads per worker
@@ -971,6 +972,15 @@ def _check_policy(config, prefix: str, source: str) -> None:
         raise ConfigError(f"{source}: '{prefix}model.dtype' is float16 but '{prefix}learner.device' is cpu: DeepSpeed "
                           f"trains float16 on GPUs only; use bfloat16 (or float32) on CPU")
     _check_resources(config.rollout.resources, f"{prefix}rollout.resources", source)
+    rollout = config.rollout
+    if rollout.max_workers is not None and rollout.max_workers < rollout.num_workers:
+        raise ConfigError(f"{source}: '{prefix}rollout.max_workers' is {rollout.max_workers}, below "
+                          f"'{prefix}rollout.num_workers' ({rollout.num_workers}): the workers range from num_workers "
+                          f"up to max_workers")
+    if (rollout.max_workers or 0) > rollout.num_workers and config.weights.transport in ("broadcast", "cuda_ipc"):
+        raise ConfigError(f"{source}: '{prefix}rollout.max_workers' lets rollout workers join while the job runs, but "
+                          f"'{prefix}weights.transport' is {config.weights.transport}, whose receivers are fixed when "
+                          f"the job starts; use weights.transport object_store (or auto)")
     _check_resources(config.learner.resources, f"{prefix}learner.resources", source)
     if config.rollout.source == "bridge" and not config.rollout.openai_bridge.enabled:
         raise ConfigError(f"{source}: '{prefix}rollout.source' is bridge but '{prefix}rollout.openai_bridge.enabled' is "

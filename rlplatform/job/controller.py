@@ -235,11 +235,14 @@ def _resolve_dtypes(config: JobConfig, cluster_gpus: float) -> None:
 
 def _resolve_transports(config: JobConfig, cluster_gpus: float) -> None:
     """Each policy's `weights.transport: auto` made concrete: its learner and rollout workers share one GPU where
-    the cluster's only GPU (one this process sees) holds its single learner rank and its rollout workers."""
+    the cluster's only GPU (one this process sees) holds its single learner rank and its rollout workers, which
+    do not come and go (`rollout.max_workers`)."""
     one_gpu = cluster_gpus == 1 and torch.cuda.is_available()
     for policy in config.policy_list():
-        resolve_auto(policy.weights, one_gpu and policy.learner.num_ranks == 1 and _on_gpu(policy.learner, cluster_gpus)
-                     and _on_gpu(policy.rollout, cluster_gpus), policy.model.lora.enabled)
+        fixed = (policy.rollout.max_workers or 0) <= policy.rollout.num_workers
+        resolve_auto(policy.weights, one_gpu and fixed and policy.learner.num_ranks == 1
+                     and _on_gpu(policy.learner, cluster_gpus) and _on_gpu(policy.rollout, cluster_gpus),
+                     policy.model.lora.enabled)
 
 
 def _on_gpu(part: Union[LearnerConfig, RolloutConfig], cluster_gpus: float) -> bool:
@@ -440,7 +443,8 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup
     learner.connect_results(redis_url, run, config.redis.reconnect_s, policy.name)
     if config.monitoring.parity_every:
         learner.watch_parity([p.ids for p in train], keys.canary_reference, config.monitoring.parity_every)
-    workers = PolicyWorkers(policy, learner, rollout, store, evaluator, keys, [p.row for p in train], data)
+    workers = PolicyWorkers(policy, learner, rollout, store, evaluator, keys, [p.row for p in train], data,
+                            add_rollout=partial(start_rollout, restarts=0))
     weight_transport(policy.weights).connect(learner.ranks[0], workers.generating, redis_url, keys.version,
                                              LEARNER_TIMEOUT_S)
     return workers
@@ -486,17 +490,18 @@ def _start_learner(config: JobConfig, policy: PolicyConfig) -> LearnerGroup:
 
 
 def _start_rollout_actor(config: JobConfig, policy: PolicyConfig, run: str, model_path: str, prompts_path: str,
-                         redis_url: str, store_name: str, index: int):
+                         redis_url: str, store_name: str, index: int, restarts: int = MAX_RESTARTS):
     """Rollout actor `index` of the policy, or its evaluator at index `rollout.num_workers` (an
     `EvaluatorActor`, at `eval.priority` from its first import): it reads its prompts from `prompts_path`
-    and finds the weight store by `store_name`."""
+    and finds the weight store by `store_name`. Ray restarts it up to `restarts` times (0: a worker added
+    while the stage runs, which leaves when it dies: `rlplatform.job.elastic`)."""
     from rlplatform.actors.evaluator import EvaluatorActor
     from rlplatform.actors.rollout import RolloutActor
     from rlplatform.actors.rollout_spec import RolloutSpec
 
     gpus = gpus_per_actor(policy.rollout.device, policy.rollout.num_gpus, ray.cluster_resources().get("GPU", 0.0))
     options = dict(num_cpus=policy.rollout.num_cpus, num_gpus=gpus, resources=policy.rollout.resources,
-                   max_restarts=MAX_RESTARTS, name=f"{config.name}-{policy.name}-rollout-{index}")
+                   max_restarts=restarts, name=f"{config.name}-{policy.name}-rollout-{index}")
     evaluator = index == policy.rollout.num_workers
     spec = RolloutSpec(index, policy.name, run, model_path, prompts_path, redis_url, policy.rl, policy.rollout,
                        config.seed, store_name, policy.model.dtype, weight_transport(policy.weights), policy.model.lora,

@@ -23,6 +23,7 @@ import ray
 
 from rlplatform.config import JobConfig
 from rlplatform.job.checkpoint import DiskFull, latest_checkpoint, learner_dir, write_checkpoint
+from rlplatform.job.elastic import ElasticRollout, elastic_policies
 from rlplatform.job.signals import StopSignals
 from rlplatform.job.summaries import RLSummary, plain_text
 from rlplatform.job.supervision import RESTART_TIMEOUT_S, Supervisor
@@ -168,6 +169,7 @@ class PolicyRun:
         self.trained_at_start = 0  # samples trained before this attempt (a resumed job's)
         self._last_watch = time.monotonic()
         self.trained_log = os.path.join(job.policy_dir(workers.name), "trained.jsonl")
+        self.elastic: Optional[ElasticRollout] = None  # rollout workers added while the stage runs (`max_workers`)
         self.teacher = job.teacher_of(workers.config)  # on-policy distillation's teacher policy, or None
         self.teacher_keys = PolicyKeys(queue.keys.run, self.teacher.name) if self.teacher else None
         distill = workers.config.distill
@@ -457,6 +459,8 @@ class PolicyRun:
         wall = time.perf_counter() - self.start
         figures = _stage_summary(self.counters, rollout, len(self.workers.rollout), unused, self.version, wall,
                                  self.trained_at_start)
+        if self.elastic is not None:
+            figures.update(self.elastic.figures())
         reward_now = self.mirror.reward if offline else self.queue.counters(self.queue.keys.reward_stats)
         reward = {k: v - self._reward_counters_at_start.get(k, 0.0) for k, v in reward_now.items()}
         ledger = {**self.mirror.ledger["counts"], "open": self.mirror.ledger["open"]} if offline \
@@ -516,6 +520,9 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
         run.monitor.started(run.version)
         run.mirror_redis()
     supervisor = _start_loops(job, policies, reward_actors, metrics, tool_actors)
+    for workers in elastic_policies(policies):
+        runs[workers.name].elastic = ElasticRollout(workers, runs[workers.name].schedule, supervisor.start,
+                                                    partial(metrics.event, "rollout_capacity"))
     checkpoints = Checkpoints(job, runs, job_state, attempt)
     heartbeats = Heartbeats(queue.client, queue.keys.run)
     rule = hang_rule(job.monitoring)
@@ -529,6 +536,9 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
             while not all(run.done for run in runs.values()) and not stop.requested and not _failure(runs):
                 _turn(runs, queue)
                 supervisor.check()
+                for run in runs.values():
+                    if run.elastic is not None:
+                        run.elastic.check()
                 watch.check(max(run.version for run in runs.values()),
                             min(run.since_scored_s for run in runs.values()))
                 _check_learners(runs, checkpoints.latest)

@@ -2,7 +2,8 @@
 
 Workers run as Ray actors that Ray restarts when their process dies; `Supervisor` notices a
 loop that ended with the actor's death, waits until Ray has restarted the actor (`Revival`: calls
-made meanwhile fail at once), calls the loop again and counts the restart by kind. The loops
+made meanwhile fail at once), calls the loop again and counts the restart by kind; a worker added while
+the stage ran (`rlplatform.job.elastic`) is not restarted but leaves. The loops
 report through Redis, not their return values. Remote waits go through `rlplatform.transport.deadlines`.
 """
 
@@ -67,6 +68,7 @@ class _Loop:
     actor: object
     ref: Optional[ray.ObjectRef]
     revival: Optional[Revival] = None  # set from the actor's death until it answers again
+    on_leave: Optional[Callable[[], None]] = None  # an added worker Ray does not restart: told when it dies
 
 
 class Supervisor:
@@ -80,8 +82,10 @@ class Supervisor:
         self._loops: List[_Loop] = []
         self._services = list(services)
 
-    def start(self, kind: str, name: str, actor) -> None:
-        self._loops.append(_Loop(kind, name, actor, actor.run.remote()))
+    def start(self, kind: str, name: str, actor, on_leave: Optional[Callable[[], None]] = None) -> None:
+        """Run `actor`'s loop. With `on_leave`, the actor is one Ray does not restart (`rlplatform.job.elastic`):
+        its death is no restart, it leaves the stage and `on_leave` is told."""
+        self._loops.append(_Loop(kind, name, actor, actor.run.remote(), on_leave=on_leave))
 
     def check(self) -> None:
         """Restart the loop of every worker whose actor died once Ray has restarted the actor; a loop
@@ -91,7 +95,7 @@ class Supervisor:
                 loop.revival, loop.ref = None, loop.actor.run.remote()
         refs = [loop.ref for loop in self._loops if loop.revival is None]
         finished = ray.wait(refs, num_returns=len(refs), timeout=0)[0] if refs else []
-        for loop in self._loops:
+        for loop in list(self._loops):  # a worker that leaves is taken out
             if loop.revival is None and loop.ref in finished:
                 self._handle_finished(loop)
 
@@ -99,6 +103,9 @@ class Supervisor:
         try:
             ray.get(loop.ref)
         except RayActorError as err:
+            if loop.on_leave is not None:
+                self._leave(loop)
+                return
             self.restarts[loop.kind] += 1
             if self.restarts[loop.kind] > MAX_RESTARTS * max(1, self._count(loop.kind)):
                 raise RuntimeError(f"{loop.kind} worker {loop.name} keeps dying: {err}") from None
@@ -107,6 +114,10 @@ class Supervisor:
             loop.revival = Revival(loop.actor, f"{loop.kind} worker {loop.name}")
             return
         raise RuntimeError(f"{loop.kind} worker {loop.name} stopped before the job asked it to")
+
+    def _leave(self, loop: _Loop) -> None:
+        self._loops.remove(loop)
+        loop.on_leave()
 
     def restart_hung(self, actor_id: str) -> bool:
         """Kill the actor `actor_id` (Ray actor id, hex) of a hung worker loop or service, so that Ray restarts it
@@ -124,7 +135,7 @@ class Supervisor:
         """Wait for every `kind` worker's loop to end, once the stop flag is set. The loops' figures
         are on Redis, so a loop that dies while stopping is simply run again to see the flag."""
         deadline = time.monotonic() + timeout_s
-        for loop in (loop for loop in self._loops if loop.kind == kind):
+        for loop in [loop for loop in self._loops if loop.kind == kind]:
             while True:
                 if loop.revival is not None:  # died while stopping: its restart sees the stop flag at once
                     loop.revival.wait()
@@ -133,5 +144,8 @@ class Supervisor:
                     deadline_get(loop.ref, f"{kind} worker {loop.name}", max(1.0, deadline - time.monotonic()))
                     break
                 except RayActorError:
+                    if loop.on_leave is not None:  # an added worker that dies now leaves, as it would before
+                        self._leave(loop)
+                        break
                     self.restarts[kind] += 1
                     loop.revival = Revival(loop.actor, f"{kind} worker {loop.name}")

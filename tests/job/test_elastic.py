@@ -1,0 +1,57 @@
+"""Rollout capacity that comes and goes (`rollout.max_workers`), on the shared local cluster: a worker joins while
+the cluster has room for one, and when it dies it leaves, its unsubmitted groups issued again and nothing lost.
+Also `eval.enabled: false` (a tiny job's): no evaluator actor starts and the summary holds no accuracy."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+from ray._private.state import state as ray_state
+
+from rlplatform.scheduling.ledger import PromptLedger, balanced
+from rlplatform.transport.redis_server import connect
+
+from tests.job.conftest import actor_pid
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_worker_joins_where_the_cluster_has_room_and_its_death_loses_nothing(ray_session, tiny_job, run_files):
+    config = tiny_job("elastic", "rl.max_steps=200", "rollout.max_workers=2")
+    added = "elastic-policy-rollout-2"  # index 1 is the evaluator's, which a job without evaluation does not start
+
+    def kill_the_added_worker_while_it_holds_groups() -> None:
+        ledger = PromptLedger(connect(run_files.redis_url(config.run_dir)), run_files.run(config), "policy")
+        holds = lambda: "2" in {value.decode() for value in ledger.client.hvals(ledger.claimed)}  # noqa: E731
+        pid = actor_pid(added)
+        while True:  # stopped while it holds groups it has not submitted, then killed
+            run_files.wait_for(holds, poll_s=0.01)
+            os.kill(pid, signal.SIGSTOP)
+            if holds():
+                break
+            os.kill(pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGKILL)
+
+    summary = run_files.run_job_while(config, kill_the_added_worker_while_it_holds_groups)
+    rl = summary["rl"]
+    assert summary["status"] == "completed" and rl["steps"] == 200 and rl["samples_trained"] == 200 * 2 * 4
+    # it left once, and (the cluster having room again) another took its place
+    assert rl["rollout_workers_left"] == 1 and rl["rollout_workers_joined"] == 2, rl
+    assert rl["ledger"]["abandoned"] == rl["ledger"]["reissued"] == rl["rollout_groups_reissued"] > 0
+    assert balanced(rl["ledger"]) and rl["ledger"]["trained"] == 200 * 2
+    assert rl["samples_generated"] == (rl["samples_trained"] + rl["samples_dropped_stale"]
+                                       + rl["samples_dropped_error"] + rl["samples_dropped_zero_advantage"]
+                                       + rl["samples_dropped_invalid"] + rl["samples_unused_at_end"])
+    assert rl["restarts"]["rollout"] == 0  # a worker that leaves is not a restart
+    events = [json.loads(line) for line in open(f"{config.run_dir}/events.jsonl")]
+    said = [event["message"] for event in events if event["kind"] == "rollout_capacity"]
+    assert [message.split(" ")[2] for message in said] == ["policy-2", "policy-2", "policy-3"] and \
+        said[1].startswith("rollout worker policy-2 left") and "joined" in said[0] and "joined" in said[2], said
+
+    names = {actor.get("Name") for actor in ray_state.actor_table(None).values()}
+    assert {"elastic-policy-rollout-0", added, "elastic-policy-rollout-3"} <= names
+    assert "elastic-policy-rollout-1" not in names  # no evaluator
+    assert summary["eval"] == {} and rl["restarts"]["evaluator"] == 0
