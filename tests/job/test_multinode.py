@@ -51,6 +51,17 @@ class TwoNodeCluster:
                     f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}")
         self._start(f"--address={self.address}", "--num-cpus=2", "--resources", json.dumps({"rollout_node": 4}))
 
+    def add_node(self, cpus: int, resources: dict) -> subprocess.Popen:
+        """A further node joining the running cluster; its `ray start` process (`remove_node` ends it)."""
+        self._start(f"--address={self.address}", f"--num-cpus={cpus}", "--resources", json.dumps(resources))
+        return self.nodes[-1]
+
+    def remove_node(self, node: subprocess.Popen) -> None:
+        """The node goes away: its `ray start` ends, and with it the node's raylet and the workers on it."""
+        node.send_signal(signal.SIGTERM)
+        node.wait(timeout=60)
+        self.nodes.remove(node)
+
     def _start(self, *args: str, attempts: int = 2) -> None:
         """One `ray start --block`, returning once its node runs (the command says so, then blocks).
         A node that timed out registering (an overloaded machine) is started once more."""
@@ -109,8 +120,9 @@ def cluster():
         two_nodes.stop()
 
 
-def job_yaml(tmp_path: Path, name: str, address: str) -> Path:
-    """A tiny RL-only job joining `address`, its rollout and reward workers asking for `rollout_node`."""
+def job_yaml(tmp_path: Path, name: str, address: str, **sections: dict) -> Path:
+    """A tiny RL-only job joining `address`, its rollout and reward workers asking for `rollout_node`; `sections`
+    update its sections."""
     job = {"name": name, "output_dir": str(tmp_path), "ray": {"address": address},
            "model": {"hidden_size": 64, "num_layers": 2, "intermediate_size": 128},
            "data": {"train_size": 300, "test_size": 8}, "sft": {"enabled": False}, "eval": {"batch_size": 8},
@@ -118,6 +130,8 @@ def job_yaml(tmp_path: Path, name: str, address: str) -> Path:
            "rollout": {"prompts_per_batch": 4, "num_cpus": 0.5, "resources": {"rollout_node": 1}},
            "reward_workers": {"num_cpus": 0.25, "resources": {"rollout_node": 1}},
            "learner": {"num_cpus": 0.5}, "wandb": {"mode": "disabled"}}
+    for section, values in sections.items():
+        job[section].update(values)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
@@ -168,3 +182,63 @@ def test_workers_run_on_the_labelled_node_and_the_job_accounts_for_every_sample(
     assert rl["samples_unused_at_end"] == sum(rl["samples_unused_where"].values())
     assert rl["ledger"]["trained"] == 6 * 2 and balanced(rl["ledger"])
     assert rl["restarts"] == {"rollout": 0, "reward": 0, "evaluator": 0}
+
+
+def trained_per_s(run_dir: Path, window_s: float) -> float:
+    """Trained samples a second over the next `window_s` seconds, from the steps the run's trained log gains."""
+    def samples() -> int:
+        return sum(len(json.loads(line)["sample_ids"]) for line in (run_dir / "trained.jsonl").read_text().splitlines())
+    before, start = samples(), time.monotonic()
+    time.sleep(window_s)
+    return (samples() - before) / (time.monotonic() - start)
+
+
+def said(run_dir: Path, kind: str) -> list:
+    path = run_dir / "events.jsonl"
+    events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [event["message"] for event in events if event["kind"] == kind]
+
+
+@pytest.mark.slow
+def test_a_node_that_joins_adds_a_rollout_worker_and_its_leaving_loses_nothing(cluster, tmp_path, run_files):
+    """The labelled node has room for the job's rollout worker (2 of its 4 `rollout_node`) and reward worker (1);
+    a second labelled node joining mid-run has room for one more rollout worker, which joins there (the job allows
+    2: `rollout.max_workers`); then that node goes away, its worker's unsubmitted groups issued again, and a stop
+    ends the job with every sample accounted for. Trained samples/s before, with and after the added worker are
+    printed: on one machine the nodes share its cores, so they show the cost of the move, not added capacity."""
+    name = "elastic"
+    run_dir = tmp_path / name
+    watcher = cluster.watch_actors(until=run_dir / "summary.json")
+    path = job_yaml(tmp_path, name, cluster.address, rl={"max_steps": 100_000},
+                    rollout={"max_workers": 2, "resources": {"rollout_node": 2}}, eval={"enabled": False})
+    job = subprocess.Popen([RLP, "run", str(path)], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_file(run_dir / "redis.url", job)
+        run_files.wait_for(lambda: run_files.trained_steps(str(run_dir)) >= 10, timeout_s=180)
+        before = trained_per_s(run_dir, 2.0)
+        node = cluster.add_node(cpus=1, resources={"rollout_node": 2})
+        run_files.wait_for(lambda: said(run_dir, "rollout_capacity"), timeout_s=180)
+        time.sleep(2.0)  # its first weights and decode steps
+        during = trained_per_s(run_dir, 2.0)
+        cluster.remove_node(node)
+        run_files.wait_for(lambda: len(said(run_dir, "rollout_capacity")) == 2, timeout_s=180)
+        after = trained_per_s(run_dir, 2.0)
+        job.send_signal(signal.SIGTERM)
+        output, _ = job.communicate(timeout=300)
+        seen, errors = watcher.communicate(timeout=120)
+    finally:
+        job.kill()
+        watcher.kill()
+    print(f"trained samples/s: {before:.1f} before the node joined, {during:.1f} with its worker, {after:.1f} after")
+    assert job.returncode == 143, output[-3000:]
+    joined, left = said(run_dir, "rollout_capacity")
+    assert joined.startswith("rollout worker policy-2 joined") and left.startswith("rollout worker policy-2 left")
+    placed = json.loads(seen.strip().splitlines()[-1])["actors"]
+    assert placed[f"{name}-policy-rollout-2"] != placed[f"{name}-policy-rollout-0"]  # on the node that joined
+
+    rl = json.loads((run_dir / "summary.json").read_text())["rl"]
+    assert rl["rollout_workers_joined"] == rl["rollout_workers_left"] == 1 and rl["restarts"]["rollout"] == 0
+    assert rl["ledger"]["abandoned"] == rl["rollout_groups_reissued"] and balanced(rl["ledger"])
+    assert rl["samples_generated"] == (rl["samples_trained"] + rl["samples_dropped_stale"]
+                                       + rl["samples_dropped_error"] + rl["samples_dropped_zero_advantage"]
+                                       + rl["samples_dropped_invalid"] + rl["samples_unused_at_end"])
