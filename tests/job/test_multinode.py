@@ -1,9 +1,10 @@
-"""A job on a real two-node Ray cluster started with `ray start` on this machine.
+"""A job on a real Ray cluster of nodes started with `ray start` on this machine.
 
 The second node declares a custom resource; the job joins the cluster through `ray.address`,
 its rollout and reward workers ask for that resource (`rollout.resources`,
 `reward_workers.resources`) and so run on the second node, a standalone `rlp reward-worker`
-serves the same queue from outside Ray, and the job accounts for every sample as a local run does.
+serves the same queue from outside Ray; a third node joins and leaves while the job runs (elastic rollout
+workers: `rollout.max_workers`), and the job accounts for every sample as a local run does.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class TwoNodeCluster:
         port = self.address.rsplit(":", 1)[1]
         self._start("--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
                     f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}")
-        self._start(f"--address={self.address}", "--num-cpus=2", "--resources", json.dumps({"rollout_node": 4}))
+        self._start(f"--address={self.address}", "--num-cpus=2", "--resources", json.dumps({"rollout_node": 3}))
 
     def add_node(self, cpus: int, resources: dict) -> subprocess.Popen:
         """A further node joining the running cluster; its `ray start` process (`remove_node` ends it)."""
@@ -146,44 +147,6 @@ def wait_for_file(path: Path, job: subprocess.Popen, timeout_s: float = 120.0) -
     return path.read_text().strip()
 
 
-@pytest.mark.slow
-def test_workers_run_on_the_labelled_node_and_the_job_accounts_for_every_sample(cluster, tmp_path):
-    name = "multinode"
-    watcher = cluster.watch_actors(until=tmp_path / name / "summary.json")
-    job = subprocess.Popen([RLP, "run", str(job_yaml(tmp_path, name, cluster.address))], env=ENV,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    started = [watcher, job]
-    try:
-        redis_url = wait_for_file(tmp_path / name / "redis.url", job)
-        standalone = subprocess.Popen([RLP, "reward-worker", "--redis", redis_url, "--job", name], env=ENV,
-                                      stderr=subprocess.PIPE, text=True)
-        started.append(standalone)
-        output, _ = job.communicate(timeout=300)
-        assert job.returncode == 0, output
-        _, worker_log = standalone.communicate(timeout=60)
-        assert standalone.returncode == 0, worker_log
-        seen, errors = watcher.communicate(timeout=120)
-        assert watcher.returncode == 0, errors
-    finally:
-        for process in started:
-            process.kill()  # only those still running: a finished one ignores it
-    assert int(worker_log.split("scored ")[1].split(" samples")[0]) > 0  # it served beside the Ray reward worker
-    placement = json.loads(seen.strip().splitlines()[-1])
-    placed, labelled = placement["actors"], placement["labelled"]
-    workers = [f"{name}-policy-rollout-0", f"{name}-policy-rollout-1", f"{name}-reward-0"]  # rollout-1: the evaluator
-    assert len(labelled) == 1 and {placed[actor] for actor in workers} == set(labelled), placed
-
-    summary = json.loads((tmp_path / name / "summary.json").read_text())
-    rl = summary["rl"]
-    assert summary["status"] == "completed" and rl["samples_trained"] == 6 * 2 * 4
-    assert rl["samples_generated"] == (rl["samples_trained"] + rl["samples_dropped_stale"]
-                                       + rl["samples_dropped_error"] + rl["samples_dropped_zero_advantage"]
-                                       + rl["samples_dropped_invalid"] + rl["samples_unused_at_end"])
-    assert rl["samples_unused_at_end"] == sum(rl["samples_unused_where"].values())
-    assert rl["ledger"]["trained"] == 6 * 2 and balanced(rl["ledger"])
-    assert rl["restarts"] == {"rollout": 0, "reward": 0, "evaluator": 0}
-
-
 def trained_per_s(run_dir: Path, window_s: float) -> float:
     """Trained samples a second over the next `window_s` seconds, from the steps the run's trained log gains."""
     def samples() -> int:
@@ -200,23 +163,27 @@ def said(run_dir: Path, kind: str) -> list:
 
 
 @pytest.mark.slow
-def test_a_node_that_joins_adds_a_rollout_worker_and_its_leaving_loses_nothing(cluster, tmp_path, run_files):
-    """The labelled node has room for the job's rollout worker (2 of its 4 `rollout_node`) and reward worker (1);
-    a second labelled node joining mid-run has room for one more rollout worker, which joins there (the job allows
-    2: `rollout.max_workers`); then that node goes away, its worker's unsubmitted groups issued again, and a stop
-    ends the job with every sample accounted for. Trained samples/s before, with and after the added worker are
-    printed: on one machine the nodes share its cores, so they show the cost of the move, not added capacity."""
-    name = "elastic"
+def test_a_job_on_labelled_nodes_that_come_and_go_accounts_for_every_sample(cluster, tmp_path, run_files):
+    """The labelled node holds the job's rollout worker, evaluator and reward worker (its 3 `rollout_node`), beside a
+    standalone `rlp reward-worker` serving the same queue from outside Ray. A second labelled node joining mid-run
+    has room for one more rollout worker, which joins there (the job allows 2: `rollout.max_workers`); then that node
+    goes away, its worker's unsubmitted groups issued again, and a stop ends the job with every sample accounted
+    for. Trained samples/s before, with and after the added worker are printed: on one machine the nodes share its
+    cores, so they show what the move costs, not added capacity."""
+    name = "multinode"
     run_dir = tmp_path / name
     watcher = cluster.watch_actors(until=run_dir / "summary.json")
-    path = job_yaml(tmp_path, name, cluster.address, rl={"max_steps": 100_000},
-                    rollout={"max_workers": 2, "resources": {"rollout_node": 2}}, eval={"enabled": False})
+    path = job_yaml(tmp_path, name, cluster.address, rl={"max_steps": 100_000}, rollout={"max_workers": 2})
     job = subprocess.Popen([RLP, "run", str(path)], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    started = [watcher, job]
     try:
-        wait_for_file(run_dir / "redis.url", job)
+        redis_url = wait_for_file(run_dir / "redis.url", job)
+        standalone = subprocess.Popen([RLP, "reward-worker", "--redis", redis_url, "--job", name], env=ENV,
+                                      stderr=subprocess.PIPE, text=True)
+        started.append(standalone)
         run_files.wait_for(lambda: run_files.trained_steps(str(run_dir)) >= 10, timeout_s=180)
         before = trained_per_s(run_dir, 2.0)
-        node = cluster.add_node(cpus=1, resources={"rollout_node": 2})
+        node = cluster.add_node(cpus=1, resources={"rollout_node": 1})
         run_files.wait_for(lambda: said(run_dir, "rollout_capacity"), timeout_s=180)
         time.sleep(2.0)  # its first weights and decode steps
         during = trained_per_s(run_dir, 2.0)
@@ -225,20 +192,33 @@ def test_a_node_that_joins_adds_a_rollout_worker_and_its_leaving_loses_nothing(c
         after = trained_per_s(run_dir, 2.0)
         job.send_signal(signal.SIGTERM)
         output, _ = job.communicate(timeout=300)
+        assert job.returncode == 143, output[-3000:]
+        _, worker_log = standalone.communicate(timeout=60)
+        assert standalone.returncode == 0, worker_log
         seen, errors = watcher.communicate(timeout=120)
+        assert watcher.returncode == 0, errors
     finally:
-        job.kill()
-        watcher.kill()
+        for process in started:
+            process.kill()  # only those still running: a finished one ignores it
     print(f"trained samples/s: {before:.1f} before the node joined, {during:.1f} with its worker, {after:.1f} after")
-    assert job.returncode == 143, output[-3000:]
+    assert int(worker_log.split("scored ")[1].split(" samples")[0]) > 0  # it served beside the Ray reward worker
+    placement = json.loads(seen.strip().splitlines()[-1])
+    placed, labelled = placement["actors"], placement["labelled"]
+    workers = [f"{name}-policy-rollout-0", f"{name}-policy-rollout-1", f"{name}-reward-0"]  # rollout-1: the evaluator
+    assert len({placed[actor] for actor in workers}) == 1 and placed[workers[0]] in labelled, placed
+    added = f"{name}-policy-rollout-2"
+    assert placed[added] not in {node for actor, node in placed.items() if actor != added}, placed  # the new node
     joined, left = said(run_dir, "rollout_capacity")
     assert joined.startswith("rollout worker policy-2 joined") and left.startswith("rollout worker policy-2 left")
-    placed = json.loads(seen.strip().splitlines()[-1])["actors"]
-    assert placed[f"{name}-policy-rollout-2"] != placed[f"{name}-policy-rollout-0"]  # on the node that joined
 
-    rl = json.loads((run_dir / "summary.json").read_text())["rl"]
-    assert rl["rollout_workers_joined"] == rl["rollout_workers_left"] == 1 and rl["restarts"]["rollout"] == 0
-    assert rl["ledger"]["abandoned"] == rl["rollout_groups_reissued"] and balanced(rl["ledger"])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rl = summary["rl"]
+    assert summary["status"] == "interrupted" and rl["samples_trained"] == rl["steps"] * 2 * 4
     assert rl["samples_generated"] == (rl["samples_trained"] + rl["samples_dropped_stale"]
                                        + rl["samples_dropped_error"] + rl["samples_dropped_zero_advantage"]
                                        + rl["samples_dropped_invalid"] + rl["samples_unused_at_end"])
+    assert rl["samples_unused_at_end"] == sum(rl["samples_unused_where"].values())
+    assert rl["ledger"]["trained"] == rl["steps"] * 2 and balanced(rl["ledger"])
+    assert rl["ledger"]["abandoned"] == rl["rollout_groups_reissued"]
+    assert rl["rollout_workers_joined"] == rl["rollout_workers_left"] == 1
+    assert rl["restarts"] == {"rollout": 0, "reward": 0, "evaluator": 0}  # a worker that leaves is not a restart
