@@ -579,3 +579,13 @@ def test_a_local_cluster_holds_the_cpus_of_a_students_teacher_workers():
 
     alone = load_config(DEVICE_AND_SERVER, ["policies[1].distill.teacher=null"])
     assert cpus_needed(load_config(DEVICE_AND_SERVER, ["policies[1].distill.workers=2"])) == cpus_needed(alone) + 1.0
+
+
+def test_elastic_rollout_workers_range_from_num_workers_and_need_a_transport_that_takes_newcomers():
+    assert load_config(None, ["rollout.num_workers=2", "rollout.max_workers=4"]).rollout.max_workers == 4
+    with pytest.raises(ConfigError, match=r"'rollout.max_workers' is 1, below 'rollout.num_workers' \(2\)"):
+        load_config(None, ["rollout.num_workers=2", "rollout.max_workers=1"])
+    for transport in ("broadcast", "cuda_ipc"):
+        with pytest.raises(ConfigError, match=f"'weights.transport' is {transport}, whose receivers are fixed"):
+            load_config(None, ["rollout.max_workers=2", f"weights.transport={transport}"])
+    load_config(None, ["rollout.max_workers=1", "weights.transport=broadcast"])  # a fixed pool of one
