@@ -13,10 +13,10 @@ the reward queue already. The supervisor runs an added worker's loop like any ot
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import ray
-from ray._private.state import available_resources_per_node  # Ray's developer API: free resources by node
+from ray._private.state import actors, available_resources_per_node  # Ray's developer API: placement, free room
 
 from rlplatform.devices import gpus_per_actor
 from rlplatform.job.workers import PolicyWorkers
@@ -37,7 +37,7 @@ class ElasticRollout:
         self.room = {"CPU": rollout.num_cpus, "GPU": gpus, **rollout.resources}  # what one worker asks Ray for
         self.most = rollout.max_workers or rollout.num_workers
         self._next_index = rollout.num_workers + 1  # index num_workers is the evaluator's
-        self._starting: Optional[ray.ObjectRef] = None  # the newest added worker's construction
+        self._starting: Optional[Tuple[object, ray.ObjectRef]] = None  # the newest added worker, its construction
         self._looked_at = 0.0
         self.joined = 0
         self.left = 0
@@ -49,20 +49,30 @@ class ElasticRollout:
             return
         self._looked_at = time.monotonic()
         if self._starting is not None:
-            if not ray.wait([self._starting], timeout=0)[0]:
+            if not ray.wait([self._starting[1]], timeout=0)[0]:
                 return
             self._starting = None
         if not any(fits(self.room, free) for free in available_resources_per_node().values()):
             return
         index, self._next_index = self._next_index, self._next_index + 1
         actor = self.workers.add_rollout(index)
-        self._starting = actor.__ray_ready__.remote()
+        self._starting = actor, actor.__ray_ready__.remote()
         self.workers.rollout.append(actor)
         self.joined += 1
         name = f"{self.workers.name}-{index}"
         self.start_loop("rollout", name, actor, lambda: self._leave(actor, index, name))
         self.note(f"rollout worker {name} joined: the cluster had room for it ({len(self.workers.rollout)} of at most "
                   f"{self.most} rollout workers of policy '{self.workers.name}')")
+
+    def cancel_pending(self) -> None:
+        """At the stage's end: an added worker Ray has not placed on a node yet (the room it was seen to have was
+        taken meanwhile) is killed, so that its loop ends (it leaves) instead of being waited for; one placed and
+        still starting sees the stop once it runs."""
+        if self._starting is not None and not ray.wait([self._starting[1]], timeout=0)[0]:
+            actor = self._starting[0]
+            if not (actors(actor._actor_id.hex()).get("Address") or {}).get("Port"):  # no worker process holds it
+                ray.kill(actor, no_restart=True)
+        self._starting = None
 
     def _leave(self, actor, index: int, name: str) -> None:
         self.workers.rollout.remove(actor)

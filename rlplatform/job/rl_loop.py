@@ -566,6 +566,9 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
         raise StageFailed(f"{_failure(runs)}; fix the reward, then resume with `rlp run --resume {job.run_dir}` "
                           f"(checkpoint {checkpoints.latest})", failed())
     queue.request_stop()
+    for run in runs.values():
+        if run.elastic is not None:
+            run.elastic.cancel_pending()
     for kind in ("reward", "rollout", "teacher"):
         try:
             supervisor.wait_ended(kind, STOP_GRACE_S if stop.requested else WORKERS_END_S)

@@ -9,16 +9,23 @@ import os
 import signal
 
 import pytest
+import ray
 from ray._private.state import state as ray_state
 
+from rlplatform.config import PolicyConfig, RLConfig
+from rlplatform.job.elastic import ElasticRollout
+from rlplatform.job.supervision import Supervisor
+from rlplatform.job.workers import PolicyWorkers
+from rlplatform.scheduling.groups import GroupSchedule
 from rlplatform.scheduling.ledger import PromptLedger, balanced
+from rlplatform.scheduling.staleness import StalenessRule
 from rlplatform.transport.redis_server import connect
 
 from tests.job.conftest import actor_pid
 
-pytestmark = pytest.mark.slow
 
 
+@pytest.mark.slow
 def test_a_worker_joins_where_the_cluster_has_room_and_its_death_loses_nothing(ray_session, tiny_job, run_files):
     config = tiny_job("elastic", "rl.max_steps=200", "rollout.max_workers=2")
     added = "elastic-policy-rollout-2"  # index 1 is the evaluator's, which a job without evaluation does not start
@@ -55,3 +62,28 @@ def test_a_worker_joins_where_the_cluster_has_room_and_its_death_loses_nothing(r
     assert {"elastic-policy-rollout-0", added, "elastic-policy-rollout-3"} <= names
     assert "elastic-policy-rollout-1" not in names  # no evaluator
     assert summary["eval"] == {} and rl["restarts"]["evaluator"] == 0
+
+
+@ray.remote(resources={"a_resource_no_node_has": 1}, max_restarts=0)
+class Unplaceable:
+    def run(self) -> None:
+        pass
+
+
+def test_a_worker_that_was_never_placed_is_cancelled_at_the_end_instead_of_waited_for(ray_session, redis_client):
+    """The room seen on a node was taken before Ray placed the added worker: at the stage's end it is killed and
+    leaves, and the end does not wait `WORKERS_END_S` for a loop that never ran."""
+    policy = PolicyConfig()
+    policy.rollout.max_workers = 2
+    fixed = [None]  # the policy's one worker started with the job, which plays no part here
+    workers = PolicyWorkers(policy, None, fixed, None, None, None, [], {}, add_rollout=lambda index: Unplaceable.remote())
+    supervisor = Supervisor(lambda text: None)
+    notes = []
+    elastic = ElasticRollout(workers, GroupSchedule(redis_client, "elastic-run", "policy", StalenessRule.of(RLConfig())),
+                             supervisor.start, notes.append)
+    elastic.room = {}  # any node has room for it, as the cluster looked a moment before another actor took it
+    elastic.check()
+    assert elastic.joined == 1 and len(workers.rollout) == 2
+    elastic.cancel_pending()
+    supervisor.wait_ended("rollout", timeout_s=30)
+    assert elastic.left == 1 and len(workers.rollout) == 1 and notes[-1].startswith("rollout worker policy-2 left")
