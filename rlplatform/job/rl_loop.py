@@ -539,6 +539,7 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
                 for run in runs.values():
                     if run.elastic is not None:
                         run.elastic.check()
+                        run.monitor.rollout_workers = len(run.workers.rollout)  # busy fractions: over those there now
                 watch.check(max(run.version for run in runs.values()),
                             min(run.since_scored_s for run in runs.values()))
                 _check_learners(runs, checkpoints.latest)

@@ -17,13 +17,16 @@ from rlplatform.job.controller import run_job
 from rlplatform.scheduling.ledger import balanced
 
 
+STEPS = 30  # a tiny job's steps take milliseconds: room for the stop after step 5 to land before the last
+
+
 def test_stopped_job_resumes_to_the_same_final_step_training_nothing_twice(ray_session, tiny_job, run_files, capsys):
     """Its newest checkpoint is truncated before the resume: the job goes on from the one before."""
-    config = tiny_job("resumed", "rl.max_steps=12", "checkpoint.every_steps=2", "checkpoint.keep_last=2",
+    config = tiny_job("resumed", f"rl.max_steps={STEPS}", "checkpoint.every_steps=2", "checkpoint.keep_last=2",
                       "resume=auto")
 
     def stop_after_five_steps():  # periodic checkpoints at 2 and 4 before it
-        run_files.wait_for(lambda: run_files.trained_steps(config.run_dir) >= 5)
+        run_files.wait_for(lambda: run_files.trained_steps(config.run_dir) >= 5, poll_s=0.01)
         os.kill(os.getpid(), signal.SIGTERM)
     thread = threading.Thread(target=stop_after_five_steps, daemon=True)
     thread.start()
@@ -31,7 +34,7 @@ def test_stopped_job_resumes_to_the_same_final_step_training_nothing_twice(ray_s
     thread.join()
     assert first["status"] == "interrupted" and first["exit_code"] == 143
     stopped_at = first["rl"]["steps"]
-    assert 5 <= stopped_at < 12
+    assert 5 <= stopped_at < STEPS
     checkpoint = latest_checkpoint(config.run_dir)
     assert checkpoint.endswith(f"step-{stopped_at:06d}") and first["rl"]["checkpoint"] == checkpoint
     kept = sorted(os.listdir(os.path.dirname(checkpoint)))
@@ -50,14 +53,14 @@ def test_stopped_job_resumes_to_the_same_final_step_training_nothing_twice(ray_s
     assert printed.count(f"checkpoint {checkpoint} is corrupt ({os.path.relpath(weights, checkpoint)} has ") == 1
     assert f"set aside as {corrupt}\n" in printed and os.path.isfile(os.path.join(corrupt, "state.json"))
     assert printed.count(f"checkpoint {second['rl']['checkpoint']}\n") == 1  # the periodic one at the last step, once
-    assert second["status"] == "completed" and second["rl"]["steps"] == 12
+    assert second["status"] == "completed" and second["rl"]["steps"] == STEPS
     ids = run_files.trained_ids(config.run_dir)
-    assert len(ids) == len(set(ids)) == 12 * 2 * 4
+    assert len(ids) == len(set(ids)) == STEPS * 2 * 4
     ledger = second["rl"]["ledger"]
-    assert ledger["trained"] == 12 * 2 and balanced(ledger)
+    assert ledger["trained"] == STEPS * 2 and balanced(ledger)
     assert ledger["reissued"] >= in_flight  # what was in flight at the checkpoint was issued again
-    assert second["rl"]["samples_trained"] == 12 * 2 * 4
-    assert second["rl"]["rewards"]["samples"] == 12 * 2 * 4  # the reward totals count both attempts' samples too
+    assert second["rl"]["samples_trained"] == STEPS * 2 * 4
+    assert second["rl"]["rewards"]["samples"] == STEPS * 2 * 4  # the reward totals count both attempts' samples too
     # counts run over both attempts and balance; the samples in flight at the checkpoint were abandoned
     for rl in (first["rl"], second["rl"]):
         assert rl["samples_generated"] == (rl["samples_trained"] + rl["samples_dropped_stale"]
@@ -70,4 +73,4 @@ def test_stopped_job_resumes_to_the_same_final_step_training_nothing_twice(ray_s
     # after the resume the periodic checkpoints fell on multiples of 2 again (keep_last holds the newest two)
     kept = [int(name.split("-")[1]) for name in sorted(os.listdir(os.path.dirname(checkpoint)))
             if name.startswith("step-")]
-    assert kept[-1] == 12 and all(step % 2 == 0 for step in kept if step > stopped_at), kept
+    assert kept[-1] == STEPS and all(step % 2 == 0 for step in kept if step > stopped_at), kept
