@@ -35,7 +35,7 @@ def tiny_pair(path: Path) -> str:
     return str(path)
 
 
-def test_a_device_policy_distils_from_a_server_that_trains_beside_it(ray_session, tmp_path, run_files):
+def test_a_device_policy_distils_from_a_server_policy_of_the_same_job(ray_session, tmp_path, run_files):
     config = load_config(tiny_pair(tmp_path / "pair.yaml"), [
         f"output_dir={tmp_path}", "name=pair", "rl.max_steps=6", "rl.batch_prompts=2", "rl.group_size=4",
         "rl.max_new_tokens=4", "rollout.prompts_per_batch=4", "data.train_size=300", "data.test_size=8",
