@@ -53,7 +53,6 @@ from rlplatform.transport.samples import Sample
 from rlplatform.transport.teacher_queue import TeacherQueue
 from rlplatform.transport.tool_queue import ToolQueue
 from rlplatform.transport.versions import VersionAnnouncements
-from rlplatform.transport.weight_transports import ObjectStoreTransport
 from rlplatform.user_code import import_modules
 from rlplatform.transport.weights import from_snapshot
 
@@ -77,7 +76,7 @@ class RolloutWorker:
         torch.manual_seed(spec.seed + 1000 * (index + 1))
         self.index, self.policy, self.rl, self.rollout = index, policy, rl, rollout
         self.prompts = load_prompts(spec.prompts_path)
-        transport = spec.transport or ObjectStoreTransport()
+        transport = spec.transport
         self.engine = build_engine(rollout, spec.model_path, spec.dtype, spec.seed + index, spec.lora,
                                    deltas=transport.delta_full_every > 0)
         store = ray.get_actor(spec.weight_store) if spec.weight_store else None

@@ -8,13 +8,11 @@ before torch loads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Optional
 
 from rlplatform.config import EnvConfig, LoraConfig, RLConfig, RolloutConfig
-
-if TYPE_CHECKING:
-    from rlplatform.transport.weight_transports import WeightTransport
+from rlplatform.transport.weight_transports import WeightTransport
 
 
 @dataclass(frozen=True)
@@ -27,10 +25,11 @@ class RolloutSpec:
     redis_url: str
     rl: RLConfig
     rollout: RolloutConfig
+    _: KW_ONLY
+    dtype: str  # a resolved `model.dtype` (the job's plan)
+    transport: WeightTransport  # `weights.transport`'s strategy (the job's plan)
     seed: int = 0
     weight_store: Optional[str] = None  # the weight store actor's name (None: evaluation only)
-    dtype: str = "float32"  # a resolved `model.dtype`
-    transport: Optional["WeightTransport"] = None  # `weights.transport`'s strategy (None: the object store)
     lora: Optional[LoraConfig] = None
     chat_template: str = "auto"
     env: EnvConfig = field(default_factory=EnvConfig)

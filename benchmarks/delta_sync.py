@@ -80,7 +80,8 @@ def random_rows(size: str, n: int, rng: random.Random) -> List[Dict]:
 
 def measure(size: str, model_dir: str, device: str, lr: float, versions: int) -> Dict:
     """Full and delta syncs after the same SFT steps at `lr`: bytes and seconds per version."""
-    learner = LearnerRank(0, 1, model_dir, LearnerConfig(num_threads=torch.get_num_threads()), seed=0, dtype=DTYPE)
+    learner = LearnerRank(0, 1, model_dir, LearnerConfig(num_threads=torch.get_num_threads()), seed=0,
+                          dtype=DTYPE, transport=ObjectStoreTransport())
     learner.setup("127.0.0.1", _free_port())
     learner.start_stage(lr)
     full_store, delta_store = WeightStore.remote(), WeightStore.remote(FULL_EVERY)

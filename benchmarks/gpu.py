@@ -333,7 +333,7 @@ def _synchronize() -> None:
 
 def learner_rank(model_dir: str, dtype: str, config: LearnerConfig) -> LearnerRank:
     """A learner rank of `config` in this process (one rank, no Ray), set up and in a stage."""
-    learner = LearnerRank(0, 1, model_dir, config, seed=0, dtype=dtype)
+    learner = LearnerRank(0, 1, model_dir, config, seed=0, dtype=dtype, transport=ObjectStoreTransport())
     learner.setup("127.0.0.1", _free_port())
     learner.start_stage(lr=1e-6)
     return learner

@@ -25,6 +25,7 @@ from rlplatform.config import LearnerConfig, ModelConfig, RLConfig
 from rlplatform.learners.rank import LearnerRank
 from rlplatform.policy import save_initial_policy
 from rlplatform.transport.samples import Sample
+from rlplatform.transport.weight_transports import ObjectStoreTransport
 
 PROMPTS, GROUP = 16, 8
 
@@ -46,7 +47,8 @@ def quickstart_batch(tokenizer, step: int, seed: int) -> Tuple[List[Sample], Lis
 
 
 def learner_rank(policy: str, threads: int, compile_layers: bool = False) -> LearnerRank:
-    rank = LearnerRank(0, 1, policy, LearnerConfig(num_threads=threads, compile=compile_layers), seed=0)
+    rank = LearnerRank(0, 1, policy, LearnerConfig(num_threads=threads, compile=compile_layers), seed=0,
+                       dtype="float32", transport=ObjectStoreTransport())
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

@@ -57,8 +57,10 @@ def one_step(policy: str, prompts: int, completion_tokens: int, micro_batch_toke
     from rlplatform.learners.budget import MEMORY_FRACTION, free_device_bytes
     from rlplatform.learners.rank import LearnerRank
     from rlplatform.transport.samples import Sample
+    from rlplatform.transport.weight_transports import ObjectStoreTransport
 
-    rank = LearnerRank(0, 1, policy, LearnerConfig(micro_batch_tokens=micro_batch_tokens, num_threads=threads), 0)
+    rank = LearnerRank(0, 1, policy, LearnerConfig(micro_batch_tokens=micro_batch_tokens, num_threads=threads), 0,
+                       dtype="float32", transport=ObjectStoreTransport())
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

@@ -18,7 +18,7 @@ from rlplatform.devices import gpus_per_actor
 from rlplatform.learners.rank import LearnerActor
 from rlplatform.learners.step_result import StepResult
 from rlplatform.transport.deadlines import LEARNER_TIMEOUT_S, deadline_get
-from rlplatform.transport.weight_transports import ObjectStoreTransport, WeightTransport
+from rlplatform.transport.weight_transports import WeightTransport
 
 T = TypeVar("T")
 
@@ -54,18 +54,20 @@ def shard_minibatches(items: Sequence[T], ranks: int, minibatches: int,
 
 
 class LearnerGroup:
-    def __init__(self, config: LearnerConfig, model_path: str, seed: int, dtype: str = "float32",
-                 chat_template: str = "auto", name: Optional[str] = None,
-                 transport: WeightTransport = ObjectStoreTransport(),
-                 lora: Optional[LoraConfig] = None, set_up: bool = True) -> None:
-        """`name`: the ranks become Ray actors named `<name>-<rank>`; `transport`: `weights.transport`;
-        `lora`: train adapters only; `set_up` False: return once the ranks' actors are created (their
-        processes start and import torch and DeepSpeed meanwhile) and call `set_up` once `model_path` is written."""
+    def __init__(self, config: LearnerConfig, model_path: str, seed: int, *, dtype: str, transport: WeightTransport,
+                 chat_template: str = "auto", name: Optional[str] = None, lora: Optional[LoraConfig] = None,
+                 set_up: bool = True) -> None:
+        """`dtype`: a resolved `model.dtype`; `transport`: `weights.transport`'s strategy (both from the job's plan);
+        `name`: the ranks become Ray actors named `<name>-<rank>`; `lora`: train adapters only; `set_up` False:
+        return once the ranks' actors are created (their processes start and import torch and DeepSpeed meanwhile)
+        and call `set_up` once `model_path` is written."""
         n = config.num_ranks
-        gpus = gpus_per_actor(config.device, config.num_gpus, ray.cluster_resources().get("GPU", 0.0))
+        gpus = config.num_gpus if config.num_gpus is not None else gpus_per_actor(  # the plan sets it
+            config.device, None, ray.cluster_resources().get("GPU", 0.0))
         self.ranks = [LearnerActor.options(num_cpus=config.num_cpus, num_gpus=gpus, resources=config.resources,
                                           name=name and f"{name}-{r}")
-                      .remote(r, n, model_path, config, seed, dtype, chat_template, transport, lora) for r in range(n)]
+                      .remote(r, n, model_path, config, seed, dtype=dtype, transport=transport,
+                              chat_template=chat_template, lora=lora) for r in range(n)]
         if set_up:
             self.set_up()
 

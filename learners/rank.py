@@ -50,7 +50,7 @@ from rlplatform.transport.results import ResultStore
 from rlplatform.transport.routed_experts import decode_routing
 from rlplatform.transport.reward_queue import JobKeys, announce_step_end
 from rlplatform.transport.samples import Sample
-from rlplatform.transport.weight_transports import ObjectStoreTransport, WeightTransport
+from rlplatform.transport.weight_transports import WeightTransport
 from rlplatform.monitoring.parity_canary import canary_sequences, canary_version, store_reference
 from rlplatform.transport.weight_deltas import DeltaEncoder
 from rlplatform.transport.weights import cast_weights, from_snapshot, to_snapshot
@@ -107,9 +107,8 @@ class Minibatch:
 
 
 class LearnerRank:
-    def __init__(self, rank: int, world_size: int, model_path: str, config: LearnerConfig, seed: int,
-                 dtype: str = "float32", chat_template: str = "auto",
-                 transport: WeightTransport = ObjectStoreTransport(),
+    def __init__(self, rank: int, world_size: int, model_path: str, config: LearnerConfig, seed: int, *,
+                 dtype: str, transport: WeightTransport, chat_template: str = "auto",
                  lora: Optional[LoraConfig] = None) -> None:
         torch.set_num_threads(config.num_threads)
         torch.manual_seed(seed)

@@ -151,14 +151,15 @@ def check_vllm_cpu_head_size(head_size: int, key: str, source: str) -> None:
 def check_weights(config: JobConfig, source: str) -> None:
     """`weights.delta` only where it saves bytes: full weights (LoRA streams the adapters alone) through a
     transport that moves them between devices."""
-    from rlplatform.transport.weight_transports import weight_transport
+    from rlplatform.transport.weight_transports import moves_bytes, resolved_transport
 
     for i, policy in enumerate(config.policy_list()):
         if not policy.weights.delta:
             continue
         if policy.model.lora.enabled:
             why = "LoRA streams the adapters alone"
-        elif not weight_transport(policy.weights).moves_bytes:
+        elif not moves_bytes(resolved_transport(policy.weights, one_gpu=True, lora=False)):  # (with deltas, auto
+            # is object_store on any cluster)
             why = f"weights.transport {policy.weights.transport} moves no bytes between devices"
         else:
             continue

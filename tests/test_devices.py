@@ -16,10 +16,10 @@ from rlplatform.actors.engine import TransformersEngine
 from rlplatform.config import ConfigError, JobConfig, LearnerConfig, WeightsConfig, load_config
 from rlplatform.devices import (assigned_gpu, gpu_shares, gpus_per_actor, resolve_device, resolve_dtype,
                                 share_kv_heads_on_cpu, vllm_memory_fraction)
-from rlplatform.job.controller import _check_cluster, _gpus_needed, _resolve_dtypes, _resolve_transports, share_gpus
+from rlplatform.job.placement import PolicyPlan, check_fits, gpus_needed, plan_job
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.tokenization import encode_prompts
-from rlplatform.transport.weight_transports import resolve_auto, weight_transport
+from rlplatform.transport.weight_transports import ObjectStoreTransport, resolved_transport, weight_transport
 from rlplatform.transport.weights import from_snapshot, to_snapshot
 
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.yaml")
@@ -40,6 +40,11 @@ def test_gpus_per_actor_defaults_follow_the_device_and_the_cluster():
     assert gpus_per_actor("auto", 0.25, 8) == 0.25 and gpus_per_actor("cuda", 0, 8) == 0
 
 
+def plan(config: JobConfig, cluster_gpus: float, cuda_here: bool = False) -> PolicyPlan:
+    """The one policy's plan on a cluster of `cluster_gpus` GPUs (and 64 CPUs)."""
+    return plan_job(config, {"CPU": 64.0, "GPU": cluster_gpus}, cuda_here).of("policy")
+
+
 def test_model_dtype_auto_is_bfloat16_where_the_learner_computes_on_a_gpu():
     assert JobConfig().model.dtype == "auto"  # the default
     assert resolve_dtype("auto", 0) == "float32" and resolve_dtype("auto", 0.5) == "bfloat16"
@@ -47,20 +52,32 @@ def test_model_dtype_auto_is_bfloat16_where_the_learner_computes_on_a_gpu():
     for cluster_gpus, device, expected in ((0, "auto", "float32"), (8, "auto", "bfloat16"), (8, "cpu", "float32"),
                                            (8, "cuda", "bfloat16")):
         config = load_config(overrides=[f"learner.device={device}"])
-        _resolve_dtypes(config, cluster_gpus)
-        assert config.model.dtype == expected, (cluster_gpus, device)
-    config = load_config(overrides=["model.dtype=float32"])
-    _resolve_dtypes(config, 8)
-    assert config.model.dtype == "float32"  # set by the user: kept
+        assert plan(config, cluster_gpus).policy.model.dtype == expected, (cluster_gpus, device)
+        assert config.model.dtype == "auto"  # the loaded config is left as given
+    assert plan(load_config(overrides=["model.dtype=float32"]), 8).policy.model.dtype == "float32"  # set: kept
+
+
+def test_the_plan_resolves_bfloat16s_training_mode_and_zero_stage_as_the_learner_would():
+    config = JobConfig()
+    on_gpu = plan(config, 8).policy.learner
+    assert (on_gpu.bf16_mode, on_gpu.zero_stage) == ("master_weights", 1)  # bfloat16 over float32 masters
+    autocast = plan(load_config(overrides=["learner.zero_stage=0"]), 8).policy.learner
+    assert (autocast.bf16_mode, autocast.zero_stage) == ("autocast", 0)
+    on_cpu = plan(JobConfig(), 0).policy.learner
+    assert (on_cpu.bf16_mode, on_cpu.zero_stage) == ("auto", 0)  # float32: the mode does not apply
+    for learner, dtype in ((on_gpu, "bfloat16"), (autocast, "bfloat16"), (on_cpu, "float32")):
+        # the rank's own rule on the resolved values decides alike
+        assert learner.master_weights(dtype) == (dtype == "bfloat16" and learner.bf16_mode == "master_weights")
+        assert learner.effective_zero_stage(dtype) == learner.zero_stage
+    assert (config.learner.bf16_mode, config.learner.zero_stage) == ("auto", None)  # left as given
 
 
 def test_gpus_needed_counts_ranks_rollout_workers_and_the_evaluator():
-    config = JobConfig()
-    config.learner.num_ranks, config.rollout.num_workers = 2, 3
-    assert _gpus_needed(config, cluster_gpus=0) == 0  # auto on a CPU cluster
-    assert _gpus_needed(config, cluster_gpus=8) == 2 + 4  # one each; the evaluator is a rollout worker
-    config.rollout.num_gpus = 0.25
-    assert _gpus_needed(config, cluster_gpus=8) == 2 + 1
+    config = load_config(overrides=["learner.num_ranks=2", "rollout.num_workers=3"])
+    assert gpus_needed(plan_job(config, {"GPU": 0.0}, False)) == 0  # auto on a CPU cluster
+    assert gpus_needed(plan_job(config, {"GPU": 8.0}, False)) == 2 + 4  # one each; the evaluator generates too
+    config = load_config(overrides=["learner.num_ranks=2", "rollout.num_workers=3", "rollout.num_gpus=0.25"])
+    assert gpus_needed(plan_job(config, {"GPU": 8.0}, False)) == 2 + 1
 
 
 def test_gpu_shares_give_whole_gpus_where_they_fit_and_split_them_where_not():
@@ -77,41 +94,43 @@ def test_gpu_shares_give_whole_gpus_where_they_fit_and_split_them_where_not():
     assert gpu_shares(2, 1.5, 0, 2, True) == (1.0, 1.0)  # half of some GPU is free, but which one is not known
 
 
-def test_share_gpus_fits_the_default_job_on_one_gpu_and_keeps_set_shares():
+def test_the_plan_shares_one_gpu_among_the_default_job_and_keeps_set_shares():
+    def shares(config: JobConfig, cluster_gpus: float):
+        planned = plan_job(config, {"GPU": float(cluster_gpus)}, False)
+        policy = planned.of("policy")
+        return planned.sharing, policy.learner_gpus, policy.rollout_gpus
+
     config = JobConfig()
-    assert share_gpus(config, cluster_gpus=0) is None and config.learner.num_gpus is None  # CPU: nothing shared
-    assert share_gpus(config, cluster_gpus=8) is None and config.learner.num_gpus is None  # a GPU each fits
-    note = share_gpus(config, cluster_gpus=1)
-    assert (config.learner.num_gpus, config.rollout.num_gpus) == (0.5, 0.25)
-    assert note == ("sharing 1 GPU: learner.num_gpus 0.5 per rank, rollout.num_gpus 0.25 per rollout worker and "
-                    "evaluator (set them to choose)")
-    assert _gpus_needed(config, cluster_gpus=1) == 1
-    config = load_config(None, ["learner.num_gpus=0.4", "rollout.num_workers=2"])
-    assert share_gpus(config, cluster_gpus=1).startswith("sharing 1 GPU: rollout.num_gpus 0.2 per rollout worker")
-    assert (config.learner.num_gpus, config.rollout.num_gpus) == (0.4, 0.2)
-    config = load_config(None, ["learner.num_ranks=2"])
-    assert share_gpus(config, cluster_gpus=1) is None and config.learner.num_gpus is None  # the check says why
-    config = load_config(None, ["learner.device=cpu"])
-    assert share_gpus(config, cluster_gpus=1) is not None and (config.learner.num_gpus, config.rollout.num_gpus) \
-        == (None, 0.5)  # the rollout worker and the evaluator share the GPU; the learner reserves none
+    assert shares(config, 0) == (None, 0.0, 0.0)  # CPU: nothing shared
+    assert shares(config, 8) == (None, 1.0, 1.0)  # a GPU each fits
+    assert shares(config, 1) == ("sharing 1 GPU: learner.num_gpus 0.5 per rank, rollout.num_gpus 0.25 per rollout "
+                                 "worker and evaluator (set them to choose)", 0.5, 0.25)
+    assert config.learner.num_gpus is None and config.rollout.num_gpus is None  # the config is left as given
+    assert gpus_needed(plan_job(config, {"GPU": 1.0}, False)) == 1
+    note, learner, rollout = shares(load_config(None, ["learner.num_gpus=0.4", "rollout.num_workers=2"]), 1)
+    assert note.startswith("sharing 1 GPU: rollout.num_gpus 0.2 per rollout worker") and (learner, rollout) == (0.4, 0.2)
+    assert shares(load_config(None, ["learner.num_ranks=2"]), 1) == (None, 1.0, 1.0)  # the check says why
+    note, learner, rollout = shares(load_config(None, ["learner.device=cpu"]), 1)
+    assert note is not None and (learner, rollout) == (0.0, 0.5)  # the rollout worker and the evaluator share it
 
 
 def test_weights_travel_by_cuda_ipc_where_learner_and_rollout_workers_share_one_gpu():
     def resolved(one_gpu: bool, lora: bool = False, **weights) -> str:
-        config = WeightsConfig(**weights)
-        resolve_auto(config, one_gpu, lora)
-        return config.transport
+        return resolved_transport(WeightsConfig(**weights), one_gpu, lora)
 
     assert WeightsConfig().transport == "auto"  # the default
     assert resolved(one_gpu=True) == "cuda_ipc" and resolved(one_gpu=False) == "object_store"
     assert resolved(one_gpu=True, lora=True) == "object_store"  # the adapters alone travel: few bytes
     assert resolved(one_gpu=True, delta=True) == "object_store"  # deltas travel between devices
     assert resolved(one_gpu=True, transport="broadcast") == "broadcast"  # set: kept
-    assert weight_transport(WeightsConfig()).name == "object_store"  # auto outside a job
-    config = JobConfig()
-    share_gpus(config, cluster_gpus=1)
-    _resolve_transports(config, cluster_gpus=1)  # the one GPU Ray declares is not one this process sees
-    assert config.weights.transport == ("cuda_ipc" if torch.cuda.device_count() == 1 else "object_store")
+    with pytest.raises(ValueError, match="weights.transport is auto: resolve it"):
+        weight_transport(WeightsConfig())
+    assert plan(JobConfig(), 1, cuda_here=True).transport.name == "cuda_ipc"
+    assert plan(JobConfig(), 1, cuda_here=False).transport.name == "object_store"  # a GPU Ray declares, not one seen
+    assert plan(JobConfig(), 2, cuda_here=True).transport.name == "object_store"  # the learner's GPU is its own
+    elastic = load_config(None, ["rollout.max_workers=2"])
+    assert plan(elastic, 1, cuda_here=True).transport.name == "object_store"  # workers that come and go
+    assert JobConfig().weights.transport == "auto"
 
 
 def test_vllm_takes_its_share_of_the_gpu_memory_unless_set():
@@ -139,15 +158,18 @@ print(json.dumps({{"status": summary["status"], "steps": summary["stages"]["rl"]
     assert done.stdout.strip().splitlines()[-1] == '{"status": "completed", "steps": 2}'
 
 
+def check(config: JobConfig) -> None:
+    """The cluster check of `config` planned for the test session's Ray cluster."""
+    cluster = ray.cluster_resources()
+    check_fits(config, plan_job(config, cluster, False), cluster, cpus=1)
+
+
 def test_cluster_check_names_the_gpu_shortfall_and_the_keys(ray_session):
-    config = JobConfig()
-    config.learner.device = config.rollout.device = "cpu"
-    _check_cluster(config, cpus=1)
-    config.learner.device = "cuda"
+    check(load_config(None, ["learner.device=cpu", "rollout.device=cpu"]))
     gpus = ray.cluster_resources().get("GPU", 0.0)
-    config.rollout.device, config.rollout.num_gpus = "cuda", gpus + 1  # more than the cluster holds
     with pytest.raises(RuntimeError, match=r"has \d+ GPUs but the job's actors reserve .*learner.num_gpus"):
-        _check_cluster(config, cpus=1)
+        check(load_config(None, ["learner.device=cuda", "rollout.device=cuda",
+                                 f"rollout.num_gpus={gpus + 1}"]))  # more than the cluster holds
 
 
 def test_cluster_check_names_a_missing_custom_resource_and_the_keys(ray_session):
@@ -156,7 +178,7 @@ def test_cluster_check_names_a_missing_custom_resource_and_the_keys(ray_session)
                                 "rollout.resources={node: 1}", "reward_workers.resources={node: 0.5}"])
     with pytest.raises(RuntimeError, match=r"0 of resource 'node' but the job's actors reserve 4 "
                                            r"\(learner.resources, rollout.resources, reward_workers.resources\)"):
-        _check_cluster(config, cpus=1)  # 2 ranks at 0.25, 2 rollout workers and the evaluator at 1, a reward worker at 0.5
+        check(config)  # 2 ranks at 0.25, 2 rollout workers and the evaluator at 1, a reward worker at 0.5
     with pytest.raises(ConfigError, match=r"'rollout.resources.rollout_node' is 0.0; give custom resources"):
         load_config(None, ["rollout.resources={rollout_node: 0}"])
     with pytest.raises(ConfigError, match=r"'reward_workers.resources.CPU' is 1.0; .*CPUs and GPUs have their own"):
@@ -243,7 +265,7 @@ def test_auto_follows_the_gpu_ray_assigned(ray_session):
 def test_learner_rank_trains_on_its_ray_assigned_gpu_with_nccl(ray_session, tiny_policy, bf16_mode, zero_stage,
                                                                 weights, mode):
     learner = LearnerGroup(LearnerConfig(device="cuda", zero_stage=zero_stage, bf16_mode=bf16_mode), tiny_policy, 0,
-                           dtype="bfloat16")
+                           dtype="bfloat16", transport=ObjectStoreTransport())
     try:
         (placement,) = learner.placements()
         assert placement["device"] == "cuda:0" and placement["local_rank"] == 0

@@ -11,8 +11,9 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
-from rlplatform.config import load_config
+from rlplatform.config import load_config, to_yaml
 from rlplatform.job.controller import run_job
 from rlplatform.monitoring.dashboard import dashboard_layout
 from rlplatform.scheduling.ledger import balanced
@@ -59,7 +60,14 @@ def test_short_quickstart_writes_a_valid_summary_and_logs_every_dashboard_key(ra
     assert all(0 < times[k] <= rl["wall_s"] for k in ("generation_s", "queue_submit_s", "reward_busy_s",
                                                       "learner_step_s", "weight_publish_s", "weight_sync_s"))
     assert 0 < times["reward_latency_s_mean"] < rl["wall_s"]
-    assert (run_dir / "config.yaml").exists()
+    # config.yaml is the config as given, never changed in place (its `auto`s stay); plan.yaml holds what the job
+    # resolved them to on this cluster
+    assert (run_dir / "config.yaml").read_text() == to_yaml(config)
+    assert config.model.dtype == config.weights.transport == config.learner.bf16_mode == "auto"
+    plan = yaml.safe_load((run_dir / "plan.yaml").read_text())["policies"]["policy"]
+    assert plan["model.dtype"] == "float32" and plan["weights.transport"] == "object_store"
+    assert plan["learner"] == {"num_ranks": 1, "num_gpus": 0.0, "zero_stage": 0, "precision": "float32 weights"}
+    assert plan["rollout"]["generating_actors"] == 2 and plan["rollout"]["num_gpus"] == 0.0
     assert (run_dir / "model" / "model.safetensors").exists() and (run_dir / "model" / "config.json").exists()
     assert (run_dir / "checkpoint" / "latest").exists()
     # RL's end is checkpointed too, and every prompt issued ended one way or is still open

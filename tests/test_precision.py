@@ -23,6 +23,7 @@ from rlplatform.learners.group import LearnerGroup
 from rlplatform.policy import load_policy, save_initial_policy
 from rlplatform.tokenization import encode_prompts
 from rlplatform.transport.samples import Sample
+from rlplatform.transport.weight_transports import ObjectStoreTransport
 from rlplatform.transport.weights import BFLOAT16, from_snapshot
 from tests.learners.steps import rl_step
 
@@ -69,7 +70,7 @@ def engine_samples(engine: TransformersEngine):
 ])
 def test_bfloat16_train_publish_generate_and_save(ray_session, bf16_policy, tmp_path, bf16_mode, weights, mode):
     learner = LearnerGroup(LearnerConfig(num_ranks=2, zero_stage=2, num_cpus=0.5, device="cpu", bf16_mode=bf16_mode),
-                           bf16_policy, 0, dtype="bfloat16")
+                           bf16_policy, 0, dtype="bfloat16", transport=ObjectStoreTransport())
     try:
         assert [{k: p[k] for k in ("device", "backend", "dtype", "mode")} for p in learner.placements()] == \
             [{"device": "cpu", "backend": "gloo", "dtype": weights, "mode": mode}] * 2
@@ -118,7 +119,8 @@ TRACK_LR, TRACK_TOLERANCE = 1e-4, 0.02
 
 
 def sft_curve(policy: str, dtype: str, rows, steps: int, bf16_mode: str = "autocast"):
-    learner = LearnerGroup(LearnerConfig(num_cpus=0.5, bf16_mode=bf16_mode), policy, 0, dtype=dtype)
+    learner = LearnerGroup(LearnerConfig(num_cpus=0.5, bf16_mode=bf16_mode), policy, 0,
+                           dtype=dtype, transport=ObjectStoreTransport())
     try:
         learner.start_stage(lr=TRACK_LR)
         rng = random.Random(0)
@@ -149,7 +151,8 @@ def test_master_weights_accumulate_micro_batches_in_float32(ray_session, bf16_po
     up to bfloat16's rounding of the activations (a micro-batch's gradient lost would not be)."""
     steps = {}
     for name, budget in (("whole", None), ("micro", 12)):
-        learner = LearnerGroup(LearnerConfig(micro_batch_tokens=budget, **MASTER), bf16_policy, 0, dtype="bfloat16")
+        learner = LearnerGroup(LearnerConfig(micro_batch_tokens=budget, **MASTER), bf16_policy, 0,
+                               dtype="bfloat16", transport=ObjectStoreTransport())
         try:
             assert [p["mode"] for p in learner.placements()] == ["bf16_master"]
             learner.start_stage(lr=1e-2)
@@ -167,7 +170,7 @@ def test_master_weights_two_ranks_resume_their_float32_masters(ray_session, bf16
     bit for bit; a checkpoint holds the float32 masters, so steps after loading it repeat the steps after saving it
     exactly (masters rebuilt from the bfloat16 weights would lose the updates below bfloat16's resolution)."""
     learner = LearnerGroup(LearnerConfig(num_ranks=2, zero_stage=zero_stage, **MASTER), bf16_policy, 0,
-                           dtype="bfloat16")
+                           dtype="bfloat16", transport=ObjectStoreTransport())
     try:
         assert [{k: p[k] for k in ("dtype", "mode", "zero_stage")} for p in learner.placements()] == \
             [{"dtype": "bfloat16", "mode": "bf16_master", "zero_stage": zero_stage or 1}] * 2

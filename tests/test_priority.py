@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 
@@ -53,11 +54,10 @@ class Watch:  # notes this process's niceness when torch is first imported
 
 sys.meta_path.insert(0, Watch())
 from rlplatform.actors.evaluator import EvaluatorWorker
-from rlplatform.actors.rollout_spec import RolloutSpec
-from rlplatform.config import RLConfig, RolloutConfig
 seen["module"] = "torch" in sys.modules
-spec = RolloutSpec(0, "policy", "job", "/missing", "/missing", "redis://127.0.0.1:1", RLConfig(), RolloutConfig(),
-                   priority="idle")
+import pickle
+spec = pickle.loads(bytes.fromhex(sys.argv[1]))  # as Ray hands it the constructor's arguments
+seen["spec"] = "torch" in sys.modules
 try:
     EvaluatorWorker(spec)  # no prompts file: it fails once the worker's module is loaded
 except FileNotFoundError:
@@ -67,8 +67,15 @@ print(json.dumps(seen))
 
 
 def test_the_evaluator_takes_its_priority_before_it_loads_torch():
-    """Ray imports an actor's module before its constructor runs: the evaluator's module loads no torch, and
-    its constructor lowers the process before it loads the rollout worker's module, which loads torch."""
-    out = subprocess.run([sys.executable, "-c", EVALUATOR_CHILD], capture_output=True, text=True, check=True,
-                         timeout=120).stdout
-    assert json.loads(out) == {"module": False, "torch": 19}
+    """Ray imports an actor's module, then unpickles its arguments, before its constructor runs: neither the
+    evaluator's module nor its spec (the weight transport's strategy included) loads torch, and its constructor
+    lowers the process before it loads the rollout worker's module, which loads torch."""
+    from rlplatform.actors.rollout_spec import RolloutSpec
+    from rlplatform.config import RLConfig, RolloutConfig
+    from rlplatform.transport.weight_transports import ObjectStoreTransport
+
+    spec = RolloutSpec(0, "policy", "job", "/missing", "/missing", "redis://127.0.0.1:1", RLConfig(), RolloutConfig(),
+                       dtype="float32", transport=ObjectStoreTransport(delta_full_every=5), priority="idle")
+    out = subprocess.run([sys.executable, "-c", EVALUATOR_CHILD, pickle.dumps(spec).hex()], capture_output=True,
+                         text=True, check=True, timeout=120).stdout
+    assert json.loads(out) == {"module": False, "spec": False, "torch": 19}

@@ -15,6 +15,7 @@ from rlplatform.config import LearnerConfig
 from rlplatform.learners.rank import LearnerRank, SFTPart
 from rlplatform.policy import load_policy, load_tokenizer
 from rlplatform.tokenization import encode_prompts, encode_sft, stop_token_ids, within_limit
+from rlplatform.transport.weight_transports import ObjectStoreTransport
 
 # a ChatML-like template in the demo tokenizer's characters: "u:" / "a:" open a turn, EOS ends it
 TEMPLATE = ("{% for m in messages %}{{ m['role'][0] + ':' + m['content'] + eos_token }}{% endfor %}"
@@ -37,7 +38,8 @@ def policy_copy(tiny_policy: str, tmp_path, bos: bool = False, template: bool = 
 
 def learner_on(path: str, chat_template: str = "auto") -> LearnerRank:
     """A learner rank's SFT scoring on the plain model (no DeepSpeed needed to encode and score)."""
-    rank = LearnerRank(0, 1, path, LearnerConfig(), seed=0, chat_template=chat_template)
+    rank = LearnerRank(0, 1, path, LearnerConfig(), seed=0, chat_template=chat_template,
+                       dtype="float32", transport=ObjectStoreTransport())
     rank.engine, rank.tokenizer = load_policy(path)
     return rank
 

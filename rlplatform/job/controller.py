@@ -16,17 +16,17 @@ import time
 from contextlib import ExitStack
 from dataclasses import replace
 from functools import partial
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple
 
 import ray
 import torch
 
-from rlplatform.config import ConfigError, JobConfig, LearnerConfig, PolicyConfig, RolloutConfig, to_yaml
+from rlplatform.config import ConfigError, JobConfig, PolicyConfig, to_yaml
 from rlplatform.data import load_rows
-from rlplatform.devices import gpu_shares, gpus_per_actor, resolve_dtype
 from rlplatform.job.checkpoint import (DiskFull, checkpoints_dir, intact_checkpoint, latest_checkpoint, read_state,
                                        remove_partial)
 from rlplatform.job.cluster import cpus_needed, start_ray
+from rlplatform.job.placement import JobPlan, PolicyPlan, check_fits, plan_job
 from rlplatform.job.run_dir import RunLock, check_fresh_start, move_aside, run_id
 from rlplatform.job.rl_loop import Resume, StageFailed, run_rl
 from rlplatform.job.sft import run_sft
@@ -46,7 +46,6 @@ from rlplatform.transport.job_lease import JobLease
 from rlplatform.transport.redis_server import EmbeddedRedis, RedisUnavailable, connect
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue, run_scope
 from rlplatform.transport.weight_store import WeightStore
-from rlplatform.transport.weight_transports import resolve_auto, weight_transport
 
 
 class JobEnded(JobFailed):
@@ -91,22 +90,25 @@ def _run_locked(config: JobConfig, started_at: float, shutdown_ray: Optional[boo
     try:
         stop.install()  # kept until the summary is out and Ray is left
         with ExitStack() as resources:
-            redis_url, embedded, shared = _start_services(config, summary.run_id, resources)
+            redis_url, embedded, plan = _start_services(config, summary.run_id, resources)
             startup.mark("services_ready_s")  # Redis and Ray up
             _record_redis_url(redis_url, run_dir)
-            learners = {p.name: _start_learner(config, p) for p in config.policy_list()}  # set up in _start_policy
-            metrics = Metrics(config, run_dir, run_id=resume.state["wandb_run_id"] if resume else None)
+            plan.write(run_dir)
+            learners = {name: _start_learner(config, p) for name, p in plan.policies.items()}  # set up in _start_policy
+            metrics = Metrics(config, run_dir, run_id=resume.state["wandb_run_id"] if resume else None,
+                              plan=plan.described())
             for line in resume.set_aside if resume else []:
                 metrics.event("checkpoint_set_aside", line)
             metrics.console.note(f"job status: rlp status {run_dir}")
-            if shared:
-                metrics.console.note(shared)
+            for line in plan.lines():
+                metrics.console.note(line)
             if embedded is not None:
                 embedded.keep_alive(lambda text: metrics.event("redis_restart", text))
             metrics.status = JobStatus(connect(redis_url, config.redis.reconnect_s), run)
             summary.wandb_dir = metrics.wandb_dir
             try:
-                summary.results = _run_stages(config, run, redis_url, learners, metrics, startup, stop, resume)
+                summary.results = _run_stages(config, plan, run, redis_url, learners, metrics, startup, stop,
+                                              resume)
                 summary.status = "interrupted" if stop.requested else "completed"
             except JobEnded as ended:
                 summary.results = ended.results
@@ -179,11 +181,11 @@ def _record_redis_url(url: str, run_dir: str) -> None:
 
 
 def _start_services(config: JobConfig, run_id: str,
-                    resources: ExitStack) -> Tuple[str, Optional[EmbeddedRedis], Optional[str]]:
+                    resources: ExitStack) -> Tuple[str, Optional[EmbeddedRedis], JobPlan]:
     """Reach or start Redis and take the job's name there for run `run_id` (a lease held to the end); join or
-    start Ray and fit the actors' GPU shares to it (`share_gpus`); returns the Redis URL, the embedded server
-    (None when `redis.url` names one) and how GPUs are shared (None: as set, or a whole GPU each). Redis stops
-    on exit; `run_job` leaves Ray last."""
+    start Ray and plan the job for it (`plan_job`), checking that the cluster holds what the plan reserves;
+    returns the Redis URL, the embedded server (None when `redis.url` names one) and the plan. Redis stops on
+    exit; `run_job` leaves Ray last."""
     embedded = None
     if config.redis.url:
         redis_url = config.redis.url
@@ -195,105 +197,15 @@ def _start_services(config: JobConfig, run_id: str,
                                      config.run_dir))
     if not ray.is_initialized():  # else `rlp run` started it (rlplatform.job.cluster), or the caller did
         start_ray(config)
-    cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
-    shared = share_gpus(config, cluster_gpus)
-    _check_cluster(config, cpus_needed(config))
-    _resolve_dtypes(config, cluster_gpus)
-    _resolve_transports(config, cluster_gpus)
-    return redis_url, embedded, shared
-
-
-def share_gpus(config: JobConfig, cluster_gpus: float) -> Optional[str]:
-    """Where a whole GPU per learner rank, rollout worker and evaluator does not fit the cluster, the unset
-    `learner.num_gpus` and `rollout.num_gpus` of GPU actors become shares (`gpu_shares`); a line saying which, or
-    None where nothing changed."""
-    policies = config.policy_list()
-    learners = [p for p in policies if p.learner.num_gpus is None and _on_gpu(p.learner, cluster_gpus)]
-    rollouts = [p for p in policies if p.rollout.num_gpus is None and _on_gpu(p.rollout, cluster_gpus)]
-    reserved = sum(p.learner.num_ranks * (p.learner.num_gpus or 0)
-                   + config.generating_actors(p) * (p.rollout.num_gpus or 0) for p in policies)
-    per_rank, per_actor = gpu_shares(cluster_gpus, reserved, sum(p.learner.num_ranks for p in learners),
-                                     sum(config.generating_actors(p) for p in rollouts),
-                                     all(p.learner.num_ranks == 1 for p in learners))
-    if per_rank == per_actor == 1.0:
-        return None
-    for p in learners:
-        p.learner.num_gpus = per_rank
-    for p in rollouts:
-        p.rollout.num_gpus = per_actor
-    parts = ([f"learner.num_gpus {per_rank:g} per rank"] if learners else []) + \
-        ([f"rollout.num_gpus {per_actor:g} per rollout worker and evaluator"] if rollouts else [])
-    return f"sharing {cluster_gpus:g} GPU{'s' if cluster_gpus != 1 else ''}: {', '.join(parts)} (set them to choose)"
-
-
-def _resolve_dtypes(config: JobConfig, cluster_gpus: float) -> None:
-    """Each policy's `model.dtype: auto` made concrete for this cluster, before anything loads the model."""
-    for policy in config.policy_list():
-        policy.model.dtype = resolve_dtype(policy.model.dtype, gpus_per_actor(
-            policy.learner.device, policy.learner.num_gpus, cluster_gpus))
-
-
-def _resolve_transports(config: JobConfig, cluster_gpus: float) -> None:
-    """Each policy's `weights.transport: auto` made concrete: its learner and rollout workers share one GPU where
-    the cluster's only GPU (one this process sees) holds its single learner rank and its rollout workers, which
-    do not come and go (`rollout.max_workers`)."""
-    one_gpu = cluster_gpus == 1 and torch.cuda.is_available()
-    for policy in config.policy_list():
-        fixed = (policy.rollout.max_workers or 0) <= policy.rollout.num_workers
-        resolve_auto(policy.weights, one_gpu and fixed and policy.learner.num_ranks == 1
-                     and _on_gpu(policy.learner, cluster_gpus) and _on_gpu(policy.rollout, cluster_gpus),
-                     policy.model.lora.enabled)
-
-
-def _on_gpu(part: Union[LearnerConfig, RolloutConfig], cluster_gpus: float) -> bool:
-    """Whether a policy's learner ranks or rollout workers (`part`) reserve GPUs on this cluster."""
-    return gpus_per_actor(part.device, part.num_gpus, cluster_gpus) > 0
-
-
-def _check_cluster(config: JobConfig, cpus: float) -> None:
-    """The Ray cluster holds the CPUs and GPUs the job's actors reserve, else a message saying what to change."""
     cluster = ray.cluster_resources()
-    have_cpus, have_gpus = cluster.get("CPU", 0.0), cluster.get("GPU", 0.0)
-    if have_cpus < cpus:
-        raise RuntimeError(f"the Ray cluster has {have_cpus:g} CPUs but the job's actors reserve {cpus:g} "
-                           f"(learner.num_cpus, rollout.num_cpus, reward_workers.num_cpus); "
-                           f"lower them or give the cluster more CPUs")
-    for name, amount in _custom_resources_needed(config).items():
-        if cluster.get(name, 0.0) < amount:
-            raise RuntimeError(f"the Ray cluster has {cluster.get(name, 0.0):g} of resource '{name}' but the job's "
-                               f"actors reserve {amount:g} (learner.resources, rollout.resources, "
-                               f"reward_workers.resources); start nodes "
-                               f"with `ray start --resources '{{\"{name}\": {amount:g}}}'` or change those keys")
-    gpus = _gpus_needed(config, have_gpus)
-    if have_gpus < gpus:
-        raise RuntimeError(f"the Ray cluster has {have_gpus:g} GPUs but the job's actors reserve {gpus:g} "
-                           f"(learner.num_gpus per rank, rollout.num_gpus per rollout worker and evaluator; unset, "
-                           f"they share what the cluster has, but several learner ranks need a whole GPU each); "
-                           f"lower them, use fewer learner ranks or device: cpu, or give the cluster more GPUs")
+    plan = plan_job(config, cluster, torch.cuda.is_available())
+    check_fits(config, plan, cluster, cpus_needed(config))
+    return redis_url, embedded, plan
 
 
-def _custom_resources_needed(config: JobConfig) -> Dict[str, float]:
-    """Custom Ray resources the job's actors reserve: per reward worker, and per policy per rank, rollout
-    worker and evaluator."""
-    needed: Dict[str, float] = {}
-    holders = [(config.reward_workers.num_workers, config.reward_workers.resources)]
-    for p in config.policy_list():
-        holders += [(p.learner.num_ranks, p.learner.resources), (config.generating_actors(p), p.rollout.resources)]
-    for count, resources in holders:
-        for name, amount in resources.items():
-            needed[name] = needed.get(name, 0.0) + count * amount
-    return needed
-
-
-def _gpus_needed(config: JobConfig, cluster_gpus: float) -> float:
-    """Ray GPUs the job's actors reserve: per policy its ranks, rollout workers and evaluator."""
-    return sum(p.learner.num_ranks * gpus_per_actor(p.learner.device, p.learner.num_gpus, cluster_gpus)
-               + config.generating_actors(p) * gpus_per_actor(p.rollout.device, p.rollout.num_gpus, cluster_gpus)
-               for p in config.policy_list())
-
-
-def _run_stages(config: JobConfig, run: str, redis_url: str, learners: Dict[str, LearnerGroup], metrics: Metrics,
-                startup: StartupTimes, stop: StopSignals, resume: Optional[Resume]) -> Dict[str, PolicyResults]:
+def _run_stages(config: JobConfig, plan: JobPlan, run: str, redis_url: str, learners: Dict[str, LearnerGroup],
+                metrics: Metrics, startup: StartupTimes, stop: StopSignals,
+                resume: Optional[Resume]) -> Dict[str, PolicyResults]:
     """Every policy's stages, from its workers' start to its final model; returns each policy's results.
     `run`: the run's `run_scope`, which names every Redis key its workers share; `startup` is marked as the
     workers become ready and the first steps end."""
@@ -304,11 +216,11 @@ def _run_stages(config: JobConfig, run: str, redis_url: str, learners: Dict[str,
     reward_actors: List = []
     tool_actors: List = []
     try:
-        for policy in config.policy_list():
-            policies.append(_start_policy(config, policy, learners[policy.name], train_rows, test_rows, redis_url,
-                                          run, metrics.event))
+        for name, policy in plan.policies.items():
+            policies.append(_start_policy(config, policy, learners[name], train_rows, test_rows, redis_url, run,
+                                          metrics.event))
         for workers in policies:  # once every policy's initial weights and weight store exist
-            workers.teachers = _start_teacher_workers(config, workers.config, run, redis_url)
+            workers.teachers = _start_teacher_workers(config, plan, workers.config, run, redis_url)
         reward_actors = _start_reward_workers(config, run, redis_url)  # needed from RL on
         tool_actors = _start_tool_workers(config, run, redis_url, client)
         startup.mark("learners_ready_s", at=max(p.learner.ready_at for p in policies))
@@ -411,7 +323,7 @@ def _start_tool_workers(config: JobConfig, run: str, redis_url: str, client) -> 
                                        config.imports) for i in range(workers.num_workers)]
 
 
-def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup, train_rows, test_rows,
+def _start_policy(config: JobConfig, plan: PolicyPlan, learner: LearnerGroup, train_rows, test_rows,
                   redis_url: str, run: str, alert: Callable[[str, str], None]) -> PolicyWorkers:
     """A policy's initial weights on disk, its learner ranks, rollout workers and evaluator (the last
     rollout actor, started last: `Evaluator`). Actors are named `<job>-<policy>-rollout-<i>`,
@@ -423,12 +335,13 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup
     learner is set up before the rollout actors start: SFT needs only the learner, and the rollout
     actors' start-up (their imports and model load) would otherwise share the CPUs with it; they start
     during the first SFT steps instead. Without SFT all start at once."""
+    policy = plan.policy
     model_path = save_initial_policy(policy.model, config.seed, _initial_dir(config, policy))
     train, test, data = _encode_prompts(config, model_path, train_rows, test_rows)
     prompts_path = save_prompts(train, os.path.join(config.policy_dir(policy.name), "train_prompts.jsonl"))
     store_name = f"{config.name}-{policy.name}-weights"
-    store = WeightStore.options(name=store_name).remote(weight_transport(policy.weights).delta_full_every)
-    start_rollout = partial(_start_rollout_actor, config, policy, run, model_path, prompts_path, redis_url, store_name)
+    store = WeightStore.options(name=store_name).remote(plan.transport.delta_full_every)
+    start_rollout = partial(_start_rollout_actor, config, plan, run, model_path, prompts_path, redis_url, store_name)
     if policy.sft.enabled:
         learner.set_up()
         rollout = [start_rollout(i) for i in range(policy.rollout.num_workers)]
@@ -443,35 +356,37 @@ def _start_policy(config: JobConfig, policy: PolicyConfig, learner: LearnerGroup
     learner.connect_results(redis_url, run, config.redis.reconnect_s, policy.name)
     if config.monitoring.parity_every:
         learner.watch_parity([p.ids for p in train], keys.canary_reference, config.monitoring.parity_every)
-    workers = PolicyWorkers(policy, learner, rollout, store, evaluator, keys, [p.row for p in train], data,
+    workers = PolicyWorkers(plan, learner, rollout, store, evaluator, keys, [p.row for p in train], data,
                             add_rollout=partial(start_rollout, restarts=0))
-    weight_transport(policy.weights).connect(learner.ranks[0], workers.generating, redis_url, keys.version,
-                                             LEARNER_TIMEOUT_S)
+    plan.transport.connect(learner.ranks[0], workers.generating, redis_url, keys.version, LEARNER_TIMEOUT_S)
     return workers
 
 
-def _start_teacher_workers(config: JobConfig, student: PolicyConfig, run: str, redis_url: str) -> List:
+def _start_teacher_workers(config: JobConfig, plan: JobPlan, student: PolicyConfig, run: str,
+                           redis_url: str) -> List:
     """A distilling policy's teacher scoring workers (`distill.workers`), each holding the teacher's engine and
     pulling its published versions from the teacher's weight store; none for a policy that does not distil."""
-    teacher = config.teacher_of(student)
-    if teacher is None:
+    if config.teacher_of(student) is None:
         return []
     from rlplatform.actors.rollout_spec import RolloutSpec
     from rlplatform.actors.teacher import TeacherActor
 
-    if not weight_transport(teacher.weights).snapshots_in_store:
+    teacher_plan = plan.of(config.teacher_of(student))
+    teacher = teacher_plan.policy
+    if not teacher_plan.transport.snapshots_in_store:
         raise ConfigError(f"policy {student.name!r} distils from {teacher.name!r}, whose weights.transport is not the "
                           f"object store: its teacher workers pull each version from the teacher's weight store")
     distill = student.distill
-    gpus = gpus_per_actor(teacher.rollout.device, teacher.rollout.num_gpus, ray.cluster_resources().get("GPU", 0.0))
     actors = []
     for i in range(distill.workers):
         spec = RolloutSpec(10_000 + i, teacher.name, run, _initial_dir(config, teacher),
                            os.path.join(config.policy_dir(teacher.name), "train_prompts.jsonl"), redis_url, teacher.rl,
-                           teacher.rollout, config.seed, f"{config.name}-{teacher.name}-weights", teacher.model.dtype,
-                           weight_transport(teacher.weights), teacher.model.lora, config.data.chat_template, config.env,
-                           teacher.rollout.priority)
-        actors.append(TeacherActor.options(num_cpus=distill.num_cpus, num_gpus=gpus, max_restarts=MAX_RESTARTS,
+                           teacher.rollout, dtype=teacher.model.dtype, transport=teacher_plan.transport,
+                           seed=config.seed, weight_store=f"{config.name}-{teacher.name}-weights",
+                           lora=teacher.model.lora, chat_template=config.data.chat_template, env=config.env,
+                           priority=teacher.rollout.priority)
+        actors.append(TeacherActor.options(num_cpus=distill.num_cpus, num_gpus=teacher_plan.rollout_gpus,
+                                           max_restarts=MAX_RESTARTS,
                                            name=f"{config.name}-{student.name}-teacher-{i}"
                                            ).remote(spec, student.name, i, config.reward_workers))
     return actors
@@ -481,15 +396,16 @@ def _initial_dir(config: JobConfig, policy: PolicyConfig) -> str:
     return os.path.join(config.policy_dir(policy.name), "initial_policy")
 
 
-def _start_learner(config: JobConfig, policy: PolicyConfig) -> LearnerGroup:
+def _start_learner(config: JobConfig, plan: PolicyPlan) -> LearnerGroup:
     """The policy's learner ranks, started but not yet set up in DeepSpeed (`LearnerGroup.set_up`
     loads the initial policy, which `_start_policy` writes first)."""
-    return LearnerGroup(policy.learner, _initial_dir(config, policy), config.seed, policy.model.dtype,
-                        config.data.chat_template, name=f"{config.name}-{policy.name}-learner",
-                        transport=weight_transport(policy.weights), lora=policy.model.lora, set_up=False)
+    policy = plan.policy
+    return LearnerGroup(policy.learner, _initial_dir(config, policy), config.seed, dtype=policy.model.dtype,
+                        transport=plan.transport, chat_template=config.data.chat_template,
+                        name=f"{config.name}-{policy.name}-learner", lora=policy.model.lora, set_up=False)
 
 
-def _start_rollout_actor(config: JobConfig, policy: PolicyConfig, run: str, model_path: str, prompts_path: str,
+def _start_rollout_actor(config: JobConfig, plan: PolicyPlan, run: str, model_path: str, prompts_path: str,
                          redis_url: str, store_name: str, index: int, restarts: int = MAX_RESTARTS):
     """Rollout actor `index` of the policy, or its evaluator at index `rollout.num_workers` (an
     `EvaluatorActor`, at `eval.priority` from its first import): it reads its prompts from `prompts_path`
@@ -499,14 +415,14 @@ def _start_rollout_actor(config: JobConfig, policy: PolicyConfig, run: str, mode
     from rlplatform.actors.rollout import RolloutActor
     from rlplatform.actors.rollout_spec import RolloutSpec
 
-    gpus = gpus_per_actor(policy.rollout.device, policy.rollout.num_gpus, ray.cluster_resources().get("GPU", 0.0))
-    options = dict(num_cpus=policy.rollout.num_cpus, num_gpus=gpus, resources=policy.rollout.resources,
+    policy = plan.policy
+    options = dict(num_cpus=policy.rollout.num_cpus, num_gpus=plan.rollout_gpus, resources=policy.rollout.resources,
                    max_restarts=restarts, name=f"{config.name}-{policy.name}-rollout-{index}")
     evaluator = index == policy.rollout.num_workers
     spec = RolloutSpec(index, policy.name, run, model_path, prompts_path, redis_url, policy.rl, policy.rollout,
-                       config.seed, store_name, policy.model.dtype, weight_transport(policy.weights), policy.model.lora,
-                       config.data.chat_template, config.env,
-                       config.eval.priority if evaluator else policy.rollout.priority,
+                       dtype=policy.model.dtype, transport=plan.transport, seed=config.seed, weight_store=store_name,
+                       lora=policy.model.lora, chat_template=config.data.chat_template, env=config.env,
+                       priority=config.eval.priority if evaluator else policy.rollout.priority,
                        parity_every=0 if evaluator else config.monitoring.parity_every,
                        distilled=policy.distill.teacher is not None)
     return (EvaluatorActor if evaluator else RolloutActor).options(**options).remote(spec)
@@ -559,7 +475,7 @@ def _supervised_stage(config: JobConfig, workers: PolicyWorkers, train_rows, met
 def _baseline_snapshot(workers: PolicyWorkers, streamed) -> ray.ObjectRef:
     """A snapshot of version 0 for the background evaluation: the one the object store already holds
     when version 0 went there as full weights, else a snapshot of the learner's weights."""
-    if weight_transport(workers.config.weights).snapshots_in_store and not workers.config.model.lora.enabled:
+    if workers.plan.transport.snapshots_in_store and not workers.config.model.lora.enabled:
         return streamed
     return workers.learner.snapshot_weights()
 

@@ -18,7 +18,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 import ray
 from ray._private.state import actors, available_resources_per_node  # Ray's developer API: placement, free room
 
-from rlplatform.devices import gpus_per_actor
 from rlplatform.job.workers import PolicyWorkers
 from rlplatform.scheduling.groups import GroupSchedule
 
@@ -33,8 +32,7 @@ class ElasticRollout:
         """`start_loop(kind, name, actor, on_leave)`: the supervisor's; `note`: tells the job's log and W&B."""
         rollout = workers.config.rollout
         self.workers, self.schedule, self.start_loop, self.note = workers, schedule, start_loop, note
-        gpus = gpus_per_actor(rollout.device, rollout.num_gpus, ray.cluster_resources().get("GPU", 0.0))
-        self.room = {"CPU": rollout.num_cpus, "GPU": gpus, **rollout.resources}  # what one worker asks Ray for
+        self.room = {"CPU": rollout.num_cpus, "GPU": workers.plan.rollout_gpus, **rollout.resources}  # what one worker asks Ray for
         self.most = rollout.max_workers or rollout.num_workers
         self._next_index = rollout.num_workers + 1  # index num_workers is the evaluator's
         self._starting: Optional[Tuple[object, ray.ObjectRef]] = None  # the newest added worker, its construction

@@ -16,6 +16,7 @@ import redis
 from ray.exceptions import RayActorError
 
 from rlplatform.config import EvalConfig, PolicyConfig, RewardSpec
+from rlplatform.job.placement import PolicyPlan
 from rlplatform.job.supervision import MAX_RESTARTS, Revival
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.tokenization import Prompt
@@ -221,7 +222,7 @@ class Evaluator:
 class PolicyWorkers:
     """One policy's actors and handles: learner ranks, rollout workers, weight store, evaluator, and a distilling
     policy's teacher scoring workers."""
-    config: PolicyConfig
+    plan: PolicyPlan  # the policy's config as planned for the cluster, and its weight transport
     learner: LearnerGroup
     rollout: List  # RolloutActor handles
     weight_store: object  # WeightStore handle
@@ -231,6 +232,11 @@ class PolicyWorkers:
     data: Dict[str, int]  # rows kept and skipped as too long, for the summary
     teachers: List = field(default_factory=list)  # a distilling policy's teacher scoring workers (TeacherActor handles)
     add_rollout: Optional[Callable[[int], Any]] = None  # starts rollout actor `index`, one Ray does not restart (`elastic`)
+
+    @property
+    def config(self) -> PolicyConfig:
+        """The policy's config with its `auto` settings resolved (`PolicyPlan.policy`)."""
+        return self.plan.policy
 
     @property
     def name(self) -> str:

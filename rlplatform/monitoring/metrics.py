@@ -31,8 +31,10 @@ def wandb_mode(mode: str) -> str:
 
 
 class Metrics:
-    def __init__(self, config: JobConfig, run_dir: str, run_id: Optional[str] = None) -> None:
-        """`run_id`: a resumed job's W&B run, continued rather than started anew."""
+    def __init__(self, config: JobConfig, run_dir: str, run_id: Optional[str] = None,
+                 plan: Optional[Dict] = None) -> None:
+        """`run_id`: a resumed job's W&B run, continued rather than started anew; `plan`: the job's plan as
+        plain data (`JobPlan.described`), W&B's config beside the config as given."""
         self.run: Optional[wandb.Run] = None
         self.online = False
         self.events_path = os.path.join(run_dir, "events.jsonl")
@@ -44,7 +46,8 @@ class Metrics:
         self.online = mode == "online"
         if mode != "disabled":
             self.run = wandb.init(project=config.wandb.project, entity=config.wandb.entity, group=config.wandb.group,
-                                  name=config.name, dir=run_dir, mode=mode, config=to_dict(config),
+                                  name=config.name, dir=run_dir, mode=mode,
+                                  config={**to_dict(config), **({"plan": plan} if plan else {})},
                                   id=run_id, resume="allow" if run_id else None,
                                   settings=wandb.Settings(console="off", silent=True))
         self.console = ProgressLine()

@@ -1,6 +1,6 @@
 """How one policy's weights travel from learner rank 0 to its rollout engines: one strategy per
-`weights.transport`, picked once by `weight_transport(config.weights)` (`auto` made concrete first by
-`resolve_auto`); nothing else names a transport.
+`weights.transport`, picked once per policy by the job's plan (`rlplatform.job.placement`: `auto` made
+concrete by `resolved_transport`, then `weight_transport`); nothing else names a transport.
 
 A strategy is a small frozen value that travels to the learner and rollout actors, where it builds its
 two ends: the sender on learner rank 0 (`send(weights, version)` returns what the driver hands the
@@ -20,18 +20,14 @@ With delta sync (`delta_full_every` above 0) what travels is each version's upda
 from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass
-from typing import ClassVar, Dict, List, Optional, Tuple
-
-import ray
-import torch
+from typing import TYPE_CHECKING, ClassVar, List
 
 from rlplatform.config import WeightsConfig
-from rlplatform.transport.broadcast import BroadcastReceiver, BroadcastSender, open_group
-from rlplatform.transport.cuda_ipc import IpcSender, open_handles
-from rlplatform.transport.weight_deltas import combine
-from rlplatform.transport.weights import from_snapshot, to_snapshot
 
-Weights = Dict[str, torch.Tensor]
+if TYPE_CHECKING:
+    import torch
+
+    from rlplatform.transport.transport_ends import GroupEnd, StoreReceiver, StoreSender
 
 
 @dataclass(frozen=True)
@@ -48,7 +44,7 @@ class WeightTransport:
         """Learner rank 0's end: `send(weights, version)`."""
         raise NotImplementedError
 
-    def receiver(self, weight_store, device: torch.device):
+    def receiver(self, weight_store, device: "torch.device"):
         """An engine's end: `newer(version)`; `weight_store` is the policy's `WeightStore` actor (None: none)."""
         raise NotImplementedError
 
@@ -66,9 +62,15 @@ class ObjectStoreTransport(WeightTransport):
     snapshots_in_store: ClassVar[bool] = True
 
     def sender(self) -> "StoreSender":
+        from rlplatform.transport.transport_ends import StoreSender
+        from rlplatform.transport.weights import to_snapshot
+
         return StoreSender(to_snapshot)
 
-    def receiver(self, weight_store, device: torch.device) -> "StoreReceiver":
+    def receiver(self, weight_store, device: "torch.device") -> "StoreReceiver":
+        from rlplatform.transport.transport_ends import StoreReceiver
+        from rlplatform.transport.weights import from_snapshot
+
         return StoreReceiver(weight_store, from_snapshot)
 
 
@@ -78,9 +80,15 @@ class CudaIpcTransport(WeightTransport):
     moves_bytes: ClassVar[bool] = False  # engines map learner rank 0's GPU copy
 
     def sender(self) -> "StoreSender":
+        from rlplatform.transport.cuda_ipc import IpcSender
+        from rlplatform.transport.transport_ends import StoreSender
+
         return StoreSender(IpcSender().handles)
 
-    def receiver(self, weight_store, device: torch.device) -> "StoreReceiver":
+    def receiver(self, weight_store, device: "torch.device") -> "StoreReceiver":
+        from rlplatform.transport.cuda_ipc import open_handles
+        from rlplatform.transport.transport_ends import StoreReceiver
+
         return StoreReceiver(weight_store, lambda payload: open_handles(payload, device))
 
 
@@ -90,9 +98,13 @@ class BroadcastTransport(WeightTransport):
     bucket_mb: float = WeightsConfig.bucket_mb  # weights go in buckets of at most this many MB
 
     def sender(self) -> "GroupEnd":
+        from rlplatform.transport.transport_ends import GroupEnd
+
         return GroupEnd()
 
-    def receiver(self, weight_store, device: torch.device) -> "GroupEnd":
+    def receiver(self, weight_store, device: "torch.device") -> "GroupEnd":
+        from rlplatform.transport.transport_ends import GroupEnd
+
         return GroupEnd(device)
 
     def connect(self, sender_rank, receivers: List, redis_url: str, version_key: str, timeout_s: float) -> None:
@@ -120,73 +132,25 @@ TRANSPORTS = {cls.name: cls for cls in (ObjectStoreTransport, BroadcastTransport
 
 
 def weight_transport(config: WeightsConfig) -> WeightTransport:
-    """The strategy `weights.transport` names, with its settings; `auto` not yet resolved for a job's cluster
-    (`resolve_auto`) is the object store."""
-    return TRANSPORTS["object_store" if config.transport == "auto" else config.transport].from_config(config)
-
-
-def resolve_auto(config: WeightsConfig, one_gpu: bool, lora: bool) -> None:
-    """`weights.transport: auto` made concrete for a policy: cuda_ipc where its learner rank and rollout engines
-    share `one_gpu` and full weights travel (no LoRA adapters, no deltas), else object_store."""
+    """The strategy `weights.transport` names, with its settings; `auto` is resolved first, for the job's
+    cluster (`resolved_transport`, which the job's plan calls)."""
     if config.transport == "auto":
-        config.transport = "cuda_ipc" if one_gpu and not lora and not config.delta else "object_store"
+        raise ValueError("weights.transport is auto: resolve it for the cluster first (rlplatform.job.placement)")
+    return TRANSPORTS[config.transport].from_config(config)
+
+
+def resolved_transport(config: WeightsConfig, one_gpu: bool, lora: bool) -> str:
+    """`weights.transport` made concrete for a policy: as set, or under auto cuda_ipc where its learner rank and
+    rollout engines share `one_gpu` and full weights travel (no LoRA adapters, no deltas), else object_store."""
+    if config.transport != "auto":
+        return config.transport
+    return "cuda_ipc" if one_gpu and not lora and not config.delta else "object_store"
+
+
+def moves_bytes(transport: str) -> bool:
+    """Whether transport `transport` (a concrete name) moves the weights' bytes between devices."""
+    return TRANSPORTS[transport].moves_bytes
 
 
 def _full_every(config: WeightsConfig) -> int:
     return config.delta_full_every if config.delta else 0
-
-
-class StoreSender:
-    """Rank 0's end of a transport through the weight store: each version put in the object store as
-    `pack(weights)` (a snapshot, or IPC handles); the driver hands the ref to the store."""
-
-    def __init__(self, pack) -> None:
-        self.pack = pack
-
-    def send(self, weights: Weights, version: int) -> ray.ObjectRef:
-        return ray.put(self.pack(weights))
-
-
-class StoreReceiver:
-    """An engine's end of a transport through the weight store: the updates since `version`, `unpack`ed and
-    folded into one."""
-
-    def __init__(self, weight_store, unpack) -> None:
-        self.weight_store, self.unpack = weight_store, unpack
-
-    def newer(self, version: int) -> Optional[Tuple[int, Weights]]:
-        updates = ray.get(self.weight_store.newer_than.remote(version))
-        if updates is None:
-            return None
-        weights = None
-        for payload in ray.get([ref for _, (ref,) in updates]):  # fetched together, folded in order
-            weights = combine(weights, self.unpack(payload))
-        return updates[-1][0], weights
-
-
-class GroupEnd:
-    """Either end of the broadcast group, open once `open_sender` or `open_receiver` ran (`BroadcastTransport.connect`)."""
-
-    def __init__(self, device: Optional[torch.device] = None) -> None:
-        self.device = device
-        self.sender: Optional[BroadcastSender] = None
-        self.receiver: Optional[BroadcastReceiver] = None
-
-    def open_sender(self, host: str, port: int, world: int, backend: str, client, version_key: str,
-                    bucket_bytes: int) -> None:
-        self.sender = BroadcastSender(open_group(host, port, 0, world, backend), client, version_key, bucket_bytes)
-
-    def open_receiver(self, host: str, port: int, rank: int, world: int, backend: str, client,
-                      version_key: str) -> None:
-        self.receiver = BroadcastReceiver(open_group(host, port, rank, world, backend), client, version_key,
-                                          self.device)
-
-    def send(self, weights: Weights, version: int) -> int:
-        if self.sender is None:
-            raise RuntimeError("weights.transport: broadcast, but the broadcast group was never opened")
-        self.sender.send(weights, version)
-        return version
-
-    def newer(self, version: int) -> Optional[Tuple[int, Weights]]:
-        latest = self.receiver.take() if self.receiver is not None else None
-        return latest if latest is not None and latest[0] > version else None

@@ -31,6 +31,7 @@ from rlplatform.transport.job_lease import newest_run_key
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue, run_scope
 from rlplatform.transport.tool_queue import ToolKeys, ToolQueue
 from tests.envs import tools_for_tests
+from rlplatform.transport.weight_transports import ObjectStoreTransport
 
 JOB_NAME = "episodes"
 JOB = run_scope(JOB_NAME, "r1")  # the run every test here plays in
@@ -202,7 +203,8 @@ def slow_tool_worker(tiny_policy, redis_server, redis_client, tmp_path) -> Tuple
     env = EnvConfig(fn="tests.envs.tools_for_tests:SlowToolOrTalk", max_turns=4, max_tokens=40, tools=SLOW)
     prompts = save_prompts(encode_prompts(load_tokenizer(tiny_policy), [{"prompt": "1+1=", "answer": "2"}], "auto"),
                            str(tmp_path / "prompts.jsonl"))
-    worker = RolloutWorker(RolloutSpec(0, "policy", job, tiny_policy, prompts, redis_server, rl, rollout, env=env))
+    worker = RolloutWorker(RolloutSpec(0, "policy", job, tiny_policy, prompts, redis_server, rl, rollout, env=env,
+                                       dtype="float32", transport=ObjectStoreTransport()))
     worker.engine.version = 0  # 2 groups allowed in play: both start at once
     return worker, PolicyKeys(job, "policy"), job
 

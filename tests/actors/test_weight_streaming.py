@@ -21,6 +21,7 @@ from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.samples import decode_sample
 from rlplatform.transport.weight_store import WeightStore
 from rlplatform.transport.versions import publish_version
+from rlplatform.transport.weight_transports import ObjectStoreTransport
 from rlplatform.transport.weights import to_snapshot
 
 ROWS = [{"prompt": "12+34=", "answer": "46"}, {"prompt": "5+5=", "answer": "10"}]
@@ -61,7 +62,8 @@ def test_worker_generates_with_each_new_version(ray_session, redis_server, redis
     prompts = save_prompts(encode_prompts(load_tokenizer(tiny_policy), ROWS, "auto"), str(tmp_path / "prompts.jsonl"))
     worker = RolloutActor.options(max_restarts=1).remote(RolloutSpec(
         0, "policy", job, tiny_policy, prompts, redis_server, rl,
-        RolloutConfig(prompts_per_batch=2, weight_swap="finish_then_swap"), weight_store=f"{job}-weights"))
+        RolloutConfig(prompts_per_batch=2, weight_swap="finish_then_swap"), weight_store=f"{job}-weights",
+            dtype="float32", transport=ObjectStoreTransport()))
     running = worker.run.remote()
     try:
         # synchronous gate: version 1 may start (1 + 1) * 2 groups in all, version 2 two more
@@ -99,7 +101,8 @@ def test_an_idle_worker_loads_new_weights_as_they_are_published(ray_session, red
     rl = RLConfig(group_size=2, max_new_tokens=4, batch_prompts=1, max_staleness=0)
     prompts = save_prompts(encode_prompts(load_tokenizer(tiny_policy), ROWS, "auto"), str(tmp_path / "prompts.jsonl"))
     worker = RolloutWorker(RolloutSpec(0, "policy", job, tiny_policy, prompts, redis_server, rl,
-                                       RolloutConfig(prompts_per_batch=1), weight_store=f"{job}-weights"))
+                                       RolloutConfig(prompts_per_batch=1), weight_store=f"{job}-weights",
+                                           dtype="float32", transport=ObjectStoreTransport()))
     loop = threading.Thread(target=worker.run, daemon=True)
 
     def publish(version: int) -> None:

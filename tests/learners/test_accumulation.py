@@ -15,6 +15,7 @@ from rlplatform.token_budget import micro_batches
 from rlplatform.learners.group import LearnerGroup, shard_minibatches
 from tests.learners.test_learner import ROWS, rl_batch
 from tests.learners.steps import rl_step
+from rlplatform.transport.weight_transports import ObjectStoreTransport
 
 # 2 minibatches per step: the second optimizer step's AdamW update depends on the gradients' scale
 RL = RLConfig(minibatches=2, entropy_coef=0.01, kl_coef=0.1, sft_coef=0.5)
@@ -50,7 +51,7 @@ def batch(tiny_policy):
 def trained(tiny_policy, batch, ranks, zero_stage, micro_batch_tokens, checkpoint_dir):
     config = LearnerConfig(num_ranks=ranks, zero_stage=zero_stage, micro_batch_tokens=micro_batch_tokens,
                            num_cpus=0.5)
-    learner = LearnerGroup(config, tiny_policy, seed=0)
+    learner = LearnerGroup(config, tiny_policy, seed=0, dtype="float32", transport=ObjectStoreTransport())
     try:
         learner.start_stage(lr=1e-3, keep_reference=True)
         reference_held = [p["reference_elements"] for p in learner.placements()]

@@ -16,6 +16,7 @@ from rlplatform.learners.group import LearnerGroup
 from rlplatform.policy import load_policy, load_tokenizer
 from rlplatform.tokenization import encode_sft
 from rlplatform.transport.samples import Sample
+from rlplatform.transport.weight_transports import ObjectStoreTransport
 
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in [(1, 2), (13, 7), (40, 45), (9, 9)]]
 QWEN_05B = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -68,7 +69,8 @@ def test_activation_checkpointing_turns_on_where_memory_holds_too_few_tokens_wit
 def test_a_rank_checkpoints_activations_when_its_budget_outgrows_memory(ray_session, tiny_policy):
     """A micro-batch budget larger than the host's memory holds without checkpointing (unset
     learner.activation_checkpointing): the rank recomputes activations, and trains."""
-    learner = LearnerGroup(LearnerConfig(num_cpus=0.5, micro_batch_tokens=10 ** 9), tiny_policy, seed=0)
+    learner = LearnerGroup(LearnerConfig(num_cpus=0.5, micro_batch_tokens=10 ** 9), tiny_policy, seed=0,
+                           dtype="float32", transport=ObjectStoreTransport())
     try:
         (placement,) = learner.placements()
         assert placement["activation_checkpointing"] and placement["micro_batch_tokens"] == 10 ** 9
@@ -87,7 +89,7 @@ def long_samples(count: int, tokens: int):
 def test_the_default_config_splits_a_large_minibatch(ray_session, tiny_policy):
     config = LearnerConfig(num_cpus=0.5)
     assert config.micro_batch_tokens is None  # the default: from the device
-    learner = LearnerGroup(config, tiny_policy, seed=0)
+    learner = LearnerGroup(config, tiny_policy, seed=0, dtype="float32", transport=ObjectStoreTransport())
     try:
         (placement,) = learner.placements()
         assert placement["zero_stage"] == 0  # one rank: nothing to partition

@@ -18,6 +18,7 @@ from rlplatform.learners.compiled_layers import compile_layers, decoder_layers, 
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.lora import with_adapters
 from rlplatform.policy import enable_activation_checkpointing, load_policy
+from rlplatform.transport.weight_transports import ObjectStoreTransport
 from tests.learners.layouts import LAYOUT_EXAMPLES
 
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in [(1, 2), (13, 7), (40, 45), (9, 9)]]
@@ -115,7 +116,8 @@ def test_the_default_compiles_on_cuda_only_and_never_under_zero_3():
 def test_a_compiled_rank_trains_as_an_eager_one(ray_session, tiny_policy, dtype, tolerance):
     losses = {}
     for compiled in (None, True):  # the default (eager on CPU), then compiled
-        learner = LearnerGroup(LearnerConfig(num_cpus=0.5, compile=compiled), tiny_policy, seed=0, dtype=dtype)
+        learner = LearnerGroup(LearnerConfig(num_cpus=0.5, compile=compiled), tiny_policy, seed=0,
+                               dtype=dtype, transport=ObjectStoreTransport())
         try:
             (placement,) = learner.placements()
             assert placement["compiled_layers"] == (2 if compiled else 0)
@@ -134,7 +136,9 @@ from rlplatform.learners.batching import choose_layout
 from rlplatform.learners.compiled_layers import WARM_UP_BATCHES
 from rlplatform.learners.rank import LearnerRank
 from rlplatform.transport.samples import Sample
-rank = LearnerRank(0, 1, sys.argv[1], LearnerConfig(compile=True), seed=0)
+from rlplatform.transport.weight_transports import ObjectStoreTransport
+rank = LearnerRank(0, 1, sys.argv[1], LearnerConfig(compile=True), seed=0,
+                   dtype="float32", transport=ObjectStoreTransport())
 with socket.socket() as sock:
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

@@ -15,6 +15,7 @@ from rlplatform.transport.redis_server import RECONNECT_S, connect
 from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.samples import ScoredSample, decode_sample
 from tests.learners.test_learner import rl_batch
+from rlplatform.transport.weight_transports import ObjectStoreTransport
 
 
 def store_scored(queue: RewardQueue, samples, advantages) -> None:
@@ -67,7 +68,8 @@ def test_ranks_fetch_their_own_shard_and_the_controller_reads_no_tokens(ray_sess
     assert all(m.completion_tokens == len(s.completion_ids) for m, s in zip(metas, samples))
     batch = [TrainItem(m.sample_id, m.reward, m.tokens) for m in metas]
 
-    learner = LearnerGroup(LearnerConfig(num_ranks=2, num_cpus=0.5), tiny_policy, seed=0)
+    learner = LearnerGroup(LearnerConfig(num_ranks=2, num_cpus=0.5), tiny_policy, seed=0,
+                           dtype="float32", transport=ObjectStoreTransport())
     try:
         learner.start_stage(lr=1e-3)
         learner.connect_results(redis_server, job, RECONNECT_S, "policy-a")

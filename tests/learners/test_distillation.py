@@ -11,6 +11,7 @@ from rlplatform.config import LearnerConfig, ModelConfig, RLConfig
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.policy import save_initial_policy
 from rlplatform.transport.samples import Sample
+from rlplatform.transport.weight_transports import ObjectStoreTransport
 from rlplatform.transport.weights import from_snapshot
 from tests.learners.steps import rl_step
 
@@ -33,7 +34,8 @@ def test_steps_on_the_teachers_signal_alone_take_the_reverse_kl_down(ray_session
     with torch.no_grad():
         teacher.model.lm_head.weight.mul_(8.0)  # a sharp teacher, far from the student (KL about 6.5 nats)
     prompts = student.tokenizer([f"{a}+{b}=" for a, b in [(1, 2), (13, 7), (40, 45), (9, 9)]])["input_ids"]
-    learner = LearnerGroup(LearnerConfig(num_cpus=0.5), str(tmp_path / "student"), seed=0)
+    learner = LearnerGroup(LearnerConfig(num_cpus=0.5), str(tmp_path / "student"), seed=0,
+                           dtype="float32", transport=ObjectStoreTransport())
     try:
         learner.start_stage(lr=1e-3, distill_coef=1.0)
         kls = [_reverse_kl(student.model, teacher.model, prompts)]

@@ -14,6 +14,7 @@ from rlplatform.config import EnvConfig, LearnerConfig, RLConfig, ToolSpec
 from rlplatform.learners.group import LearnerGroup
 from tests.learners.test_learner import rl_batch
 from tests.learners.steps import rl_step
+from rlplatform.transport.weight_transports import ObjectStoreTransport
 
 RL = RLConfig(lr_schedule="constant", kl_coef=0.1, entropy_coef=0.01)
 COMPARED = ("pg_loss", "entropy", "kl_to_reference", "loss", "grad_norm", "tokens_total", "importance_weight_mean")
@@ -34,7 +35,8 @@ def episode(sample, observation, tail):
 
 @pytest.fixture(scope="module")
 def learner(ray_session, tiny_policy):
-    group = LearnerGroup(LearnerConfig(zero_stage=1), tiny_policy, seed=0)
+    group = LearnerGroup(LearnerConfig(zero_stage=1), tiny_policy, seed=0,
+                         dtype="float32", transport=ObjectStoreTransport())
     group.start_stage(lr=1e-12, keep_reference=True)  # the weights barely move: each step sees the same policy
     yield group
     group.shutdown()

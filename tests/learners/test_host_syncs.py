@@ -25,6 +25,7 @@ from rlplatform.config import LearnerConfig, RLConfig
 from rlplatform.learners.batching import choose_layout
 from rlplatform.learners.rank import LearnerRank
 from rlplatform.transport.samples import Sample
+from rlplatform.transport.weight_transports import ObjectStoreTransport
 
 WAITING = ("_local_scalar_dense", "nonzero", "masked_select", "masked_scatter", "_unique", "repeat_interleave")
 
@@ -77,7 +78,7 @@ BATCHES = {  # layout: (prompts, completions) of 16 samples that choose_layout s
 }
 device = "cuda" if torch.cuda.is_available() else "cpu"
 rank = LearnerRank(0, 1, sys.argv[1], LearnerConfig(device=device, compile=False, zero_stage=1), seed=0,
-                   dtype="bfloat16" if device == "cuda" else "float32")
+                   dtype="bfloat16" if device == "cuda" else "float32", transport=ObjectStoreTransport())
 with socket.socket() as sock:
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -123,7 +124,8 @@ LONE_RANK = r"""
 import socket, sys, torch
 from rlplatform.config import LearnerConfig
 from rlplatform.learners.rank import LearnerRank
-rank = LearnerRank(0, 1, sys.argv[1], LearnerConfig(), seed=0)
+from rlplatform.transport.weight_transports import ObjectStoreTransport
+rank = LearnerRank(0, 1, sys.argv[1], LearnerConfig(), seed=0, dtype="float32", transport=ObjectStoreTransport())
 with socket.socket() as sock:
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

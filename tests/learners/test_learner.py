@@ -12,6 +12,7 @@ from rlplatform.config import LearnerConfig, RLConfig
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.transport.samples import Sample
 from tests.learners.steps import rl_step
+from rlplatform.transport.weight_transports import ObjectStoreTransport
 
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in [(1, 2), (13, 7), (40, 45), (9, 9)] * 4]
 
@@ -26,7 +27,8 @@ def max_change(before: dict, after: dict) -> float:
 
 @pytest.fixture(scope="module")
 def learner(ray_session, tiny_policy):
-    group = LearnerGroup(LearnerConfig(zero_stage=1), tiny_policy, seed=0)
+    group = LearnerGroup(LearnerConfig(zero_stage=1), tiny_policy, seed=0,
+                         dtype="float32", transport=ObjectStoreTransport())
     yield group
     group.shutdown()
 
@@ -66,7 +68,8 @@ def rl_batch(policy_path: str):
 
 
 def test_rl_step_changes_weights_and_lowers_loss(ray_session, tiny_policy):
-    learner = LearnerGroup(LearnerConfig(zero_stage=2), tiny_policy, seed=0)
+    learner = LearnerGroup(LearnerConfig(zero_stage=2), tiny_policy, seed=0,
+                           dtype="float32", transport=ObjectStoreTransport())
     try:
         learner.start_stage(lr=1e-2, keep_reference=True)
         samples, advantages = rl_batch(tiny_policy)
@@ -91,7 +94,8 @@ def test_rl_step_changes_weights_and_lowers_loss(ray_session, tiny_policy):
 
 
 def test_two_ranks_zero3_train_and_publish_full_weights(ray_session, tiny_policy):
-    learner = LearnerGroup(LearnerConfig(num_ranks=2, zero_stage=3, num_cpus=0.5), tiny_policy, seed=0)
+    learner = LearnerGroup(LearnerConfig(num_ranks=2, zero_stage=3, num_cpus=0.5), tiny_policy, seed=0,
+                           dtype="float32", transport=ObjectStoreTransport())
     try:
         learner.start_stage(lr=1e-2)
         before = snapshot(learner)

@@ -16,6 +16,7 @@ from rlplatform.config import LearnerConfig, LoraConfig, RLConfig
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.policy import load_policy
 from rlplatform.transport.adapters import AdapterSnapshot
+from rlplatform.transport.weight_transports import ObjectStoreTransport
 from rlplatform.transport.weights import to_snapshot
 from tests.learners.test_learner import ROWS, rl_batch
 from tests.learners.steps import rl_step
@@ -36,7 +37,8 @@ def full_model_bytes(policy_path: str) -> int:
 
 @pytest.fixture(scope="module")
 def lora_learner(ray_session, tiny_policy):
-    group = LearnerGroup(LearnerConfig(zero_stage=1), tiny_policy, seed=0, lora=LORA)
+    group = LearnerGroup(LearnerConfig(zero_stage=1), tiny_policy, seed=0, lora=LORA,
+                         dtype="float32", transport=ObjectStoreTransport())
     yield group
     group.shutdown()
 
@@ -75,7 +77,8 @@ def adapters(learner: LearnerGroup) -> dict:
 @pytest.mark.parametrize("zero_stage", [1, 3])
 def test_checkpoint_holds_adapters_and_their_optimizer_state_and_round_trips(ray_session, tiny_policy, tmp_path,
                                                                              zero_stage):
-    learner = LearnerGroup(LearnerConfig(zero_stage=zero_stage), tiny_policy, seed=0, lora=LORA)
+    learner = LearnerGroup(LearnerConfig(zero_stage=zero_stage), tiny_policy, seed=0, lora=LORA,
+                           dtype="float32", transport=ObjectStoreTransport())
     try:
         learner.start_stage(lr=1e-2)
         learner.sft_step(ROWS)

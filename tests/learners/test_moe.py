@@ -17,6 +17,7 @@ from rlplatform.learners.moe import RouterLoad, aux_loss_coef, load_balancing_lo
 from rlplatform.policy import load_policy, routers, save_initial_policy
 from rlplatform.transport.samples import Sample
 from tests.learners.steps import rl_step
+from rlplatform.transport.weight_transports import ObjectStoreTransport
 
 MOE = ModelConfig(hidden_size=64, num_layers=2, intermediate_size=128, num_experts=4, experts_per_token=2,
                   expert_size=32)
@@ -77,7 +78,8 @@ def _engine_samples(policy: str):
 
 def _balance_over_sft(policy: str, steps: int):
     """The load-balancing loss each of `steps` SFT steps reports, and the learner (still running)."""
-    learner = LearnerGroup(LearnerConfig(num_cpus=0.5), policy, seed=0)
+    learner = LearnerGroup(LearnerConfig(num_cpus=0.5), policy, seed=0,
+                           dtype="float32", transport=ObjectStoreTransport())
     learner.start_stage(lr=3e-2)
     return [learner.sft_step(ROWS).figures["router_aux_loss"] for _ in range(steps)], learner
 

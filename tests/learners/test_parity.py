@@ -16,6 +16,7 @@ from rlplatform.learners.group import LearnerGroup
 from rlplatform.monitoring.alerts import AlertRules, StepFigures
 from rlplatform.transport.samples import Sample
 from tests.learners.steps import rl_step
+from rlplatform.transport.weight_transports import ObjectStoreTransport
 
 
 def sampled(engine: TransformersEngine, version: int):
@@ -31,7 +32,8 @@ def first_step_alerts(parity: dict) -> list:
 
 
 def test_a_layer_the_engine_did_not_load_raises_the_parity_alert(ray_session, tiny_policy):
-    learner = LearnerGroup(LearnerConfig(zero_stage=1), tiny_policy, seed=0)
+    learner = LearnerGroup(LearnerConfig(zero_stage=1), tiny_policy, seed=0,
+                           dtype="float32", transport=ObjectStoreTransport())
     try:
         learner.start_stage(lr=1e-6)
         engine = TransformersEngine(tiny_policy)

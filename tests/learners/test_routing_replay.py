@@ -19,6 +19,7 @@ from rlplatform.transport.routed_experts import bytes_per_token, decode_routing
 from rlplatform.transport.samples import Sample, decode_sample, encode_sample
 from tests.learners.layouts import LAYOUT_EXAMPLES
 from tests.learners.steps import rl_step
+from rlplatform.transport.weight_transports import ObjectStoreTransport
 
 MOE = ModelConfig(hidden_size=64, num_layers=2, intermediate_size=128, num_experts=4, experts_per_token=2,
                   expert_size=32)
@@ -118,7 +119,8 @@ def test_replay_keeps_parity_on_routers_that_moved_since_sampling(moe_policy, ra
                       [0] * len(c.completion_ids), routed_experts=c.routed_experts)
                for g, group in enumerate(groups) for i, c in enumerate(group)]
     advantages = [1.0 if i % 2 else -1.0 for i in range(len(samples))]
-    learner = LearnerGroup(LearnerConfig(num_cpus=0.5), _moved_routers(moe_policy, str(tmp_path / "moved")), seed=0)
+    learner = LearnerGroup(LearnerConfig(num_cpus=0.5), _moved_routers(moe_policy, str(tmp_path / "moved")), seed=0,
+                           dtype="float32", transport=ObjectStoreTransport())
     try:
         learner.start_stage(lr=1e-3)
         figures = rl_step(learner, samples, advantages, RLConfig(max_new_tokens=8)).figures

@@ -52,12 +52,13 @@ def test_rollout_worker_evaluates_a_code_dataset_without_an_answer_field(redis_s
     from rlplatform.actors.rollout_spec import RolloutSpec
     from rlplatform.policy import load_tokenizer
     from rlplatform.tokenization import encode_prompts, save_prompts
+    from rlplatform.transport.weight_transports import ObjectStoreTransport
 
     rows = [{"prompt": "1+1=", "tests": "assert True"}, {"prompt": "2+2=", "tests": "assert False"}]
     prompts = encode_prompts(load_tokenizer(tiny_policy), rows, "auto")
     prompts_path = save_prompts(prompts, str(tmp_path / "prompts.jsonl"))
     worker = RolloutWorker(RolloutSpec(0, "policy", "eval-test", tiny_policy, prompts_path, redis_server, RLConfig(),
-                                       RolloutConfig()))
+                                       RolloutConfig(), dtype="float32", transport=ObjectStoreTransport()))
     config = EvalConfig(greedy=False, samples_per_prompt=3, max_new_tokens=3, batch_size=1)
     figures = worker.evaluate(prompts, config, [RewardSpec(name="code_tests")], [])
     assert figures["rows"] == 2 and figures["completions"] == 6 and figures["reward_errors"] == 0

@@ -23,6 +23,7 @@ from rlplatform.scheduling.buffer import Batch
 from rlplatform.transport.redis_server import RECONNECT_S
 from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
 from rlplatform.transport.samples import ResultMeta, Sample, ScoredSample
+from rlplatform.transport.weight_transports import ObjectStoreTransport
 from rlplatform.transport.weights import from_snapshot
 
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "quickstart.yaml")
@@ -48,7 +49,8 @@ def test_an_engine_that_left_a_layer_behind_raises_the_parity_alert_at_its_next_
                         keys, rollout_workers=1)
     engine = TransformersEngine(tiny_policy)
     check = CanaryCheck(redis_client, keys.canary_reference, keys.canary_checks, every=2, worker=0)
-    learner = LearnerGroup(LearnerConfig(zero_stage=1), tiny_policy, seed=0)
+    learner = LearnerGroup(LearnerConfig(zero_stage=1), tiny_policy, seed=0,
+                           dtype="float32", transport=ObjectStoreTransport())
     figures, prompt_ids = {}, engine.tokenizer(PROMPTS)["input_ids"]
     try:
         learner.connect_results(redis_server, job, RECONNECT_S)

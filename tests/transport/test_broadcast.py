@@ -62,8 +62,9 @@ def test_learner_broadcasts_each_version_to_every_worker_exactly(ray_session, re
     keys = PolicyKeys(job, "policy")
     worker = RolloutActor.options(num_cpus=0).remote(RolloutSpec(  # starts while the learner does
         0, "policy", job, tiny_policy, save_prompts([], str(tmp_path / "prompts.jsonl")), redis_server, RLConfig(),
-        RolloutConfig(num_cpus=0), transport=TRANSPORT, lora=lora))
-    learner = LearnerGroup(LearnerConfig(num_cpus=0), tiny_policy, seed=0, transport=TRANSPORT, lora=lora)
+        RolloutConfig(num_cpus=0), transport=TRANSPORT, lora=lora, dtype="float32"))
+    learner = LearnerGroup(LearnerConfig(num_cpus=0), tiny_policy, seed=0, transport=TRANSPORT, lora=lora,
+                           dtype="float32")
     probe = Probe.remote(redis_server, keys.version)
     try:
         TRANSPORT.connect(learner.ranks[0], [worker, probe], redis_server, keys.version, 120)

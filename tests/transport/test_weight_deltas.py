@@ -102,8 +102,9 @@ def test_a_delta_from_a_version_the_engine_does_not_hold_is_refused():
 
 
 def test_delta_sync_is_a_setting_of_the_transports_that_move_bytes():
-    assert weight_transport(WeightsConfig(delta=True, delta_full_every=9)) == ObjectStoreTransport(delta_full_every=9)
-    assert weight_transport(WeightsConfig(delta=False)).delta_full_every == 0
+    assert weight_transport(WeightsConfig(transport="object_store", delta=True, delta_full_every=9)) == \
+        ObjectStoreTransport(delta_full_every=9)
+    assert weight_transport(WeightsConfig(transport="object_store", delta=False)).delta_full_every == 0
     check_weights(load_config(QUICKSTART, ["weights.delta=true"]), "job.yaml")
     for override, why in (("weights.transport=cuda_ipc", "weights.transport cuda_ipc moves no bytes"),
                           ("model.lora.enabled=true", "LoRA streams the adapters alone")):
