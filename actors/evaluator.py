@@ -23,7 +23,7 @@ import redis
 from rlplatform.actors.rollout_spec import RolloutSpec
 from rlplatform.priority import set_cpu_priority
 from rlplatform.transport.deadlines import this_process
-from rlplatform.transport.reward_queue import PolicyKeys
+from rlplatform.transport.keys import PolicyKeys
 
 
 class EvaluatorWorker:

@@ -48,7 +48,8 @@ from rlplatform.scheduling.staleness import StalenessRule
 from rlplatform.tokenization import Prompt, load_prompts
 from rlplatform.transport.deadlines import Heartbeats
 from rlplatform.transport.redis_server import RECONNECT_S, connect
-from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
+from rlplatform.transport.keys import PolicyKeys
+from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.teacher_queue import TeacherQueue
 from rlplatform.transport.tool_queue import ToolQueue

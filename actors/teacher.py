@@ -21,7 +21,8 @@ from rlplatform.config import RewardWorkersConfig
 from rlplatform.transport.deadlines import Heartbeats
 from rlplatform.transport.queue_worker import QueueStats, QueueWorker
 from rlplatform.transport.redis_server import RECONNECT_S, connect
-from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
+from rlplatform.transport.keys import PolicyKeys
+from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.samples import Sample, decode_sample
 from rlplatform.transport.teacher_queue import TeacherQueue
 

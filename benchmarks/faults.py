@@ -55,7 +55,7 @@ from rlplatform.job.controller import run_job
 from rlplatform.job.run_dir import RUN_ID
 from rlplatform.transport.deadlines import JobFailed
 from rlplatform.transport.redis_server import EmbeddedRedis, connect
-from rlplatform.transport.reward_queue import JobKeys, run_scope
+from rlplatform.transport.keys import JobKeys, run_scope
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RLP = os.path.join(os.path.dirname(sys.executable), "rlp")

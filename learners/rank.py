@@ -48,7 +48,8 @@ from rlplatform.transport.deadlines import this_process
 from rlplatform.transport.redis_server import RedisUnavailable, connect
 from rlplatform.transport.results import ResultStore
 from rlplatform.transport.routed_experts import decode_routing
-from rlplatform.transport.reward_queue import JobKeys, announce_step_end
+from rlplatform.transport.keys import JobKeys
+from rlplatform.transport.reward_queue import announce_step_end
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.weight_transports import WeightTransport
 from rlplatform.monitoring.parity_canary import canary_sequences, canary_version, store_reference
@@ -652,7 +653,7 @@ class LearnerRank:
     def connect_results(self, redis_url: str, run: str, reconnect_s: float, policy: Optional[str] = None) -> None:
         """Fetch the run's scored samples from Redis (reconnecting for `reconnect_s` to one that went away); with
         `policy`, rank 0 also announces each RL step's end there (`announce_step_end`), which wakes the RL loop."""
-        self.results = ResultStore(connect(redis_url, reconnect_s), JobKeys(run).result_prefix)
+        self.results = ResultStore(connect(redis_url, reconnect_s), JobKeys(run))
         self.step_ends = (run, policy) if policy is not None and self.rank == 0 else None
 
     def watch_parity(self, prompt_ids: List[List[int]], reference_key: str, every: int) -> None:

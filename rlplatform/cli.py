@@ -218,7 +218,7 @@ def _reward_worker(args) -> int:
     from rlplatform.config import RewardWorkersConfig
     from rlplatform.rewards.worker import RewardWorker, default_worker_name, job_rewards_from_json
     from rlplatform.transport.redis_server import connect
-    from rlplatform.transport.reward_queue import JobKeys
+    from rlplatform.transport.keys import JobKeys
 
     client = connect(_redis(args))
     run, specs = _published(lambda: _newest_run_with(client, args.job, lambda run: JobKeys(run).rewards),
@@ -257,8 +257,8 @@ def _tool_worker(args) -> int:
     """A standalone tool worker serving the tool calls of job `args.job`'s newest run until that run stops."""
     from rlplatform.config import RewardWorkersConfig
     from rlplatform.envs.tool_worker import ToolWorker, default_tool_worker_name, job_tools_from_json
+    from rlplatform.transport.keys import ToolKeys
     from rlplatform.transport.redis_server import connect
-    from rlplatform.transport.tool_queue import ToolKeys
 
     client = connect(_redis(args))
     run, specs = _published(lambda: _newest_run_with(client, args.job, lambda run: ToolKeys(run).specs),
@@ -327,7 +327,7 @@ def _run_in(run_dir: str) -> Tuple[str, str]:
     from omegaconf import OmegaConf
 
     from rlplatform.job.run_dir import kept_run_id
-    from rlplatform.transport.reward_queue import run_scope
+    from rlplatform.transport.keys import run_scope
 
     config = os.path.join(run_dir, "config.yaml")
     name = OmegaConf.load(config).get("name") if os.path.isfile(config) else None

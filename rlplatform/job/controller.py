@@ -44,7 +44,8 @@ from rlplatform.tokenization import encode_prompts, save_prompts, within_limit
 from rlplatform.transport.deadlines import LEARNER_TIMEOUT_S, JobFailed, LearnerDied, LearnerHung
 from rlplatform.transport.job_lease import JobLease
 from rlplatform.transport.redis_server import EmbeddedRedis, RedisUnavailable, connect
-from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue, run_scope
+from rlplatform.transport.keys import PolicyKeys, run_scope
+from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.weight_store import WeightStore
 
 
@@ -313,7 +314,8 @@ def _start_tool_workers(config: JobConfig, run: str, redis_url: str, client) -> 
     if not (config.env.multi_turn and config.env.tools):
         return []
     from rlplatform.envs.tool_worker import ToolActor, job_tools_json
-    from rlplatform.transport.tool_queue import ToolKeys, ToolQueue
+    from rlplatform.transport.keys import ToolKeys
+    from rlplatform.transport.tool_queue import ToolQueue
 
     ToolQueue(client, run).create_group()
     client.set(ToolKeys(run).specs, job_tools_json(config.env.tools, config.imports))

@@ -44,7 +44,8 @@ from rlplatform.scheduling.staleness import StalenessRule
 from rlplatform.transport.deadlines import (LEARNER_TIMEOUT_S, Heartbeats, JobFailed, LearnerDied, LearnerHung,
                                             ScoringStall, SilentWorkers, WorkerHung)
 from rlplatform.transport.redis_server import RedisUnavailable
-from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
+from rlplatform.transport.keys import PolicyKeys
+from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.samples import ResultMeta
 
 

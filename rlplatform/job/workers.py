@@ -22,7 +22,7 @@ from rlplatform.learners.group import LearnerGroup
 from rlplatform.tokenization import Prompt
 from rlplatform.monitoring.watchdog import HangRule, dump_path, dump_stacks
 from rlplatform.transport.deadlines import EVAL_TIMEOUT_S, WEIGHTS_TIMEOUT_S, JobFailed, WorkerHung, deadline_get
-from rlplatform.transport.reward_queue import PolicyKeys
+from rlplatform.transport.keys import PolicyKeys
 from rlplatform.transport.versions import publish_version
 
 

@@ -14,7 +14,7 @@ import redis
 
 from rlplatform.transport.bridge_protocol import BRIDGE_STATUS_PREFIX
 from rlplatform.transport.deadlines import Beat
-from rlplatform.transport.reward_queue import JobKeys
+from rlplatform.transport.keys import JobKeys
 
 STATUS_TTL_S = 7 * 24 * 3600  # a finished job's status stays readable for a week
 SILENT_WORKERS = "silent_workers"

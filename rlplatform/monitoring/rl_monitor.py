@@ -26,8 +26,8 @@ from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.parity_canary import checks_since
 from rlplatform.monitoring.tool_metrics import tool_figures
 from rlplatform.scheduling.buffer import Batch, has_signal
-from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
-from rlplatform.transport.tool_queue import ToolKeys
+from rlplatform.transport.keys import PolicyKeys, ToolKeys
+from rlplatform.transport.reward_queue import RewardQueue
 
 LEARNING_KEYS = ("loss", "pg_loss", "kl_to_reference", "entropy", "clip_fraction", "importance_weight_mean",
                  "importance_weight_max", "logprob_mismatch_abs", "grad_norm", "lr", "router_aux_loss",

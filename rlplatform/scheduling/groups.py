@@ -19,7 +19,7 @@ import redis
 
 from rlplatform.scheduling.ledger import AGENT, PromptLedger
 from rlplatform.scheduling.staleness import StalenessRule
-from rlplatform.transport.reward_queue import PolicyKeys
+from rlplatform.transport.keys import PolicyKeys
 
 # KEYS: groups started, groups ended untrained. ARGV: groups wanted, groups allowed in play.
 _CLAIM = """

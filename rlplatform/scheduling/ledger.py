@@ -17,6 +17,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import redis
 
+from rlplatform.transport.keys import PolicyKeys
+
 OUTCOMES = ("trained", "dropped_stale", "dropped_error", "dropped_zero_advantage", "expired", "abandoned")
 AGENT = -1  # the position an agent's group holds: none of the data's
 
@@ -102,10 +104,9 @@ class PromptLedger:
         """`run`: the run's `run_scope`. `clock`: wall-clock seconds, shared by every process that holds this
         ledger (tests pass their own)."""
         self.client, self.policy, self.clock = client, policy, clock
-        prefix = f"rlp:{run}:policy:{policy}:ledger"
-        self.open, self.claimed, self.counts_key = f"{prefix}:open", f"{prefix}:claimed", f"{prefix}:counts"
-        self.reissue, self.cursor, self.seq = f"{prefix}:reissue", f"{prefix}:cursor", f"{prefix}:seq"
-        self.attempt = f"{prefix}:attempt"
+        keys = PolicyKeys(run, policy).ledger
+        self.open, self.claimed, self.counts_key = keys.open, keys.claimed, keys.counts
+        self.reissue, self.cursor, self.seq, self.attempt = keys.reissue, keys.cursor, keys.seq, keys.attempt
         self._ending_keys = [self.open, self.claimed, self.counts_key, self.reissue]  # what ending a group touches
         self._issue = client.register_script(_ISSUE)
         self._close = client.register_script(_CLOSE)

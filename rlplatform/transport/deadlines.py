@@ -23,7 +23,7 @@ import ray
 import redis
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from rlplatform.transport.reward_queue import JobKeys
+from rlplatform.transport.keys import JobKeys
 
 LEARNER_TIMEOUT_S = 3600.0  # one learner call (a step, a checkpoint) on the largest models
 WEIGHTS_TIMEOUT_S = 600.0  # publishing one weight snapshot

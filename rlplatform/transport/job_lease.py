@@ -20,7 +20,7 @@ from typing import Optional
 import redis
 
 from rlplatform.config import ConfigError
-from rlplatform.transport.reward_queue import run_scope
+from rlplatform.transport.keys import NameKeys, run_scope
 
 TTL_S = 30.0
 
@@ -37,21 +37,13 @@ return 0
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 
 
-def owner_key(job: str) -> str:
-    return f"rlp:{job}:owner"
-
-
-def newest_run_key(job: str) -> str:
-    return f"rlp:{job}:run"
-
-
 class JobLease:
     """`with JobLease(client, job, run_id, run_dir):` holds job `job`'s name on `client`'s Redis, its run
     `run_id` the name's newest."""
 
     def __init__(self, client: redis.Redis, job: str, run_id: str, run_dir: str, ttl_s: float = TTL_S) -> None:
         self.client, self.job, self.run_id, self.ttl_s = client, job, run_id, ttl_s
-        self.key = owner_key(job)
+        self.key = NameKeys(job).owner
         self.holder = f"{socket.gethostname()} pid {os.getpid()}, {os.path.abspath(run_dir)} [{uuid.uuid4().hex[:8]}]"
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
@@ -61,7 +53,7 @@ class JobLease:
     def __enter__(self) -> "JobLease":
         if not self.client.set(self.key, self.holder, px=int(self.ttl_s * 1000), nx=True):
             raise ConfigError(live_job_message(self.client, self.job) or f"job '{self.job}' started twice")
-        self.client.set(newest_run_key(self.job), self.run_id)
+        self.client.set(NameKeys(self.job).newest_run, self.run_id)
         self._thread = threading.Thread(target=self._keep, name=f"lease-{self.job}", daemon=True)
         self._thread.start()
         return self
@@ -78,7 +70,7 @@ class JobLease:
         """Renew every third of the TTL; a Redis that restarted empty gets the lease back."""
         while not self._stop.wait(self.ttl_s / 3):
             try:
-                self._renew(keys=[self.key, newest_run_key(self.job)],
+                self._renew(keys=[self.key, NameKeys(self.job).newest_run],
                             args=[self.holder, int(self.ttl_s * 1000), self.run_id])
             except redis.RedisError:  # Redis restarting: try again at the next renewal
                 pass
@@ -86,13 +78,13 @@ class JobLease:
 
 def newest_run(client: redis.Redis, job: str) -> Optional[str]:
     """The `run_scope` of the newest run named `job` on `client`'s Redis (None: no run of the name started there)."""
-    run_id = client.get(newest_run_key(job))
+    run_id = client.get(NameKeys(job).newest_run)
     return run_scope(job, run_id.decode()) if run_id is not None else None
 
 
 def live_job_message(client: redis.Redis, job: str) -> Optional[str]:
     """The line refusing a second job named `job` while one holds the name on `client`'s Redis (None: free)."""
-    holder = client.get(owner_key(job))
+    holder = client.get(NameKeys(job).owner)
     if holder is None:
         return None
     return (f"a job named '{job}' is running on this Redis ({holder.decode(errors='replace')}): one job of a name "

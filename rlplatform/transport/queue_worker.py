@@ -13,7 +13,8 @@ from typing import List, Tuple
 from rlplatform.config import RewardWorkersConfig
 from rlplatform.priority import set_cpu_priority
 from rlplatform.transport.deadlines import Heartbeats
-from rlplatform.transport.reward_queue import RewardQueue, StreamQueue
+from rlplatform.transport.reward_queue import RewardQueue
+from rlplatform.transport.stream_queue import StreamQueue
 from rlplatform.transport.samples import WireFormatError
 
 

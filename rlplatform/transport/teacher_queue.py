@@ -2,9 +2,9 @@
 queue, a teacher scoring worker adds each completion token's log-prob under the teacher's newest weights, and the
 sample goes on to the reward queue.
 
-It is the reward queue's machinery (`StreamQueue`): requests `rlp:<run>:policy:<student>:teacher-requests` read
+It is the reward queue's machinery (`StreamQueue`): requests `rlp:<run>:policy:<student>:teacher:requests` read
 through consumer group `teacher-workers` (at-least-once, reclaimed from a dead worker, undecodable ones dead-lettered
-to `...:teacher-dead`), within the job's bound of pending requests. A scored sample's "result" is the sample itself,
+to `...:teacher:dead`), within the job's bound of pending requests. A scored sample's "result" is the sample itself,
 appended to the reward queue's requests stream in the same atomic step that acknowledges it, once per sample id.
 """
 
@@ -14,8 +14,9 @@ from typing import List, Optional, Tuple
 
 import redis
 
-from rlplatform.transport.reward_queue import JobKeys, PolicyKeys, StreamQueue
+from rlplatform.transport.keys import JobKeys, PolicyKeys
 from rlplatform.transport.samples import Sample, encode_sample
+from rlplatform.transport.stream_queue import StreamQueue
 
 GROUP = "teacher-workers"
 
@@ -24,9 +25,8 @@ class TeacherQueue(StreamQueue):
     """Both ends of the teacher queue of `student`'s samples in run `run` (its `run_scope`)."""
 
     def __init__(self, client: redis.Redis, run: str, student: str) -> None:
-        keys, prefix = JobKeys(run), PolicyKeys(run, student).teacher_prefix
-        super().__init__(client, f"{prefix}:requests", f"{prefix}:done-ids", f"{prefix}:dead", GROUP,
-                         keys.max_pending)
+        keys = JobKeys(run)
+        super().__init__(client, PolicyKeys(run, student).teacher_queue, GROUP, keys.max_pending)
         self.reward_requests = keys.requests  # where scored samples go on
 
     def submit(self, samples: List[Sample], counters: Optional[str] = None, poll_s: float = 0.01) -> None:

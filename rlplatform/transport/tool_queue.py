@@ -15,7 +15,8 @@ from typing import Any, Dict, List, Optional, Union
 import msgpack
 import redis
 
-from rlplatform.transport.reward_queue import JobKeys, StreamQueue
+from rlplatform.transport.keys import JobKeys, ToolKeys
+from rlplatform.transport.stream_queue import StreamQueue
 from rlplatform.transport.samples import SCHEMA_VERSION, WireFormatError
 
 GROUP = "tool-workers"
@@ -40,29 +41,12 @@ class ToolResult:
     latency_s: float = 0.0  # from submission to the stored result
 
 
-class ToolKeys:
-    """Names of one run's tool-queue keys (`run`: its `run_scope`)."""
-
-    def __init__(self, run: str) -> None:
-        prefix = f"{JobKeys(run).prefix}:tools"
-        self.requests = f"{prefix}:requests"
-        self.done_ids = f"{prefix}:done-ids"
-        self.dead = f"{prefix}:dead"
-        self.specs = f"{prefix}:specs"  # the job's tool list, read by standalone tool workers
-        self.stats = f"{prefix}:stats"  # counters summed over tool workers: calls/<tool>, errors/<tool>, latency_s/<tool>
-        self.results_prefix = f"{prefix}:results"
-
-    def results(self, worker: str) -> str:
-        """The result stream of the rollout worker named `worker`."""
-        return f"{self.results_prefix}:{worker}"
-
-
 class ToolQueue(StreamQueue):
     """Both ends of one run's tool queue."""
 
     def __init__(self, client: redis.Redis, run: str) -> None:
         self.tool_keys = ToolKeys(run)
-        super().__init__(client, self.tool_keys.requests, self.tool_keys.done_ids, self.tool_keys.dead, GROUP,
+        super().__init__(client, self.tool_keys.queue, GROUP,
                          JobKeys(run).max_pending)
 
     def submit(self, calls: List[ToolCall]) -> None:

@@ -11,7 +11,7 @@ from typing import Optional
 
 import redis
 
-from rlplatform.transport.reward_queue import PolicyKeys
+from rlplatform.transport.keys import PolicyKeys
 
 ANNOUNCEMENTS_KEPT = 16  # stream entries kept (approximately): a reader only ever needs the newest
 

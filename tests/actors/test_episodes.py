@@ -27,9 +27,9 @@ from rlplatform.envs.tool_worker import ToolWorker, job_tools_json
 from rlplatform.learners.batching import completion_logprobs
 from rlplatform.policy import load_tokenizer
 from rlplatform.tokenization import Prompt, encode_prompts, save_prompts
-from rlplatform.transport.job_lease import newest_run_key
-from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue, run_scope
-from rlplatform.transport.tool_queue import ToolKeys, ToolQueue
+from rlplatform.transport.keys import NameKeys, PolicyKeys, ToolKeys, run_scope
+from rlplatform.transport.reward_queue import RewardQueue
+from rlplatform.transport.tool_queue import ToolQueue
 from tests.envs import tools_for_tests
 from rlplatform.transport.weight_transports import ObjectStoreTransport
 
@@ -146,7 +146,7 @@ def test_token_budget_truncates_the_episode(engine, redis_client, redis_server):
 
 
 def test_a_tool_worker_killed_mid_call_loses_no_episode(engine, redis_client, redis_server):
-    redis_client.set(newest_run_key(JOB_NAME), "r1")  # as the job's lease names its run: the worker finds it
+    redis_client.set(NameKeys(JOB_NAME).newest_run, "r1")  # as the job's lease names its run: the worker finds it
     redis_client.set(ToolKeys(JOB).specs, job_tools_json(
         [ToolSpec(fn="tests.envs.tools_for_tests:slow_echo", params={"delay_s": 600})], []))
     doomed = subprocess.Popen([sys.executable, "-m", "rlplatform.cli", "tool-worker", "--redis", redis_server,

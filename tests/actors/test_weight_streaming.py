@@ -17,7 +17,8 @@ from rlplatform.config import RLConfig, RolloutConfig
 from rlplatform.learners.batching import completion_logprobs
 from rlplatform.policy import load_policy, load_tokenizer
 from rlplatform.tokenization import encode_prompts, save_prompts
-from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
+from rlplatform.transport.keys import PolicyKeys
+from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.samples import decode_sample
 from rlplatform.transport.weight_store import WeightStore
 from rlplatform.transport.versions import publish_version
@@ -102,8 +103,19 @@ def test_an_idle_worker_loads_new_weights_as_they_are_published(ray_session, red
     prompts = save_prompts(encode_prompts(load_tokenizer(tiny_policy), ROWS, "auto"), str(tmp_path / "prompts.jsonl"))
     worker = RolloutWorker(RolloutSpec(0, "policy", job, tiny_policy, prompts, redis_server, rl,
                                        RolloutConfig(prompts_per_batch=1), weight_store=f"{job}-weights",
-                                           dtype="float32", transport=ObjectStoreTransport()))
+                                       dtype="float32", transport=ObjectStoreTransport()))
     loop = threading.Thread(target=worker.run, daemon=True)
+    waiting = threading.Event()  # set while the worker, with nothing to decode, waits for new weights
+    await_weights = worker._await_weights
+
+    def awaiting(timeout_s: float) -> None:
+        waiting.set()
+        try:
+            await_weights(timeout_s)
+        finally:
+            waiting.clear()
+
+    worker._await_weights = awaiting
 
     def publish(version: int) -> None:
         ray.get(store.publish.remote(version, [ray.put(to_snapshot(perturbed(tiny_policy, version).state_dict()))]))
@@ -113,7 +125,10 @@ def test_an_idle_worker_loads_new_weights_as_they_are_published(ray_session, red
     try:
         publish(1)
         assert len(collect(queue, 4)) == 4  # the 2 groups the synchronous gate allows version 1, then it waits
-        time.sleep(0.5)  # idle, waiting for weights
+        deadline = time.monotonic() + 30
+        while not waiting.is_set():
+            assert time.monotonic() < deadline, "the worker never went idle"
+            time.sleep(0.01)
         publish(2)
         deadline = time.monotonic() + 30
         while worker.version != 2:

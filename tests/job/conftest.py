@@ -13,7 +13,7 @@ import pytest
 
 from rlplatform.config import JobConfig, load_config
 from rlplatform.job.run_dir import RUN_ID
-from rlplatform.transport.reward_queue import run_scope
+from rlplatform.transport.keys import run_scope
 
 TINY = ["model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=128", "sft.enabled=false",
         "data.train_size=300", "data.test_size=8", "eval.batch_size=8", "rl.batch_prompts=2", "rl.group_size=4",

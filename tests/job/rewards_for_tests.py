@@ -17,8 +17,11 @@ def agrees_with_verifiers(sample) -> float:
     return float(matched == float(sample.row["verifiers_reward"]))
 
 
-def hangs_from_version_2(sample) -> float:
-    """Exact match for the samples of policy versions 0 and 1; from version 2 on, a call that hangs (past its timeout)."""
+def hangs_from_version_2(sample, hanging: str = "") -> float:
+    """Exact match for the samples of policy versions 0 and 1; from version 2 on, a call that hangs (past its timeout),
+    having first created the file `hanging` (where given) for the test to wait on."""
     if max(sample.token_versions, default=0) >= 2:
+        if hanging:
+            open(hanging, "a").close()
         time.sleep(300)
     return float(sample.completion.strip() == str(sample.row["answer"]).strip())

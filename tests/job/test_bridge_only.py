@@ -15,7 +15,7 @@ from rlplatform.job.controller import run_job
 from rlplatform.scheduling.ledger import balanced
 from rlplatform.transport.bridge_protocol import bridge_status_field
 from rlplatform.transport.redis_server import connect
-from rlplatform.transport.reward_queue import JobKeys
+from rlplatform.transport.keys import JobKeys
 
 BRIDGE_ONLY = ["rl.max_steps=100000", "rollout.source=bridge", "rl.idle_timeout_s=5",
                "rollout.openai_bridge.enabled=true", "rollout.openai_bridge.port=0"]

@@ -79,12 +79,13 @@ def test_a_worker_loop_that_ends_on_its_own_fails_the_job_checkpointed(ray_sessi
 
 def test_sigint_while_a_reward_call_hangs_stops_the_job_within_seconds(ray_session, tiny_job, run_files):
     config = tiny_job("hung-reward", "rl.max_steps=100000", "rl.max_staleness=0")
-    config.rewards = [RewardSpec(fn="tests.job.rewards_for_tests:hangs_from_version_2", timeout_s=200.0)]
+    hanging = os.path.join(config.run_dir, "reward-hangs")
+    config.rewards = [RewardSpec(fn="tests.job.rewards_for_tests:hangs_from_version_2", timeout_s=200.0,
+                                 params={"hanging": hanging})]
     sent = {}
 
     def interrupt_once_the_reward_hangs():
-        run_files.wait_for(lambda: run_files.trained_steps(config.run_dir) >= 2)
-        time.sleep(3.0)  # version 2's samples are in the reward's hanging calls
+        run_files.wait_for(lambda: os.path.exists(hanging))  # version 2's samples are in the reward's hanging calls
         sent["at"] = time.monotonic()
         os.kill(os.getpid(), signal.SIGINT)
     summary = run_files.run_job_while(config, interrupt_once_the_reward_hangs)

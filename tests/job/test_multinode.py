@@ -24,7 +24,11 @@ import psutil
 import pytest
 import yaml
 
+from rlplatform.job.run_dir import RUN_ID
 from rlplatform.scheduling.ledger import balanced
+from rlplatform.transport.deadlines import Heartbeats
+from rlplatform.transport.redis_server import connect
+from rlplatform.transport.keys import run_scope
 from tests.job.conftest import samples_balance
 
 RLP = str(Path(sys.executable).parent / "rlp")
@@ -186,7 +190,10 @@ def test_a_job_on_labelled_nodes_that_come_and_go_accounts_for_every_sample(clus
         before = trained_per_s(run_dir, 2.0)
         node = cluster.add_node(cpus=1, resources={"rollout_node": 1})
         run_files.wait_for(lambda: said(run_dir, "rollout_capacity"), timeout_s=180)
-        time.sleep(2.0)  # its first weights and decode steps
+        beats = Heartbeats(connect(redis_url), run_scope(name, (run_dir / RUN_ID).read_text().strip()))
+        run_files.wait_for(lambda: any(beat.worker == "rollout worker 2 of policy 'policy'" and beat.version is not None
+                                       and beat.version >= 0 and beat.action == "generating"
+                                       for beat in beats.beats()), timeout_s=180)  # it holds weights and decodes
         during = trained_per_s(run_dir, 2.0)
         cluster.remove_node(node)
         run_files.wait_for(lambda: len(said(run_dir, "rollout_capacity")) == 2, timeout_s=180)

@@ -87,7 +87,8 @@ def test_fresh_moves_the_earlier_run_aside_and_starts_anew(ray_session, tiny_job
 def test_a_same_name_run_beside_a_live_job_on_a_shared_redis_refuses_in_one_line(redis_server, redis_client,
                                                                                    tmp_path):
     from rlplatform.transport.job_lease import JobLease
-    from rlplatform.transport.reward_queue import RewardQueue, run_scope
+    from rlplatform.transport.keys import run_scope
+    from rlplatform.transport.reward_queue import RewardQueue
 
     live = RewardQueue(redis_client, run_scope("shared", "a1"))
     with JobLease(redis_client, "shared", "a1", "/elsewhere/runs/shared"):  # a live job of the name, run elsewhere

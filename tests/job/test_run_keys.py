@@ -14,7 +14,8 @@ from rlplatform.cli import main
 from rlplatform.job.controller import run_job
 from rlplatform.rewards.worker import RewardWorker
 from rlplatform.transport.job_lease import newest_run
-from rlplatform.transport.reward_queue import JobKeys, RewardQueue, run_scope
+from rlplatform.transport.keys import JobKeys, run_scope
+from rlplatform.transport.reward_queue import RewardQueue
 
 pytestmark = pytest.mark.slow
 

@@ -21,8 +21,8 @@ from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.rl_monitor import PROGRESS_EVERY_S, RLMonitor, TrailingRate
 from rlplatform.scheduling.buffer import Batch
 from rlplatform.transport.bridge_protocol import bridge_status_field
-from rlplatform.transport.job_lease import newest_run_key
-from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue, run_scope
+from rlplatform.transport.keys import NameKeys, PolicyKeys, run_scope
+from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.samples import ResultMeta, Sample, ScoredSample
 
 REPO = Path(__file__).resolve().parents[2]
@@ -116,7 +116,7 @@ def test_the_rl_stage_shows_a_line_at_its_start_and_by_time_while_no_step_ends(r
 
 
 def test_rlp_status_prints_a_jobs_progress_from_redis(redis_server, redis_client, tmp_path):
-    redis_client.set(newest_run_key("elsewhere"), "r1")  # as the job's lease names its run
+    redis_client.set(NameKeys("elsewhere").newest_run, "r1")  # as the job's lease names its run
     status = JobStatus(redis_client, run_scope("elsewhere", "r1"))
     status.write({"stage": "sft", "step": "500/1500", "loss": 0.62})
     status.set("silent_workers", "reward worker 1")
@@ -156,7 +156,7 @@ def test_rlp_status_of_a_run_directory_reads_that_runs_redis_and_status(redis_se
     (run_dir / "redis.url").write_text(redis_server + "\n")
     JobStatus(redis_client, run_scope("mine", "first")).write({"stage": "rl", "step": "3/10"})
     JobStatus(redis_client, run_scope("mine", "later")).write({"stage": "sft", "step": "1/5"})
-    redis_client.set(newest_run_key("mine"), "later")  # a later run of the name: the directory's run is still shown
+    redis_client.set(NameKeys("mine").newest_run, "later")  # a later run of the name: the directory's run is still shown
     rlp = str(Path(sys.executable).parent / "rlp")
     env = {k: v for k, v in os.environ.items() if k != "RLP_REDIS_URL"}
     shown = subprocess.run([rlp, "status", str(run_dir)], capture_output=True, text=True, timeout=60, env=env)

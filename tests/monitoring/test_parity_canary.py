@@ -21,7 +21,8 @@ from rlplatform.monitoring.rl_monitor import RLMonitor
 from rlplatform.job.rl_loop import RLCounters
 from rlplatform.scheduling.buffer import Batch
 from rlplatform.transport.redis_server import RECONNECT_S
-from rlplatform.transport.reward_queue import PolicyKeys, RewardQueue
+from rlplatform.transport.keys import PolicyKeys
+from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.samples import ResultMeta, Sample, ScoredSample
 from rlplatform.transport.weight_transports import ObjectStoreTransport
 from rlplatform.transport.weights import from_snapshot

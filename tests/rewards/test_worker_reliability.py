@@ -21,8 +21,8 @@ import pytest
 from rlplatform.config import RewardSpec, RewardWorkersConfig, load_config
 from rlplatform.rewards.worker import RewardWorker, job_rewards_json
 from rlplatform.transport.redis_server import connect
-from rlplatform.transport.job_lease import newest_run_key
-from rlplatform.transport.reward_queue import GROUP, RewardQueue, run_scope
+from rlplatform.transport.keys import NameKeys, run_scope
+from rlplatform.transport.reward_queue import GROUP, RewardQueue
 from rlplatform.transport.samples import Sample
 from tests.transport.queue_events import scripts_run, wait_for_refusals, wait_until_idle
 
@@ -44,7 +44,7 @@ def job(redis_client):
     """A run's scope `<name>:r1`, registered as its name's newest run (as a job's lease does), so a standalone
     `rlp reward-worker --job <name>` finds it."""
     name = f"rel-{uuid.uuid4().hex[:8]}"
-    redis_client.set(newest_run_key(name), "r1")
+    redis_client.set(NameKeys(name).newest_run, "r1")
     return run_scope(name, "r1")
 
 

@@ -16,7 +16,7 @@ from rlplatform.learners.group import LearnerGroup
 from rlplatform.tokenization import save_prompts
 from rlplatform.transport.broadcast import ALIGN, inbox, plan_buckets
 from rlplatform.transport.redis_server import connect
-from rlplatform.transport.reward_queue import PolicyKeys
+from rlplatform.transport.keys import PolicyKeys
 from rlplatform.transport.weight_transports import BroadcastTransport
 
 TRANSPORT = BroadcastTransport(bucket_mb=0.02)  # about 20 KB: the tiny policy's weights need several buckets

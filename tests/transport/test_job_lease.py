@@ -14,7 +14,8 @@ import pytest
 
 from rlplatform.config import ConfigError
 from rlplatform.transport.job_lease import JobLease, live_job_message, newest_run
-from rlplatform.transport.reward_queue import RewardQueue, run_scope
+from rlplatform.transport.keys import JobKeys, NameKeys, run_scope
+from rlplatform.transport.reward_queue import RewardQueue
 
 HOLD = ("import sys, time\nfrom rlplatform.transport.job_lease import JobLease\n"
         "from rlplatform.transport.redis_server import connect\n"
@@ -46,7 +47,13 @@ def test_a_job_killed_outright_frees_its_name_within_the_ttl(redis_server, redis
     holder = subprocess.Popen([sys.executable, "-c", HOLD, redis_server], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        time.sleep(1.5)  # past one TTL: the holder's thread renews it
+        renewals, left_ms, deadline = 0, redis_client.pttl(NameKeys("shared").owner), time.monotonic() + 30
+        while renewals < 3:  # a third of the TTL each: together the lease outlived its first TTL
+            assert time.monotonic() < deadline, "the holder's thread does not renew its lease"
+            now_ms = redis_client.pttl(NameKeys("shared").owner)
+            renewals += now_ms > left_ms
+            left_ms = now_ms
+            time.sleep(0.02)
         assert "/runs/a" in live_job_message(redis_client, "shared")
     finally:
         holder.send_signal(signal.SIGKILL)
@@ -66,7 +73,7 @@ def test_a_later_run_of_the_name_resets_its_own_keys_only_and_the_name_leads_to_
         earlier.create_group()
         earlier.client.xadd(earlier.keys.requests, {"sample": b"in flight"})  # killed outright: its keys stay
         earlier.client.hset(earlier.keys.status, "stage", "rl")
-    keys_before = sorted(redis_client.scan_iter(match="rlp:shared:a1:*"))
+    keys_before = sorted(redis_client.scan_iter(match=JobKeys(run_scope("shared", "a1")).pattern))
     assert newest_run(redis_client, "shared") == "shared:a1"
     later = RewardQueue(redis_client, run_scope("shared", "b2"))
     with JobLease(redis_client, "shared", "b2", str(tmp_path / "b")):
@@ -76,7 +83,7 @@ def test_a_later_run_of_the_name_resets_its_own_keys_only_and_the_name_leads_to_
         later.client.xadd(later.keys.requests, {"sample": b"the later run's"})
         later.request_stop()
         later.clear()
-    assert sorted(redis_client.scan_iter(match="rlp:shared:a1:*")) == keys_before
+    assert sorted(redis_client.scan_iter(match=JobKeys(run_scope("shared", "a1")).pattern)) == keys_before
     assert redis_client.xlen(earlier.keys.requests) == 1 and redis_client.hget(earlier.keys.status, "stage") == b"rl"
     assert not earlier.stop_requested()  # the later run's stop flag is its own
     assert newest_run(redis_client, "shared") == "shared:b2" and newest_run(redis_client, "other") is None

@@ -14,6 +14,7 @@ import pytest
 from rlplatform.config import RewardSpec, RewardWorkersConfig
 from rlplatform.rewards import REWARDS, register
 from rlplatform.rewards.worker import RewardWorker
+from rlplatform.transport.keys import PolicyKeys
 from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import GROUP, RewardQueue, announce_step_end
 from rlplatform.transport.samples import Sample, ScoredSample, decode_sample
@@ -269,7 +270,7 @@ def test_submit_counts_samples_and_tokens_as_the_stream_takes_each_part(redis_se
     queue = RewardQueue(connect(redis_server), job, max_pending=3)
     queue.reset()
     queue.create_group()
-    counters = f"rlp:{job}:policy:p:rollout-stats"
+    counters = PolicyKeys(job, "p").rollout_stats
     done = threading.Thread(target=queue.submit, args=([make_sample(i, "85") for i in range(5)], counters))
     done.start()  # parts of 3 and 2: the second waits at the bound
     wait_until(lambda: queue.counters(counters), "the first part counted")

@@ -8,7 +8,7 @@ import time
 import uuid
 
 from rlplatform.transport.redis_server import connect
-from rlplatform.transport.reward_queue import PolicyKeys
+from rlplatform.transport.keys import PolicyKeys
 from rlplatform.transport.versions import ANNOUNCEMENTS_KEPT, VersionAnnouncements, publish_version
 
 

@@ -17,7 +17,7 @@ from rlplatform.config import ConfigError, LearnerConfig, WeightsConfig, load_co
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.preflight import check_weights
 from rlplatform.transport.redis_server import connect
-from rlplatform.transport.reward_queue import PolicyKeys
+from rlplatform.transport.keys import PolicyKeys
 from rlplatform.transport.weight_deltas import DELTA_OF, IDX, MASK, DeltaEncoder, combine, delta_of, load_delta, \
     update_bytes
 from rlplatform.transport.weight_store import WeightStore
