@@ -25,7 +25,7 @@ from rlplatform.config import JobConfig
 from rlplatform.job.checkpoint import DiskFull, latest_checkpoint, learner_dir, write_checkpoint
 from rlplatform.job.elastic import ElasticRollout, elastic_policies
 from rlplatform.job.signals import StopSignals
-from rlplatform.job.summaries import RLSummary, plain_text
+from rlplatform.job.summaries import RLFigures, RLSummary, plain_text
 from rlplatform.job.supervision import RESTART_TIMEOUT_S, Supervisor
 from rlplatform.job.workers import PolicyWorkers, publish
 from rlplatform.learners.algorithms import ADVANTAGE_ESTIMATORS, grpo_advantages
@@ -458,10 +458,10 @@ class PolicyRun:
             generated = self.counters.samples_generated_before + int(rollout.get("samples", 0))
             unused = {"in_flight_at_failure": max(generated - _accounted(self.counters), 0)}
         wall = time.perf_counter() - self.start
-        figures = _stage_summary(self.counters, rollout, len(self.workers.rollout), unused, self.version, wall,
-                                 self.trained_at_start)
+        figures = stage_figures(self.counters, rollout, len(self.workers.rollout), unused, self.version, wall,
+                                self.trained_at_start)
         if self.elastic is not None:
-            figures.update(self.elastic.figures())
+            figures = replace(figures, **self.elastic.figures())
         reward_now = self.mirror.reward if offline else self.queue.counters(self.queue.keys.reward_stats)
         reward = {k: v - self._reward_counters_at_start.get(k, 0.0) for k, v in reward_now.items()}
         ledger = {**self.mirror.ledger["counts"], "open": self.mirror.ledger["open"]} if offline \
@@ -474,7 +474,7 @@ class PolicyRun:
             "reward_busy_s": round(reward.get("busy_s", 0.0), 2),  # all policies' reward work
             "reward_latency_s_mean": round(reward.get("latency_s", 0.0) / max(reward.get("scored", 0.0), 1.0), 4),
             "learner_step_s": round(self.counters.learner_busy_s, 2),
-            "weight_publish_s": figures["weight_publish_s"], "weight_sync_s": figures["weight_sync_s"]}
+            "weight_publish_s": figures.weight_publish_s, "weight_sync_s": figures.weight_sync_s}
         return RLSummary(
             steps=self.version, wall_s=round(wall, 2), figures=figures, time_breakdown=time_breakdown,
             eval_history=self.monitor.eval_history, parity=self.monitor.parity_totals(),
@@ -823,41 +823,41 @@ def _keep_lines(path: str, last_step: int) -> None:
         f.writelines(kept)
 
 
-def _stage_summary(counters: RLCounters, rollout: Dict[str, float], rollout_workers: int, unused: Dict[str, int],
-                   version: int, wall: float, trained_at_start: int) -> Dict:
+def stage_figures(counters: RLCounters, rollout: Dict[str, float], rollout_workers: int, unused: Dict[str, int],
+                  version: int, wall: float, trained_at_start: int) -> RLFigures:
     """The stage's counts and rates from the loop's counters and the rollout workers' (summed on Redis) after
     `wall` seconds of this attempt: counts over every attempt (samples_generated = trained + dropped +
     abandoned + unused), rates over this one."""
     generated = int(rollout.get("samples", 0))  # by this attempt
     syncs = int(rollout.get("weight_syncs", 0))
-    return {
-        "samples_generated": counters.samples_generated_before + generated,
-        "tokens_generated": int(rollout.get("tokens", 0)),
-        "samples_scored": counters.samples_scored,
-        "samples_trained": counters.samples_trained,
-        "samples_dropped_stale": counters.samples_dropped_stale,
-        "samples_dropped_error": counters.samples_dropped_error,
-        "samples_dropped_zero_advantage": counters.samples_dropped_zero_advantage,
-        "signal_group_fraction": round(counters.groups_with_signal / max(counters.groups_in_batches, 1), 4),
-        "samples_dropped_expired": counters.samples_dropped_expired,
-        "groups_expired": counters.groups_expired,
-        "samples_dropped_invalid": counters.samples_dropped_invalid,
-        "samples_abandoned_at_resume": counters.samples_abandoned,
-        "samples_unused_at_end": sum(unused.values()),
-        "samples_unused_where": unused,
-        "reward_errors": counters.reward_errors,
-        "reward_reasons": dict(sorted(counters.reward_reasons.items())),
-        "policy_versions": version + 1,
-        "max_staleness_trained": max(counters.staleness_trained, default=0),
-        "staleness_histogram": {str(k): v for k, v in sorted(counters.staleness_trained.items())},
-        "samples_per_s": round(generated / wall, 2),
-        "trained_per_s": round((counters.samples_trained - trained_at_start) / wall, 2),
-        "learner_busy_fraction": round(counters.learner_busy_s / wall, 3),
-        "learner_steps_queued": counters.steps_queued,
-        **counters.learner.figures(),
-        "rollout_busy_fraction": round(rollout.get("busy_s", 0.0) / wall / max(rollout_workers, 1), 3),
-        "weight_publish_s": round(counters.weight_publish_s, 3),
-        "weight_syncs": syncs,
-        "weight_sync_s": round(rollout.get("weight_sync_s", 0.0), 3),
-        "weight_bytes_per_sync": round(rollout.get("weight_sync_bytes", 0) / max(syncs, 1)),
-    }
+    return RLFigures(
+        samples_generated=counters.samples_generated_before + generated,
+        tokens_generated=int(rollout.get("tokens", 0)),
+        samples_scored=counters.samples_scored,
+        samples_trained=counters.samples_trained,
+        samples_dropped_stale=counters.samples_dropped_stale,
+        samples_dropped_error=counters.samples_dropped_error,
+        samples_dropped_zero_advantage=counters.samples_dropped_zero_advantage,
+        signal_group_fraction=round(counters.groups_with_signal / max(counters.groups_in_batches, 1), 4),
+        samples_dropped_expired=counters.samples_dropped_expired,
+        groups_expired=counters.groups_expired,
+        samples_dropped_invalid=counters.samples_dropped_invalid,
+        samples_abandoned_at_resume=counters.samples_abandoned,
+        samples_unused_at_end=sum(unused.values()),
+        samples_unused_where=unused,
+        reward_errors=counters.reward_errors,
+        reward_reasons=dict(sorted(counters.reward_reasons.items())),
+        policy_versions=version + 1,
+        max_staleness_trained=max(counters.staleness_trained, default=0),
+        staleness_histogram={str(k): v for k, v in sorted(counters.staleness_trained.items())},
+        samples_per_s=round(generated / wall, 2),
+        trained_per_s=round((counters.samples_trained - trained_at_start) / wall, 2),
+        learner_busy_fraction=round(counters.learner_busy_s / wall, 3),
+        learner_steps_queued=counters.steps_queued,
+        **counters.learner.figures(),  # learner_model_tokens_per_s, learner_mfu
+        rollout_busy_fraction=round(rollout.get("busy_s", 0.0) / wall / max(rollout_workers, 1), 3),
+        weight_publish_s=round(counters.weight_publish_s, 3),
+        weight_syncs=syncs,
+        weight_sync_s=round(rollout.get("weight_sync_s", 0.0), 3),
+        weight_bytes_per_sync=round(rollout.get("weight_sync_bytes", 0) / max(syncs, 1)),
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Dict, Mapping, Optional, Tuple
 
@@ -43,11 +43,64 @@ class SFTSummary:
 
 
 @dataclass(frozen=True)
+class RLFigures:
+    """A policy's RL sample counts over every attempt (samples_generated = trained + dropped + abandoned + unused)
+    and this attempt's rates (`rl_loop.stage_figures`), as summary.json shows them under `rl`."""
+    samples_generated: int
+    tokens_generated: int
+    samples_scored: int
+    samples_trained: int
+    samples_dropped_stale: int
+    samples_dropped_error: int
+    samples_dropped_zero_advantage: int
+    signal_group_fraction: float  # of the groups in batches, those whose rewards differ
+    samples_dropped_expired: int
+    groups_expired: int
+    samples_dropped_invalid: int
+    samples_abandoned_at_resume: int
+    samples_unused_at_end: int
+    samples_unused_where: Mapping[str, int]  # where the unused ones were left
+    reward_errors: int
+    reward_reasons: Mapping[str, int]  # `<reward>/<reason>` -> samples
+    policy_versions: int
+    max_staleness_trained: int
+    staleness_histogram: Mapping[str, int]  # versions behind -> samples trained
+    samples_per_s: float  # generated, this attempt
+    trained_per_s: float  # this attempt
+    learner_busy_fraction: float
+    learner_steps_queued: int
+    learner_model_tokens_per_s: float  # `LearnerTotals.figures`
+    learner_mfu: float
+    rollout_busy_fraction: float
+    weight_publish_s: float
+    weight_syncs: int
+    weight_sync_s: float
+    weight_bytes_per_sync: int
+    # a policy whose rollout workers come and go (`rollout.max_workers`): `ElasticRollout.figures`; else None
+    rollout_workers_joined: Optional[int] = None
+    rollout_workers_left: Optional[int] = None
+    rollout_groups_reissued: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in ("samples_unused_where", "reward_reasons", "staleness_histogram"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))  # a copy, read-only
+
+    def to_json(self) -> Dict[str, Any]:
+        """Every figure in field order (the elastic ones only where the workers come and go)."""
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: dict(value) if isinstance(value, Mapping) else value for name, value in shown.items()
+                if value is not None or name not in _ELASTIC}
+
+
+_ELASTIC = ("rollout_workers_joined", "rollout_workers_left", "rollout_groups_reissued")
+
+
+@dataclass(frozen=True)
 class RLSummary:
     """A policy's RL stage figures (`run_rl`), written once every worker has stopped."""
     steps: int  # the policy version reached
     wall_s: float  # this attempt's
-    figures: Mapping[str, Any]  # the counts over every attempt and this attempt's rates (`rl_loop._stage_summary`)
+    figures: RLFigures  # the counts over every attempt and this attempt's rates
     time_breakdown: Mapping[str, float]  # seconds of generation, queue submits, reward work, learner steps, weights
     eval_history: Tuple[Mapping[str, float], ...]  # held-out accuracy by version (`RLMonitor.evaluation`)
     parity: Mapping[str, Any]  # `RLMonitor.parity_totals`
@@ -64,14 +117,13 @@ class RLSummary:
     distill: Mapping[str, Any] = field(default_factory=dict)  # `RLMonitor.distill_totals` (empty: the policy does not distil)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "figures", MappingProxyType(dict(self.figures)))  # a copy, read-only
         object.__setattr__(self, "eval_history", tuple(self.eval_history))
 
     def to_json(self) -> Dict[str, Any]:
         """The figures summary.json shows under `rl` (the first step's clock reading left out)."""
         extras = {"tools": dict(self.tools)} if self.tools is not None else {}
         extras.update({"distill": dict(self.distill)} if self.distill else {})
-        return {"steps": self.steps, "wall_s": self.wall_s, **self.figures,
+        return {"steps": self.steps, "wall_s": self.wall_s, **self.figures.to_json(),
                 "time_breakdown": dict(self.time_breakdown), "eval_history": [dict(h) for h in self.eval_history],
                 "parity": dict(self.parity), "rewards": dict(self.rewards), "ledger": dict(self.ledger),
                 "ended_by": self.ended_by, **extras, "restarts": dict(self.restarts), "checkpoint": self.checkpoint,

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from rlplatform.job.controller import _job_state
-from rlplatform.job.summaries import JobSummary, PolicyResults, RLSummary, SFTSummary, StartupTimes
+from rlplatform.job.summaries import JobSummary, PolicyResults, RLFigures, RLSummary, SFTSummary, StartupTimes
 
 # one policy's results in a checkpoint's state.json, as the controller wrote them before the summaries were typed
 OLD_STATE_RESULTS = """{"data": {"train_rows": 90, "test_rows": 10, "train_skipped_long_prompt": 0,
@@ -20,9 +20,15 @@ OLD_STATE_RESULTS = """{"data": {"train_rows": 90, "test_rows": 10, "train_skipp
  "policy_version": 0}}}"""
 
 
+def rl_figures(**changes) -> RLFigures:
+    """A stage's figures: 64 samples trained of 64, 3 wrong answers, the rest 0."""
+    counts = {f.name: 0 for f in dataclasses.fields(RLFigures) if f.default is dataclasses.MISSING}
+    return RLFigures(**{**counts, "samples_generated": 64, "samples_trained": 64, "samples_unused_where": {},
+                        "reward_reasons": {"exact_match/wrong": 3}, "staleness_histogram": {"0": 64}, **changes})
+
+
 def rl_summary(**changes) -> RLSummary:
-    fields = dict(steps=4, wall_s=9.5, figures={"samples_generated": 64, "samples_trained": 64,
-                                                  "reward_reasons": {"exact_match/wrong": 3}},
+    fields = dict(steps=4, wall_s=9.5, figures=rl_figures(),
                   time_breakdown={"generation_s": 3.0}, eval_history=[{"version": 2, "accuracy": 0.5}],
                   parity={"checks": 0}, rewards={"exact_match": 0.5}, ledger={"issued": 8},
                   first_step_at=1700000020.0, ended_by="max_steps", tools=None,
@@ -52,12 +58,19 @@ def test_the_job_state_reads_evaluations_that_finish_after_the_stage_began():
 
 def test_the_rl_summary_shows_its_figures_in_the_order_summary_json_holds_them():
     shown = rl_summary().to_json()
-    assert list(shown) == ["steps", "wall_s", "samples_generated", "samples_trained", "reward_reasons",
-                           "time_breakdown", "eval_history", "parity", "rewards", "ledger", "ended_by", "restarts",
-                           "checkpoint", "results_held_at_end", "controller_cpu_s", "wandb_dir"]
+    counts = [f.name for f in dataclasses.fields(RLFigures)][:-3]  # the elastic three only where workers come and go
+    assert list(shown) == ["steps", "wall_s", *counts, "time_breakdown", "eval_history", "parity", "rewards",
+                           "ledger", "ended_by", "restarts", "checkpoint", "results_held_at_end", "controller_cpu_s",
+                           "wandb_dir"]
     assert shown["eval_history"] == [{"version": 2, "accuracy": 0.5}] and shown["controller_cpu_s"] == 1.25
+    assert shown["reward_reasons"] == {"exact_match/wrong": 3} and json.loads(json.dumps(shown)) == shown
     with_tools = rl_summary(tools={"calculator/calls": 3.0}).to_json()
-    assert list(with_tools)[10:12] == ["ended_by", "tools"] and with_tools["tools"] == {"calculator/calls": 3.0}
+    assert list(with_tools)[len(counts) + 7:len(counts) + 9] == ["ended_by", "tools"]
+    assert with_tools["tools"] == {"calculator/calls": 3.0}
+    elastic = rl_summary(figures=rl_figures(rollout_workers_joined=2, rollout_workers_left=1,
+                                            rollout_groups_reissued=3)).to_json()
+    assert list(elastic)[2 + len(counts):5 + len(counts)] == ["rollout_workers_joined", "rollout_workers_left",
+                                                              "rollout_groups_reissued"]
 
 
 def test_summaries_are_not_changed_once_returned():
@@ -67,8 +80,10 @@ def test_summaries_are_not_changed_once_returned():
     assert len(summary.eval_history) == 1
     with pytest.raises(dataclasses.FrozenInstanceError):
         summary.steps = 5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        summary.figures.samples_trained = 0
     with pytest.raises(TypeError):
-        summary.figures["samples_trained"] = 0
+        summary.figures.reward_reasons["exact_match/wrong"] = 0
     with pytest.raises(dataclasses.FrozenInstanceError):
         SFTSummary.from_state(json.loads(OLD_STATE_RESULTS)["stages"]["sft"]).final_loss = 0.0
 
