@@ -12,8 +12,9 @@ import pytest
 import ray
 from ray._private.state import state as ray_state
 
-from rlplatform.config import PolicyConfig, RLConfig
+from rlplatform.config import RLConfig, load_config
 from rlplatform.job.elastic import ElasticRollout
+from rlplatform.job.placement import plan_job
 from rlplatform.job.supervision import Supervisor
 from rlplatform.job.workers import PolicyWorkers
 from rlplatform.scheduling.groups import GroupSchedule
@@ -71,10 +72,10 @@ class Unplaceable:
 def test_a_worker_that_was_never_placed_is_cancelled_at_the_end_instead_of_waited_for(ray_session, redis_client):
     """The room seen on a node was taken before Ray placed the added worker: at the stage's end it is killed and
     leaves, and the end does not wait `WORKERS_END_S` for a loop that never ran."""
-    policy = PolicyConfig()
-    policy.rollout.max_workers = 2
+    config = load_config(None, ["rollout.max_workers=2"])
+    plan = plan_job(config, ray.cluster_resources(), cuda_here=False).of("policy")
     fixed = [None]  # the policy's one worker started with the job, which plays no part here
-    workers = PolicyWorkers(policy, None, fixed, None, None, None, [], {}, add_rollout=lambda index: Unplaceable.remote())
+    workers = PolicyWorkers(plan, None, fixed, None, None, None, [], {}, add_rollout=lambda index: Unplaceable.remote())
     supervisor = Supervisor(lambda text: None)
     notes = []
     elastic = ElasticRollout(workers, GroupSchedule(redis_client, "elastic-run", "policy", StalenessRule.of(RLConfig())),

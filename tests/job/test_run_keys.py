@@ -26,13 +26,13 @@ def test_a_later_run_of_a_name_leaves_the_earlier_runs_keys_and_a_resume_keeps_i
     first = run_job(tiny_job("keys", *shared))
     earlier = JobKeys(run_scope("keys", first["run_id"]))
     redis_client.xadd(earlier.requests, {"data": b"left by a run killed outright"})
-    earlier_keys = {key: redis_client.type(key) for key in redis_client.scan_iter(match=f"{earlier.prefix}:*")}
+    earlier_keys = {key: redis_client.type(key) for key in redis_client.scan_iter(match=earlier.pattern)}
     assert redis_client.hget(earlier.status, "stage") == b"completed"
 
     second_config = tiny_job("keys", *shared, f"output_dir={tmp_path / 'elsewhere'}")
     second = run_job(second_config)
     assert second["status"] == "completed" and second["run_id"] != first["run_id"]
-    assert {key: redis_client.type(key) for key in redis_client.scan_iter(match=f"{earlier.prefix}:*")} == earlier_keys
+    assert {key: redis_client.type(key) for key in redis_client.scan_iter(match=earlier.pattern)} == earlier_keys
     assert redis_client.xlen(earlier.requests) == 1 and redis_client.hget(earlier.status, "stage") == b"completed"
     run = run_scope("keys", second["run_id"])
     assert newest_run(redis_client, "keys") == run
