@@ -299,7 +299,7 @@ def whole_job_rows(model_dir: str, prompts: List[str], args: argparse.Namespace)
                    f"{job['learner_busy']:.0%}, MFU {job['mfu']:.1%}, {job['sync_s']:.3f} s per weight sync; actors "
                    f"ready {job['actors_ready_s']:.1f} s and the first step trained {job['first_step_s']:.1f} s after "
                    f"the job began; one rank ({'bf16 weights over fp32 masters' if gpu else 'fp32'}) and 2 rollout "
-                   f"workers, {job['shares'] or 'no GPU shared'}")
+                   f"workers, {job['shares'] or 'no GPU shared'}; no evaluation (nor in TRL's)")
     except Exception as error:  # noqa: BLE001 (reported in the table)
         job, job_figure, job_how = None, f"failed: {type(error).__name__}", str(error)[:200]
     print(f"whole job: {job_figure} ({job_how})", flush=True)

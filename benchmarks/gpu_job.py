@@ -59,7 +59,7 @@ def job_figures(model_dir: str, prompts: List[str], group: int, new_tokens: int,
                "lr": 1e-6, "lr_schedule": "constant", "log_every": 1},
         "rollout": {"num_workers": 2, "prompts_per_batch": len(prompts)},
         "rewards": [{"name": "regex_contains", "params": {"pattern": REWARD_PATTERN}}],
-        "eval": {"max_rows": 8, "max_new_tokens": 4},
+        "eval": {"enabled": False},  # like the peer, which evaluates nothing: no evaluator takes a GPU share
         "wandb": {"mode": "disabled"},
     }
     path = os.path.join(work_dir, "gpu-job.yaml")

@@ -145,7 +145,7 @@ def _lookup(registry: Dict[str, Entry], name: str, kind: str) -> Entry:
 
 
 def policy_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
-                advantages: torch.Tensor, mask: torch.Tensor, correction: str = "truncated_is",
+                advantages: torch.Tensor, mask: torch.Tensor, *, correction: str = "truncated_is",
                 clip_eps: float = 0.2, is_cap: float = 2.0, aggregation: str = "token_mean",
                 max_tokens: Optional[int] = None, totals: Optional[Totals] = None) -> Tuple[torch.Tensor, Metrics]:
     """PPO-clip surrogate on r = pi_theta / pi_prox, weighted per token by `correction`, then aggregated.

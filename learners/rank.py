@@ -570,8 +570,9 @@ class LearnerRank:
         advantages = part.advantages
         if part.teacher is not None:  # each token's advantage: the task's, plus the teacher's signal
             advantages = advantages[:, None] + distillation_signal(part.teacher, part.behaviour, self.distill_coef)
-        loss, metrics = policy_loss(scores.logprobs, proximal, part.behaviour, advantages, mask, rl.correction,
-                                    rl.clip_eps, rl.is_cap, rl.loss_aggregation, minibatch.max_tokens, totals)
+        loss, metrics = policy_loss(scores.logprobs, proximal, part.behaviour, advantages, mask,
+                                    correction=rl.correction, clip_eps=rl.clip_eps, is_cap=rl.is_cap,
+                                    aggregation=rl.loss_aggregation, max_tokens=minibatch.max_tokens, totals=totals)
         if part.teacher is not None:
             metrics["distill_kl"] = token_mean(part.behaviour - part.teacher, mask, totals=totals)
         if proximal is not part.behaviour:  # the weights at entry scored the tokens: parity with the engine
