@@ -42,8 +42,8 @@ class EvaluatorWorker:
         self.worker = RolloutWorker(spec)
         self.instance = (uuid.uuid4().hex, ray.get_runtime_context().was_current_actor_reconstructed)
 
-    def open_broadcast(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
-        self.worker.open_broadcast(host, port, rank, world_size, backend)
+    def join_weights(self, *args) -> None:
+        self.worker.join_weights(*args)
 
     def evaluate_snapshot(self, snapshot: Dict, prompts: List, config, rewards: List, imports: List[str]
                           ) -> Tuple[Tuple[str, bool], Dict]:

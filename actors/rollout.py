@@ -140,10 +140,9 @@ class RolloutWorker:
     def version(self) -> int:
         return self.engine.version
 
-    def open_broadcast(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
-        """Join the policy's weight broadcast group as `rank`; rounds arrive on a background thread."""
-        self.weights_in.open_receiver(host, port, rank, world_size, backend, connect(self.redis_url),
-                                      self.keys.version)
+    def join_weights(self, *args) -> None:
+        """Take part in the weight transport's set-up (`WeightTransport.connect`; this engine's end)."""
+        self.weights_in.join(*args)
 
     def run(self) -> None:
         """Generate and submit until the job's stop flag is set.

@@ -49,7 +49,7 @@ from rlplatform.devices import resolve_dtype
 from rlplatform.learners.algorithms import grpo_advantages
 from rlplatform.learners.batching import choose_layout
 from rlplatform.learners.rank import LearnerRank
-from rlplatform.transport.redis_server import EmbeddedRedis, connect
+from rlplatform.transport.redis_server import EmbeddedRedis
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.weight_store import WeightStore
 from rlplatform.transport.weight_transports import BroadcastTransport, CudaIpcTransport, ObjectStoreTransport, WeightTransport
@@ -141,8 +141,8 @@ class SyncTarget:
         self.engine = TransformersEngine(model_dir, device, dtype)
         self.receiver = transport.receiver(store, self.engine.device)
 
-    def open_broadcast(self, host: str, port: int, backend: str, redis_url: str, version_key: str) -> None:
-        self.receiver.open_receiver(host, port, 1, 2, backend, connect(redis_url), version_key)
+    def join_weights(self, *args) -> None:
+        self.receiver.join(*args)
 
     def load(self, version: int) -> int:
         while (newer := self.receiver.newer(version - 1)) is None:
@@ -157,12 +157,13 @@ def weight_sync(learner: LearnerRank, model_dir: str, transport: WeightTransport
     """Seconds from learner rank 0's weights to an engine in another process holding them, per transport."""
     store = WeightStore.remote()
     target = _sync_target(model_dir, learner.dtype, transport, store)
-    learner.transport, learner.weights_out = transport, transport.sender()
+    learner.transport, learner.weights_out = transport, transport.sender(learner.device)
     if isinstance(transport, BroadcastTransport):
         key = f"bench-{transport.name}:version"
         host, port = learner.address()
-        joined = target.open_broadcast.remote(host, port, learner.broadcast_backend(), redis_url, key)
-        learner.open_broadcast(host, port, 2, learner.broadcast_backend(), redis_url, key)
+        backend = learner.placement()["backend"]  # gloo on the CPU, nccl on a GPU
+        joined = target.join_weights.remote(host, port, 1, 2, backend, redis_url, key)
+        learner.join_weights(host, port, 0, 2, backend, redis_url, key)
         ray.get(joined)
     seconds = []
     try:

@@ -137,7 +137,7 @@ class LearnerRank:
         self.reference = None  # frozen policy for KL, kept during RL when asked
         self.stage_lr = 0.0
         self.transport = transport  # weights.transport's strategy
-        self.weights_out = transport.sender()  # how rank 0 streams each new version
+        self.weights_out = transport.sender(self.device)  # how rank 0 streams each new version
         # weights.delta: each version after a full one as the elements that changed
         self.updates = DeltaEncoder(transport.delta_full_every) if transport.delta_full_every else None
         self.results: Optional[ResultStore] = None  # the job's scored samples on Redis
@@ -710,17 +710,9 @@ class LearnerRank:
             return None if snapshot is None else from_snapshot(snapshot)
         return self._full_state_dict(served=True)
 
-    def broadcast_backend(self) -> str:
-        """The weight broadcast group's backend: nccl when this rank computes on a GPU, else gloo."""
-        return "nccl" if self.device.type == "cuda" else "gloo"
-
-    def open_broadcast(self, host: str, port: int, world_size: int, backend: str, redis_url: str,
-                       version_key: str) -> None:
-        """Join the weight broadcast group as its rank 0 (learner rank 0 only; `BroadcastTransport.connect`)."""
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        self.weights_out.open_sender(host, port, world_size, backend, connect(redis_url), version_key,
-                                     self.transport.bucket_bytes)
+    def join_weights(self, *args) -> None:
+        """Take part in the weight transport's set-up (`WeightTransport.connect`; learner rank 0's end)."""
+        self.weights_out.join(*args)
 
     def snapshot_weights(self) -> Optional[List[ray.ObjectRef]]:
         """[ref] to a snapshot of the current weights (with LoRA, of the adapters) in the object store (rank 0)."""

@@ -48,21 +48,27 @@ class StoreReceiver:
 
 
 class GroupEnd:
-    """Either end of the broadcast group, open once `open_sender` or `open_receiver` ran (`BroadcastTransport.connect`)."""
+    """Either end of the broadcast group on `device`, open once it joined (`join`, which `BroadcastTransport.connect`
+    has every end call through its actor's `join_weights`): rank 0 sends in buckets of `bucket_bytes`."""
 
-    def __init__(self, device: Optional[torch.device] = None) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, bucket_bytes: int = 0) -> None:
+        self.device, self.bucket_bytes = device, bucket_bytes
         self.sender: Optional[BroadcastSender] = None
         self.receiver: Optional[BroadcastReceiver] = None
 
-    def open_sender(self, host: str, port: int, world: int, backend: str, client, version_key: str,
-                    bucket_bytes: int) -> None:
-        self.sender = BroadcastSender(open_group(host, port, 0, world, backend), client, version_key, bucket_bytes)
+    def join(self, host: str, port: int, rank: int, world: int, backend: str, redis_url: str,
+             version_key: str) -> None:
+        """Join the group at `host:port` as `rank` of `world` (0: the sender); versions are announced on Redis at
+        `version_key`."""
+        from rlplatform.transport.redis_server import connect
 
-    def open_receiver(self, host: str, port: int, rank: int, world: int, backend: str, client,
-                      version_key: str) -> None:
-        self.receiver = BroadcastReceiver(open_group(host, port, rank, world, backend), client, version_key,
-                                          self.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        group, client = open_group(host, port, rank, world, backend), connect(redis_url)
+        if rank == 0:
+            self.sender = BroadcastSender(group, client, version_key, self.bucket_bytes)
+        else:
+            self.receiver = BroadcastReceiver(group, client, version_key, self.device)
 
     def send(self, weights: Weights, version: int) -> int:
         if self.sender is None:

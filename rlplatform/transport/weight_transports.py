@@ -40,8 +40,8 @@ class WeightTransport:
     snapshots_in_store: ClassVar[bool] = False
     moves_bytes: ClassVar[bool] = True  # whether the weights' bytes cross between devices (delta sync saves some)
 
-    def sender(self):
-        """Learner rank 0's end: `send(weights, version)`."""
+    def sender(self, device: "torch.device"):
+        """Learner rank 0's end on `device`: `send(weights, version)`."""
         raise NotImplementedError
 
     def receiver(self, weight_store, device: "torch.device"):
@@ -49,7 +49,8 @@ class WeightTransport:
         raise NotImplementedError
 
     def connect(self, sender_rank, receivers: List, redis_url: str, version_key: str, timeout_s: float) -> None:
-        """Join learner rank 0 (a LearnerActor) and the engines' actors, once, before version 0 (none needed)."""
+        """Join learner rank 0 (a LearnerActor) and the engines' actors, once, before version 0 (none needed). An
+        actor takes part through its `join_weights(*args)`, which hands the arguments to its end's `join`."""
 
     @classmethod
     def from_config(cls, config: WeightsConfig) -> "WeightTransport":
@@ -61,7 +62,7 @@ class ObjectStoreTransport(WeightTransport):
     name: ClassVar[str] = "object_store"
     snapshots_in_store: ClassVar[bool] = True
 
-    def sender(self) -> "StoreSender":
+    def sender(self, device: "torch.device") -> "StoreSender":
         from rlplatform.transport.transport_ends import StoreSender
         from rlplatform.transport.weights import to_snapshot
 
@@ -79,7 +80,7 @@ class CudaIpcTransport(WeightTransport):
     name: ClassVar[str] = "cuda_ipc"
     moves_bytes: ClassVar[bool] = False  # engines map learner rank 0's GPU copy
 
-    def sender(self) -> "StoreSender":
+    def sender(self, device: "torch.device") -> "StoreSender":
         from rlplatform.transport.cuda_ipc import IpcSender
         from rlplatform.transport.transport_ends import StoreSender
 
@@ -97,10 +98,10 @@ class BroadcastTransport(WeightTransport):
     name: ClassVar[str] = "broadcast"
     bucket_mb: float = WeightsConfig.bucket_mb  # weights go in buckets of at most this many MB
 
-    def sender(self) -> "GroupEnd":
+    def sender(self, device: "torch.device") -> "GroupEnd":
         from rlplatform.transport.transport_ends import GroupEnd
 
-        return GroupEnd()
+        return GroupEnd(device, self.bucket_bytes)
 
     def receiver(self, weight_store, device: "torch.device") -> "GroupEnd":
         from rlplatform.transport.transport_ends import GroupEnd
@@ -108,15 +109,15 @@ class BroadcastTransport(WeightTransport):
         return GroupEnd(device)
 
     def connect(self, sender_rank, receivers: List, redis_url: str, version_key: str, timeout_s: float) -> None:
-        """Open the group on the backend of rank 0's device; returns once rank 0 and every receiver joined."""
+        """Open the group on rank 0's process-group backend (nccl on a GPU, gloo on the CPU); returns once rank 0
+        and every receiver joined."""
         from rlplatform.transport.deadlines import deadline_get
 
         host, port = deadline_get(sender_rank.address.remote(), "learner rank 0", timeout_s)
-        backend = deadline_get(sender_rank.broadcast_backend.remote(), "learner rank 0", timeout_s)
+        backend = deadline_get(sender_rank.placement.remote(), "learner rank 0", timeout_s)["backend"]
         world = 1 + len(receivers)
-        joins = [sender_rank.open_broadcast.remote(host, port, world, backend, redis_url, version_key)]
-        joins += [actor.open_broadcast.remote(host, port, rank, world, backend) for rank, actor in
-                  enumerate(receivers, start=1)]
+        joins = [actor.join_weights.remote(host, port, rank, world, backend, redis_url, version_key)
+                 for rank, actor in enumerate([sender_rank, *receivers])]
         deadline_get(joins, "the weight broadcast group's set-up", timeout_s)
 
     @property

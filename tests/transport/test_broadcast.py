@@ -15,7 +15,6 @@ from rlplatform.config import LearnerConfig, LoraConfig, RLConfig, RolloutConfig
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.tokenization import save_prompts
 from rlplatform.transport.broadcast import ALIGN, inbox, plan_buckets
-from rlplatform.transport.redis_server import connect
 from rlplatform.transport.keys import PolicyKeys
 from rlplatform.transport.weight_transports import BroadcastTransport
 
@@ -41,12 +40,9 @@ def test_buckets_hold_every_weight_aligned_and_within_the_bound():
 class Probe:
     """A bare receiving end of the group, reporting what it holds."""
 
-    def __init__(self, redis_url: str, version_key: str) -> None:
-        self.redis_url, self.version_key = redis_url, version_key
-
-    def open_broadcast(self, host, port, rank, world_size, backend):
+    def join_weights(self, *args):
         self.receiver = TRANSPORT.receiver(None, torch.device("cpu"))
-        self.receiver.open_receiver(host, port, rank, world_size, backend, connect(self.redis_url), self.version_key)
+        self.receiver.join(*args)
 
     def take(self):
         return self.receiver.receiver.take()
@@ -65,7 +61,7 @@ def test_learner_broadcasts_each_version_to_every_worker_exactly(ray_session, re
         RolloutConfig(num_cpus=0), transport=TRANSPORT, lora=lora, dtype="float32"))
     learner = LearnerGroup(LearnerConfig(num_cpus=0), tiny_policy, seed=0, transport=TRANSPORT, lora=lora,
                            dtype="float32")
-    probe = Probe.remote(redis_server, keys.version)
+    probe = Probe.remote()
     try:
         TRANSPORT.connect(learner.ranks[0], [worker, probe], redis_server, keys.version, 120)
         learner.start_stage(lr=1e-2)

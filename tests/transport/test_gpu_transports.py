@@ -24,7 +24,7 @@ class Side:
     """One process on the shared GPU: publishes or receives a version of `_weights()`."""
 
     def publish_ipc(self):
-        self.sender = CudaIpcTransport().sender()  # kept: its GPU buffers must outlive the reader's copy
+        self.sender = CudaIpcTransport().sender(torch.device("cuda", 0))  # kept: its GPU buffers must outlive the reader's copy
         return self.sender.send({k: v.cuda() for k, v in _weights().items()}, 3)
 
     def read_ipc(self, store):
@@ -37,19 +37,15 @@ class Side:
             return ray.util.get_node_ip_address(), sock.getsockname()[1]
 
     def open_sender(self, host, port, world, redis_url, version_key):
-        from rlplatform.transport.redis_server import connect
-
-        self.sender = BroadcastTransport().sender()
-        self.sender.open_sender(host, port, world, "nccl", connect(redis_url), version_key, bucket_bytes=4096)
+        self.sender = BroadcastTransport(bucket_mb=4096 / 2 ** 20).sender(torch.device("cuda", 0))
+        self.sender.join(host, port, 0, world, "nccl", redis_url, version_key)
 
     def send(self, version):
         self.sender.send({k: v.cuda() for k, v in _weights().items()}, version)
 
     def open_receiver(self, host, port, rank, world, redis_url, version_key):
-        from rlplatform.transport.redis_server import connect
-
         self.receiver = BroadcastTransport().receiver(None, torch.device("cuda", 0))
-        self.receiver.open_receiver(host, port, rank, world, "nccl", connect(redis_url), version_key)
+        self.receiver.join(host, port, rank, world, "nccl", redis_url, version_key)
 
     def take(self):
         taken = self.receiver.receiver.take()

@@ -16,7 +16,6 @@ import torch
 from rlplatform.config import ConfigError, LearnerConfig, WeightsConfig, load_config
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.preflight import check_weights
-from rlplatform.transport.redis_server import connect
 from rlplatform.transport.keys import PolicyKeys
 from rlplatform.transport.weight_deltas import DELTA_OF, IDX, MASK, DeltaEncoder, combine, delta_of, load_delta, \
     update_bytes
@@ -116,15 +115,14 @@ def test_delta_sync_is_a_setting_of_the_transports_that_move_bytes():
 class Engine:
     """A transformers engine behind a transport's receiving end, as a rollout worker holds one."""
 
-    def __init__(self, policy: str, transport, store, redis_url: str, version_key: str) -> None:
+    def __init__(self, policy: str, transport, store) -> None:
         from rlplatform.actors.engine import TransformersEngine
 
         self.engine = TransformersEngine(policy, "cpu", "bfloat16")
         self.receiver = transport.receiver(store, self.engine.device)
-        self.redis_url, self.version_key = redis_url, version_key
 
-    def open_broadcast(self, host, port, rank, world_size, backend) -> None:
-        self.receiver.open_receiver(host, port, rank, world_size, backend, connect(self.redis_url), self.version_key)
+    def join_weights(self, *args) -> None:
+        self.receiver.join(*args)
 
     def sync(self):
         """(version held, bytes of the update loaded)."""
@@ -145,7 +143,7 @@ def test_an_engine_syncing_now_and_then_holds_the_bfloat16_learners_weights_bit_
         ray_session, redis_server, redis_client, tiny_policy, transport):
     keys = PolicyKeys(f"delta-test-{time.time_ns()}", "policy")
     store = WeightStore.remote(FULL_EVERY)
-    engine = Engine.remote(tiny_policy, transport, store, redis_server, keys.version)
+    engine = Engine.remote(tiny_policy, transport, store)
     learner = LearnerGroup(LearnerConfig(num_cpus=0), tiny_policy, seed=0, dtype="bfloat16", transport=transport)
     try:
         transport.connect(learner.ranks[0], [engine], redis_server, keys.version, 120)
