@@ -237,7 +237,8 @@ def _run_stages(config: JobConfig, plan: JobPlan, run: str, redis_url: str, lear
             job_state = partial(_job_state, results, metrics.run.id if metrics.run else None)
             try:
                 summaries = _rl_stage(config, [p for p in policies if p.config.rl.enabled], queue, reward_actors,
-                                      metrics, train_rows, results, stop, job_state, resume, tool_actors)
+                                      metrics, train_rows, results=results, stop=stop, job_state=job_state,
+                                      resume=resume, tool_actors=tool_actors)
             except StageFailed as failed:
                 for name, rl in failed.summaries.items():
                     results[name].rl = rl
@@ -352,8 +353,9 @@ def _start_policy(config: JobConfig, plan: PolicyPlan, learner: LearnerGroup, tr
         learner.set_up()
     keys = PolicyKeys(run, policy.name)
     evaluator = Evaluator(start_rollout(policy.rollout.num_workers), test, config.eval, config.rewards,
-                          config.imports, partial(alert, "worker_restart"), hang_rule(config.monitoring),
-                          partial(alert, "hang"), config.run_dir, redis_url, keys.evaluator_process
+                          config.imports, on_restart=partial(alert, "worker_restart"),
+                          hang_rule=hang_rule(config.monitoring), on_hang=partial(alert, "hang"),
+                          run_dir=config.run_dir, redis_url=redis_url, process_key=keys.evaluator_process
                           ) if config.eval.enabled else None  # after the learner's set-up (`Evaluator`)
     learner.connect_results(redis_url, run, config.redis.reconnect_s, policy.name)
     if config.monitoring.parity_every:
@@ -483,12 +485,12 @@ def _baseline_snapshot(workers: PolicyWorkers, streamed) -> ray.ObjectRef:
 
 
 def _rl_stage(config: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, reward_actors: List,
-              metrics: Metrics, train_rows, results: Dict[str, PolicyResults], stop: StopSignals,
+              metrics: Metrics, train_rows, *, results: Dict[str, PolicyResults], stop: StopSignals,
               job_state: Callable[[], Dict], resume: Optional[Resume], tool_actors: List) -> Dict[str, RLSummary]:
     """RL for `policies`, then each one's final evaluation (recorded in `results` as "after_rl"); returns each
     policy's RL summary."""
-    summaries = run_rl(config, policies, queue, reward_actors, metrics, train_rows, stop, job_state, resume,
-                       tool_actors=tool_actors)
+    summaries = run_rl(config, policies, queue, reward_actors, metrics, train_rows, stop=stop, job_state=job_state,
+                       resume=resume, tool_actors=tool_actors)
     for workers in policies:
         if not stop.requested and workers.evaluator is not None:
             workers.evaluator.finish_baseline()

@@ -499,7 +499,7 @@ class Resume:
 
 
 def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, reward_actors: List,
-           metrics: Metrics, train_rows: List[Dict], stop: StopSignals, job_state: Callable[[], Dict],
+           metrics: Metrics, train_rows: List[Dict], *, stop: StopSignals, job_state: Callable[[], Dict],
            resume: Optional[Resume] = None, tool_actors: Sequence = ()) -> Dict[str, RLSummary]:
     """Train every policy to `rl.max_steps` from its version 0 (already published) or from `resume`,
     learner steps of different policies running at once, checkpoints every `checkpoint.every_steps`

@@ -41,7 +41,7 @@ class Evaluator:
     again."""
 
     def __init__(self, actor, prompts: List[Prompt], config: EvalConfig, rewards: List[RewardSpec],
-                 imports: List[str], on_restart: Callable[[str], None], hang_rule: Optional[HangRule] = None,
+                 imports: List[str], *, on_restart: Callable[[str], None], hang_rule: Optional[HangRule] = None,
                  on_hang: Callable[[str], None] = lambda message: None, run_dir: str = "", redis_url: str = "",
                  process_key: str = "") -> None:
         self.actor, self.prompts, self.config, self.rewards, self.imports = actor, prompts, config, rewards, imports

@@ -108,7 +108,7 @@ def _kill_and_wait(actor) -> None:
 def test_an_evaluator_restarted_between_evaluations_counts_one_restart_and_raises_its_alert(ray_session,
                                                                                             heard_before):
     alerts = []
-    evaluator = Evaluator(AnsweringEvaluator.remote(), [], EvalConfig(), [], [], alerts.append)
+    evaluator = Evaluator(AnsweringEvaluator.remote(), [], EvalConfig(), [], [], on_restart=alerts.append)
     if heard_before:  # else Ray restarts it before its first answer
         assert evaluator.run_now() == (0, {"accuracy": 0.5})
     _kill_and_wait(evaluator.actor)
