@@ -7,6 +7,7 @@ mathematically equivalent to the reference (symbolically, via the `math-verify` 
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import threading
@@ -18,6 +19,17 @@ _ANSWER_IS = re.compile(r"answer is\s*:?\s*(.+?)\s*\.?\s*$", re.IGNORECASE | re.
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
 
 
+class _BoundByTheWorker(logging.Filter):
+    """Drops math-verify's warning that it runs without a timeout of its own: off the main thread it cannot have
+    one, and the reward worker bounds the whole call (`rewards[].timeout_s`). Left in, it fills a job's console."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+_BOUND = _BoundByTheWorker()
+
+
 def math_verify(sample: Sample, *, timeout_s: float = 5.0) -> float:
     """1.0 when the completion's final answer equals the row's `answer` up to mathematical equivalence.
 
@@ -26,6 +38,10 @@ def math_verify(sample: Sample, *, timeout_s: float = 5.0) -> float:
         without one (the reward worker bounds the whole call).
     """
     from math_verify import parse, verify  # here, not at the top: its import costs every job ~1 s of start-up
+
+    for name in ("math_verify.parser", "math_verify.grader"):
+        if _BOUND not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(_BOUND)
 
     predicted = extract_answer(sample.completion)
     if predicted is None:

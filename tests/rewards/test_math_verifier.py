@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -51,6 +52,18 @@ def test_scores_off_the_main_thread(make_sample):
     # ...so off the main thread the reward runs math-verify without it
     sample = make_sample(r"\boxed{2\sqrt{2}}", answer=r"\sqrt{8}")
     assert _in_thread(lambda: math_verify(sample)) == 1.0
+
+
+def test_no_warning_that_math_verify_runs_without_its_own_timeout(make_sample, caplog, monkeypatch):
+    """Off the main thread math-verify warns, once a process, that it has no timeout; the reward worker bounds the
+    call, and a job's evaluator and reward workers printed the warning into its console."""
+    from math_verify import grader, parser
+
+    monkeypatch.setattr(parser, "TIMEOUT_WARNING_SHOWN", False)  # as in a fresh process
+    monkeypatch.setattr(grader, "TIMEOUT_WARNING_SHOWN", False)
+    with caplog.at_level(logging.WARNING):
+        assert _in_thread(lambda: math_verify(make_sample("the answer is 42", answer="42"))) == 1.0
+    assert not [r for r in caplog.records if "Timeout is disabled" in r.getMessage()]
 
 
 def _in_thread(fn):
