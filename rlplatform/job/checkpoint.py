@@ -22,7 +22,8 @@ import json
 import os
 import re
 import shutil
-from typing import Callable, Dict, Optional
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Dict, List, Optional
 
 STATE = "state.json"
 MANIFEST = "manifest.json"
@@ -34,6 +35,35 @@ _CHUNK = 1 << 20
 
 class DiskFull(RuntimeError):
     """A checkpoint's write ran out of disk space; the one-line message says what is intact and what to do."""
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """What a checkpoint keeps of one policy's RL stage (`rl_loop.PolicyRun.state`)."""
+    version: int
+    counters: Dict[str, Any]  # `RLCounters.state`, samples_generated_before counting every attempt so far
+    ledger: Dict[str, Any]  # `PromptLedger.state`
+    eval_history: List[Dict[str, float]]  # held-out accuracy by version
+    rewards: Dict[str, Any]  # `RLMonitor.reward_state`
+
+
+@dataclass(frozen=True)
+class CheckpointState:
+    """A checkpoint's state.json: every policy's results so far (`PolicyResults.state`), the W&B run to continue,
+    the resume attempt that wrote it and each policy's RL stage."""
+    results: Dict[str, Dict[str, Any]]
+    wandb_run_id: Optional[str]
+    attempt: int
+    policies: Dict[str, PolicyState]
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"results": self.results, "wandb_run_id": self.wandb_run_id, "attempt": self.attempt,
+                "policies": {name: asdict(policy) for name, policy in self.policies.items()}}
+
+    @classmethod
+    def from_json(cls, state: Dict[str, Any]) -> "CheckpointState":
+        return cls(state["results"], state["wandb_run_id"], state["attempt"],
+                   {name: PolicyState(**policy) for name, policy in state["policies"].items()})
 
 
 def checkpoints_dir(run_dir: str) -> str:
@@ -51,7 +81,7 @@ def learner_dir(checkpoint: str, policy: str) -> str:
     return os.path.join(checkpoint, policy, "learner")
 
 
-def write_checkpoint(run_dir: str, step: int, state: Dict, save_learners: Callable[[str], None],
+def write_checkpoint(run_dir: str, step: int, state: CheckpointState, save_learners: Callable[[str], None],
                      keep_last: int) -> str:
     """Write checkpoint `step`: `save_learners(dir)` fills each policy's `learner_dir`, then the state and the
     manifest; returns its path. A checkpoint of this step already there is kept as it is. Any failure removes
@@ -66,7 +96,7 @@ def write_checkpoint(run_dir: str, step: int, state: Dict, save_learners: Callab
         os.makedirs(temp)
         save_learners(temp)
         with open(os.path.join(temp, STATE), "w") as f:
-            json.dump(state, f, indent=1)
+            json.dump(state.to_json(), f, indent=1)
         write_manifest(temp)
         _fsync_tree(temp)
         os.rename(temp, final)
@@ -93,9 +123,9 @@ def _disk_full_message(run_dir: str, step: int) -> str:
            f"free space and `rlp run --resume {run_dir}`"
 
 
-def read_state(checkpoint: str) -> Dict:
+def read_state(checkpoint: str) -> CheckpointState:
     with open(os.path.join(checkpoint, STATE)) as f:
-        return json.load(f)
+        return CheckpointState.from_json(json.load(f))
 
 
 def write_manifest(directory: str) -> None:

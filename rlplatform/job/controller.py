@@ -96,7 +96,7 @@ def _run_locked(config: JobConfig, started_at: float, shutdown_ray: Optional[boo
             _record_redis_url(redis_url, run_dir)
             plan.write(run_dir)
             learners = {name: _start_learner(config, p) for name, p in plan.policies.items()}  # set up in _start_policy
-            metrics = Metrics(config, run_dir, run_id=resume.state["wandb_run_id"] if resume else None,
+            metrics = Metrics(config, run_dir, run_id=resume.state.wandb_run_id if resume else None,
                               plan=plan.described())
             for line in resume.set_aside if resume else []:
                 metrics.event("checkpoint_set_aside", line)
@@ -226,9 +226,9 @@ def _run_stages(config: JobConfig, plan: JobPlan, run: str, redis_url: str, lear
         tool_actors = _start_tool_workers(config, run, redis_url, client)
         startup.mark("learners_ready_s", at=max(p.learner.ready_at for p in policies))
         startup.mark("workers_ready_s")  # every actor constructed
-        results = {name: PolicyResults.from_state(state) for name, state in resume.state["results"].items()} \
+        results = {name: PolicyResults.from_state(state) for name, state in resume.state.results.items()} \
             if resume else {p.name: PolicyResults(p.data) for p in policies}
-        resumed = resume.state["policies"] if resume else {}
+        resumed = resume.state.policies if resume else {}
         for workers in policies:
             if workers.name not in resumed:
                 results[workers.name].sft = _supervised_stage(config, workers, train_rows, metrics, client,

@@ -22,7 +22,8 @@ from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence
 import ray
 
 from rlplatform.config import JobConfig
-from rlplatform.job.checkpoint import DiskFull, latest_checkpoint, learner_dir, write_checkpoint
+from rlplatform.job.checkpoint import (CheckpointState, DiskFull, PolicyState, latest_checkpoint, learner_dir,
+                                       write_checkpoint)
 from rlplatform.job.elastic import ElasticRollout, elastic_policies
 from rlplatform.job.signals import StopSignals
 from rlplatform.job.summaries import RLFigures, RLSummary, plain_text
@@ -177,30 +178,30 @@ class PolicyRun:
         workers.learner.start_stage(self.rl.lr, keep_reference=self.rl.kl_coef > 0 or self.rl.track_reference_kl,
                                     distill_coef=distill.coef if self.teacher else 0.0)
 
-    def restore(self, state: Dict, checkpoint: str, attempt: int) -> None:
+    def restore(self, state: PolicyState, checkpoint: str, attempt: int) -> None:
         """Continue from a checkpoint: learner, counters, ledger (in-flight prompts re-issued), gate, weights."""
         self.workers.learner.load_checkpoint(learner_dir(checkpoint, self.workers.name))
-        self.version = state["version"]
-        self.counters = RLCounters.from_state(state["counters"])
+        self.version = state.version
+        self.counters = RLCounters.from_state(state.counters)
         # the samples in flight at the checkpoint are lost with the attempt: their prompts are issued again
         self.counters.samples_abandoned += self.counters.samples_generated_before - _accounted(self.counters)
         self.trained_at_start = self.counters.samples_trained
         self.monitor.samples_seen = self.counters.samples_trained
-        self.monitor.eval_history = state["eval_history"]
-        self.monitor.restore_rewards(state["rewards"])
-        self.schedule.resume(state["ledger"], attempt, self.version)
+        self.monitor.eval_history = state.eval_history
+        self.monitor.restore_rewards(state.rewards)
+        self.schedule.resume(state.ledger, attempt, self.version)
         _keep_lines(self.trained_log, self.version)
         publish(self.workers, self.queue.client, self.version)
 
-    def state(self, offline: bool = False) -> Dict:
+    def state(self, offline: bool = False) -> PolicyState:
         """What a checkpoint keeps of this policy's stage (taken with no learner step in flight); its counters
         count the samples generated so far over every attempt. `offline`: the job's Redis went away, Redis's part
         comes from the mirror."""
         generated = self.counters.samples_generated_before + int(self._rollout_counters(offline).get("samples", 0))
         counters = {**self.counters.state(), "samples_generated_before": generated}
         ledger = self.mirror.ledger if offline else self.schedule.ledger.state()
-        return {"version": self.version, "counters": counters, "ledger": ledger,
-                "eval_history": self.monitor.eval_history, "rewards": self.monitor.reward_state()}
+        return PolicyState(version=self.version, counters=counters, ledger=ledger,
+                           eval_history=list(self.monitor.eval_history), rewards=self.monitor.reward_state())
 
     def mirror_redis(self) -> None:
         """Keep what a checkpoint and the summary need from Redis in `mirror`: the ledger read now, the workers'
@@ -490,12 +491,12 @@ class Resume:
     """A checkpoint to continue from: its path and its state.json; `set_aside`: a line for each newer checkpoint
     found corrupt and set aside."""
     path: str
-    state: Dict
+    state: CheckpointState
     set_aside: List[str] = field(default_factory=list)
 
     @property
     def attempt(self) -> int:
-        return self.state["attempt"] + 1
+        return self.state.attempt + 1
 
 
 def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, reward_actors: List,
@@ -515,7 +516,7 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
     attempt = resume.attempt if resume else 0
     for name, run in runs.items():
         if resume:
-            run.restore(resume.state["policies"][name], resume.path, attempt)
+            run.restore(resume.state.policies[name], resume.path, attempt)
         else:
             _keep_lines(run.trained_log, 0)  # a fresh start: nothing trained yet
         run.monitor.started(run.version)
@@ -729,8 +730,8 @@ class Checkpoints:
         return self.latest
 
     def _save(self, offline: bool = False) -> None:
-        state = {**self.job_state(), "attempt": self.attempt,
-                 "policies": {name: run.state(offline) for name, run in self.runs.items()}}
+        state = CheckpointState(**self.job_state(), attempt=self.attempt,
+                                policies={name: run.state(offline) for name, run in self.runs.items()})
         step = sum(run.version for run in self.runs.values())
         self.latest = write_checkpoint(self.job.run_dir, step, state, self._save_learners,
                                        self.job.checkpoint.keep_last)

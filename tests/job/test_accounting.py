@@ -76,12 +76,15 @@ def test_dropped_groups_give_back_the_capacity_they_claimed(redis_client):
 def test_counters_with_reward_reasons_round_trip_through_a_checkpoint(tmp_path):
     from collections import Counter
 
-    from rlplatform.job.checkpoint import read_state, write_checkpoint
+    from rlplatform.job.checkpoint import CheckpointState, PolicyState, read_state, write_checkpoint
 
     counters = RLCounters(samples_trained=24, reward_errors=3)
     counters.reward_reasons.update(["code_tests/failed"] * 17 + ["code_tests/error"] * 3)  # as a code-task job counts
     counters.staleness_trained.update({0: 16, 1: 8})
-    path = write_checkpoint(str(tmp_path), 3, {"counters": counters.state()}, lambda directory: None, keep_last=2)
-    restored = RLCounters.from_state(read_state(path)["counters"])
+    policy = PolicyState(version=3, counters=counters.state(), ledger={}, eval_history=[], rewards={})
+    state = CheckpointState(results={}, wandb_run_id=None, attempt=0, policies={"policy": policy})
+    path = write_checkpoint(str(tmp_path), 3, state, lambda directory: None, keep_last=2)
+    assert read_state(path) == state
+    restored = RLCounters.from_state(read_state(path).policies["policy"].counters)
     assert restored == counters
     assert restored.reward_reasons == Counter({"code_tests/failed": 17, "code_tests/error": 3})

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from rlplatform.config import ConfigError, load_config
-from rlplatform.job.checkpoint import (MANIFEST, DiskFull, checkpoints_dir, intact_checkpoint, latest_checkpoint,
-                                       learner_dir, remove_partial, verify, write_checkpoint)
+from rlplatform.job.checkpoint import (MANIFEST, CheckpointState, DiskFull, checkpoints_dir, intact_checkpoint,
+                                       latest_checkpoint, learner_dir, remove_partial, verify, write_checkpoint)
 from rlplatform.job.controller import run_job
 
 WEIGHTS = os.path.join("policy", "learner", "global_step1", "mp_rank_00_model_states.pt")
@@ -41,8 +41,11 @@ def save_learner(values: int = 4096):
     return save
 
 
+STATE = CheckpointState(results={}, wandb_run_id=None, attempt=0, policies={})
+
+
 def checkpoint(run_dir, step: int, values: int = 4096) -> str:
-    return write_checkpoint(str(run_dir), step, {"attempt": 0, "step": step}, save_learner(values), keep_last=5)
+    return write_checkpoint(str(run_dir), step, STATE, save_learner(values), keep_last=5)
 
 
 def truncate_to_half(path: Path) -> None:
@@ -129,7 +132,7 @@ def test_temp_directories_are_removed_at_a_start_and_after_a_failed_write(tmp_pa
         save_learner()(directory)
         raise ValueError("a learner rank failed")
     with pytest.raises(ValueError, match="a learner rank failed"):  # not a full disk: the error as it was
-        write_checkpoint(str(tmp_path), 2, {}, fails, keep_last=2)
+        write_checkpoint(str(tmp_path), 2, STATE, fails, keep_last=2)
     assert os.listdir(root) == []
 
 
@@ -146,7 +149,7 @@ def test_enospc_while_writing_says_which_checkpoint_is_intact_and_removes_the_te
     checkpoint(tmp_path, 2)
     root = Path(checkpoints_dir(str(tmp_path)))
     with pytest.raises(DiskFull) as full:
-        write_checkpoint(str(tmp_path), 4, {}, writes_to_dev_full, keep_last=2)
+        write_checkpoint(str(tmp_path), 4, STATE, writes_to_dev_full, keep_last=2)
     assert str(full.value) == f"no space left on {root} writing checkpoint step 4; step 2 is intact; free space " \
                               f"and `rlp run --resume {tmp_path}`"
     assert isinstance(full.value.__cause__, OSError) and full.value.__cause__.errno == errno.ENOSPC

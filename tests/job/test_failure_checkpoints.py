@@ -48,7 +48,7 @@ def test_a_job_whose_redis_stalls_checkpoints_from_the_learner_and_resumes(ray_s
     rl = summary["rl"]
     assert summary["status"] == "failed" and "\x1b" not in summary["error"] and rl["ended_by"] == "failed"
     steps = rl["steps"]
-    assert steps >= stalled["steps"] and read_state(checkpoint)["policies"]["policy"]["version"] == steps
+    assert steps >= stalled["steps"] and read_state(checkpoint).policies["policy"].version == steps
     assert rl["samples_trained"] == steps * 2 * 4 == len(run_files.trained_ids(config.run_dir))
     assert samples_balance(rl) and set(rl["samples_unused_where"]) == {"in_flight_at_failure"}
 
@@ -74,7 +74,7 @@ def test_a_worker_loop_that_ends_on_its_own_fails_the_job_checkpointed(ray_sessi
     assert checkpoint is not None and f"(checkpoint {checkpoint})" in message
     summary = json.loads((Path(config.run_dir) / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["rl"]["ended_by"] == "failed" and samples_balance(summary["rl"])
-    assert read_state(checkpoint)["policies"]["policy"]["version"] == summary["rl"]["steps"] >= 3
+    assert read_state(checkpoint).policies["policy"].version == summary["rl"]["steps"] >= 3
 
 
 def test_sigint_while_a_reward_call_hangs_stops_the_job_within_seconds(ray_session, tiny_job, run_files):

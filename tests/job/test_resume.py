@@ -40,10 +40,10 @@ def test_stopped_job_resumes_to_the_same_final_step_training_nothing_twice(ray_s
     assert checkpoint.endswith(f"step-{stopped_at:06d}") and first["rl"]["checkpoint"] == checkpoint
     kept = sorted(os.listdir(os.path.dirname(checkpoint)))
     assert len(kept) == 2 and not any(name.startswith(".tmp") for name in kept)  # keep_last, nothing half-written
-    state = read_state(checkpoint)["policies"]["policy"]
-    assert state["version"] == stopped_at and state["counters"]["samples_trained"] == stopped_at * 2 * 4
+    state = read_state(checkpoint).policies["policy"]
+    assert state.version == stopped_at and state.counters["samples_trained"] == stopped_at * 2 * 4
     older = os.path.join(os.path.dirname(checkpoint), kept[0])
-    in_flight = len(read_state(older)["policies"]["policy"]["ledger"]["in_flight_prompts"])
+    in_flight = len(read_state(older).policies["policy"].ledger["in_flight_prompts"])
     (weights,) = Path(learner_dir(checkpoint, "policy")).glob("global_step*/mp_rank_00_model_states.pt")
     os.truncate(weights, weights.stat().st_size // 2)  # the newest checkpoint damaged on disk
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from rlplatform.config import RewardSpec
-from rlplatform.job.checkpoint import read_state, write_checkpoint
+from rlplatform.job.checkpoint import CheckpointState, PolicyState, read_state, write_checkpoint
 from rlplatform.job.rl_loop import RLCounters, _count_scored
 from rlplatform.rewards import all_rewards, resolve
 from rlplatform.rewards.scoring import Scorer
@@ -49,9 +49,10 @@ def test_a_built_in_rewards_results_round_trip_through_a_checkpoint(name, make_s
     assert counters.samples_scored == 2
     if name == "code_tests":  # a list of test statements, failed by the completion; the second sample has no tests
         assert counters.reward_reasons == {"code_tests/failed": 1} and counters.reward_errors == 1
-    state = {"policies": {"policy": {"version": 3, "counters": counters.state(),
-                                     "components": [ResultMeta.of(s).components for s in results]}}}
+    policy = PolicyState(version=3, counters=counters.state(), ledger={}, eval_history=[],
+                         rewards={"components": [ResultMeta.of(s).components for s in results]})
+    state = CheckpointState(results={}, wandb_run_id=None, attempt=0, policies={"policy": policy})
     path = write_checkpoint(str(tmp_path), 3, state, lambda directory: None, keep_last=2)
-    restored = read_state(path)["policies"]["policy"]
-    assert RLCounters.from_state(restored["counters"]) == counters
-    assert restored["components"] == [dict(s.components) for s in results]
+    restored = read_state(path).policies["policy"]
+    assert RLCounters.from_state(restored.counters) == counters
+    assert restored.rewards["components"] == [dict(s.components) for s in results]
