@@ -16,6 +16,7 @@ as does the micro-batch budget the learner device's free memory allows.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Union
 
@@ -79,7 +80,7 @@ class JobPlan:
                                                                 for name, plan in self.policies.items()}}
 
     def write(self, run_dir: str) -> None:
-        with open(f"{run_dir}/{PLAN_FILE}", "w") as f:
+        with open(os.path.join(run_dir, PLAN_FILE), "w") as f:
             f.write(OmegaConf.to_yaml(OmegaConf.create(self.described())))
 
     def lines(self) -> List[str]:
