@@ -597,7 +597,7 @@ def account(config: JobConfig, faults: List[Fault]) -> Outcome:
     ids = [i for line in lines for i in line["sample_ids"]]
     prompts = [p for line in lines for p in line["prompts"]]
     checkpoint = latest_checkpoint(run_dir)
-    ledger = read_state(checkpoint)["policies"]["policy"]["ledger"] if checkpoint else \
+    ledger = read_state(checkpoint).policies["policy"].ledger if checkpoint else \
         {"cursor": 0, "counts": Counter(), "in_flight_prompts": [], "open": 0}
     counts, cursor = ledger["counts"], ledger["cursor"]
     known = [p for p in prompts if p is not None]
