@@ -370,12 +370,12 @@ def _start_teacher_workers(config: JobConfig, plan: JobPlan, student: PolicyConf
                            redis_url: str) -> List:
     """A distilling policy's teacher scoring workers (`distill.workers`), each holding the teacher's engine and
     pulling its published versions from the teacher's weight store; none for a policy that does not distil."""
-    if config.teacher_of(student) is None:
+    if student.distill.teacher is None:
         return []
     from rlplatform.actors.rollout_spec import RolloutSpec
     from rlplatform.actors.teacher import TeacherActor
 
-    teacher_plan = plan.of(config.teacher_of(student))
+    teacher_plan = plan.of(student.distill.teacher)
     teacher = teacher_plan.policy
     if not teacher_plan.transport.snapshots_in_store:
         raise ConfigError(f"policy {student.name!r} distils from {teacher.name!r}, whose weights.transport is not the "
