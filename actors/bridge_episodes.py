@@ -10,7 +10,7 @@ log-probs and versions, observation tokens masked out), the record environment e
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Dict, List
 
 from rlplatform.actors.completions import Completion
@@ -73,6 +73,7 @@ class Episode:
     text: str  # the newest request's prompt text (with the renderer's stand-ins): what its reply continues
     reply_text: str = ""  # the newest reply as answered to the agent (special tokens removed)
     reply_model_text: str = ""  # the same reply with its special tokens
+    _: KW_ONLY
     trace: TokenTrace = field(default_factory=TokenTrace)  # every token after the first prompt
 
     @classmethod
@@ -110,7 +111,7 @@ class Episode:
         self.reply_model_text = renderer.decode(reply.completion_ids, special_tokens=True)
 
     def sample(self, renderer: ChatRenderer, sample_id: str, group_id: str, policy: str, row: Dict,
-               now: float) -> Sample:
+               *, now: float) -> Sample:
         return Sample(sample_id=sample_id, group_id=group_id, policy=policy, prompt=self.prompt_text,
                       completion=renderer.decode(self.trace.ids), prompt_ids=self.prompt_ids,
                       completion_ids=self.trace.ids, behaviour_logprobs=self.trace.logprobs,

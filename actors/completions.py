@@ -7,7 +7,7 @@ weight versions, and for a mixture-of-experts policy the experts of every token 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Dict, Hashable, List, Tuple
 
 import torch
@@ -22,6 +22,7 @@ class Completion:
     text: str  # decoded completion, special tokens removed
     logprobs: List[float]  # behaviour log-prob of each completion token
     versions: List[int]  # weight version that generated each completion token
+    _: KW_ONLY
     completion_mask: List[int] = field(default_factory=list)  # multi-turn: 1 model token, 0 observation (Sample's)
     episode: Dict[str, Any] = field(default_factory=dict)  # multi-turn: per-episode fields for the sample's row
     routed_experts: bytes = b""  # a mixture-of-experts policy: each fed token's experts (Sample's; none recorded: empty)
@@ -34,6 +35,7 @@ class Row:
     max_new_tokens: int
     temperature: float
     tokens: List[int] = field(default_factory=list)
+    _: KW_ONLY
     logprobs: List[float] = field(default_factory=list)
     versions: List[int] = field(default_factory=list)
     routed: List[torch.Tensor] = field(default_factory=list)  # the experts of the tokens fed so far, (tokens, layers, k) pieces

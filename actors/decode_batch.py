@@ -95,7 +95,8 @@ class DecodeBatch:
         distinct: Dict[Tuple[int, ...], int] = {}
         owner = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts], device=self.device)
         cache, attention, logits, routed = prefill(self.model, [list(p) for p in distinct], self.pad_id, self.device,
-                                                   self.engine.prefill_tokens, self.engine.cache_keyword, self.recorder)
+                                                   self.engine.prefill_tokens, cache_keyword=self.engine.cache_keyword,
+                                                   recorder=self.recorder)
         new_rows = [Row(key, list(prompt), limit, temperature)
                     for key, prompt, limit, temperature in zip(keys, prompts, limits, temperatures)]
         for row, prompt in zip(new_rows, owner.tolist() if routed else []):
@@ -154,7 +155,7 @@ class DecodeBatch:
 
 
 def prefill(model: torch.nn.Module, prompts: List[List[int]], pad_id: int, device: torch.device, prefill_tokens: int,
-            cache_keyword: str, recorder: Optional[RoutingRecorder] = None
+            *, cache_keyword: str, recorder: Optional[RoutingRecorder] = None
             ) -> Tuple[DynamicCache, torch.Tensor, torch.Tensor, List[torch.Tensor]]:
     """(KV cache, attention mask, last-position logits, with `recorder` each prompt's routing (positions, layers,
     k)) of prompts left-padded to the longest, computed in chunks of consecutive prompts of at most

@@ -59,7 +59,7 @@ class GenerationEngine(Protocol):
 
 
 def build_engine(rollout: RolloutConfig, model_path: str, dtype: str, seed: int,
-                 lora: Optional[LoraConfig] = None, deltas: bool = False) -> GenerationEngine:
+                 lora: Optional[LoraConfig] = None, *, deltas: bool = False) -> GenerationEngine:
     """The engine `rollout.engine` names (`engine_kind`); vLLM is imported only when it is the one.
     `deltas`: weight updates may be deltas (`weights.delta`)."""
     if engine_kind(rollout, lora, dtype) == "vllm":
@@ -67,8 +67,9 @@ def build_engine(rollout: RolloutConfig, model_path: str, dtype: str, seed: int,
 
         share = (vllm_memory_fraction(rollout.gpu_memory_utilization, rollout.num_gpus) if torch.cuda.is_available()
                  else rollout.gpu_memory_utilization)
-        return VLLMEngine(model_path, dtype, share, seed, lora, deltas)
-    return TransformersEngine(model_path, rollout.device, dtype, lora, rollout.prefill_tokens, rollout.kv_cache)
+        return VLLMEngine(model_path, dtype, share, seed, lora, deltas=deltas)
+    return TransformersEngine(model_path, rollout.device, dtype, lora, rollout.prefill_tokens,
+                              kv_cache=rollout.kv_cache)
 
 
 def engine_kind(rollout: RolloutConfig, lora: Optional[LoraConfig], dtype: str) -> str:
@@ -117,7 +118,7 @@ class TransformersEngine(BatchGenerate):
 
     def __init__(self, model_path: str, device: str = "auto", dtype: str = "float32",
                  lora: Optional[LoraConfig] = None, prefill_tokens: int = RolloutConfig.prefill_tokens,
-                 kv_cache: str = RolloutConfig.kv_cache) -> None:
+                 *, kv_cache: str = RolloutConfig.kv_cache) -> None:
         self.device = resolve_device(device)
         share_kv_heads_on_cpu(self.device)
         self.prefill_tokens = prefill_tokens  # padded prompt tokens one prefill forward runs at most

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Dict, Hashable, List, Optional, Tuple
 
 from rlplatform.actors.completions import Completion
@@ -57,6 +57,7 @@ class _Episode:
     prompt_ids: List[int]
     messages: List[Message]  # the conversation so far, as the chat template renders it
     prompt_turns: int  # the first messages, the prompt's
+    _: KW_ONLY
     trace: TokenTrace = field(default_factory=TokenTrace)  # every token after the prompt
     turns: int = 0
     tool_calls: int = 0

@@ -42,8 +42,8 @@ class EvaluatorWorker:
         self.worker = RolloutWorker(spec)
         self.instance = (uuid.uuid4().hex, ray.get_runtime_context().was_current_actor_reconstructed)
 
-    def join_weights(self, *args) -> None:
-        self.worker.join_weights(*args)
+    def join_weights(self, *args, **kwargs) -> None:
+        self.worker.join_weights(*args, **kwargs)
 
     def evaluate_snapshot(self, snapshot: Dict, prompts: List, config, rewards: List, imports: List[str]
                           ) -> Tuple[Tuple[str, bool], Dict]:

@@ -93,7 +93,7 @@ class OpenAIBridge:
     """The endpoint of one rollout worker's engine for policy `policy`; `submit` queues finished episodes."""
 
     def __init__(self, engine: TransformersEngine, policy: str, chat_template: str, temperature: float,
-                 max_new_tokens: int, submit: Callable[[List[Sample]], None], admit: Callable[[str], bool],
+                 max_new_tokens: int, *, submit: Callable[[List[Sample]], None], admit: Callable[[str], bool],
                  limits: OpenAIBridgeConfig = OpenAIBridgeConfig(), api_key: Optional[str] = None) -> None:
         """`admit(group)`: whether an agent's group is (now) in the job's schedule; `limits`: the request
         bounds of `rollout.openai_bridge`; `api_key`: the bearer token requests must carry (None: any
@@ -283,7 +283,7 @@ class OpenAIBridge:
                                     "rl.max_staleness allows; finish this episode again later (it is kept)",
                                "groups_full")
         episode = self._take(episode_id)
-        sample = episode.sample(self.renderer, f"{group}/{episode_id}", group, self.policy, row, time.time())
+        sample = episode.sample(self.renderer, f"{group}/{episode_id}", group, self.policy, row, now=time.time())
         await self._loop.run_in_executor(None, self.submit, [sample])
         return web.json_response({"sample_id": sample.sample_id, "group_id": group,
                                   "completion_tokens": len(sample.completion_ids), "model_tokens": sum(episode.trace.mask)})
@@ -328,7 +328,7 @@ class OpenAIBridge:
 
 
 def serve_worker(engine: TransformersEngine, config: OpenAIBridgeConfig, rl: RLConfig, policy: str, index: int,
-                 chat_template: str, reward_queue: RewardQueue, counters: str,
+                 *, chat_template: str, reward_queue: RewardQueue, counters: str,
                  admit: Callable[[str], bool], taskset: bool = False) -> Optional[OpenAIBridge]:
     """Rollout worker `index`'s endpoint when `config` enables it, on port `config.port + index` (a free one
     on loopback when it is off but `taskset` asks for one: the worker's own player of a taskset); its URL
@@ -344,7 +344,8 @@ def serve_worker(engine: TransformersEngine, config: OpenAIBridgeConfig, rl: RLC
         raise RuntimeError(f"rollout.openai_bridge listens on {config.host} but ${config.api_key_env} is not set "
                            "where the rollout workers run: set it to a secret key, or listen on 127.0.0.1")
     bridge = OpenAIBridge(engine, policy, chat_template, rl.temperature, rl.max_new_tokens,
-                          lambda samples: reward_queue.submit(samples, counters=counters), admit, config, api_key)
+                          submit=lambda samples: reward_queue.submit(samples, counters=counters), admit=admit,
+                          limits=config, api_key=api_key)
     port = bridge.start(config.host, config.port + index if config.port else 0)
     host = ray.util.get_node_ip_address() if config.host in ("0.0.0.0", "::") else config.host
     bridge.announce(reward_queue, bridge_status_field(policy, index), f"http://{host}:{port}/v1")

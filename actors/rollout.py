@@ -50,6 +50,7 @@ from rlplatform.transport.deadlines import Heartbeats
 from rlplatform.transport.redis_server import RECONNECT_S, connect
 from rlplatform.transport.keys import PolicyKeys
 from rlplatform.transport.reward_queue import RewardQueue
+from rlplatform.transport.rollout_counters import RolloutCounterHash
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.teacher_queue import TeacherQueue
 from rlplatform.transport.tool_queue import ToolQueue
@@ -88,6 +89,7 @@ class RolloutWorker:
         # where samples go to be scored: the reward queue, or a distilling policy's teacher queue before it
         self.scoring = TeacherQueue(client, run, policy) if spec.distilled else self.queue
         self.keys = PolicyKeys(run, policy)
+        self.counters = RolloutCounterHash(client, self.keys.rollout_stats)
         self.schedule = GroupSchedule(client, run, policy, StalenessRule.of(rl))
         self.seed, self.chat_template = spec.seed, spec.chat_template
         self.env = spec.env
@@ -140,9 +142,9 @@ class RolloutWorker:
     def version(self) -> int:
         return self.engine.version
 
-    def join_weights(self, *args) -> None:
+    def join_weights(self, *args, **kwargs) -> None:
         """Take part in the weight transport's set-up (`WeightTransport.connect`; this engine's end)."""
-        self.weights_in.join(*args)
+        self.weights_in.join(*args, **kwargs)
 
     def run(self) -> None:
         """Generate and submit until the job's stop flag is set.
@@ -157,8 +159,10 @@ class RolloutWorker:
         open_groups: Dict[str, _OpenGroup] = {}
         in_flight = self.rollout.weight_swap == "in_flight"
         bridge = serve_worker(self.engine, self.rollout.openai_bridge, self.rl, self.policy, self.index,
-                              self.chat_template, self.queue, self.keys.rollout_stats,
-                              lambda group: self.schedule.admit(group, self.version), self.env.plays_taskset)
+                              chat_template=self.chat_template, reward_queue=self.queue,
+                              counters=self.keys.rollout_stats,
+                              admit=lambda group: self.schedule.admit(group, self.version),
+                              taskset=self.env.plays_taskset)
         self.schedule.taken_over(self.index)  # after a restart: the groups a predecessor left unsubmitted
         player = self._taskset_player(bridge, capacity)
         while not self._poll():
@@ -200,8 +204,8 @@ class RolloutWorker:
         """With `env.kind: verifiers`, this worker's player of the taskset, started."""
         if not self.env.plays_taskset:
             return None
-        player = TasksetPlayer(self.env, bridge.url, self.schedule, self.index, self.rl.group_size, groups_at_once,
-                               self.seed, lambda: self.version)
+        player = TasksetPlayer(self.env, bridge.url, self.schedule, self.index, self.rl.group_size,
+                               groups_at_once=groups_at_once, seed=self.seed, version=lambda: self.version)
         player.start()
         return player
 
@@ -229,7 +233,7 @@ class RolloutWorker:
 
     def _count(self, **values: float) -> None:
         """Add to the policy's rollout counters on Redis (read by the monitor and the summary)."""
-        self.queue.add_counters(self.keys.rollout_stats, **values)
+        self.counters.add(**values)
 
     def _poll(self) -> bool:
         """Whether the job's stop flag is set. It and the published version (kept for the loop's weight checks)
@@ -338,7 +342,7 @@ class RolloutWorker:
         this engine on loopback while this thread decodes; the finished episodes, kept out of the queue."""
         samples: List[Sample] = []
         bridge = OpenAIBridge(self.engine, self.policy, self.chat_template, temperature, config.max_new_tokens,
-                              samples.extend, lambda group: True)
+                              submit=samples.extend, admit=lambda group: True)
         port = bridge.start("127.0.0.1", 0)
         try:
             with ThreadPoolExecutor(1, thread_name_prefix="held-out") as pool:

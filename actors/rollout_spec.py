@@ -22,10 +22,10 @@ class RolloutSpec:
     run: str  # the run's `run_scope`, which names its Redis keys
     model_path: str  # the initial policy's Hugging Face directory
     prompts_path: str  # the policy's encoded prompts file
+    _: KW_ONLY
     redis_url: str
     rl: RLConfig
     rollout: RolloutConfig
-    _: KW_ONLY
     dtype: str  # a resolved `model.dtype` (the job's plan)
     transport: WeightTransport  # `weights.transport`'s strategy (the job's plan)
     seed: int = 0

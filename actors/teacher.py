@@ -46,7 +46,8 @@ class TeacherWorker(QueueWorker):
         self.stats_key = PolicyKeys(spec.run, student).teacher_stats
         label = f"teacher worker {index} of policy '{student}'"
         super().__init__(f"{student}-teacher-{index}", TeacherQueue(client, spec.run, student),
-                         RewardQueue(client, spec.run), config, TeacherStats(), Heartbeats(client, spec.run), label)
+                         RewardQueue(client, spec.run), config, TeacherStats(),
+                         heartbeats=Heartbeats(client, spec.run), label=label)
 
     def decode(self, raw: bytes) -> Sample:
         return decode_sample(raw)

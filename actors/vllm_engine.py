@@ -135,7 +135,7 @@ class VLLMEngine(BatchGenerate):
     Face names (vLLM fuses and shards them, so a delta's flat positions only make sense there)."""
 
     def __init__(self, model_path: str, dtype: str, memory_share: Optional[float], seed: int,
-                 lora: Optional[LoraConfig] = None, deltas: bool = False) -> None:
+                 lora: Optional[LoraConfig] = None, *, deltas: bool = False) -> None:
         require_vllm()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core steps in this process, when told to
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not its start-up's INFO lines in the job's output

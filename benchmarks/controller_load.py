@@ -59,8 +59,9 @@ def read_path(completion_tokens: int, samples: int = 2000) -> float:
         queue = RewardQueue(connect(server.url), "read-path", max_pending=samples)
         queue.reset()
         queue.create_group()
-        queue.submit([Sample(f"{i // 8}/{i % 8}", str(i // 8), "policy", "1+1=", "2", list(range(32)),
-                             list(range(completion_tokens)), [-1.0] * completion_tokens, [0] * completion_tokens)
+        queue.submit([Sample(f"{i // 8}/{i % 8}", str(i // 8), "policy", "1+1=", "2", prompt_ids=list(range(32)),
+                             completion_ids=list(range(completion_tokens)),
+                             behaviour_logprobs=[-1.0] * completion_tokens, token_versions=[0] * completion_tokens)
                       for i in range(samples)])
         for start in range(0, samples, 500):
             held = queue.fetch("reward-0", 500, 100)

@@ -141,8 +141,8 @@ class SyncTarget:
         self.engine = TransformersEngine(model_dir, device, dtype)
         self.receiver = transport.receiver(store, self.engine.device)
 
-    def join_weights(self, *args) -> None:
-        self.receiver.join(*args)
+    def join_weights(self, *args, **kwargs) -> None:
+        self.receiver.join(*args, **kwargs)
 
     def load(self, version: int) -> int:
         while (newer := self.receiver.newer(version - 1)) is None:
@@ -162,8 +162,8 @@ def weight_sync(learner: LearnerRank, model_dir: str, transport: WeightTransport
         key = f"bench-{transport.name}:version"
         host, port = learner.address()
         backend = learner.placement()["backend"]  # gloo on the CPU, nccl on a GPU
-        joined = target.join_weights.remote(host, port, 1, 2, backend, redis_url, key)
-        learner.join_weights(host, port, 0, 2, backend, redis_url, key)
+        joined = target.join_weights.remote(host, port, 1, 2, backend, redis_url=redis_url, version_key=key)
+        learner.join_weights(host, port, 0, 2, backend, redis_url=redis_url, version_key=key)
         ray.get(joined)
     seconds = []
     try:

@@ -40,8 +40,9 @@ def quickstart_batch(tokenizer, step: int, seed: int) -> Tuple[List[Sample], Lis
         for g in range(GROUP):
             answer = str(a + b + rng.choice([0, 0, 1, -1, 10]))[:rng.choice([1, 2, 3, 3])]
             completion = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            samples.append(Sample(f"{p}/{g}", str(p), "policy", "", answer, prompt, completion,
-                                  [-1.0] * len(completion), [step] * len(completion)))
+            samples.append(Sample(f"{p}/{g}", str(p), "policy", "", answer, prompt_ids=prompt,
+                                  completion_ids=completion,
+                                  behaviour_logprobs=[-1.0] * len(completion), token_versions=[step] * len(completion)))
             advantages.append(rng.choice([1.0, -1.0]))
     return samples, advantages
 

@@ -73,8 +73,9 @@ def one_step(policy: str, prompts: int, completion_tokens: int, micro_batch_toke
         prompt = [rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)]
         for g in range(GROUP):
             completion = [rng.randrange(VOCAB) for _ in range(completion_tokens)]
-            samples.append(Sample(f"{p}/{g}", str(p), "policy", "", "", prompt, completion,
-                                  [-12.0] * completion_tokens, [0] * completion_tokens))
+            samples.append(Sample(f"{p}/{g}", str(p), "policy", "", "", prompt_ids=prompt, completion_ids=completion,
+                                  behaviour_logprobs=[-12.0] * completion_tokens,
+                                  token_versions=[0] * completion_tokens))
             advantages.append(1.0 if g % 2 else -1.0)
     before = rss_mb()
     if torch.cuda.is_available():
@@ -83,7 +84,7 @@ def one_step(policy: str, prompts: int, completion_tokens: int, micro_batch_toke
     metrics = rank.rl_step(samples, advantages, RLConfig(kl_coef=0.0, track_reference_kl=False))
     result = {"completion_tokens": completion_tokens, "rss_before_step_mb": round(before),
               "micro_batch_tokens": rank.micro_batch_tokens, "micro_batches": len(rank._plan(
-                  samples, advantages, 1, True, completion_tokens, 0)[0].parts),
+                  samples, advantages, 1, True, completion_tokens, step=0)[0].parts),
               "step_allowance_mb": round(MEMORY_FRACTION * free / 2 ** 20),
               "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
               "step_s": round(time.perf_counter() - start, 1), "loss": metrics["loss"]}

@@ -26,7 +26,8 @@ from rlplatform.transport.samples import Sample
 def make_samples(count: int, prefix: str):
     """Quickstart-shaped samples: 6-char prompts, 3-token completions with log-probs and versions."""
     return [Sample(f"{prefix}-{i // 8}/{i % 8}", f"{prefix}-{i // 8}", "policy", "37+48=", "85",
-                   [6, 10, 13, 7, 11, 16], [11, 8, 2], [-0.1, -0.2, -0.05], [3, 3, 3], {"answer": "85"},
+                   prompt_ids=[6, 10, 13, 7, 11, 16], completion_ids=[11, 8, 2],
+                   behaviour_logprobs=[-0.1, -0.2, -0.05], token_versions=[3, 3, 3], row={"answer": "85"},
                    created_at=time.time()) for i in range(count)]
 
 

@@ -101,7 +101,7 @@ LOGIT_CHUNK_ELEMENTS = {"cuda": 2 ** 28, "cpu": 2 ** 25}  # vocabulary logits al
 
 
 def completion_logprobs(model, prompts: List[List[int]], completions: List[List[int]], pad_id: int,
-                        temperature: float = 1.0, entropy_grad: bool = False,
+                        temperature: float = 1.0, *, entropy_grad: bool = False,
                         chunk_tokens: int = 0, token_mask: Optional[List[List[int]]] = None,
                         routes: Optional[Routes] = None) -> TokenScores:
     """Score completions given prompts in the layout `choose_layout` picks; the entropy carries a gradient
@@ -117,9 +117,9 @@ def completion_logprobs(model, prompts: List[List[int]], completions: List[List[
     device = next(model.parameters()).device
     layout = choose_layout(model, prompts, completions)
     if layout == "grouped":
-        hidden, targets, index = _grouped_forward(model, prompts, completions, pad_id, device, routes)
+        hidden, targets, index = _grouped_forward(model, prompts, completions, pad_id, device, routes=routes)
     elif layout == "shared_prompt":
-        hidden, targets, index = _shared_prompt_forward(model, prompts, completions, pad_id, device, routes)
+        hidden, targets, index = _shared_prompt_forward(model, prompts, completions, pad_id, device, routes=routes)
     else:
         batch = pack(prompts, completions, pad_id)
         input_ids, index = to_device(batch.input_ids, device), batch.index
@@ -138,14 +138,14 @@ def completion_logprobs(model, prompts: List[List[int]], completions: List[List[
     elements = LOGIT_CHUNK_ELEMENTS.get(device.type, LOGIT_CHUNK_ELEMENTS["cpu"])
     chunk = chunk_tokens or max(1, elements // head.out_features)
     logprobs, entropy = chunked_token_scores(head, hidden[row, column], targets[row, column], temperature,
-                                             entropy_grad, chunk)
+                                             entropy_grad, chunk_tokens=chunk)
     kept = to_device(kept, device)
     return TokenScores(_scatter(logprobs, kept, mask.shape), to_device(mask, device),
                        _scatter(entropy, kept, mask.shape))
 
 
 def chunked_token_scores(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                         entropy_grad: bool, chunk_tokens: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                         entropy_grad: bool, *, chunk_tokens: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """(log-prob of each target, entropy of each distribution) for hidden states (N, H) under the output
     head, `chunk_tokens` rows at a time. A plain linear head goes through `HeadScores` (one autograd
     node, logits recomputed in backward); any other (adapters on the head, a ZeRO-3 partition) through
@@ -155,7 +155,7 @@ def chunked_token_scores(head: torch.nn.Module, hidden: torch.Tensor, targets: t
         dtype = compute_dtype(weight)
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
             return HeadScores.apply(hidden, weight, targets, temperature, chunk_tokens, dtype, entropy_grad)
-        return score_chunks(hidden, weight, targets, temperature, chunk_tokens, dtype)[:2]
+        return score_chunks(hidden, weight, targets, temperature, chunk_tokens, dtype=dtype)[:2]
     if hidden.shape[0] <= chunk_tokens:
         return _token_scores(head, hidden, targets, temperature, entropy_grad)
     logprobs, entropies = [], []
@@ -293,7 +293,7 @@ def _shared_prompt_tokens(prompts: List[List[int]], completions: List[List[int]]
 
 
 def _shared_prompt_forward(model, prompts: List[List[int]], completions: List[List[int]], pad_id: int,
-                           device: torch.device, routes: Optional[Routes]
+                           device: torch.device, *, routes: Optional[Routes]
                            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(final hidden states, target tokens, index on the host) with each distinct prompt run once, left-padded, and
     every completion run right-padded on a copy of its prompt's KV cache (gradients flow back through it).
@@ -340,7 +340,8 @@ def _shared_prompt_forward(model, prompts: List[List[int]], completions: List[Li
 
 
 def _grouped_forward(model, prompts: List[List[int]], completions: List[List[int]], pad_id: int,
-                     device: torch.device, routes: Optional[Routes]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     device: torch.device, *, routes: Optional[Routes]
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(hidden states, target tokens, index on the host) from one pass over a row per distinct prompt: the prompt, then
     each of its completions at the positions that follow the prompt, under a mask that lets a completion
     token see its prompt and the completion's earlier tokens only (padding sees itself).

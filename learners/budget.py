@@ -45,7 +45,7 @@ def micro_batch_tokens(free_bytes: int, trainable_params: int, config, compute_b
 
 
 def plan_micro_batches(free_bytes: int, trainable_params: int, config, compute_bytes: int,
-                       tokens: Optional[int], checkpointing: Optional[bool]) -> Tuple[int, bool]:
+                       tokens: Optional[int], *, checkpointing: Optional[bool]) -> Tuple[int, bool]:
     """(tokens per forward/backward, whether each layer recomputes its activations in backward): `tokens` and
     `checkpointing` where set (learner.micro_batch_tokens, learner.activation_checkpointing). Unset, checkpointing
     is on exactly when memory holds fewer tokens' activations without it than a micro-batch needs (`tokens`, else

@@ -115,7 +115,7 @@ class LearnerGroup:
         new weights as it ends; `gather` the refs."""
         shares = shard_minibatches(batch, len(self.ranks), rl.minibatches, [item.tokens for item in batch])
         return [rank.rl_step_and_stream.remote([i.sample_id for i in share], [i.advantage for i in share], rl,
-                                                rows, step, max_tokens)
+                                                rows, step, max_tokens=max_tokens)
                 for rank, share, rows in zip(self.ranks, shares, self._sft_parts(sft_rows))]
 
     def _sft_parts(self, sft_rows: Optional[List[Dict]]) -> List[Optional[List[Dict]]]:

@@ -47,7 +47,7 @@ class HeadScores(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
                 chunk: int, dtype: torch.dtype, entropy_grad: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-        logprobs, entropy, normalisers = score_chunks(hidden, weight, targets, temperature, chunk, dtype)
+        logprobs, entropy, normalisers = score_chunks(hidden, weight, targets, temperature, chunk, dtype=dtype)
         ctx.save_for_backward(hidden, weight, targets, normalisers, entropy)
         ctx.temperature, ctx.chunk, ctx.dtype, ctx.entropy_grad = temperature, chunk, dtype, entropy_grad
         if not entropy_grad:
@@ -71,7 +71,8 @@ class HeadScores(torch.autograd.Function):
                 h = hidden[rows].to(ctx.dtype)
                 if fused is not None:
                     grad = fused(h @ w.t(), targets[rows], normalisers[rows], entropy[rows], grad_logprobs[rows],
-                                 None if dh is None else dh[rows], ctx.temperature, ctx.dtype)
+                                 grad_entropy=None if dh is None else dh[rows], temperature=ctx.temperature,
+                                 dtype=ctx.dtype)
                     if want_hidden:
                         grad_hidden[rows] = grad @ w
                     if want_weight:
@@ -98,7 +99,7 @@ class HeadScores(torch.autograd.Function):
 
 
 def score_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                 chunk: int, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 chunk: int, *, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log-probs, entropies, log-normalisers), each (N,) in float32, without a graph."""
     n = hidden.shape[0]
     logprobs, entropy, normalisers = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(3))
@@ -143,7 +144,7 @@ def chunk_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float
 
 
 def chunk_grad(logits: torch.Tensor, targets: torch.Tensor, normaliser: torch.Tensor, entropy: torch.Tensor,
-               grad_logprobs: torch.Tensor, grad_entropy: Optional[torch.Tensor], temperature: float,
+               grad_logprobs: torch.Tensor, *, grad_entropy: Optional[torch.Tensor], temperature: float,
                dtype: torch.dtype) -> torch.Tensor:
     """The gradient of one chunk's logits in `dtype`, as one expression for the compiler: HeadScores.backward's
     arithmetic (onehot_t - p) dlogp - p (log p + H) dH, over the temperature."""

@@ -48,7 +48,7 @@ def adapter_state(engine, zero_stage: int, wanted: bool, dtype: torch.dtype) -> 
 
 
 def save_adapters(snapshot: AdapterSnapshot, adapter_dir: str, merged_dir: Optional[str], tokenizer, base_path: str,
-                  dtype: str, config: LoraConfig) -> None:
+                  *, dtype: str, config: LoraConfig) -> None:
     """The final adapters as a peft directory on top of the base at `base_path` (with the tokenizer), and,
     when `merged_dir` is given, the base with them merged in as a plain Hugging Face model."""
     snapshot.config["base_model_name_or_path"] = os.path.abspath(base_path)

@@ -21,7 +21,7 @@ import os
 import random
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Dict, List, Optional, Tuple
 
 import ray
@@ -65,6 +65,7 @@ class MicroBatch:
     advantages: torch.Tensor  # (batch,)
     behaviour: torch.Tensor  # (batch, T-1) log-probs recorded by the rollout workers
     proximal: Optional[torch.Tensor]  # (batch, T-1) under the weights at entry, unless those are the trained ones
+    _: KW_ONLY
     reference: Optional[torch.Tensor]  # (batch, T-1) under the frozen reference, when kept
     live: bool  # False: a stand-in so every rank runs the same passes; its loss counts 0
     token_mask: Optional[List[List[int]]] = None  # per completion token 1 trained, 0 an observation; None: all trained
@@ -194,7 +195,7 @@ class LearnerRank:
         self.micro_batch_tokens, checkpointing = plan_micro_batches(
             free_device_bytes(self.device, self.world_size, self.config.num_gpus), sum(p.numel() for p in trainable),
             model.config, torch_dtype(self.dtype).itemsize, self.config.micro_batch_tokens,
-            self.config.activation_checkpointing)
+            checkpointing=self.config.activation_checkpointing)
         if checkpointing and not self.activation_checkpointing:  # memory asks for it
             enable_activation_checkpointing(model)
             model.train()
@@ -395,7 +396,7 @@ class LearnerRank:
 
     def rl_step(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
                 sft_rows: Optional[List[Dict]] = None, step: int = 0,
-                max_tokens: Optional[int] = None) -> Dict[str, float]:
+                *, max_tokens: Optional[int] = None) -> Dict[str, float]:
         """`rl.ppo_epochs` passes over `rl.minibatches` minibatches of the clipped, importance-weighted
         policy gradient (plus the KL, entropy and SFT terms rl asks for), at the learning rate of RL
         step `step` (the stage's rate under `rl.lr_schedule`). The proximal policy is the weights at
@@ -417,7 +418,7 @@ class LearnerRank:
         single_update = parts == 1 and rl.ppo_epochs == 1
         recompute_proximal = not single_update and stale > 0
         limit = rl.max_new_tokens if max_tokens is None else max_tokens
-        minibatches = self._plan(samples, advantages, parts, single_update, limit, step)
+        minibatches = self._plan(samples, advantages, parts, single_update, limit, step=step)
         reference = self.reference is not None and (rl.kl_coef > 0 or step % rl.reference_kl_every == 0)
         minibatches = [self._prepare(m, rl, recompute_proximal, reference, routed_bytes > 0) for m in minibatches]
         # the SFT rows, encoded and cut once for every update of the step
@@ -446,7 +447,7 @@ class LearnerRank:
         return self._throughput(metrics, model_tokens, started)
 
     def _plan(self, samples: List[Sample], advantages: List[float], parts: int, single_update: bool,
-              max_tokens: int, step: int) -> List[Minibatch]:
+              max_tokens: int, *, step: int) -> List[Minibatch]:
         """This rank's minibatch j (its samples j::parts), each split into micro-batches of at most
         `micro_batch_tokens`, padded with stand-ins to the most micro-batches any rank has."""
         shares = [list(range(j, len(samples), parts)) for j in range(parts)]
@@ -489,8 +490,9 @@ class LearnerRank:
                 raise ValueError(f"sample {unscored[0]} reached a distilling learner without its teacher's log-probs")
             teacher = align_per_token([s.teacher_logprobs for s in samples], prompts, width).to(device)
         return MicroBatch(prompts, completions, torch.tensor(advantages, dtype=torch.float32, device=device),
-                          align_per_token(behaviour, prompts, width).to(device), None, None, live, token_mask,
-                          current.to(device), self._recorded_routing(samples), teacher=teacher)
+                          align_per_token(behaviour, prompts, width).to(device), None, reference=None, live=live,
+                          token_mask=token_mask, current=current.to(device), routed=self._recorded_routing(samples),
+                          teacher=teacher)
 
     def _recorded_routing(self, samples: List[Sample]) -> Optional[List[Optional[torch.Tensor]]]:
         """Each sample's recorded experts (`Sample.routed_experts`; None where it has none), when the policy is a
@@ -665,13 +667,13 @@ class LearnerRank:
 
     def rl_step_and_stream(self, sample_ids: List[str], advantages: List[float], rl: RLConfig,
                             sft_rows: Optional[List[Dict]] = None, step: int = 0,
-                            max_tokens: Optional[int] = None) -> Tuple[Dict[str, float], Optional[List]]:
+                            *, max_tokens: Optional[int] = None) -> Tuple[Dict[str, float], Optional[List]]:
         """`rl_step` on this rank's share of a batch, fetched from Redis by id, then the new weights
         streamed as version `step + 1`, in one call: no round trip between them."""
         if self.results is None:
             raise RuntimeError("learner rank has no Redis to fetch samples from: call connect_results first")
         samples = self.results.fetch(sample_ids)
-        metrics = self.rl_step(samples, advantages, rl, sft_rows, step, max_tokens)
+        metrics = self.rl_step(samples, advantages, rl, sft_rows, step, max_tokens=max_tokens)
         try:
             streamed = self.stream_weights(step + 1)
             if self.step_ends is not None:
@@ -700,7 +702,7 @@ class LearnerRank:
         if self.rank == 0:
             logprobs = [row[mask.bool()].tolist() for row, mask in zip(scores.logprobs.float(), scores.mask)]
             store_reference(self.results.client, canary.reference_key, version, canary.first, canary.scored,
-                            logprobs)
+                            logprobs=logprobs)
 
     def _streamed_state(self) -> Optional[Dict[str, torch.Tensor]]:
         """What each version sends (rank 0; None elsewhere): the full weights, or with LoRA the adapters
@@ -710,9 +712,9 @@ class LearnerRank:
             return None if snapshot is None else from_snapshot(snapshot)
         return self._full_state_dict(served=True)
 
-    def join_weights(self, *args) -> None:
+    def join_weights(self, *args, **kwargs) -> None:
         """Take part in the weight transport's set-up (`WeightTransport.connect`; learner rank 0's end)."""
-        self.weights_out.join(*args)
+        self.weights_out.join(*args, **kwargs)
 
     def snapshot_weights(self) -> Optional[List[ray.ObjectRef]]:
         """[ref] to a snapshot of the current weights (with LoRA, of the adapters) in the object store (rank 0)."""
@@ -742,7 +744,8 @@ class LearnerRank:
         if self.lora.enabled:
             snapshot = self._adapter_snapshot() if model_dir is not None else None
             if snapshot is not None:
-                save_adapters(snapshot, model_dir, merged_dir, self.tokenizer, self.model_path, self.dtype, self.lora)
+                save_adapters(snapshot, model_dir, merged_dir, self.tokenizer, self.model_path, dtype=self.dtype,
+                              config=self.lora)
             return
         if self.reference is not None:
             reference = self._reference_state()

@@ -7,7 +7,7 @@ by name, the rest by key); the SFT stage and the RL loop each add their steps in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from types import MappingProxyType
 from typing import Dict, Mapping
 
@@ -22,6 +22,7 @@ class StepResult:
     model_tokens_per_s: float  # prompt and completion tokens through the model per second, every rank's added up
     mfu: float  # model FLOPs utilisation (the ranks' mean)
     tokens_total: float  # trained tokens of every rank
+    _: KW_ONLY
     figures: Mapping[str, float]  # every other metric by name (loss terms, KL, entropy, parity, grad_norm, lr)
 
     def __post_init__(self) -> None:

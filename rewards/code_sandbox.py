@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import IO, TYPE_CHECKING, Dict, List, Set, Tuple
 
 from rlplatform.rewards.verdict import Verdict
@@ -45,6 +45,7 @@ class SandboxResult:
     duration_s: float
     stdout_tail: str  # both processes' stdout
     stderr_tail: str  # both processes' stderr: the solution's traceback, or the failed test's
+    _: KW_ONLY
     isolation: str  # the layers that applied to the solution, e.g. "namespaces rlimits uid=201234 audit"
 
 
@@ -128,7 +129,7 @@ def run_in_sandbox(code: str, tests: str, timeout_s: float = 5.0, memory_mb: int
             raise SandboxUnavailable(f"code sandbox: {refused}")
         passed, reason = _verdict(solution_lines, judge_lines, judge.returncode, timed_out, timeout_s)
         return SandboxResult(passed, reason, time.monotonic() - start, _tail(stdout), _tail(stderr),
-                             solution_lines.get("isolation", ""))
+                             isolation=solution_lines.get("isolation", ""))
 
 
 def _layout(run_dir: str) -> str:

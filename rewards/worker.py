@@ -49,14 +49,14 @@ def job_rewards_from_json(text: str) -> Tuple[List[RewardSpec], List[str]]:
 
 class RewardWorker(QueueWorker):
     def __init__(self, name: str, rewards: List[RewardSpec], redis_url: str, run: str,
-                 config: Optional[RewardWorkersConfig] = None, imports: Optional[List[str]] = None) -> None:
+                 config: Optional[RewardWorkersConfig] = None, *, imports: Optional[List[str]] = None) -> None:
         """`run`: the `run_scope` of the run it serves."""
         config = config or RewardWorkersConfig()
         import_modules(imports or [])
         self.scorer = Scorer(resolve(rewards), config.concurrency)
         queue = RewardQueue(connect(redis_url, wait_s=RECONNECT_S), run)  # a restart may meet Redis restarting
-        super().__init__(name, queue, queue, config, RewardStats(), Heartbeats(queue.client, run),
-                         REWARD_WORKER + name, round_limit_s=max(spec.timeout_s for spec in rewards))
+        super().__init__(name, queue, queue, config, RewardStats(), heartbeats=Heartbeats(queue.client, run),
+                         label=REWARD_WORKER + name, round_limit_s=max(spec.timeout_s for spec in rewards))
 
     def decode(self, raw: bytes) -> Sample:
         return decode_sample(raw)

@@ -200,7 +200,8 @@ def _rewards_test(args) -> int:
     scorer = Scorer(_resolve_rewards(config, args.config), config.reward_workers.concurrency)
     rows = read_jsonl(args.input)
     samples = [Sample(f"row-{i}", f"row-{i}", "test", str(r.get("prompt", "")), str(r.get("completion", "")),
-                      [], [], [], [], {k: v for k, v in r.items() if k not in ("prompt", "completion")})
+                      prompt_ids=[], completion_ids=[], behaviour_logprobs=[], token_versions=[],
+                      row={k: v for k, v in r.items() if k not in ("prompt", "completion")})
                for i, r in enumerate(rows)]
     results = scorer.score(samples)
     for scored in results:
@@ -225,7 +226,8 @@ def _reward_worker(args) -> int:
                             f"job '{args.job}' to start")
     rewards, imports = job_rewards_from_json(specs.decode())
     config = RewardWorkersConfig(concurrency=args.concurrency, batch_size=args.batch_size)
-    worker = RewardWorker(args.name or default_worker_name(args.job), rewards, _redis(args), run, config, imports)
+    worker = RewardWorker(args.name or default_worker_name(args.job), rewards, _redis(args), run, config,
+                          imports=imports)
     print(f"rlp: reward worker {worker.name} serving job '{args.job}' (run {run})", file=sys.stderr)
     stats = worker.run()
     print(f"rlp: job '{args.job}' stopped; scored {stats.scored} samples, {stats.errors} errors, "
@@ -265,7 +267,8 @@ def _tool_worker(args) -> int:
                             f"job '{args.job}' to start (with env.tools)")
     tools, imports = job_tools_from_json(specs.decode())
     config = RewardWorkersConfig(concurrency=args.concurrency, batch_size=args.batch_size)
-    worker = ToolWorker(args.name or default_tool_worker_name(args.job), tools, _redis(args), run, config, imports)
+    worker = ToolWorker(args.name or default_tool_worker_name(args.job), tools, _redis(args), run, config,
+                        imports=imports)
     print(f"rlp: tool worker {worker.name} serving job '{args.job}' (run {run})", file=sys.stderr)
     stats = worker.run()
     print(f"rlp: job '{args.job}' stopped; {stats.calls} tool calls, {stats.errors} errors, "
@@ -283,7 +286,7 @@ def _verifiers(args) -> int:
           file=sys.stderr)
     try:
         stats = asyncio.run(play(args.taskset, args.url, args.group_size, args.num_tasks, args.epochs,
-                                 args.concurrency))
+                                 concurrency=args.concurrency))
     except (ImportError, ValueError, TypeError) as err:  # verifiers missing, a taskset that does not load
         print(f"rlp: {err}", file=sys.stderr)
         return 2

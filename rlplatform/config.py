@@ -16,7 +16,7 @@ import math
 import os
 import re
 import typing
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Set
 from urllib.parse import urlsplit, urlunsplit
 
@@ -65,6 +65,7 @@ class ModelConfig:
     hidden_size: int = at_least(128, 1)  # demo model width
     num_layers: int = at_least(4, 1)  # demo model depth
     num_heads: int = at_least(4, 1)  # demo attention heads
+    _: KW_ONLY
     num_kv_heads: int = at_least(2, 1)  # demo key/value heads (grouped-query attention)
     intermediate_size: int = at_least(384, 1)  # demo MLP width
     num_experts: int = at_least(0, 0)  # demo: 0 builds a dense Qwen2; more builds a Qwen3-MoE of this many experts a layer
@@ -85,6 +86,7 @@ class DataConfig:
     test_path: Optional[str] = None  # held-out rows for evaluation
     path: Optional[str] = None  # kind=hf, instead of the two paths: a save_to_disk directory of a DatasetDict
     split: str = "train"  # training split of `path`
+    _: KW_ONLY
     test_split: str = "test"  # held-out split of `path`
     prompt_key: str = "prompt"  # row field holding the prompt text
     messages_key: str = "messages"  # row field holding a conversation: a list of {role, content}
@@ -106,6 +108,7 @@ class SFTConfig:
     batch_size: int = at_least(128, 1)  # rows per step
     lr: float = above(3e-3, 0)  # AdamW learning rate
     log_every: int = at_least(25, 1)  # console/W&B interval in steps
+    _: KW_ONLY
     stop_at_accuracy: float = at_least(0.0, 0.0)  # end SFT once held-out greedy accuracy reaches this (0: never)
     eval_every: int = at_least(50, 1)  # SFT steps between held-out checks, when stop_at_accuracy is set
     warmup_steps: int = at_least(0, 0)  # the learning rate rises linearly from 0 over these first steps
@@ -119,6 +122,7 @@ class RLConfig:
     correction: str = one_of("truncated_is", "decoupled_ppo", "on_policy")  # off-policy correction: truncated_is, decoupled_ppo or on_policy
     loss_aggregation: str = one_of("token_mean", "sequence_mean", "fixed_length")  # token_mean, sequence_mean (per completion) or fixed_length (Dr. GRPO)
     ppo_epochs: int = at_least(1, 1)  # passes over each batch (PPO-clip against the weights at the batch's start)
+    _: KW_ONLY
     minibatches: int = at_least(1, 1)  # optimizer steps per pass
     entropy_coef: float = at_least(0.0, 0)  # weight of the entropy bonus
     sft_coef: float = at_least(0.0, 0)  # weight of an SFT loss on data rows mixed into every RL step
@@ -156,6 +160,7 @@ class OpenAIBridgeConfig:
     port: int = at_least(8000, 0)  # rollout worker i listens on port + i (0: any free port); give each policy its own range
     api_key_env: str = BRIDGE_KEY_ENV  # environment variable holding the key requests must send (Authorization: Bearer); required when host is not a loopback address
     max_prompt_tokens: int = at_least(8192, 1)  # a request (an episode: its whole sequence) whose prompt is longer is refused (400)
+    _: KW_ONLY
     max_tokens: int = at_least(4096, 1)  # max_tokens / max_completion_tokens above this are refused (400)
     max_n: int = at_least(64, 1)  # n above this is refused (400)
     max_body_bytes: int = at_least(1 << 20, 1024)  # a request body larger than this is refused (413) before it is read
@@ -169,6 +174,7 @@ class RolloutConfig:
     prompts_per_batch: int = at_least(16, 1)  # groups a worker decodes at once (group_size sequences each, continuously refilled)
     weight_swap: str = one_of("in_flight", "finish_then_swap")  # in_flight: new weights load between decode steps; finish_then_swap: once drained
     num_threads: int = at_least(1, 1)  # torch threads per worker
+    _: KW_ONLY
     num_cpus: float = at_least(1.0, 0)  # Ray CPUs reserved per worker
     priority: str = one_of("low", "normal", "idle")  # CPU priority beside the learner's (docs/devices.md: CPU priorities): low lets the learner step go first
     device: str = one_of("auto", "cpu", "cuda")  # auto: the GPU Ray assigns the worker when the cluster has GPUs, else CPU
@@ -197,6 +203,7 @@ class RewardSpec:
     weight: float = 1.0  # weight in the summed reward (role=reward)
     params: Dict[str, Any] = field(default_factory=dict)  # keyword arguments for the function
     role: str = one_of("reward", "filter")  # reward: adds weight * score; filter: gates the sample when it flags it
+    _: KW_ONLY
     on_flag: str = one_of("veto", "penalty", "drop")  # filter action: veto (reward 0), penalty (minus `penalty`), drop (not trained on)
     penalty: float = at_least(1.0, 0)  # subtracted from the reward when a penalty filter flags a sample
     timeout_s: float = above(30.0, 0)  # a call running longer is an error result for its samples
@@ -214,6 +221,7 @@ class RewardWorkersConfig:
     concurrency: int = at_least(8, 1)  # samples scored at once per worker (threads for sync rewards, tasks for async)
     claim_idle_s: float = above(30.0, 0)  # a request unacknowledged this long is reclaimed from its (dead) worker
     max_deliveries: int = at_least(3, 1)  # a request delivered this often without a result goes to dead letters
+    _: KW_ONLY
     num_cpus: float = at_least(0.5, 0)  # Ray CPUs reserved per worker
     priority: str = one_of("low", "normal", "idle")  # CPU priority beside the learner's (docs/devices.md: CPU priorities): low lets the learner step go first
     resources: Dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker, e.g. {reward_node: 1} places them on nodes started with that resource
@@ -239,6 +247,7 @@ class EnvConfig:
     taskset: Optional[str] = None  # kind=verifiers: the taskset, a top-level module (or a .py file's path) exporting a verifiers Taskset (and optionally an Env)
     taskset_args: Dict[str, Any] = field(default_factory=dict)  # kind=verifiers: the taskset's config fields
     test_tasks: int = at_least(16, 0)  # kind=verifiers: tasks held out for evaluation (pass@1 by their rewards), a fixed seeded draw
+    _: KW_ONLY
     max_turns: int = at_least(1, 1)  # model turns per episode
     max_tokens: int = at_least(0, 0)  # completion tokens per episode, model and observation (0: max_turns x rl.max_new_tokens)
     on_token_mismatch: str = one_of("count", "drop", "fail")  # an episode whose tokens differ from its conversation rendered whole by the chat template: count it; also train none of its tokens; or stop the job (docs/tools-and-environments.md)
@@ -276,6 +285,7 @@ class LearnerConfig:
     bf16_mode: str = one_of("auto", "master_weights", "autocast")
     grad_clip: float = above(1.0, 0)  # gradient norm clip
     num_threads: int = at_least(1, 1)  # torch threads per rank
+    _: KW_ONLY
     num_cpus: float = at_least(1.0, 0)  # Ray CPUs reserved per rank
     device: str = one_of("auto", "cpu", "cuda")  # auto: the GPU Ray assigns the rank when the cluster has GPUs, else CPU
     num_gpus: Optional[float] = at_least(None, 0)  # Ray GPUs per rank (a fraction shares one); unset: 1 on a GPU device, or half of one shared with the rollout workers where a GPU each does not fit the cluster (docs/devices.md), 0 on CPU
@@ -328,6 +338,7 @@ class EvalConfig:
     max_new_tokens: int = at_least(6, 1)  # completion length limit on the held-out set
     batch_size: int = at_least(256, 1)  # prompts per generate call
     max_rows: int = at_least(0, 0)  # held-out rows evaluated, the first ones (0: all)
+    _: KW_ONLY
     greedy: bool = True  # greedy decoding; false samples at `temperature`
     temperature: float = above(1.0, 0)  # sampling temperature when greedy is false
     samples_per_prompt: int = at_least(1, 1)  # completions per prompt (pass@k for k = this; needs greedy: false when > 1)
@@ -366,6 +377,7 @@ class MonitoringConfig:
     alerts: List[AlertRule] = field(default_factory=_default_alerts)  # the alert rules the RL stage watches (docs/monitoring.md)
     max_error_fraction: float = at_least(0.9, 0)  # the job stops (checkpointed, exit 1) when reward errors pass this fraction of the samples scored over an error window (1: never)
     error_window: int = at_least(20, 1)  # learner steps in the step error window
+    _: KW_ONLY
     error_window_s: float = above(120.0, 0)  # seconds in the time error window (it needs one batch's samples; an alert at half)
     worker_silent_s: float = above(120.0, 0)  # a rollout or reward worker whose loop has not gone round this long is named (console, alert, rlp status)
     parity_every: int = at_least(10, 0)  # versions between each rollout engine's parity canary checks against the learner (0: never; docs/monitoring.md)
@@ -385,6 +397,7 @@ class DistillConfig:
     mode: str = one_of("reverse_kl")  # reverse_kl: the student's samples scored by the teacher, the per-token reverse KL minimised
     task_reward: bool = True  # add the signal to the task rewards' advantage; false: the signal alone (rewards are still scored and reported)
     workers: int = at_least(1, 1)  # teacher scoring workers (Ray actors holding the teacher's newest weights)
+    _: KW_ONLY
     num_cpus: float = at_least(1.0, 0)  # Ray CPUs reserved per teacher scoring worker
 
 
@@ -396,6 +409,7 @@ class PolicyConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    _: KW_ONLY
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)  # learn from another policy of the job as it trains
@@ -408,6 +422,7 @@ class JobConfig:
     seed: int = 0  # seeds model init, data generation and sampling
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    _: KW_ONLY
     sft: SFTConfig = field(default_factory=SFTConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -435,7 +450,8 @@ class JobConfig:
     def policy_list(self) -> List[PolicyConfig]:
         if self.policies:
             return self.policies
-        return [PolicyConfig("policy", self.model, self.sft, self.rl, self.rollout, self.learner, self.weights)]
+        return [PolicyConfig("policy", self.model, self.sft, self.rl, self.rollout, learner=self.learner,
+                             weights=self.weights)]
 
     def teacher_of(self, policy: PolicyConfig) -> Optional[PolicyConfig]:
         """The policy `policy` distils from (`distill.teacher`), or None."""
@@ -564,7 +580,7 @@ def _load_yaml(text: str) -> Any:
             return None
         # written without aliases, every value takes at least a character: aliases that expand the document
         # beyond the file's length multiply it (a "billion laughs") rather than save repeating a section
-        _check_nodes(loader, node, "", {}, set(), len(text))
+        _check_nodes(loader, node, "", {}, set(), limit=len(text))
         return loader.construct_document(node)
     finally:
         loader.dispose()
@@ -584,7 +600,7 @@ MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 def _check_nodes(loader: yaml.SafeLoader, node: yaml.Node, key: str, sizes: Dict[int, int], open_nodes: Set[int],
-                 limit: int) -> int:
+                 *, limit: int) -> int:
     """The number of values in `node` with its aliases expanded (`sizes` keeps each node's, so a node shared
     by aliases is counted without walking it again). Raises `_DocumentError` on a key given twice in one
     mapping (PyYAML keeps the last silently), an alias inside its own anchor (`open_nodes`: the nodes being
@@ -598,7 +614,7 @@ def _check_nodes(loader: yaml.SafeLoader, node: yaml.Node, key: str, sizes: Dict
     size = 1
     if isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            size += _check_nodes(loader, item, f"{key}[{i}]", sizes, open_nodes, limit)
+            size += _check_nodes(loader, item, f"{key}[{i}]", sizes, open_nodes, limit=limit)
     elif isinstance(node, yaml.MappingNode):
         seen = set()
         for key_node, value in node.value:
@@ -608,8 +624,8 @@ def _check_nodes(loader: yaml.SafeLoader, node: yaml.Node, key: str, sizes: Dict
             if named and name in seen:
                 raise _DocumentError(problem=f"key '{child}' is given twice", problem_mark=key_node.start_mark)
             seen.add(name)
-            size += _check_nodes(loader, key_node, child, sizes, open_nodes, limit)
-            size += _check_nodes(loader, value, child, sizes, open_nodes, limit)
+            size += _check_nodes(loader, key_node, child, sizes, open_nodes, limit=limit)
+            size += _check_nodes(loader, value, child, sizes, open_nodes, limit=limit)
     if size > limit:
         raise _DocumentError(problem=f"not valid YAML: its aliases expand it to over {limit} values, more than "
                                      f"its {limit} characters hold written out", problem_mark=node.start_mark)
@@ -828,26 +844,26 @@ def _check_unread_keys(config: JobConfig, given: dict, source: str) -> None:
     """Refuse a key that the YAML or an override (`given`) sets, to a value other than the one it has anyway,
     where its section's kind never reads it."""
     kind = config.data.kind
-    _refuse_unread(given.get("data") or {}, DATA_READERS, config.data, DataConfig(), [kind], "data.",
-                   f"'data.kind' is {kind}", source)
+    _refuse_unread(given.get("data") or {}, DATA_READERS, config.data, DataConfig(), [kind], prefix="data.",
+                   where=f"'data.kind' is {kind}", source=source)
     if not config.policies:
         kind = config.model.kind
-        _refuse_unread(given.get("model") or {}, MODEL_READERS, config.model, ModelConfig(), [kind], "model.",
-                       f"'model.kind' is {kind}", source)
+        _refuse_unread(given.get("model") or {}, MODEL_READERS, config.model, ModelConfig(), [kind], prefix="model.",
+                       where=f"'model.kind' is {kind}", source=source)
         return
     entries = [entry.get("model") or {} for entry in given.get("policies") or []]
     for i, (policy, entry) in enumerate(zip(config.policies, entries)):
         kind = policy.model.kind  # an entry's own value counts where it differs from the shared one it replaces
-        _refuse_unread(entry, MODEL_READERS, policy.model, config.model, [kind], f"policies[{i}].model.",
-                       f"'policies[{i}].model.kind' is {kind}", source)
+        _refuse_unread(entry, MODEL_READERS, policy.model, config.model, [kind],
+                       prefix=f"policies[{i}].model.", where=f"'policies[{i}].model.kind' is {kind}", source=source)
     for key in given.get("model") or {}:  # a shared key reaches the policies whose entry gives no value of its own
         kinds = [policy.model.kind for policy, entry in zip(config.policies, entries) if key not in entry]
-        _refuse_unread([key], MODEL_READERS, config.model, ModelConfig(), kinds, "model.",
-                       f"the policies taking it have model.kind {'/'.join(sorted(set(kinds)))}", source)
+        _refuse_unread([key], MODEL_READERS, config.model, ModelConfig(), kinds, prefix="model.",
+                       where=f"the policies taking it have model.kind {'/'.join(sorted(set(kinds)))}", source=source)
 
 
-def _refuse_unread(keys: Iterable[str], readers: Dict[str, tuple], section: Any, baseline: Any, kinds: List[str], prefix: str,
-                   where: str, source: str) -> None:
+def _refuse_unread(keys: Iterable[str], readers: Dict[str, tuple], section: Any, baseline: Any, kinds: List[str],
+                   *, prefix: str, where: str, source: str) -> None:
     """The first of `keys` with a value in `section` other than `baseline`'s that none of `kinds` reads."""
     for key in keys:
         if key not in readers or not kinds or set(kinds) & set(readers[key]):

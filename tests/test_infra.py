@@ -140,7 +140,8 @@ def test_production_redis_gives_a_job_user_its_own_keys_only(production_redis, t
     client = redis.Redis(port=port, username="job-quickstart", password=password)
     queue = RewardQueue(client, "quickstart")
     queue.create_group()
-    sample = Sample("s/0", "s", "policy", "1+1=", "2", [4], [5], [-0.1], [0], {"answer": "2"})
+    sample = Sample("s/0", "s", "policy", "1+1=", "2", prompt_ids=[4], completion_ids=[5], behaviour_logprobs=[-0.1],
+                    token_versions=[0], row={"answer": "2"})
     queue.submit([sample])
     (entry, raw), = queue.fetch("worker", count=1, block_ms=100)
     queue.store_results([(entry, ScoredSample(decode_sample(raw), 1.0, {"exact_match": 1.0}))])

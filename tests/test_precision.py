@@ -59,8 +59,9 @@ def test_saved_initial_policy_keeps_the_dtype_at_half_the_size(bf16_policy, tiny
 def engine_samples(engine: TransformersEngine):
     prompts = encode_prompts(engine.tokenizer, [{"prompt": "1+2="}, {"prompt": "40+45="}], "auto")
     groups = engine.generate([p.ids for p in prompts], 4, 4, 1.0)
-    samples = [Sample(f"{g}/{i}", str(g), "policy", "", c.text, c.prompt_ids, c.completion_ids, c.logprobs,
-                      c.versions) for g, group in enumerate(groups) for i, c in enumerate(group)]
+    samples = [Sample(f"{g}/{i}", str(g), "policy", "", c.text, prompt_ids=c.prompt_ids,
+                      completion_ids=c.completion_ids, behaviour_logprobs=c.logprobs,
+                      token_versions=c.versions) for g, group in enumerate(groups) for i, c in enumerate(group)]
     return samples, [1.0 if s.group_id == "0" else -1.0 for s in samples]
 
 

@@ -74,7 +74,8 @@ def test_the_evaluator_takes_its_priority_before_it_loads_torch():
     from rlplatform.config import RLConfig, RolloutConfig
     from rlplatform.transport.weight_transports import ObjectStoreTransport
 
-    spec = RolloutSpec(0, "policy", "job", "/missing", "/missing", "redis://127.0.0.1:1", RLConfig(), RolloutConfig(),
+    spec = RolloutSpec(0, "policy", "job", "/missing", "/missing", redis_url="redis://127.0.0.1:1", rl=RLConfig(),
+                       rollout=RolloutConfig(),
                        dtype="float32", transport=ObjectStoreTransport(delta_full_every=5), priority="idle")
     out = subprocess.run([sys.executable, "-c", EVALUATOR_CHILD, pickle.dumps(spec).hex()], capture_output=True,
                          text=True, check=True, timeout=120).stdout

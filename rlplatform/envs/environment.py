@@ -11,7 +11,7 @@ Environments are named in `ENVIRONMENTS`, or given by import path (`env.fn`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Callable, Dict, List, Protocol
 
 from rlplatform.config import EnvConfig
@@ -31,6 +31,7 @@ class Reply:
     done: bool = False  # the episode ends here
     fields: Dict[str, Any] = field(default_factory=dict)  # with done: added to the sample's row for the rewards
     malformed_calls: int = 0  # tool calls of the turn written wrong (the observation says why)
+    _: KW_ONLY
     unknown_tool_calls: int = 0  # tool calls of the turn naming no tool of the job
 
 

@@ -48,7 +48,7 @@ class TasksetPlayer:
     below 0)."""
 
     def __init__(self, env: EnvConfig, url: str, schedule: GroupSchedule, worker: int, group_size: int,
-                 groups_at_once: int, seed: int, version: Callable[[], int]) -> None:
+                 *, groups_at_once: int, seed: int, version: Callable[[], int]) -> None:
         self.env, self.url, self.schedule, self.worker = env, url, schedule, worker
         self.group_size, self.groups_at_once, self.seed, self.version = group_size, groups_at_once, seed, version
         self.error: Optional[BaseException] = None  # what ended the play early

@@ -52,7 +52,7 @@ def job_tools_from_json(text: str) -> Tuple[List[ToolSpec], List[str]]:
 
 class ToolWorker(QueueWorker):
     def __init__(self, name: str, tools: List[ToolSpec], redis_url: str, run: str,
-                 config: Optional[RewardWorkersConfig] = None, imports: Optional[List[str]] = None) -> None:
+                 config: Optional[RewardWorkersConfig] = None, *, imports: Optional[List[str]] = None) -> None:
         """`run`: the `run_scope` of the run it serves."""
         config = config or RewardWorkersConfig()
         import_modules(imports or [])
@@ -62,7 +62,7 @@ class ToolWorker(QueueWorker):
         client = connect(redis_url, wait_s=RECONNECT_S)  # a restart may meet the job's Redis restarting
         self.tool_queue = ToolQueue(client, run)
         super().__init__(name, self.tool_queue, RewardQueue(client, run), config, ToolStats(),
-                         Heartbeats(client, run), f"tool worker {name}",
+                         heartbeats=Heartbeats(client, run), label=f"tool worker {name}",
                          round_limit_s=max((spec.timeout_s for spec in tools), default=0.0))
 
     def decode(self, raw: bytes) -> ToolCall:

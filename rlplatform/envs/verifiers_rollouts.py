@@ -23,7 +23,7 @@ import itertools
 import os
 import sys
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence
 
 import httpx
@@ -43,6 +43,7 @@ class PlayStats:
     failed: int = 0  # rollouts that failed; their episodes were discarded
     discarded: int = 0  # bridge episodes discarded (failed, untrainable or retried)
     reward_sum: float = 0.0  # of the finished episodes' verifiers rewards
+    _: KW_ONLY
     errors: List[str] = field(default_factory=list)  # the first few failures, for the user
 
     @property
@@ -163,14 +164,14 @@ class Player:
         minted: List[str] = []
         slot = self.env.slots(task, 1)[0]
         try:
-            await self._play(task, group, bridge, ctx, slot, minted)
+            await self._play(task, group, bridge, ctx, slot, minted=minted)
             for episode_id in minted:
                 if await bridge.discard(episode_id):
                     self.stats.discarded += 1
         except ConnectionError as err:
             self.lost = self.lost or err
 
-    async def _play(self, task, group: str, bridge: BridgeClient, ctx, slot, minted: List[str]) -> None:
+    async def _play(self, task, group: str, bridge: BridgeClient, ctx, slot, *, minted: List[str]) -> None:
         """Run the rollout and finish its trainable trace's episode; `minted` is left holding those to discard."""
         async with self.episodes:
             if self.lost is not None:
@@ -206,7 +207,7 @@ def _tasks(taskset, num_tasks: Optional[int], epochs: int) -> Iterator:
 
 
 async def play(taskset_id: str, urls: Sequence[str], group_size: int, num_tasks: Optional[int] = None,
-               epochs: int = 1, concurrency: int = 8) -> PlayStats:
+               epochs: int = 1, *, concurrency: int = 8) -> PlayStats:
     """Play `epochs` passes over the taskset's tasks (the first `num_tasks`, or all), `group_size` rollouts
     each (the job's `rl.group_size`), at most `concurrency` rollouts at once, through the bridges at `urls`."""
     if group_size < 1 or concurrency < 1 or epochs < 1 or not urls:

@@ -41,7 +41,7 @@ from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.watchdog import hang_rule, rank_processes, watched_write
 from rlplatform.policy import load_tokenizer, save_initial_policy
 from rlplatform.tokenization import encode_prompts, save_prompts, within_limit
-from rlplatform.transport.deadlines import LEARNER_TIMEOUT_S, JobFailed, LearnerDied, LearnerHung
+from rlplatform.transport.deadlines import LEARNER_TIMEOUT_S, Heartbeats, JobFailed, LearnerDied, LearnerHung
 from rlplatform.transport.job_lease import JobLease
 from rlplatform.transport.redis_server import EmbeddedRedis, RedisUnavailable, connect
 from rlplatform.transport.keys import PolicyKeys, run_scope
@@ -108,8 +108,8 @@ def _run_locked(config: JobConfig, started_at: float, shutdown_ray: Optional[boo
             metrics.status = JobStatus(connect(redis_url, config.redis.reconnect_s), run)
             summary.wandb_dir = metrics.wandb_dir
             try:
-                summary.results = _run_stages(config, plan, run, redis_url, learners, metrics, startup, stop,
-                                              resume)
+                summary.results = _run_stages(config, plan, run, redis_url, learners, metrics=metrics,
+                                              startup=startup, stop=stop, resume=resume)
                 summary.status = "interrupted" if stop.requested else "completed"
             except JobEnded as ended:
                 summary.results = ended.results
@@ -205,7 +205,7 @@ def _start_services(config: JobConfig, run_id: str,
 
 
 def _run_stages(config: JobConfig, plan: JobPlan, run: str, redis_url: str, learners: Dict[str, LearnerGroup],
-                metrics: Metrics, startup: StartupTimes, stop: StopSignals,
+                *, metrics: Metrics, startup: StartupTimes, stop: StopSignals,
                 resume: Optional[Resume]) -> Dict[str, PolicyResults]:
     """Every policy's stages, from its workers' start to its final model; returns each policy's results.
     `run`: the run's `run_scope`, which names every Redis key its workers share; `startup` is marked as the
@@ -218,8 +218,8 @@ def _run_stages(config: JobConfig, plan: JobPlan, run: str, redis_url: str, lear
     tool_actors: List = []
     try:
         for name, policy in plan.policies.items():
-            policies.append(_start_policy(config, policy, learners[name], train_rows, test_rows, redis_url, run,
-                                          metrics.event))
+            policies.append(_start_policy(config, policy, learners[name], train_rows, test_rows,
+                                          redis_url=redis_url, run=run, alert=metrics.event))
         for workers in policies:  # once every policy's initial weights and weight store exist
             workers.teachers = _start_teacher_workers(config, plan, workers.config, run, redis_url)
         reward_actors = _start_reward_workers(config, run, redis_url)  # needed from RL on
@@ -232,12 +232,12 @@ def _run_stages(config: JobConfig, plan: JobPlan, run: str, redis_url: str, lear
         for workers in policies:
             if workers.name not in resumed:
                 results[workers.name].sft = _supervised_stage(config, workers, train_rows, metrics, client,
-                                                              results[workers.name].record_eval)
+                                                              record_eval=results[workers.name].record_eval)
         if any(p.config.rl.enabled for p in policies):
             job_state = partial(_job_state, results, metrics.run.id if metrics.run else None)
             try:
                 summaries = _rl_stage(config, [p for p in policies if p.config.rl.enabled], queue, reward_actors,
-                                      metrics, train_rows, results=results, stop=stop, job_state=job_state,
+                                      metrics, train_rows=train_rows, results=results, stop=stop, job_state=job_state,
                                       resume=resume, tool_actors=tool_actors)
             except StageFailed as failed:
                 for name, rl in failed.summaries.items():
@@ -258,6 +258,8 @@ def _run_stages(config: JobConfig, plan: JobPlan, run: str, redis_url: str, lear
     finally:
         try:
             queue.request_stop()
+            # a standalone worker sees the flag, not a Redis gone with the job (an embedded one) or emptied
+            Heartbeats(client, run).await_outside_workers()
             queue.clear()
         except RedisUnavailable:  # gone with what it held; the job ends on that error
             pass
@@ -287,8 +289,8 @@ def _save_final(config: JobConfig, policies: List[PolicyWorkers]) -> None:
             if workers.config.model.lora.enabled else dict(model_dir=model)
         watched_write(hang_rule(config.monitoring), config.run_dir,
                       partial(rank_processes, workers.name, workers.learner.processes), "writing the final model",
-                      0.0, latest_checkpoint(config.run_dir),
-                      lambda deadline_s: workers.learner.save(checkpoint, **saves, timeout_s=deadline_s))
+                      0.0, checkpoint=latest_checkpoint(config.run_dir),
+                      write=lambda deadline_s: workers.learner.save(checkpoint, **saves, timeout_s=deadline_s))
 
 
 def _open_queue(config: JobConfig, run: str, client) -> RewardQueue:
@@ -306,7 +308,7 @@ def _start_reward_workers(config: JobConfig, run: str, redis_url: str) -> List:
 
     return [RewardActor.options(num_cpus=config.reward_workers.num_cpus, resources=config.reward_workers.resources,
                                 max_restarts=MAX_RESTARTS, name=f"{config.name}-reward-{i}").remote(
-        f"{config.name}-reward-{i}", config.rewards, redis_url, run, config.reward_workers, config.imports)
+        f"{config.name}-reward-{i}", config.rewards, redis_url, run, config.reward_workers, imports=config.imports)
         for i in range(config.reward_workers.num_workers)]
 
 
@@ -323,11 +325,11 @@ def _start_tool_workers(config: JobConfig, run: str, redis_url: str, client) -> 
     workers = config.env.tool_workers
     return [ToolActor.options(num_cpus=workers.num_cpus, max_restarts=MAX_RESTARTS, name=f"{config.name}-tool-{i}"
                               ).remote(f"{config.name}-tool-{i}", config.env.tools, redis_url, run, workers,
-                                       config.imports) for i in range(workers.num_workers)]
+                                       imports=config.imports) for i in range(workers.num_workers)]
 
 
 def _start_policy(config: JobConfig, plan: PolicyPlan, learner: LearnerGroup, train_rows, test_rows,
-                  redis_url: str, run: str, alert: Callable[[str, str], None]) -> PolicyWorkers:
+                  *, redis_url: str, run: str, alert: Callable[[str, str], None]) -> PolicyWorkers:
     """A policy's initial weights on disk, its learner ranks, rollout workers and evaluator (the last
     rollout actor, started last: `Evaluator`). Actors are named `<job>-<policy>-rollout-<i>`,
     `<job>-<policy>-learner-<rank>` and `<job>-<policy>-weights`; rollout workers find the weight store
@@ -344,15 +346,16 @@ def _start_policy(config: JobConfig, plan: PolicyPlan, learner: LearnerGroup, tr
     prompts_path = save_prompts(train, os.path.join(config.policy_dir(policy.name), "train_prompts.jsonl"))
     store_name = f"{config.name}-{policy.name}-weights"
     store = WeightStore.options(name=store_name).remote(plan.transport.delta_full_every)
-    start_rollout = partial(_start_rollout_actor, config, plan, run, model_path, prompts_path, redis_url, store_name)
+    start_rollout = partial(_start_rollout_actor, config, plan, run, model_path, prompts_path, redis_url=redis_url,
+                            store_name=store_name)
     if policy.sft.enabled:
         learner.set_up()
-        rollout = [start_rollout(i) for i in range(policy.rollout.num_workers)]
+        rollout = [start_rollout(index=i) for i in range(policy.rollout.num_workers)]
     else:
-        rollout = [start_rollout(i) for i in range(policy.rollout.num_workers)]
+        rollout = [start_rollout(index=i) for i in range(policy.rollout.num_workers)]
         learner.set_up()
     keys = PolicyKeys(run, policy.name)
-    evaluator = Evaluator(start_rollout(policy.rollout.num_workers), test, config.eval, config.rewards,
+    evaluator = Evaluator(start_rollout(index=policy.rollout.num_workers), test, config.eval, config.rewards,
                           config.imports, on_restart=partial(alert, "worker_restart"),
                           hang_rule=hang_rule(config.monitoring), on_hang=partial(alert, "hang"),
                           run_dir=config.run_dir, redis_url=redis_url, process_key=keys.evaluator_process
@@ -360,7 +363,8 @@ def _start_policy(config: JobConfig, plan: PolicyPlan, learner: LearnerGroup, tr
     learner.connect_results(redis_url, run, config.redis.reconnect_s, policy.name)
     if config.monitoring.parity_every:
         learner.watch_parity([p.ids for p in train], keys.canary_reference, config.monitoring.parity_every)
-    workers = PolicyWorkers(plan, learner, rollout, store, evaluator, keys, [p.row for p in train], data,
+    workers = PolicyWorkers(plan, learner, rollout, store, evaluator, keys=keys, sft_rows=[p.row for p in train],
+                            data=data,
                             add_rollout=partial(start_rollout, restarts=0))
     plan.transport.connect(learner.ranks[0], workers.generating, redis_url, keys.version, LEARNER_TIMEOUT_S)
     return workers
@@ -384,8 +388,8 @@ def _start_teacher_workers(config: JobConfig, plan: JobPlan, student: PolicyConf
     actors = []
     for i in range(distill.workers):
         spec = RolloutSpec(10_000 + i, teacher.name, run, _initial_dir(config, teacher),
-                           os.path.join(config.policy_dir(teacher.name), "train_prompts.jsonl"), redis_url, teacher.rl,
-                           teacher.rollout, dtype=teacher.model.dtype, transport=teacher_plan.transport,
+                           os.path.join(config.policy_dir(teacher.name), "train_prompts.jsonl"), redis_url=redis_url,
+                           rl=teacher.rl, rollout=teacher.rollout, dtype=teacher.model.dtype, transport=teacher_plan.transport,
                            seed=config.seed, weight_store=f"{config.name}-{teacher.name}-weights",
                            lora=teacher.model.lora, chat_template=config.data.chat_template, env=config.env,
                            priority=teacher.rollout.priority)
@@ -410,7 +414,7 @@ def _start_learner(config: JobConfig, plan: PolicyPlan) -> LearnerGroup:
 
 
 def _start_rollout_actor(config: JobConfig, plan: PolicyPlan, run: str, model_path: str, prompts_path: str,
-                         redis_url: str, store_name: str, index: int, restarts: int = MAX_RESTARTS):
+                         *, redis_url: str, store_name: str, index: int, restarts: int = MAX_RESTARTS):
     """Rollout actor `index` of the policy, or its evaluator at index `rollout.num_workers` (an
     `EvaluatorActor`, at `eval.priority` from its first import): it reads its prompts from `prompts_path`
     and finds the weight store by `store_name`. Ray restarts it up to `restarts` times (0: a worker added
@@ -423,7 +427,8 @@ def _start_rollout_actor(config: JobConfig, plan: PolicyPlan, run: str, model_pa
     options = dict(num_cpus=policy.rollout.num_cpus, num_gpus=plan.rollout_gpus, resources=policy.rollout.resources,
                    max_restarts=restarts, name=f"{config.name}-{policy.name}-rollout-{index}")
     evaluator = index == policy.rollout.num_workers
-    spec = RolloutSpec(index, policy.name, run, model_path, prompts_path, redis_url, policy.rl, policy.rollout,
+    spec = RolloutSpec(index, policy.name, run, model_path, prompts_path, redis_url=redis_url, rl=policy.rl,
+                       rollout=policy.rollout,
                        dtype=policy.model.dtype, transport=plan.transport, seed=config.seed, weight_store=store_name,
                        lora=policy.model.lora, chat_template=config.data.chat_template, env=config.env,
                        priority=config.eval.priority if evaluator else policy.rollout.priority,
@@ -453,15 +458,15 @@ def _context_length(model_path: str) -> int:
 
 
 def _supervised_stage(config: JobConfig, workers: PolicyWorkers, train_rows, metrics: Metrics, client,
-                      record_eval: Callable[[str, Dict], None]) -> Optional[SFTSummary]:
+                      *, record_eval: Callable[[str, Dict], None]) -> Optional[SFTSummary]:
     """SFT (when enabled), then version 0 published and evaluated (in the background when RL follows);
     returns the SFT summary (None without SFT) and hands the evaluation to `record_eval` (labelled "after_sft",
     or "before_rl" without SFT), if the job evaluates."""
     sft = None
     if workers.config.sft.enabled:
         stage = "sft" if not config.policies else f"{workers.name}/sft"
-        sft = run_sft(workers.config.sft, workers.learner, workers.sft_rows, metrics, config.seed, stage,
-                      lambda: workers.evaluator.score(workers.learner.snapshot_weights()))
+        sft = run_sft(workers.config.sft, workers.learner, workers.sft_rows, metrics, config.seed, stage=stage,
+                      accuracy=lambda: workers.evaluator.score(workers.learner.snapshot_weights()))
     streamed = workers.learner.stream_weights(0)
     publish(workers, client, 0, streamed)
     if workers.evaluator is None:  # `eval.enabled: false`
@@ -485,12 +490,12 @@ def _baseline_snapshot(workers: PolicyWorkers, streamed) -> ray.ObjectRef:
 
 
 def _rl_stage(config: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, reward_actors: List,
-              metrics: Metrics, train_rows, *, results: Dict[str, PolicyResults], stop: StopSignals,
+              metrics: Metrics, *, train_rows, results: Dict[str, PolicyResults], stop: StopSignals,
               job_state: Callable[[], Dict], resume: Optional[Resume], tool_actors: List) -> Dict[str, RLSummary]:
     """RL for `policies`, then each one's final evaluation (recorded in `results` as "after_rl"); returns each
     policy's RL summary."""
-    summaries = run_rl(config, policies, queue, reward_actors, metrics, train_rows, stop=stop, job_state=job_state,
-                       resume=resume, tool_actors=tool_actors)
+    summaries = run_rl(config, policies, queue, reward_actors, metrics, train_rows=train_rows, stop=stop,
+                       job_state=job_state, resume=resume, tool_actors=tool_actors)
     for workers in policies:
         if not stop.requested and workers.evaluator is not None:
             workers.evaluator.finish_baseline()

@@ -53,7 +53,7 @@ class ElasticRollout:
         if not any(fits(self.room, free) for free in available_resources_per_node().values()):
             return
         index, self._next_index = self._next_index, self._next_index + 1
-        actor = self.workers.add_rollout(index)
+        actor = self.workers.add_rollout(index=index)
         self._starting = actor, actor.__ray_ready__.remote()
         self.workers.rollout.append(actor)
         self.joined += 1

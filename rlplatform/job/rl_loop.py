@@ -15,7 +15,7 @@ import os
 import random
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import KW_ONLY, dataclass, field, fields, replace
 from functools import partial
 from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence
 
@@ -47,6 +47,7 @@ from rlplatform.transport.deadlines import (LEARNER_TIMEOUT_S, Heartbeats, JobFa
 from rlplatform.transport.redis_server import RedisUnavailable
 from rlplatform.transport.keys import PolicyKeys
 from rlplatform.transport.reward_queue import RewardQueue
+from rlplatform.transport.rollout_counters import RolloutCounters
 from rlplatform.transport.samples import ResultMeta
 
 
@@ -61,6 +62,7 @@ class RLCounters:
     samples_dropped_stale: int = 0
     samples_dropped_error: int = 0
     samples_dropped_zero_advantage: int = 0
+    _: KW_ONLY
     groups_in_batches: int = 0  # groups the learner was given
     groups_with_signal: int = 0  # of those, groups whose rewards were not all equal
     samples_dropped_expired: int = 0  # samples of groups that did not complete within rl.group_timeout_s
@@ -128,7 +130,7 @@ class RedisMirror:
     """What a checkpoint and the stage's summary read from the job's Redis, as last read (at the stage's start and
     after each learner step): a job whose Redis went away checkpoints and reports from it."""
     ledger: Dict  # the prompt ledger's `state()`
-    rollout: Dict[str, float]  # the policy's rollout workers' counters
+    rollout: RolloutCounters  # the policy's rollout workers' counters
     reward: Dict[str, float]  # the reward workers' counters
 
 
@@ -150,7 +152,8 @@ class PolicyRun:
         self.counters, self.buffer = RLCounters(), GroupBuffer(self.rl.group_size)
         self.rule = StalenessRule.of(self.rl)
         self.schedule = GroupSchedule(queue.client, queue.keys.run, workers.name, self.rule)
-        self.monitor = RLMonitor(job, self.rl, metrics, queue, workers.name, workers.keys, len(workers.rollout))
+        self.monitor = RLMonitor(job, self.rl, metrics, queue, workers.name, keys=workers.keys,
+                                 rollout_workers=len(workers.rollout))
         self.monitor.last_accuracy = workers.evaluator.last_accuracy if workers.evaluator else None
         self.version, self.start = 0, time.perf_counter()
         self.hold = False  # no new learner step starts while set (a checkpoint or a stop is under way)
@@ -197,7 +200,7 @@ class PolicyRun:
         """What a checkpoint keeps of this policy's stage (taken with no learner step in flight); its counters
         count the samples generated so far over every attempt. `offline`: the job's Redis went away, Redis's part
         comes from the mirror."""
-        generated = self.counters.samples_generated_before + int(self._rollout_counters(offline).get("samples", 0))
+        generated = self.counters.samples_generated_before + int(self._rollout_counters(offline).samples)
         counters = {**self.counters.state(), "samples_generated_before": generated}
         ledger = self.mirror.ledger if offline else self.schedule.ledger.state()
         return PolicyState(version=self.version, counters=counters, ledger=ledger,
@@ -206,15 +209,16 @@ class PolicyRun:
     def mirror_redis(self) -> None:
         """Keep what a checkpoint and the summary need from Redis in `mirror`: the ledger read now, the workers'
         counters as the monitor last read them."""
-        self.mirror = RedisMirror(self.schedule.ledger.state(), *self.monitor.worker_counters())
+        counts = self.monitor.worker_counters()
+        self.mirror = RedisMirror(self.schedule.ledger.state(), counts.rollout, counts.reward)
 
-    def _rollout_counters(self, offline: bool) -> Dict[str, float]:
+    def _rollout_counters(self, offline: bool) -> RolloutCounters:
         """This attempt's rollout counters: from Redis, or mirrored with at least the samples the stage accounted
         for (those trained after the mirror was read may have been generated after it)."""
         if not offline:
-            return self.queue.counters(self.workers.keys.rollout_stats)
+            return self.monitor.rollout_counters.read()
         accounted = _accounted(self.counters) - self.counters.samples_generated_before
-        return {**self.mirror.rollout, "samples": max(self.mirror.rollout.get("samples", 0.0), float(accounted))}
+        return replace(self.mirror.rollout, samples=max(self.mirror.rollout.samples, float(accounted)))
 
     @property
     def since_scored_s(self) -> float:
@@ -334,7 +338,7 @@ class PolicyRun:
         self._record_trained(batch)
         self._unrecorded = None
         self._evaluate_in_background()
-        self.monitor.step(self.version, result, batch, gaps, self.counters, publish_s)
+        self.monitor.step(self.version, result, batch, gaps, self.counters, publish_s=publish_s)
         self.queue.results.delete(s.sample_id for s in batch.samples)
         self.mirror_redis()
         return True
@@ -387,8 +391,8 @@ class PolicyRun:
         longest = self.longest_step_s or self.workers.learner.set_up_s
         if running < self.hang_rule.deadline_s(longest):  # every turn: the ranks are looked up only once hung
             return None
-        return learner_hang(self.hang_rule, self.job.run_dir, self._learner_ranks(), running, "a step", longest,
-                            checkpoint)
+        return learner_hang(self.hang_rule, self.job.run_dir, self._learner_ranks(), running, "a step",
+                            longest_s=longest, checkpoint=checkpoint)
 
     def save_learner(self, directory: str, checkpoint: Optional[str]) -> None:
         """The learner's part of a checkpoint, written to `directory`; with the watchdog on, a write that takes
@@ -396,8 +400,8 @@ class PolicyRun:
         learner's hang (`checkpoint`: the newest one before it)."""
         started = time.perf_counter()
         watched_write(self.hang_rule, self.job.run_dir, self._learner_ranks, "writing a checkpoint",
-                      self.longest_save_s, checkpoint,
-                      lambda deadline_s: self.workers.learner.save(directory, timeout_s=deadline_s))
+                      self.longest_save_s, checkpoint=checkpoint,
+                      write=lambda deadline_s: self.workers.learner.save(directory, timeout_s=deadline_s))
         self.longest_save_s = max(self.longest_save_s, time.perf_counter() - started)
 
     def _learner_ranks(self) -> List[LearnerProcess]:
@@ -456,11 +460,11 @@ class PolicyRun:
         rollout = self._rollout_counters(offline)
         failed = unused is None
         if failed:
-            generated = self.counters.samples_generated_before + int(rollout.get("samples", 0))
+            generated = self.counters.samples_generated_before + int(rollout.samples)
             unused = {"in_flight_at_failure": max(generated - _accounted(self.counters), 0)}
         wall = time.perf_counter() - self.start
-        figures = stage_figures(self.counters, rollout, len(self.workers.rollout), unused, self.version, wall,
-                                self.trained_at_start)
+        figures = stage_figures(self.counters, rollout, len(self.workers.rollout), unused, self.version, wall=wall,
+                                trained_at_start=self.trained_at_start)
         if self.elastic is not None:
             figures = replace(figures, **self.elastic.figures())
         reward_now = self.mirror.reward if offline else self.queue.counters(self.queue.keys.reward_stats)
@@ -470,8 +474,8 @@ class PolicyRun:
         ended_by = "failed" if failed else "max_steps" if self.version >= self.rl.max_steps \
             else "idle_timeout" if self.idle else "stop"
         time_breakdown = {
-            "generation_s": round(rollout.get("busy_s", 0.0), 2),
-            "queue_submit_s": round(rollout.get("submit_s", 0.0), 2),
+            "generation_s": round(rollout.busy_s, 2),
+            "queue_submit_s": round(rollout.submit_s, 2),
             "reward_busy_s": round(reward.get("busy_s", 0.0), 2),  # all policies' reward work
             "reward_latency_s_mean": round(reward.get("latency_s", 0.0) / max(reward.get("scored", 0.0), 1.0), 4),
             "learner_step_s": round(self.counters.learner_busy_s, 2),
@@ -500,7 +504,7 @@ class Resume:
 
 
 def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, reward_actors: List,
-           metrics: Metrics, train_rows: List[Dict], *, stop: StopSignals, job_state: Callable[[], Dict],
+           metrics: Metrics, *, train_rows: List[Dict], stop: StopSignals, job_state: Callable[[], Dict],
            resume: Optional[Resume] = None, tool_actors: Sequence = ()) -> Dict[str, RLSummary]:
     """Train every policy to `rl.max_steps` from its version 0 (already published) or from `resume`,
     learner steps of different policies running at once, checkpoints every `checkpoint.every_steps`
@@ -593,7 +597,7 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
 
 
 def _as_they_stood(runs: Dict[str, PolicyRun], supervisor: Supervisor, checkpoints: "Checkpoints",
-                   controller_cpu_start: float, metrics: Metrics, offline: bool = False) -> Dict[str, RLSummary]:
+                   controller_cpu_start: float, metrics: Metrics, *, offline: bool = False) -> Dict[str, RLSummary]:
     """Each policy's figures of a stage that failed (`PolicyRun.summary`); the results held are those in the
     buffers (the stored ones are Redis's)."""
     end = StageEnd(supervisor.restarts, checkpoints.latest, sum(run.buffer.held_samples() for run in runs.values()),
@@ -824,16 +828,16 @@ def _keep_lines(path: str, last_step: int) -> None:
         f.writelines(kept)
 
 
-def stage_figures(counters: RLCounters, rollout: Dict[str, float], rollout_workers: int, unused: Dict[str, int],
-                  version: int, wall: float, trained_at_start: int) -> RLFigures:
+def stage_figures(counters: RLCounters, rollout: RolloutCounters, rollout_workers: int, unused: Dict[str, int],
+                  version: int, *, wall: float, trained_at_start: int) -> RLFigures:
     """The stage's counts and rates from the loop's counters and the rollout workers' (summed on Redis) after
     `wall` seconds of this attempt: counts over every attempt (samples_generated = trained + dropped +
     abandoned + unused), rates over this one."""
-    generated = int(rollout.get("samples", 0))  # by this attempt
-    syncs = int(rollout.get("weight_syncs", 0))
+    generated = int(rollout.samples)  # by this attempt
+    syncs = int(rollout.weight_syncs)
     return RLFigures(
         samples_generated=counters.samples_generated_before + generated,
-        tokens_generated=int(rollout.get("tokens", 0)),
+        tokens_generated=int(rollout.tokens),
         samples_scored=counters.samples_scored,
         samples_trained=counters.samples_trained,
         samples_dropped_stale=counters.samples_dropped_stale,
@@ -856,9 +860,9 @@ def stage_figures(counters: RLCounters, rollout: Dict[str, float], rollout_worke
         learner_busy_fraction=round(counters.learner_busy_s / wall, 3),
         learner_steps_queued=counters.steps_queued,
         **counters.learner.figures(),  # learner_model_tokens_per_s, learner_mfu
-        rollout_busy_fraction=round(rollout.get("busy_s", 0.0) / wall / max(rollout_workers, 1), 3),
+        rollout_busy_fraction=round(rollout.busy_s / wall / max(rollout_workers, 1), 3),
         weight_publish_s=round(counters.weight_publish_s, 3),
         weight_syncs=syncs,
-        weight_sync_s=round(rollout.get("weight_sync_s", 0.0), 3),
-        weight_bytes_per_sync=round(rollout.get("weight_sync_bytes", 0) / max(syncs, 1)),
+        weight_sync_s=round(rollout.weight_sync_s, 3),
+        weight_bytes_per_sync=round(rollout.weight_sync_bytes / max(syncs, 1)),
     )

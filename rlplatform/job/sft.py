@@ -20,7 +20,7 @@ from rlplatform.monitoring.metrics import Metrics
 
 
 def run_sft(config: SFTConfig, learner: LearnerGroup, rows: List[Dict], metrics: Metrics, seed: int,
-            stage: str = "sft", accuracy: Optional[Callable[[], float]] = None) -> SFTSummary:
+            *, stage: str = "sft", accuracy: Optional[Callable[[], float]] = None) -> SFTSummary:
     """Train up to `config.steps` steps on random batches; `accuracy()` measures the learner's current
     weights on held-out rows for the stop rule. Returns the stage's figures."""
     rng = random.Random(seed)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import KW_ONLY, dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Dict, Mapping, Optional, Tuple
 
@@ -23,6 +23,7 @@ class SFTSummary:
     final_loss: Optional[float]  # the last step's loss (None without a step)
     accuracy_checks: Tuple[Mapping[str, float], ...]  # {"step", "accuracy"} of each `sft.stop_at_accuracy` check
     first_step_at: Optional[float]  # wall-clock time the first step ended (summary.json turns it into startup_s)
+    _: KW_ONLY
     learner_model_tokens_per_s: float  # `LearnerTotals.figures`
     learner_mfu: float
 
@@ -51,6 +52,7 @@ class RLFigures:
     samples_scored: int
     samples_trained: int
     samples_dropped_stale: int
+    _: KW_ONLY
     samples_dropped_error: int
     samples_dropped_zero_advantage: int
     signal_group_fraction: float  # of the groups in batches, those whose rewards differ
@@ -103,6 +105,7 @@ class RLSummary:
     figures: RLFigures  # the counts over every attempt and this attempt's rates
     time_breakdown: Mapping[str, float]  # seconds of generation, queue submits, reward work, learner steps, weights
     eval_history: Tuple[Mapping[str, float], ...]  # held-out accuracy by version (`RLMonitor.evaluation`)
+    _: KW_ONLY
     parity: Mapping[str, Any]  # `RLMonitor.parity_totals`
     rewards: Mapping[str, Any]  # `RLMonitor.reward_totals`
     ledger: Mapping[str, int]  # the prompt ledger's counts
@@ -213,6 +216,7 @@ class JobSummary:
     run_id: str
     startup: StartupTimes
     several_policies: bool
+    _: KW_ONLY
     status: str = "running"  # then completed, interrupted or failed
     results: Dict[str, PolicyResults] = field(default_factory=dict)  # set when the stages end
     wandb_dir: Optional[str] = None

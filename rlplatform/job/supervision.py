@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Callable, List, Optional, Sequence
 
 import ray
@@ -68,6 +68,7 @@ class _Loop:
     actor: object
     ref: Optional[ray.ObjectRef]
     revival: Optional[Revival] = None  # set from the actor's death until it answers again
+    _: KW_ONLY
     on_leave: Optional[Callable[[], None]] = None  # an added worker Ray does not restart: told when it dies
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import ray
@@ -227,11 +227,12 @@ class PolicyWorkers:
     rollout: List  # RolloutActor handles
     weight_store: object  # WeightStore handle
     evaluator: Optional[Evaluator]  # None with `eval.enabled: false`
+    _: KW_ONLY
     keys: PolicyKeys
     sft_rows: List[Dict]  # the training rows whose prompts fit `data.max_prompt_tokens`
     data: Dict[str, int]  # rows kept and skipped as too long, for the summary
     teachers: List = field(default_factory=list)  # a distilling policy's teacher scoring workers (TeacherActor handles)
-    add_rollout: Optional[Callable[[int], Any]] = None  # starts rollout actor `index`, one Ray does not restart (`elastic`)
+    add_rollout: Optional[Callable[..., Any]] = None  # starts rollout actor `index=`, not restarted by Ray (`elastic`)
 
     @property
     def config(self) -> PolicyConfig:

@@ -11,7 +11,7 @@ turns each alert into a console warning, an event-log line and (online) a W&B al
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Deque, Dict, List, Optional
 
 from rlplatform.config import AlertRule
@@ -33,6 +33,7 @@ class StepFigures:
     error_fraction: float
     queue_depth: int
     seconds_since_progress: float
+    _: KW_ONLY
     parity: Optional[Dict[str, float]] = None  # abs_mean, abs_max, k3, tokens; None: not measured this step
     canary: Optional[Dict[str, float]] = None  # the worst parity canary check since the last step (`parity_canary`)
     scored: int = 0  # samples scored since the step before

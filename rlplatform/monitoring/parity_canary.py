@@ -34,7 +34,7 @@ def canary_version(version: int, every: int) -> bool:
 
 
 def store_reference(client, key: str, version: int, first: List[List[int]], scored: List[List[int]],
-                    logprobs: List[List[float]]) -> None:
+                    *, logprobs: List[List[float]]) -> None:
     """The canary and the learner's log-probs of it for `version` (only the newest is kept)."""
     client.set(key, json.dumps({"version": version, "first": first, "scored": scored, "logprobs": logprobs}))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable, Deque, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
 
 import wandb
 
@@ -28,6 +28,7 @@ from rlplatform.monitoring.tool_metrics import tool_figures
 from rlplatform.scheduling.buffer import Batch, has_signal
 from rlplatform.transport.keys import PolicyKeys, ToolKeys
 from rlplatform.transport.reward_queue import RewardQueue
+from rlplatform.transport.rollout_counters import RolloutCounterHash, RolloutCounters
 
 LEARNING_KEYS = ("loss", "pg_loss", "kl_to_reference", "entropy", "clip_fraction", "importance_weight_mean",
                  "importance_weight_max", "logprob_mismatch_abs", "grad_norm", "lr", "router_aux_loss",
@@ -55,12 +56,20 @@ class TrailingRate:
         return (total - before) / (now - since) if now > since else 0.0
 
 
+class WorkerCounts(NamedTuple):
+    """The rollout and reward workers' counters as read from Redis at `time` (the monitor's clock)."""
+    time: float
+    rollout: RolloutCounters  # the policy's rollout workers'
+    reward: Dict[str, float]  # the job's reward workers' (busy_s, latency_s, scored, ...)
+
+
 class RLMonitor:
     def __init__(self, config: JobConfig, rl: RLConfig, metrics: Metrics, queue: RewardQueue, policy: str,
-                 keys: PolicyKeys, rollout_workers: int, clock: Callable[[], float] = time.perf_counter):
+                 *, keys: PolicyKeys, rollout_workers: int, clock: Callable[[], float] = time.perf_counter):
         """`clock`: seconds, for the stage's wall time, rates and when lines are due (tests pass their own)."""
         self.config, self.rl, self.metrics, self.queue, self.policy = config, rl, metrics, queue, policy
         self.keys, self.clock = keys, clock
+        self.rollout_counters = RolloutCounterHash(queue.client, keys.rollout_stats)
         self.rollout_workers = rollout_workers
         self.alerts = AlertRules(config.monitoring.alerts)
         self.start = self.last_step = self.last_stall_check = self.last_line = clock()
@@ -69,10 +78,8 @@ class RLMonitor:
         self.eval_history: List[Dict[str, float]] = []  # held-out accuracy by version, for the summary
         self._published: Dict[int, Tuple[float, int]] = {0: (0.0, 0)}  # version -> (stage seconds, samples seen)
         self._previous = self._worker_counters()
-        self._sample_rate = TrailingRate(RATE_WINDOW_S, self._previous["time"],
-                                         self._previous.get("rollout_samples", 0.0))
-        self._token_rate = TrailingRate(RATE_WINDOW_S, self._previous["time"],
-                                        self._previous.get("rollout_tokens", 0.0))
+        self._sample_rate = TrailingRate(RATE_WINDOW_S, self._previous.time, self._previous.rollout.samples)
+        self._token_rate = TrailingRate(RATE_WINDOW_S, self._previous.time, self._previous.rollout.tokens)
         self._scored = (0, 0, 0, 0)  # scored, errors, timeouts, filtered at the previous step
         self._step_scored = (0, 0)  # samples scored and reward errors since the step before
         self._tool_counters = self._episode_counters()  # at the previous step
@@ -93,14 +100,12 @@ class RLMonitor:
         self._component_sums: Dict[str, float] = {}  # and each reward component's scores
         self._rewarded = 0  # the trained samples those sums cover
 
-    def _worker_counters(self) -> Dict[str, float]:
-        rollout = self.queue.counters(self.keys.rollout_stats)
-        reward = self.queue.counters(self.queue.keys.reward_stats)
-        return {"time": self.clock(), **{f"rollout_{k}": v for k, v in rollout.items()},
-                **{f"reward_{k}": v for k, v in reward.items()}}
+    def _worker_counters(self) -> WorkerCounts:
+        return WorkerCounts(self.clock(), self.rollout_counters.read(),
+                            self.queue.counters(self.queue.keys.reward_stats))
 
     def step(self, version: int, learner: StepResult, batch: Batch, gaps: List[int], counters,
-             publish_s: float) -> None:
+             *, publish_s: float) -> None:
         """Report learner step `version` (just published), `learner`'s result, trained on `batch`, whose
         samples were `gaps` versions behind the weights that trained them."""
         self.samples_seen += len(batch.samples)
@@ -131,8 +136,10 @@ class RLMonitor:
             families["samples"] = {"table": self._samples_table(version, batch)}
         self.metrics.log_rl(self.policy, families, self._axes(version))
         self.last_step = self.clock()
+        scored, errors = self._step_scored
         figures = StepFigures(version, families["rewards"]["total"], families["rewards"]["error_fraction"],
-                              families["async"]["queue_depth"], 0.0, parity or None, canary, *self._step_scored)
+                              families["async"]["queue_depth"], 0.0, parity=parity or None, canary=canary,
+                              scored=scored, errors=errors)
         for alert in self.alerts.check(figures):
             self.metrics.event(alert.kind, alert.message, alert.step)
         if version % self.rl.log_every == 0 or version == self.rl.max_steps or self._line_due(self.last_step):
@@ -224,10 +231,9 @@ class RLMonitor:
         return {"samples": self._rewarded, "mean": self._reward_sum / count,
                 "components": {name: total / count for name, total in self._component_sums.items()}}
 
-    def worker_counters(self) -> Tuple[Dict[str, float], Dict[str, float]]:
+    def worker_counters(self) -> WorkerCounts:
         """The rollout and the reward workers' counters as last read from Redis (at each step and the stage's start)."""
-        return tuple({k[len(prefix):]: v for k, v in self._previous.items() if k.startswith(prefix)}
-                     for prefix in ("rollout_", "reward_"))
+        return self._previous
 
     def reward_state(self) -> Dict:
         """The sums behind `reward_totals`, for a checkpoint: a resumed stage's totals cover every attempt."""
@@ -278,37 +284,37 @@ class RLMonitor:
         return values
 
     def _async(self, version: int, gaps: List[int], counters, publish_s: float) -> Dict[str, object]:
-        current = self._worker_counters()
-        delta = {k: current.get(k, 0.0) - self._previous.get(k, 0.0) for k in current}
+        current, previous = self._worker_counters(), self._previous
         self._previous = current
-        elapsed = max(delta["time"], 1e-9)
+        elapsed = max(current.time - previous.time, 1e-9)
+        rollout = current.rollout.minus(previous.rollout)
+        reward = {k: v - previous.reward.get(k, 0.0) for k, v in current.reward.items()}
         wall = self.clock() - self.start
         return {
             "policy_version": version, "staleness": wandb.Histogram(gaps), "staleness_max": max(gaps),
             "samples_dropped_stale": counters.samples_dropped_stale,
             "samples_dropped_zero_advantage": counters.samples_dropped_zero_advantage, "weight_sync_s": publish_s,
-            "rollout_busy_fraction": delta.get("rollout_busy_s", 0.0) / elapsed / self.rollout_workers,
+            "rollout_busy_fraction": rollout.busy_s / elapsed / self.rollout_workers,
             "learner_busy_fraction": counters.learner_busy_s / wall,
-            "reward_busy_fraction": delta.get("reward_busy_s", 0.0) / elapsed,
+            "reward_busy_fraction": reward.get("busy_s", 0.0) / elapsed,
             "queue_depth": self.queue.pending(),
-            "reward_latency_s": delta.get("reward_latency_s", 0.0) / max(delta.get("reward_scored", 0.0), 1.0),
-            "samples_per_s": self._sample_rate.update(current["time"], current.get("rollout_samples", 0.0)),
-            "tokens_per_s": self._token_rate.update(current["time"], current.get("rollout_tokens", 0.0)),
+            "reward_latency_s": reward.get("latency_s", 0.0) / max(reward.get("scored", 0.0), 1.0),
+            "samples_per_s": self._sample_rate.update(current.time, current.rollout.samples),
+            "tokens_per_s": self._token_rate.update(current.time, current.rollout.tokens),
             "trained_samples_per_s": counters.samples_trained / wall,
-            "weight_bytes_per_sync": delta.get("rollout_weight_sync_bytes", 0.0)
-            / max(delta.get("rollout_weight_syncs", 0.0), 1.0),  # 0 when no worker synced since the last step
+            "weight_bytes_per_sync": rollout.weight_sync_bytes / max(rollout.weight_syncs, 1.0),  # 0: none synced
         }
 
-    def _episode_counters(self) -> Tuple[Dict[str, float], Dict[str, float]]:
+    def _episode_counters(self) -> Tuple[RolloutCounters, Dict[str, float]]:
         """(the policy's rollout counters, the job's tool counters) as they stand."""
-        return self.queue.counters(self.keys.rollout_stats), self.queue.counters(ToolKeys(self.queue.keys.run).stats)
+        return self.rollout_counters.read(), self.queue.counters(ToolKeys(self.queue.keys.run).stats)
 
     def _tools(self) -> Dict[str, float]:
         """Episodes and tool calls since the previous step."""
-        current = self._episode_counters()
-        deltas = [{k: v - before.get(k, 0.0) for k, v in now.items()} for now, before in zip(current, self._tool_counters)]
-        self._tool_counters = current
-        return tool_figures(*deltas, self.decode_slots)
+        (rollout, tools), (rollout_before, tools_before) = self._episode_counters(), self._tool_counters
+        self._tool_counters = rollout, tools
+        return tool_figures(rollout.minus(rollout_before), {k: v - tools_before.get(k, 0.0) for k, v in tools.items()},
+                            self.decode_slots)
 
     def tool_totals(self) -> Dict[str, float]:
         """The stage's episode and tool figures (for the summary)."""
@@ -329,15 +335,15 @@ class RLMonitor:
 
     def _progress(self, version: int, families: Dict[str, Dict]) -> None:
         self._line(version, self.clock(), families["rewards"]["total"], families["async"]["samples_per_s"],
-                   families["async"]["queue_depth"], families["async"]["staleness_max"])
+                   families["async"]["queue_depth"], staleness=families["async"]["staleness_max"])
 
     def _waiting_line(self, version: int, now: float) -> None:
         """A progress line while no step ends: the rollout workers' rate and the queue, no step figures."""
         current = self._worker_counters()
-        rate = self._sample_rate.update(current["time"], current.get("rollout_samples", 0.0))
-        self._line(version, now, "-", rate, self.queue.pending(), "-")
+        rate = self._sample_rate.update(current.time, current.rollout.samples)
+        self._line(version, now, "-", rate, self.queue.pending(), staleness="-")
 
-    def _line(self, version: int, now: float, reward, samples_per_s: float, queue: int, staleness) -> None:
+    def _line(self, version: int, now: float, reward, samples_per_s: float, queue: int, *, staleness) -> None:
         elapsed, total = now - self.start, self.rl.max_steps
         done = version - self._first_version
         self.last_line = now

@@ -133,7 +133,7 @@ def rank_processes(policy: str, processes: List[Dict]) -> List[LearnerProcess]:
 
 
 def learner_hang(rule: HangRule, run_dir: str, ranks: List[LearnerProcess], running_s: float, doing: str,
-                 longest_s: float, checkpoint: Optional[str]) -> Optional[LearnerHung]:
+                 *, longest_s: float, checkpoint: Optional[str]) -> Optional[LearnerHung]:
     """The error that ends the job when the learner has been `doing` a call for `running_s`, past its deadline
     from `longest_s` (None while it has not): every rank's stacks dumped, the one line naming them and the
     checkpoint to resume from."""
@@ -150,7 +150,7 @@ def learner_hang(rule: HangRule, run_dir: str, ranks: List[LearnerProcess], runn
 
 
 def watched_write(rule: Optional[HangRule], run_dir: str, ranks: Callable[[], List[LearnerProcess]], doing: str,
-                  longest_s: float, checkpoint: Optional[str], write: Callable[[float], None]) -> None:
+                  longest_s: float, *, checkpoint: Optional[str], write: Callable[[float], None]) -> None:
     """`write(deadline_s)`, a learner's write of its weights (`doing`). With the watchdog's `rule` its deadline comes
     from the longest such write so far, `longest_s` (before one, from the floor), and one past it is the learner's
     hang (`learner_hang`, naming `ranks()` and `checkpoint`); without, the learner's own limit."""
@@ -162,4 +162,4 @@ def watched_write(rule: Optional[HangRule], run_dir: str, ranks: Callable[[], Li
         if rule is None:
             raise
         raise learner_hang(rule, run_dir, ranks(), max(time.perf_counter() - started, deadline), doing,
-                           longest_s or rule.floor_s, checkpoint) from None
+                           longest_s=longest_s or rule.floor_s, checkpoint=checkpoint) from None

@@ -11,7 +11,7 @@ trained on; so are groups expired before they completed (a sample lost to dead l
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Dict, List, Optional, Set
 
 from rlplatform.scheduling.staleness import StalenessRule
@@ -27,6 +27,7 @@ class Batch:
     dropped_errors: List[Group] = field(default_factory=list)
     dropped_zero_advantage: List[Group] = field(default_factory=list)  # all rewards equal: nothing to learn
     dropped_invalid: List[ResultMeta] = field(default_factory=list)  # error or drop-flagged samples of trained groups
+    _: KW_ONLY
     signal_drops: int = 0  # zero-advantage groups dynamic sampling dropped while this batch filled (set by the RL loop)
 
     @property

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import KW_ONLY, asdict, dataclass
 from datetime import timedelta
 from typing import Dict, List, Optional, Tuple
 
@@ -34,6 +34,7 @@ class Entry:
     shape: List[int]
     bucket: int
     offset: int
+    _: KW_ONLY
     nbytes: int
 
 
@@ -62,7 +63,7 @@ def plan_buckets(state_dict: Dict[str, torch.Tensor], bucket_bytes: int) -> List
         if offset and offset + nbytes > bucket_bytes:
             bucket, offset = bucket + 1, 0
         entries.append(Entry(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), bucket, offset,
-                             nbytes))
+                             nbytes=nbytes))
         offset += nbytes
     return entries
 

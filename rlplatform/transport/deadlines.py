@@ -16,7 +16,7 @@ import json
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import KW_ONLY, asdict, dataclass
 from typing import Dict, List, Optional
 
 import ray
@@ -78,6 +78,7 @@ class Beat:
     pid: int = 0
     node_ip: str = ""
     node_id: str = ""  # Ray's node id ("" outside Ray)
+    _: KW_ONLY
     actor: str = ""  # its Ray actor id ("" for a worker that is not an actor, a standalone one)
     action: str = ""
     version: Optional[int] = None  # the policy version it holds (rollout workers)
@@ -128,6 +129,18 @@ class Heartbeats:
     def leave(self, worker: str) -> None:
         """`worker` stopped on purpose: it is no longer watched."""
         self.client.hdel(self.key, worker)
+
+    def await_outside_workers(self, poll_s: float = 0.05) -> None:
+        """Once the job's stop flag is set: wait until every worker outside Ray (a standalone `rlp reward-worker`
+        or `rlp tool-worker`) has left, each at most twice its longest round after its last beat, the longest it
+        can take to finish the round it is in and see the flag (one gone without leaving is waited for no longer)."""
+        expected = {beat.worker: beat.at + 2 * max(beat.longest_round_s, BEAT_EVERY_S)
+                    for beat in self.beats() if not beat.actor}
+        while expected:
+            present, now = {name.decode() for name in self.client.hkeys(self.key)}, time.time()
+            expected = {worker: until for worker, until in expected.items() if worker in present and now < until}
+            if expected:
+                time.sleep(poll_s)
 
     def beats(self) -> List[Beat]:
         """Each watched worker's last beat."""

@@ -37,7 +37,7 @@ class QueueWorker:
     `round_limit_s`: the longest one round may take by design (its calls' timeout), which its beats state."""
 
     def __init__(self, name: str, queue: StreamQueue, run_queue: RewardQueue, config: RewardWorkersConfig, stats,
-                 heartbeats: Heartbeats, label: str, round_limit_s: float = 0.0) -> None:
+                 *, heartbeats: Heartbeats, label: str, round_limit_s: float = 0.0) -> None:
         self.name, self.queue, self.run_queue, self.config, self.stats = name, queue, run_queue, config, stats
         self.heartbeats, self.label, self.round_limit_s = heartbeats, label, round_limit_s
         set_cpu_priority(config.priority)

@@ -11,7 +11,7 @@ id>` (`keys.run_scope`), so a run touches the keys of no other run, of its name 
 from __future__ import annotations
 
 from collections import Counter
-from typing import List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import redis
 
@@ -19,6 +19,7 @@ from rlplatform.transport.keys import JobKeys
 from rlplatform.transport.results import ResultStore
 from rlplatform.transport.samples import (ResultMeta, Sample, ScoredSample, WireFormatError, decode_meta, decode_sample,
                                           encode_meta, encode_sample, encode_scored)
+from rlplatform.transport.side_channels import StepEnd
 from rlplatform.transport.stream_queue import StreamQueue, as_text, entry_payloads
 
 GROUP = "reward-workers"
@@ -57,8 +58,18 @@ class RewardQueue(StreamQueue):
         """`read_results`, waiting at most `block_ms` for new results or a learner step's end (`announce_step_end`),
         whichever comes first: (the results, the policies whose learner announced a step's end)."""
         found = self._read_streams([self.keys.results, self.keys.learner_steps], count, block_ms)
-        stepped = {as_text(fields[b"policy"]) for _, fields in found.get(self.keys.learner_steps, [])}
-        return self._decoded(entry_payloads(found.get(self.keys.results, []))), stepped
+        return self._decoded(entry_payloads(found.get(self.keys.results, []))), self._step_ends(
+            found.get(self.keys.learner_steps, []))
+
+    def _step_ends(self, entries: List[Tuple[bytes, Dict[bytes, bytes]]]) -> Set[str]:
+        """The policies of the learner step ends read; an entry that is not one goes to the dead letters."""
+        stepped = set()
+        for msg_id, fields in entries:
+            try:
+                stepped.add(StepEnd.of(fields).policy)
+            except WireFormatError as err:
+                self.client.xadd(self.keys.dead, {**fields, "reason": str(err), "message_id": msg_id})
+        return stepped
 
     def _decoded(self, entries: List[Tuple[str, bytes]]) -> List[ResultMeta]:
         """Each entry's metadata; one that does not decode goes to the dead letters, with the reason."""
@@ -128,5 +139,4 @@ STEP_ENDS_KEPT = 64  # learner step ends kept on their stream (approximately) wh
 def announce_step_end(client: redis.Redis, run: str, policy: str, step: int) -> None:
     """Say that `policy`'s learner has ended RL step `step`: the RL loop, waiting for results (`await_results`),
     wakes at once to record the step and start the next."""
-    client.xadd(JobKeys(run).learner_steps, {"policy": policy, "step": step}, maxlen=STEP_ENDS_KEPT,
-                approximate=True)
+    client.xadd(JobKeys(run).learner_steps, StepEnd(policy, step).fields(), maxlen=STEP_ENDS_KEPT, approximate=True)

@@ -13,7 +13,7 @@ reward, token counts), without its tokens or text.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields as dataclass_fields
+from dataclasses import KW_ONLY, dataclass, field, fields as dataclass_fields
 from typing import Any, Dict, List, Optional
 
 import msgpack
@@ -32,6 +32,7 @@ class Sample:
     policy: str  # name of the policy that generated it
     prompt: str
     completion: str
+    _: KW_ONLY
     prompt_ids: List[int]
     completion_ids: List[int]
     behaviour_logprobs: List[float]  # log-prob of each completion token under the generating weights
@@ -73,6 +74,7 @@ class ScoredSample:
     components: Dict[str, float]  # each reward's own score, by reward name
     error: Optional[str] = None  # set when a reward failed; the learner skips such samples
     filtered: bool = False  # a filter flagged this sample (vetoed, penalised or dropped)
+    _: KW_ONLY
     drop: bool = False  # a `drop` filter flagged it: never trained on
     scored_at: float = 0.0  # unix time the reward worker stored the result
     reasons: Dict[str, str] = field(default_factory=dict)  # why, by reward label, for rewards that say (a Verdict)
@@ -86,6 +88,7 @@ class ResultMeta:
     policy: str
     version: int  # the sample's version (its oldest token's)
     prompt_tokens: int
+    _: KW_ONLY
     completion_tokens: int
     reward: float
     components: Dict[str, float]
@@ -103,8 +106,9 @@ class ResultMeta:
     def of(cls, scored: ScoredSample) -> "ResultMeta":
         sample = scored.sample
         return cls(sample.sample_id, sample.group_id, sample.policy, sample.version, len(sample.prompt_ids),
-                   len(sample.completion_ids), float(scored.reward), dict(scored.components), scored.error,
-                   bool(scored.filtered), bool(scored.drop), dict(scored.reasons), sample.teacher_version)
+                   completion_tokens=len(sample.completion_ids), reward=float(scored.reward),
+                   components=dict(scored.components), error=scored.error, filtered=bool(scored.filtered),
+                   drop=bool(scored.drop), reasons=dict(scored.reasons), teacher_version=sample.teacher_version)
 
 
 _META_TYPES = {"sample_id": str, "group_id": str, "policy": str, "version": int, "prompt_tokens": int,
@@ -176,8 +180,9 @@ def decode_scored(data: bytes) -> ScoredSample:
     if not isinstance(filtered, bool) or not isinstance(drop, bool) or not isinstance(scored_at, (int, float)):
         raise WireFormatError("'filtered' and 'drop' must be booleans and 'scored_at' a number")
     return ScoredSample(_sample_from(body.get("sample")), float(reward),
-                        {str(k): float(v) for k, v in components.items()}, error, filtered, drop, float(scored_at),
-                        _reasons_from(body.get("reasons", {})))
+                        {str(k): float(v) for k, v in components.items()}, error, filtered, drop=drop,
+                        scored_at=float(scored_at),
+                        reasons=_reasons_from(body.get("reasons", {})))
 
 
 def _field_map(record: Any) -> Dict[str, Any]:

@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 import redis
 
 from rlplatform.transport.keys import QueueKeys
+from rlplatform.transport.rollout_counters import SUBMITTED
 
 # KEYS: done-ids set, requests stream, then the result stream of each entry. ARGV: group, then
 # (message id, result id, stream payload, stash key, stash value) quintuples: a new result appends its
@@ -39,10 +40,10 @@ return added
 """
 
 
-# KEYS: requests stream, then optionally the producer's counter hash. ARGV: the bound, the
-# payloads' completion tokens, then payloads. Appends them all only when the stream stays within
-# the bound (one atomic step, so producers together never exceed it) and, in the same step, adds
-# them to the counter hash's `samples` and `tokens`; returns 1 when appended, 0 when the caller must wait.
+# KEYS: requests stream, then optionally the producer's rollout counters (`rollout_counters`). ARGV: the
+# bound, the payloads' completion tokens, then payloads. Appends them all only when the stream stays within
+# the bound (one atomic step, so producers together never exceed it) and, in the same step, adds them to the
+# counters' requests and tokens (the fields `SUBMITTED` names); returns 1 when appended, 0 when the caller must wait.
 _SUBMIT_WITHIN_BOUND = """
 if redis.call('XLEN', KEYS[1]) + #ARGV - 2 > tonumber(ARGV[1]) then
   return 0
@@ -51,11 +52,11 @@ for i = 3, #ARGV do
   redis.call('XADD', KEYS[1], '*', 'data', ARGV[i])
 end
 if KEYS[2] then
-  redis.call('HINCRBYFLOAT', KEYS[2], 'samples', #ARGV - 2)
-  redis.call('HINCRBYFLOAT', KEYS[2], 'tokens', ARGV[2])
+  redis.call('HINCRBYFLOAT', KEYS[2], '%s', #ARGV - 2)
+  redis.call('HINCRBYFLOAT', KEYS[2], '%s', ARGV[2])
 end
 return 1
-"""
+""" % SUBMITTED
 
 DEFAULT_MAX_PENDING = 10000  # the producer bound when the job recorded none (redis.max_stream_len's default)
 
@@ -89,8 +90,8 @@ class StreamQueue:
                         tokens: Optional[List[int]] = None) -> None:
         """Append requests, waiting while they would take the stream past the job's bound of pending
         requests (backpressure: nothing is dropped); a batch larger than the bound goes in parts.
-        With `counters` (a hash), each part appended adds its requests to `samples` and their
-        `tokens` to `tokens` in the same atomic step, so the counts equal what the stream received
+        With `counters` (a policy's rollout counters), each part appended adds its requests to `samples` and
+        their tokens to `tokens` in the same atomic step, so the counts equal what the stream received
         even when the producer dies midway."""
         bound = self.bound()
         keys = [self.requests] + ([counters] if counters else [])

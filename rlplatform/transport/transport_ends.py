@@ -56,7 +56,7 @@ class GroupEnd:
         self.sender: Optional[BroadcastSender] = None
         self.receiver: Optional[BroadcastReceiver] = None
 
-    def join(self, host: str, port: int, rank: int, world: int, backend: str, redis_url: str,
+    def join(self, host: str, port: int, rank: int, world: int, backend: str, *, redis_url: str,
              version_key: str) -> None:
         """Join the group at `host:port` as `rank` of `world` (0: the sender); versions are announced on Redis at
         `version_key`."""

@@ -7,11 +7,13 @@ blocks on it, so it starts on the new weights the moment they are published inst
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import redis
 
 from rlplatform.transport.keys import PolicyKeys
+from rlplatform.transport.samples import WireFormatError
+from rlplatform.transport.side_channels import VersionAnnounced
 
 ANNOUNCEMENTS_KEPT = 16  # stream entries kept (approximately): a reader only ever needs the newest
 
@@ -19,7 +21,7 @@ ANNOUNCEMENTS_KEPT = 16  # stream entries kept (approximately): a reader only ev
 def publish_version(client: redis.Redis, keys: PolicyKeys, version: int) -> None:
     """Make `version` the policy's newest and announce it, in one round trip."""
     client.pipeline(transaction=False).set(keys.version, version) \
-        .xadd(keys.versions, {"version": version}, maxlen=ANNOUNCEMENTS_KEPT, approximate=True).execute()
+        .xadd(keys.versions, VersionAnnounced(version).fields(), maxlen=ANNOUNCEMENTS_KEPT, approximate=True).execute()
 
 
 class VersionAnnouncements:
@@ -36,4 +38,13 @@ class VersionAnnouncements:
             return None
         entries = reply[0][1]
         self._seen = entries[-1][0]
-        return max(int(fields[b"version"]) for _, fields in entries)
+        versions = [announced.version for announced in map(_announced, (fields for _, fields in entries)) if announced]
+        return max(versions, default=None)
+
+
+def _announced(fields: Dict[bytes, bytes]) -> Optional[VersionAnnounced]:
+    """The announcement, or None for an entry that is not one: it carries nothing the version key does not."""
+    try:
+        return VersionAnnounced.of(fields)
+    except WireFormatError:
+        return None

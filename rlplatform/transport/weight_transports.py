@@ -50,7 +50,7 @@ class WeightTransport:
 
     def connect(self, sender_rank, receivers: List, redis_url: str, version_key: str, timeout_s: float) -> None:
         """Join learner rank 0 (a LearnerActor) and the engines' actors, once, before version 0 (none needed). An
-        actor takes part through its `join_weights(*args)`, which hands the arguments to its end's `join`."""
+        actor takes part through its `join_weights(...)`, which hands the arguments to its end's `join`."""
 
     @classmethod
     def from_config(cls, config: WeightsConfig) -> "WeightTransport":
@@ -116,7 +116,8 @@ class BroadcastTransport(WeightTransport):
         host, port = deadline_get(sender_rank.address.remote(), "learner rank 0", timeout_s)
         backend = deadline_get(sender_rank.placement.remote(), "learner rank 0", timeout_s)["backend"]
         world = 1 + len(receivers)
-        joins = [actor.join_weights.remote(host, port, rank, world, backend, redis_url, version_key)
+        joins = [actor.join_weights.remote(host, port, rank, world, backend, redis_url=redis_url,
+                                           version_key=version_key)
                  for rank, actor in enumerate([sender_rank, *receivers])]
         deadline_get(joins, "the weight broadcast group's set-up", timeout_s)
 

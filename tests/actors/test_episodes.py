@@ -203,7 +203,8 @@ def slow_tool_worker(tiny_policy, redis_server, redis_client, tmp_path) -> Tuple
     env = EnvConfig(fn="tests.envs.tools_for_tests:SlowToolOrTalk", max_turns=4, max_tokens=40, tools=SLOW)
     prompts = save_prompts(encode_prompts(load_tokenizer(tiny_policy), [{"prompt": "1+1=", "answer": "2"}], "auto"),
                            str(tmp_path / "prompts.jsonl"))
-    worker = RolloutWorker(RolloutSpec(0, "policy", job, tiny_policy, prompts, redis_server, rl, rollout, env=env,
+    worker = RolloutWorker(RolloutSpec(0, "policy", job, tiny_policy, prompts, redis_url=redis_server, rl=rl,
+                                       rollout=rollout, env=env,
                                        dtype="float32", transport=ObjectStoreTransport()))
     worker.engine.version = 0  # 2 groups allowed in play: both start at once
     return worker, PolicyKeys(job, "policy"), job
@@ -222,13 +223,12 @@ def test_the_worker_decodes_while_episodes_wait_on_a_slow_tool(tiny_policy, redi
         finally:
             worker.queue.request_stop()
             loop.join(timeout=60)
-    stats = worker.queue.counters(keys.rollout_stats)
+    stats = worker.counters.read()
     # a caller waited 3 s on its tool while its group's talker decoded 3 more turns: 0 were the loop to
     # block on tool results
-    assert stats["decode_steps_while_waiting"] >= 2 and stats["sequences_while_waiting"] >= stats[
-        "decode_steps_while_waiting"]
-    assert stats["idle_s_while_waiting"] > 0  # then only the callers were left, waiting
-    assert stats["episodes"] == 4 and stats["tool_calls"] == 2 and stats["malformed_calls"] == 0
+    assert stats.decode_steps_while_waiting >= 2 and stats.sequences_while_waiting >= stats.decode_steps_while_waiting
+    assert stats.idle_s_while_waiting > 0  # then only the callers were left, waiting
+    assert stats.episodes == 4 and stats.tool_calls == 2 and stats.malformed_calls == 0
 
 
 def test_wait_counts_after_the_last_submit_reach_redis_at_the_stop(tiny_policy, redis_server, redis_client, tmp_path):
@@ -246,9 +246,9 @@ def test_wait_counts_after_the_last_submit_reach_redis_at_the_stop(tiny_policy, 
         finally:
             worker.queue.request_stop()
             loop.join(timeout=60)
-    stats = worker.queue.counters(keys.rollout_stats)
-    assert stats.get("samples", 0.0) == 0  # stopped before any group was submitted
-    assert stats.get("decode_steps_while_waiting", 0) + stats.get("idle_s_while_waiting", 0) > 0 and stats["busy_s"] > 0
+    stats = worker.counters.read()
+    assert stats.samples == 0  # stopped before any group was submitted
+    assert stats.decode_steps_while_waiting + stats.idle_s_while_waiting > 0 and stats.busy_s > 0
 
 
 SLOW = [ToolSpec(fn="tests.envs.tools_for_tests:slow_echo", params={"delay_s": 3.0})]

@@ -61,7 +61,8 @@ def served(chat_policy, redis_server, redis_client, tmp_path, monkeypatch):
     rollout = RolloutConfig(prompts_per_batch=2, openai_bridge=limits, source="bridge")  # it serves agents alone
     prompts = save_prompts(encode_prompts(load_tokenizer(chat_policy), [{"prompt": "1+1=", "answer": "2"}], "auto"),
                            str(tmp_path / "prompts.jsonl"))
-    worker = RolloutWorker(RolloutSpec(0, "policy", job, chat_policy, prompts, redis_server, rl, rollout,
+    worker = RolloutWorker(RolloutSpec(0, "policy", job, chat_policy, prompts, redis_url=redis_server, rl=rl,
+                                       rollout=rollout,
                                        dtype="float32", transport=ObjectStoreTransport()))
     worker.engine.load_weights({k: v.clone() for k, v in worker.engine.model.state_dict().items()}, VERSION)
     loop = threading.Thread(target=worker.run, daemon=True)

@@ -19,6 +19,7 @@ from rlplatform.policy import load_policy, load_tokenizer
 from rlplatform.tokenization import encode_prompts, save_prompts
 from rlplatform.transport.keys import PolicyKeys
 from rlplatform.transport.reward_queue import RewardQueue
+from rlplatform.transport.rollout_counters import RolloutCounterHash
 from rlplatform.transport.samples import decode_sample
 from rlplatform.transport.weight_store import WeightStore
 from rlplatform.transport.versions import publish_version
@@ -62,8 +63,8 @@ def test_worker_generates_with_each_new_version(ray_session, redis_server, redis
     rl = RLConfig(group_size=2, max_new_tokens=4, batch_prompts=2, max_staleness=0)
     prompts = save_prompts(encode_prompts(load_tokenizer(tiny_policy), ROWS, "auto"), str(tmp_path / "prompts.jsonl"))
     worker = RolloutActor.options(max_restarts=1).remote(RolloutSpec(
-        0, "policy", job, tiny_policy, prompts, redis_server, rl,
-        RolloutConfig(prompts_per_batch=2, weight_swap="finish_then_swap"), weight_store=f"{job}-weights",
+        0, "policy", job, tiny_policy, prompts, redis_url=redis_server, rl=rl,
+        rollout=RolloutConfig(prompts_per_batch=2, weight_swap="finish_then_swap"), weight_store=f"{job}-weights",
             dtype="float32", transport=ObjectStoreTransport()))
     running = worker.run.remote()
     try:
@@ -86,8 +87,8 @@ def test_worker_generates_with_each_new_version(ray_session, redis_server, redis
         ray.get(running, timeout=30)
         ray.kill(worker)
         ray.kill(store)
-    counters = queue.counters(PolicyKeys(job, "policy").rollout_stats)
-    assert counters["samples"] == 12 and counters["weight_syncs"] == 2
+    counters = RolloutCounterHash(queue.client, PolicyKeys(job, "policy").rollout_stats).read()
+    assert counters.samples == 12 and counters.weight_syncs == 2
     # restartable, and nothing a restart could lose: no constructor argument in the object store
     assert "constructor arguments in the object store" not in capfd.readouterr().err
 
@@ -101,8 +102,8 @@ def test_an_idle_worker_loads_new_weights_as_they_are_published(ray_session, red
     store = WeightStore.options(name=f"{job}-weights").remote()
     rl = RLConfig(group_size=2, max_new_tokens=4, batch_prompts=1, max_staleness=0)
     prompts = save_prompts(encode_prompts(load_tokenizer(tiny_policy), ROWS, "auto"), str(tmp_path / "prompts.jsonl"))
-    worker = RolloutWorker(RolloutSpec(0, "policy", job, tiny_policy, prompts, redis_server, rl,
-                                       RolloutConfig(prompts_per_batch=1), weight_store=f"{job}-weights",
+    worker = RolloutWorker(RolloutSpec(0, "policy", job, tiny_policy, prompts, redis_url=redis_server, rl=rl,
+                                       rollout=RolloutConfig(prompts_per_batch=1), weight_store=f"{job}-weights",
                                        dtype="float32", transport=ObjectStoreTransport()))
     loop = threading.Thread(target=worker.run, daemon=True)
     waiting = threading.Event()  # set while the worker, with nothing to decode, waits for new weights

@@ -17,7 +17,8 @@ from rlplatform.transport.samples import ResultMeta, Sample, ScoredSample
 
 
 def sample(policy: str, group: str, i: int) -> Sample:
-    return Sample(f"{group}/{i}", group, policy, "1+1=", "2", [4], [5, 2], [-0.1, -0.2], [0, 0], {"answer": "2"})
+    return Sample(f"{group}/{i}", group, policy, "1+1=", "2", prompt_ids=[4], completion_ids=[5, 2],
+                  behaviour_logprobs=[-0.1, -0.2], token_versions=[0, 0], row={"answer": "2"})
 
 
 def scored(policy: str, group: str, i: int, reward: float = 1.0, error=None) -> ScoredSample:

@@ -75,7 +75,8 @@ def test_a_worker_that_was_never_placed_is_cancelled_at_the_end_instead_of_waite
     config = load_config(None, ["rollout.max_workers=2"])
     plan = plan_job(config, ray.cluster_resources(), cuda_here=False).of("policy")
     fixed = [None]  # the policy's one worker started with the job, which plays no part here
-    workers = PolicyWorkers(plan, None, fixed, None, None, None, [], {}, add_rollout=lambda index: Unplaceable.remote())
+    workers = PolicyWorkers(plan, None, fixed, None, None, keys=None, sft_rows=[], data={},
+                            add_rollout=lambda index: Unplaceable.remote())
     supervisor = Supervisor(lambda text: None)
     notes = []
     elastic = ElasticRollout(workers, GroupSchedule(redis_client, "elastic-run", "policy", StalenessRule.of(RLConfig())),

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,27 @@ def test_beats_say_where_a_worker_runs_what_it_does_and_its_longest_round(redis_
     lines = format_beats(list(beats.values()), time.time())
     assert lines[1].startswith(f"rollout worker 0 of policy 'p' (pid {os.getpid()} on {rollout.node_ip}, "
                                f"loading weights v4 at version 3): last progress 0s ago")
+
+
+def test_at_the_stop_the_job_waits_for_workers_outside_ray_to_leave_within_their_rounds(redis_client):
+    heartbeats = Heartbeats(redis_client, f"rlp:leaving-{uuid.uuid4().hex[:6]}:run")
+    now = time.time()
+    for worker, actor, round_s in (("reward worker slow", "", 0.0), ("reward worker gone", "", 0.0),
+                                   ("rollout worker 0 of policy 'p'", "a1b2", 30.0)):
+        redis_client.hset(heartbeats.key, worker, json.dumps({"at": now, "actor": actor, "longest_round_s": round_s}))
+    threading.Timer(0.5, heartbeats.leave, ("reward worker slow",)).start()  # it saw the flag after its round
+    started = time.monotonic()
+    heartbeats.await_outside_workers()
+    waited = time.monotonic() - started
+    # the one that left was waited for; the one that never did, for twice its longest round (a beat's floor, 1 s);
+    # a Ray actor (stopped by the job itself) not at all
+    assert 1.5 < waited < 2.5 and "reward worker slow" not in {beat.worker for beat in heartbeats.beats()}
+    redis_client.hset(heartbeats.key, "reward worker late", json.dumps({"at": now, "longest_round_s": 30.0}))
+    heartbeats.leave("reward worker gone")
+    threading.Timer(0.3, heartbeats.leave, ("reward worker late",)).start()
+    started = time.monotonic()
+    heartbeats.await_outside_workers()  # back once it left, long before its 60 s
+    assert time.monotonic() - started < 5
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ def rl_step(learner: LearnerGroup, samples: List[Sample], advantages: List[float
     n = len(learner.ranks)
     weights = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
     rows = shard(sft_rows, n) if sft_rows else [None] * n
-    refs = [rank.rl_step.remote(s, a, rl, r, step, max_tokens) for rank, s, a, r in
+    refs = [rank.rl_step.remote(s, a, rl, r, step, max_tokens=max_tokens) for rank, s, a, r in
             zip(learner.ranks, shard_minibatches(samples, n, rl.minibatches, weights),
                 shard_minibatches(advantages, n, rl.minibatches, weights), rows)]
     return merge_rank_metrics(ray.get(refs))

@@ -49,21 +49,21 @@ QWEN_7B = Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_laye
 
 def test_activation_checkpointing_turns_on_where_memory_holds_too_few_tokens_without_it():
     # 0.5B on an H100's ~70 GiB free: about 27,000 tokens without checkpointing, enough
-    tokens, checkpointing = plan_micro_batches(70 * 2 ** 30, 494_000_000, QWEN_05B, 2, None, None)
+    tokens, checkpointing = plan_micro_batches(70 * 2 ** 30, 494_000_000, QWEN_05B, 2, None, checkpointing=None)
     assert not checkpointing and tokens == micro_batch_tokens(70 * 2 ** 30, 494_000_000, QWEN_05B, 2, False)
     # a 7B shard with 40 GiB left: 2 x (8 x 3584 + 4 x 18944) x 28 = 5.8 MB per token, about 3,000 tokens without
     # checkpointing; with it each layer keeps its input (28 x 3584 x 2 bytes) plus one layer: about 50,000
     free = 40 * 2 ** 30
     assert micro_batch_tokens(free, 0, QWEN_7B, 2, False) < CHECKPOINTING_BELOW_TOKENS
-    tokens, checkpointing = plan_micro_batches(free, 0, QWEN_7B, 2, None, None)
+    tokens, checkpointing = plan_micro_batches(free, 0, QWEN_7B, 2, None, checkpointing=None)
     assert checkpointing and tokens == micro_batch_tokens(free, 0, QWEN_7B, 2, True) > 40_000
     # a hand-set budget memory holds without it needs none; one it does not hold turns it on
-    assert plan_micro_batches(free, 0, QWEN_7B, 2, 2048, None) == (2048, False)
-    assert plan_micro_batches(free, 0, QWEN_7B, 2, 16384, None) == (16384, True)
+    assert plan_micro_batches(free, 0, QWEN_7B, 2, 2048, checkpointing=None) == (2048, False)
+    assert plan_micro_batches(free, 0, QWEN_7B, 2, 16384, checkpointing=None) == (16384, True)
     # set by hand either way, it stays
-    assert plan_micro_batches(free, 0, QWEN_7B, 2, None, False) == (micro_batch_tokens(free, 0, QWEN_7B, 2, False),
-                                                                      False)
-    assert plan_micro_batches(70 * 2 ** 30, 494_000_000, QWEN_05B, 2, None, True)[1]
+    assert plan_micro_batches(free, 0, QWEN_7B, 2, None, checkpointing=False) == (
+        micro_batch_tokens(free, 0, QWEN_7B, 2, False), False)
+    assert plan_micro_batches(70 * 2 ** 30, 494_000_000, QWEN_05B, 2, None, checkpointing=True)[1]
 
 
 def test_a_rank_checkpoints_activations_when_its_budget_outgrows_memory(ray_session, tiny_policy):
@@ -82,8 +82,9 @@ def test_a_rank_checkpoints_activations_when_its_budget_outgrows_memory(ray_sess
 
 
 def long_samples(count: int, tokens: int):
-    return [Sample(f"{i}", f"{i}", "policy", "", "", [5] * 8, [6] * (tokens - 8), [-1.0] * (tokens - 8),
-                   [0] * (tokens - 8)) for i in range(count)]
+    return [Sample(f"{i}", f"{i}", "policy", "", "", prompt_ids=[5] * 8, completion_ids=[6] * (tokens - 8),
+                   behaviour_logprobs=[-1.0] * (tokens - 8),
+                   token_versions=[0] * (tokens - 8)) for i in range(count)]
 
 
 def test_the_default_config_splits_a_large_minibatch(ray_session, tiny_policy):
@@ -103,7 +104,7 @@ def test_the_default_config_splits_a_large_minibatch(ray_session, tiny_policy):
             <= micro_batch_tokens(int(available * 1.25), params, model_config, 4, False)
         # a minibatch of 2.5 budgets is cut into 3 micro-batches of at most the budget each
         samples = long_samples(count=5 * budget // 2 // 512, tokens=512)
-        minibatches = ray.get(learner.ranks[0]._plan.remote(samples, [1.0] * len(samples), 1, True, 512, 0))
+        minibatches = ray.get(learner.ranks[0]._plan.remote(samples, [1.0] * len(samples), 1, True, 512, step=0))
         sizes = [sum(len(p) + len(c) for p, c in zip(part.prompts, part.completions)) for part in minibatches[0].parts]
         assert len(sizes) == 3 and max(sizes) <= budget and sum(sizes) == len(samples) * 512
 

@@ -149,7 +149,8 @@ for (prompts, completions), layout in zip(WARM_UP_BATCHES, ["grouped", "packed"]
     prompts = [p + [9] for p in prompts] + [p + [10] for p in prompts]
     completions = [c + [11, 12] for c in completions] * 2
     assert choose_layout(rank.engine, prompts, completions) == layout
-    samples = [Sample(str(i), str(p), "policy", "", "", p, c, [-1.0] * len(c), [0] * len(c))
+    samples = [Sample(str(i), str(p), "policy", "", "", prompt_ids=p, completion_ids=c,
+                      behaviour_logprobs=[-1.0] * len(c), token_versions=[0] * len(c))
                for i, (p, c) in enumerate(zip(prompts, completions))]
     rank.rl_step(samples, [1.0, -1.0] * (len(samples) // 2), RLConfig(max_new_tokens=20))
 print(graphs, torch._dynamo.utils.counters["stats"]["unique_graphs"])

@@ -42,8 +42,9 @@ def test_steps_on_the_teachers_signal_alone_take_the_reverse_kl_down(ray_session
         for step in range(4):  # one-token completions, 64 a prompt: the exact KL is the next token's
             completions = [c for group in student.generate(prompts, 64, 1, 1.0) for c in group]
             scores = teacher.score([c.prompt_ids for c in completions], [c.completion_ids for c in completions])
-            samples = [Sample(f"{step}/{i}", str(i // 64), "p", "", c.text, c.prompt_ids, c.completion_ids,
-                              c.logprobs, [step], teacher_logprobs=s, teacher_version=0)
+            samples = [Sample(f"{step}/{i}", str(i // 64), "p", "", c.text, prompt_ids=c.prompt_ids,
+                              completion_ids=c.completion_ids, behaviour_logprobs=c.logprobs, token_versions=[step],
+                              teacher_logprobs=s, teacher_version=0)
                        for i, (c, s) in enumerate(zip(completions, scores))]
             figures = rl_step(learner, samples, [0.0] * len(samples), RLConfig(max_new_tokens=1), step=step).figures
             assert figures["distill_kl"] > 0

@@ -65,7 +65,8 @@ def counted(step) -> int:
 
 
 def batch(prompts, completions):
-    samples = [Sample(str(i), str(p), "policy", "", "", p, c, [-1.0] * len(c), [0] * len(c))
+    samples = [Sample(str(i), str(p), "policy", "", "", prompt_ids=p, completion_ids=c,
+                      behaviour_logprobs=[-1.0] * len(c), token_versions=[0] * len(c))
                for i, (p, c) in enumerate(zip(prompts, completions))]
     return samples, [1.0, -1.0] * (len(samples) // 2)
 

@@ -61,8 +61,9 @@ def rl_batch(policy_path: str):
     samples, advantages = [], []
     for g, (group, advantage) in enumerate(zip(groups, (1.0, -1.0))):
         for i, c in enumerate(group):
-            samples.append(Sample(f"{g}/{i}", str(g), "policy", "", c.text, c.prompt_ids, c.completion_ids,
-                                  c.logprobs, [0] * len(c.completion_ids)))
+            samples.append(Sample(f"{g}/{i}", str(g), "policy", "", c.text, prompt_ids=c.prompt_ids,
+                                  completion_ids=c.completion_ids,
+                                  behaviour_logprobs=c.logprobs, token_versions=[0] * len(c.completion_ids)))
             advantages.append(advantage)
     return samples, advantages
 

@@ -71,8 +71,10 @@ def test_router_load_records_the_passes_that_train_and_its_loss_reaches_every_ro
 def _engine_samples(policy: str):
     engine = TransformersEngine(policy)
     groups = engine.generate(engine.tokenizer(["1+2=", "40+45="])["input_ids"], 4, 4, 1.0)
-    samples = [Sample(f"{g}/{i}", str(g), "policy", "", c.text, c.prompt_ids, c.completion_ids, c.logprobs,
-                      [0] * len(c.completion_ids)) for g, group in enumerate(groups) for i, c in enumerate(group)]
+    samples = [Sample(f"{g}/{i}", str(g), "policy", "", c.text, prompt_ids=c.prompt_ids,
+                      completion_ids=c.completion_ids, behaviour_logprobs=c.logprobs,
+                      token_versions=[0] * len(c.completion_ids))
+               for g, group in enumerate(groups) for i, c in enumerate(group)]
     return samples, [1.0 if s.sample_id.startswith("0/") else -1.0 for s in samples]
 
 

@@ -22,13 +22,15 @@ from rlplatform.transport.weight_transports import ObjectStoreTransport
 def sampled(engine: TransformersEngine, version: int):
     """Two groups of four completions sampled by `engine`, every token marked with `version`."""
     groups = engine.generate(engine.tokenizer(["1+2=", "40+45="])["input_ids"], 4, 6, 1.0)
-    samples = [Sample(f"{g}/{i}", str(g), "policy", "", c.text, c.prompt_ids, c.completion_ids, c.logprobs,
-                      [version] * len(c.completion_ids)) for g, group in enumerate(groups) for i, c in enumerate(group)]
+    samples = [Sample(f"{g}/{i}", str(g), "policy", "", c.text, prompt_ids=c.prompt_ids,
+                      completion_ids=c.completion_ids, behaviour_logprobs=c.logprobs,
+                      token_versions=[version] * len(c.completion_ids))
+               for g, group in enumerate(groups) for i, c in enumerate(group)]
     return samples, [1.0 if s.group_id == "0" else -1.0 for s in samples]
 
 
 def first_step_alerts(parity: dict) -> list:
-    return AlertRules(_default_alerts()).check(StepFigures(0, 0.5, 0.0, 0, 0.0, parity))
+    return AlertRules(_default_alerts()).check(StepFigures(0, 0.5, 0.0, 0, 0.0, parity=parity))
 
 
 def test_a_layer_the_engine_did_not_load_raises_the_parity_alert(ray_session, tiny_policy):

@@ -53,7 +53,8 @@ def test_the_engine_records_the_experts_of_every_token_it_fed(moe_policy):
         recorded = decode_routing(c.routed_experts, LAYERS, TOP_K, EXPERTS)
         # the last token is never fed: its hidden state predicts nothing the learner scores
         assert torch.equal(recorded, _own_routing(engine.model, sequence[:-1]).long())
-    sample = Sample("g/0", "g", "p", "", "", c.prompt_ids, c.completion_ids, c.logprobs, c.versions,
+    sample = Sample("g/0", "g", "p", "", "", prompt_ids=c.prompt_ids, completion_ids=c.completion_ids,
+                    behaviour_logprobs=c.logprobs, token_versions=c.versions,
                     routed_experts=c.routed_experts)
     assert decode_sample(encode_sample(sample)).routed_experts == c.routed_experts
     with pytest.raises(ValueError, match="not whole tokens of 2 layers x top-2"):
@@ -115,8 +116,9 @@ def _moved_routers(policy: str, out_dir: str) -> str:
 def test_replay_keeps_parity_on_routers_that_moved_since_sampling(moe_policy, ray_session, tmp_path):
     engine = TransformersEngine(moe_policy)
     groups = engine.generate(engine.tokenizer(["1+2=", "13+7=", "40+45=", "9+9="])["input_ids"], 4, 8, 1.0)
-    samples = [Sample(f"{g}/{i}", str(g), "p", "", c.text, c.prompt_ids, c.completion_ids, c.logprobs,
-                      [0] * len(c.completion_ids), routed_experts=c.routed_experts)
+    samples = [Sample(f"{g}/{i}", str(g), "p", "", c.text, prompt_ids=c.prompt_ids, completion_ids=c.completion_ids,
+                      behaviour_logprobs=c.logprobs,
+                      token_versions=[0] * len(c.completion_ids), routed_experts=c.routed_experts)
                for g, group in enumerate(groups) for i, c in enumerate(group)]
     advantages = [1.0 if i % 2 else -1.0 for i in range(len(samples))]
     learner = LearnerGroup(LearnerConfig(num_cpus=0.5), _moved_routers(moe_policy, str(tmp_path / "moved")), seed=0,

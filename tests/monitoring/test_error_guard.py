@@ -11,7 +11,7 @@ LIMIT = MonitoringConfig(max_error_fraction=0.5, error_window=3, error_window_s=
 
 
 def result(error=None) -> ResultMeta:
-    return ResultMeta("g/0", "g", "policy", 0, 3, 2, 0.0, {}, error)
+    return ResultMeta("g/0", "g", "policy", 0, 3, completion_tokens=2, reward=0.0, components={}, error=error)
 
 
 def score(guard: RewardErrorGuard, ok: int, failed: int, error: str = "exact_match: KeyError: 'answer'") -> None:

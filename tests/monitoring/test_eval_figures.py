@@ -18,8 +18,9 @@ RIGHT, WRONG = "def add(a, b):\n    return a + b", "def add(a, b):\n    return a
 
 
 def sample(group: int, index: int, completion: str) -> Sample:
-    return Sample(f"eval/{group}/{index}", f"eval/{group}", "policy", "write add", completion, [1], [1], [0.0], [0],
-                  {"prompt": "write add", "tests": TESTS})
+    return Sample(f"eval/{group}/{index}", f"eval/{group}", "policy", "write add", completion, prompt_ids=[1],
+                  completion_ids=[1], behaviour_logprobs=[0.0], token_versions=[0],
+                  row={"prompt": "write add", "tests": TESTS})
 
 
 def test_pass_at_k_is_the_unbiased_estimator():
@@ -57,8 +58,9 @@ def test_rollout_worker_evaluates_a_code_dataset_without_an_answer_field(redis_s
     rows = [{"prompt": "1+1=", "tests": "assert True"}, {"prompt": "2+2=", "tests": "assert False"}]
     prompts = encode_prompts(load_tokenizer(tiny_policy), rows, "auto")
     prompts_path = save_prompts(prompts, str(tmp_path / "prompts.jsonl"))
-    worker = RolloutWorker(RolloutSpec(0, "policy", "eval-test", tiny_policy, prompts_path, redis_server, RLConfig(),
-                                       RolloutConfig(), dtype="float32", transport=ObjectStoreTransport()))
+    worker = RolloutWorker(RolloutSpec(0, "policy", "eval-test", tiny_policy, prompts_path, redis_url=redis_server,
+                                       rl=RLConfig(),
+                                       rollout=RolloutConfig(), dtype="float32", transport=ObjectStoreTransport()))
     config = EvalConfig(greedy=False, samples_per_prompt=3, max_new_tokens=3, batch_size=1)
     figures = worker.evaluate(prompts, config, [RewardSpec(name="code_tests")], [])
     assert figures["rows"] == 2 and figures["completions"] == 6 and figures["reward_errors"] == 0

@@ -32,8 +32,10 @@ LEARNER_STEP = StepResult(loss=0.1, compute_s=0.0, model_tokens_per_s=0.0, mfu=0
 
 
 def scored_group(group: str, reward: float, version: int) -> list:
-    return [ResultMeta.of(ScoredSample(Sample(f"{group}/{i}", group, "policy", "1+1=", "2", [4], [5, 2], [-0.1, -0.2],
-                                              [version, version], {"answer": "2"}), reward, {"exact_match": reward}))
+    return [ResultMeta.of(ScoredSample(Sample(f"{group}/{i}", group, "policy", "1+1=", "2", prompt_ids=[4],
+                                              completion_ids=[5, 2], behaviour_logprobs=[-0.1, -0.2],
+                                              token_versions=[version, version], row={"answer": "2"}),
+                                       reward, {"exact_match": reward}))
             for i in range(4)]
 
 
@@ -42,7 +44,7 @@ def test_alert_fires_once_on_a_forced_reward_collapse(redis_client, tmp_path, ca
                                                 "monitoring.samples_every=0"])
     metrics = Metrics(config, str(tmp_path))
     monitor = RLMonitor(config, config.rl, metrics, RewardQueue(redis_client, "collapse"), "policy",
-                        PolicyKeys("collapse", "policy"), rollout_workers=1)
+                        keys=PolicyKeys("collapse", "policy"), rollout_workers=1)
     counters = RLCounters()
     learner = LEARNER_STEP
     for version in range(1, 61):  # reward 1.0 for 30 steps, then it collapses to 0
@@ -84,13 +86,14 @@ def test_progress_line_shows_throughput_between_steps_that_saw_no_new_samples(re
                                       "rl.log_every=1"])
     queue, keys = RewardQueue(redis_client, "rate"), PolicyKeys("rate", "policy")
     now = [100.0]
-    monitor = RLMonitor(config, config.rl, Metrics(config, str(tmp_path)), queue, "policy", keys, rollout_workers=1,
-                        clock=lambda: now[0])
+    monitor = RLMonitor(config, config.rl, Metrics(config, str(tmp_path)), queue, "policy", keys=keys,
+                        rollout_workers=1, clock=lambda: now[0])
     counters, learner = RLCounters(), LEARNER_STEP
     queue.add_counters(keys.rollout_stats, samples=64, tokens=128, busy_s=0.1)
     for version in (1, 2):  # both steps land before another group finishes, 2 s apart
         now[0] += 2.0
-        monitor.step(version, learner, Batch(groups=[scored_group(f"g{version}", 1.0, 0)]), [0] * 4, counters, 0.01)
+        monitor.step(version, learner, Batch(groups=[scored_group(f"g{version}", 1.0, 0)]), [0] * 4, counters,
+                     publish_s=0.01)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("stage rl")]
     rates = [float(line.split("samples/s ")[1].split()[0]) for line in lines]
     assert rates == [64 / 2.0, 64 / 4.0], lines  # the 64 samples over the 2 s, then the 4 s, since the stage began
@@ -101,8 +104,8 @@ def test_the_rl_stage_shows_a_line_at_its_start_and_by_time_while_no_step_ends(r
                                       "rl.log_every=1000"])
     queue, keys = RewardQueue(redis_client, "rare"), PolicyKeys("rare", "policy")
     now = [100.0]
-    monitor = RLMonitor(config, config.rl, Metrics(config, str(tmp_path)), queue, "policy", keys, rollout_workers=1,
-                        clock=lambda: now[0])
+    monitor = RLMonitor(config, config.rl, Metrics(config, str(tmp_path)), queue, "policy", keys=keys,
+                        rollout_workers=1, clock=lambda: now[0])
     monitor.started(0)
     queue.add_counters(keys.rollout_stats, samples=640, tokens=1280, busy_s=1.0)
     now[0] += PROGRESS_EVERY_S - 1
@@ -180,10 +183,11 @@ def test_dashboard_dry_run_renders_every_section():
 
 def test_tool_figures_per_episode_and_per_tool():
     from rlplatform.monitoring.tool_metrics import tool_figures
+    from rlplatform.transport.rollout_counters import RolloutCounters
 
-    rollout = {"episodes": 4, "turns": 10, "tool_calls": 6, "observation_tokens": 48, "episodes_truncated": 1,
-               "malformed_calls": 3, "unknown_tool_calls": 1, "decode_steps_while_waiting": 10,
-               "sequences_while_waiting": 40, "idle_s_while_waiting": 1.5, "samples": 4, "tokens": 90}
+    rollout = RolloutCounters(episodes=4, turns=10, tool_calls=6, observation_tokens=48, episodes_truncated=1,
+                              malformed_calls=3, unknown_tool_calls=1, decode_steps_while_waiting=10,
+                              sequences_while_waiting=40, idle_s_while_waiting=1.5, samples=4, tokens=90)
     tools = {"calls/calculator": 5, "errors/calculator": 1, "latency_s/calculator": 0.5, "calls/python": 1,
              "latency_s/python": 2.0}
     figures = tool_figures(rollout, tools, decode_slots=16)

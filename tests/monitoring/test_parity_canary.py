@@ -35,8 +35,9 @@ LEARNER_STEP = StepResult(loss=0.1, compute_s=0.0, model_tokens_per_s=0.0, mfu=0
 
 
 def one_group(version: int) -> Batch:
-    sample = Sample(f"g{version}/0", f"g{version}", "policy", "1+1=", "2", [4], [5, 2], [-0.1, -0.2],
-                    [version, version], {"answer": "2"})
+    sample = Sample(f"g{version}/0", f"g{version}", "policy", "1+1=", "2", prompt_ids=[4], completion_ids=[5, 2],
+                    behaviour_logprobs=[-0.1, -0.2],
+                    token_versions=[version, version], row={"answer": "2"})
     return Batch(groups=[[ResultMeta.of(ScoredSample(sample, 1.0, {"exact_match": 1.0}))]])
 
 
@@ -47,7 +48,7 @@ def test_an_engine_that_left_a_layer_behind_raises_the_parity_alert_at_its_next_
     config = load_config(QUICKSTART, [f"output_dir={tmp_path}", f"name={job}", "wandb.mode=disabled",
                                       "monitoring.samples_every=0"])
     monitor = RLMonitor(config, config.rl, Metrics(config, str(tmp_path)), RewardQueue(redis_client, job), "policy",
-                        keys, rollout_workers=1)
+                        keys=keys, rollout_workers=1)
     engine = TransformersEngine(tiny_policy)
     check = CanaryCheck(redis_client, keys.canary_reference, keys.canary_checks, every=2, worker=0)
     learner = LearnerGroup(LearnerConfig(zero_stage=1), tiny_policy, seed=0,

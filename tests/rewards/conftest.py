@@ -16,8 +16,8 @@ from rlplatform.transport.samples import Sample
 def make_sample() -> Callable[..., Sample]:
     def make(completion: str, prompt: str = "", **row) -> Sample:
         completion_ids = list(range(len(completion)))  # one token per character, like the demo tokenizer
-        return Sample("g0/0", "g0", "policy", prompt, completion, [], completion_ids,
-                      [0.0] * len(completion_ids), [0] * len(completion_ids), row)
+        return Sample("g0/0", "g0", "policy", prompt, completion, prompt_ids=[], completion_ids=completion_ids,
+                      behaviour_logprobs=[0.0] * len(completion_ids), token_versions=[0] * len(completion_ids), row=row)
     return make
 
 

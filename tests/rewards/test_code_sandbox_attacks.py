@@ -280,7 +280,8 @@ def test_a_refusal_is_an_error_result_for_the_scorer(tmp_path):
         from rlplatform.rewards.scoring import Scorer
         from rlplatform.transport.samples import Sample
         row = {"tests": "assert add(2, 3) == 5\\n"}
-        sample = Sample("g0/0", "g0", "policy", "", "def add(a, b):\\n    return a + b\\n", [], [0], [0.0], [0], row)
+        sample = Sample("g0/0", "g0", "policy", "", "def add(a, b):\\n    return a + b\\n", prompt_ids=[],
+                        completion_ids=[0], behaviour_logprobs=[0.0], token_versions=[0], row=row)
         scored = Scorer(resolve([RewardSpec(name="code_tests")])).score([sample])[0]
         weak = RewardSpec(name="code_tests", params={"allow_weak_isolation": True})
         scored_weak = Scorer(resolve([weak])).score([sample])[0]

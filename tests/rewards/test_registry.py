@@ -15,7 +15,8 @@ from rlplatform.transport.samples import Sample
 
 
 def sample(completion: str) -> Sample:
-    return Sample("g/0", "g", "policy", "1+1=", completion, [], [], [], [], {"answer": "2"})
+    return Sample("g/0", "g", "policy", "1+1=", completion, prompt_ids=[], completion_ids=[], behaviour_logprobs=[],
+                  token_versions=[], row={"answer": "2"})
 
 
 @pytest.fixture

@@ -16,7 +16,8 @@ from rlplatform.transport.samples import Sample
 
 
 def samples(*completions: str):
-    return [Sample(f"g/{i}", "g", "policy", "1+1=", c, [], [], [], [], {"answer": "2"})
+    return [Sample(f"g/{i}", "g", "policy", "1+1=", c, prompt_ids=[], completion_ids=[], behaviour_logprobs=[],
+                   token_versions=[], row={"answer": "2"})
             for i, c in enumerate(completions)]
 
 

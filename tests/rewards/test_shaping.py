@@ -19,7 +19,7 @@ def test_overlong_penalty_at_chosen_lengths(length, penalty):
 
 
 def test_the_loop_adds_the_penalty_to_the_reward_and_as_a_component():
-    scored = ResultMeta("g/0", "g", "policy", 0, 3, 18, 1.0, {"exact_match": 1.0})
+    scored = ResultMeta("g/0", "g", "policy", 0, 3, completion_tokens=18, reward=1.0, components={"exact_match": 1.0})
     shaped = _shaped(scored, max_tokens=20, buffer=5)
     assert shaped.reward == pytest.approx(0.4)
     assert shaped.components == {"exact_match": 1.0, "overlong_penalty": pytest.approx(-0.6)}

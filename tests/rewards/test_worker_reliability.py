@@ -31,8 +31,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def make_samples(count: int, prefix: str = "s"):
-    return [Sample(f"{prefix}{i}/0", f"{prefix}{i}", "policy", f"{i}+0=", str(i), [1], [2], [-0.5], [0],
-                   {"answer": str(i)}) for i in range(count)]
+    return [Sample(f"{prefix}{i}/0", f"{prefix}{i}", "policy", f"{i}+0=", str(i), prompt_ids=[1], completion_ids=[2],
+                   behaviour_logprobs=[-0.5], token_versions=[0],
+                   row={"answer": str(i)}) for i in range(count)]
 
 
 def collect(queue: RewardQueue, into: list) -> None:

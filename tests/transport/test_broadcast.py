@@ -40,9 +40,9 @@ def test_buckets_hold_every_weight_aligned_and_within_the_bound():
 class Probe:
     """A bare receiving end of the group, reporting what it holds."""
 
-    def join_weights(self, *args):
+    def join_weights(self, *args, **kwargs):
         self.receiver = TRANSPORT.receiver(None, torch.device("cpu"))
-        self.receiver.join(*args)
+        self.receiver.join(*args, **kwargs)
 
     def take(self):
         return self.receiver.receiver.take()
@@ -57,8 +57,9 @@ def test_learner_broadcasts_each_version_to_every_worker_exactly(ray_session, re
     job = f"broadcast-test-{time.time_ns()}"
     keys = PolicyKeys(job, "policy")
     worker = RolloutActor.options(num_cpus=0).remote(RolloutSpec(  # starts while the learner does
-        0, "policy", job, tiny_policy, save_prompts([], str(tmp_path / "prompts.jsonl")), redis_server, RLConfig(),
-        RolloutConfig(num_cpus=0), transport=TRANSPORT, lora=lora, dtype="float32"))
+        0, "policy", job, tiny_policy, save_prompts([], str(tmp_path / "prompts.jsonl")), redis_url=redis_server,
+        rl=RLConfig(),
+        rollout=RolloutConfig(num_cpus=0), transport=TRANSPORT, lora=lora, dtype="float32"))
     learner = LearnerGroup(LearnerConfig(num_cpus=0), tiny_policy, seed=0, transport=TRANSPORT, lora=lora,
                            dtype="float32")
     probe = Probe.remote()

@@ -38,14 +38,14 @@ class Side:
 
     def open_sender(self, host, port, world, redis_url, version_key):
         self.sender = BroadcastTransport(bucket_mb=4096 / 2 ** 20).sender(torch.device("cuda", 0))
-        self.sender.join(host, port, 0, world, "nccl", redis_url, version_key)
+        self.sender.join(host, port, 0, world, "nccl", redis_url=redis_url, version_key=version_key)
 
     def send(self, version):
         self.sender.send({k: v.cuda() for k, v in _weights().items()}, version)
 
     def open_receiver(self, host, port, rank, world, redis_url, version_key):
         self.receiver = BroadcastTransport().receiver(None, torch.device("cuda", 0))
-        self.receiver.join(host, port, rank, world, "nccl", redis_url, version_key)
+        self.receiver.join(host, port, rank, world, "nccl", redis_url=redis_url, version_key=version_key)
 
     def take(self):
         taken = self.receiver.receiver.take()

@@ -17,6 +17,7 @@ from rlplatform.rewards.worker import RewardWorker
 from rlplatform.transport.keys import PolicyKeys
 from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import GROUP, RewardQueue, announce_step_end
+from rlplatform.transport.rollout_counters import RolloutCounterHash, RolloutCounters
 from rlplatform.transport.samples import Sample, ScoredSample, decode_sample
 from tests.transport.queue_events import scripts_run, wait_for_refusals, wait_until
 
@@ -132,6 +133,24 @@ def test_awaiting_results_wakes_on_results_or_a_learner_steps_end(redis_server, 
     results, stepped = reader.await_results(block_ms=1000)  # both at once
     assert [r.sample_id for r in results] == ["g0/0"] and stepped == {"policy-a"}
     assert reader.await_results(block_ms=10) == ([], set())  # each read once
+
+
+def test_a_learner_step_end_that_is_not_one_goes_to_the_dead_letters_and_the_others_still_wake(
+        redis_server, redis_client, job, queue):
+    reader = RewardQueue(connect(redis_server), job)
+    redis_client.xadd(reader.keys.learner_steps, {"policy": "policy-a", "step": "eight"})
+    announce_step_end(redis_client, job, "policy-b", 9)
+    assert reader.await_results(block_ms=1000) == ([], {"policy-b"})
+    (_, dead), = redis_client.xrange(reader.keys.dead)
+    assert dead[b"policy"] == b"policy-a" and b"'step' is not an integer: 'eight'" in dead[b"reason"]
+
+
+def test_rollout_counters_refuse_a_name_that_is_not_one_of_theirs(redis_client, job):
+    counters = RolloutCounterHash(redis_client, PolicyKeys(job, "p").rollout_stats)
+    counters.add(samples=2, busy_s=0.5)
+    with pytest.raises(ValueError, match="not rollout counters: sampels"):
+        counters.add(sampels=1)
+    assert counters.read() == RolloutCounters(samples=2.0, busy_s=0.5)  # nothing of the refused call was added
 
 
 def test_weighted_sum_of_rewards(redis_server, job, queue, test_reward):
@@ -270,12 +289,12 @@ def test_submit_counts_samples_and_tokens_as_the_stream_takes_each_part(redis_se
     queue = RewardQueue(connect(redis_server), job, max_pending=3)
     queue.reset()
     queue.create_group()
-    counters = PolicyKeys(job, "p").rollout_stats
-    done = threading.Thread(target=queue.submit, args=([make_sample(i, "85") for i in range(5)], counters))
+    counters = RolloutCounterHash(queue.client, PolicyKeys(job, "p").rollout_stats)
+    done = threading.Thread(target=queue.submit, args=([make_sample(i, "85") for i in range(5)], counters.key))
     done.start()  # parts of 3 and 2: the second waits at the bound
-    wait_until(lambda: queue.counters(counters), "the first part counted")
+    wait_until(lambda: counters.read().samples, "the first part counted")
     wait_for_refusals(queue.client, done, scripts_run(queue.client))  # the second part tried and refused: not counted
-    assert queue.counters(counters) == {"samples": 3.0, "tokens": 6.0}  # only what the stream holds
+    assert counters.read() == RolloutCounters(samples=3.0, tokens=6.0)  # only what the stream holds
     worker_for(redis_server, job, batch_size=3).step(block_ms=50)
     done.join(timeout=5)
-    assert queue.counters(counters) == {"samples": 5.0, "tokens": 10.0} and queue.pending() == 2
+    assert counters.read() == RolloutCounters(samples=5.0, tokens=10.0) and queue.pending() == 2

@@ -203,7 +203,8 @@ def test_malformed_completion_mask_is_rejected(mask, reason):
 
 
 def test_teacher_scores_round_trip_and_must_cover_every_completion_token():
-    sample = Sample("g/0", "g", "device", "1+1=", "2", [1, 2], [3, 4], [-0.5, -0.7], [0, 0],
+    sample = Sample("g/0", "g", "device", "1+1=", "2", prompt_ids=[1, 2], completion_ids=[3, 4],
+                    behaviour_logprobs=[-0.5, -0.7], token_versions=[0, 0],
                     teacher_logprobs=[-0.1, -2.0], teacher_version=3)
     back = decode_sample(encode_sample(sample))
     assert (back.teacher_logprobs, back.teacher_version) == ([-0.1, -2.0], 3)

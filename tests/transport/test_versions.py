@@ -26,6 +26,16 @@ def test_a_publish_sets_the_newest_version_and_wakes_a_waiting_reader(redis_serv
     assert reader.wait(30.0) == 4 and time.monotonic() - started < 15  # woken by the publish, not timed out
 
 
+def test_an_announcement_that_is_not_one_is_passed_over(redis_client):
+    keys = PolicyKeys(f"versions-{uuid.uuid4().hex[:8]}", "policy")
+    reader = VersionAnnouncements(redis_client, keys)
+    redis_client.xadd(keys.versions, {"version": "latest"})
+    assert reader.wait(0.01) is None
+    publish_version(redis_client, keys, 5)
+    redis_client.xadd(keys.versions, {"versoin": 6})
+    assert reader.wait(0.01) == 5
+
+
 def test_announcements_stay_few_however_many_versions_are_published(redis_client):
     keys = PolicyKeys(f"versions-{uuid.uuid4().hex[:8]}", "policy")
     for version in range(1, 500):

@@ -121,8 +121,8 @@ class Engine:
         self.engine = TransformersEngine(policy, "cpu", "bfloat16")
         self.receiver = transport.receiver(store, self.engine.device)
 
-    def join_weights(self, *args) -> None:
-        self.receiver.join(*args)
+    def join_weights(self, *args, **kwargs) -> None:
+        self.receiver.join(*args, **kwargs)
 
     def sync(self):
         """(version held, bytes of the update loaded)."""
