@@ -79,9 +79,10 @@ def main() -> None:
     parser.add_argument("--eval-tokens", type=int, help="greedy evaluation's token budget (default: the limit)")
     parser.add_argument("--reward-delay-ms", type=float, default=0.0, help="sleep per completion (a remote judge)")
     parser.add_argument("--reward-cpu-ms", type=float, default=0.0, help="CPU time per completion (a local verifier)")
+    parser.add_argument("--seed", type=int, default=0, help="torch's and GRPOTrainer's seed")
     parser.add_argument("--out", default="/tmp/trl_runner_out")
     args = parser.parse_args()
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.base)
     model = AutoModelForCausalLM.from_pretrained(args.base)
     rows = [json.loads(line) for line in open(os.path.join(args.base, "train.jsonl"))]
@@ -91,7 +92,7 @@ def main() -> None:
     config = GRPOConfig(output_dir=args.out, max_steps=args.steps, learning_rate=args.lr,
                         per_device_train_batch_size=args.prompts * args.group, num_generations=args.group,
                         max_completion_length=args.max_completion_length, temperature=1.0, beta=0.0,
-                        logging_steps=5, save_strategy="no", report_to=[], use_cpu=True, bf16=False, seed=0)
+                        logging_steps=5, save_strategy="no", report_to=[], use_cpu=True, bf16=False, seed=args.seed)
     evaluation = HeldOutAccuracy(tokenizer, test, args.eval_every, eval_tokens)
     reward = exact_match_costing(args.reward_delay_ms, args.reward_cpu_ms)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=Dataset.from_list(rows),

@@ -4,8 +4,10 @@ The base is built in the run: ../shared/bench/make_base.py writes the model shap
 addition rows, then rlplatform's SFT stage trains it until held-out greedy accuracy first reaches
 `--base-accuracy` (checked every 25 steps); each scenario's target is its measured starting
 accuracy + `--gain`. TRL runs through benchmarks/trl_runner.py (the settings of
-../shared/bench/trl_peer.py, evaluating as it trains); rlplatform runs `rlp run` in its own
-process, synchronous (`max_staleness: 0`) and asynchronous (`max_staleness: 1`). Scenarios:
+../shared/bench/trl_peer.py, evaluating as it trains), one process per seed; rlplatform runs
+`rlp run --seeds N` in its own process, synchronous (`max_staleness: 0`) and asynchronous
+(`max_staleness: 1`). Each system runs `--seeds` seeds (0, 1, ...; 3 by default), and the tables give
+the mean over them with the range: ratios pair each seed of rlplatform with the same seed of TRL. Scenarios:
 
 - overhead: the instant exact-match reward; measures framework cost against one process;
 - io_reward: exact match behind 30 ms of waiting per completion (async I/O, a remote judge);
@@ -14,9 +16,9 @@ process, synchronous (`max_staleness: 0`) and asynchronous (`max_staleness: 1`).
 
 Per system: trained completions/s, time to target, final accuracy, end-to-end wall time and
 start-up (process start to first learner step); a table per scenario in results/vs_trl.md and
-held-out accuracy against training time in results/vs_trl.png.
+held-out accuracy against training time (the first seed's) in results/vs_trl.png.
 
-Usage: python benchmarks/vs_trl.py [--quick] [--steps 320] [--scenarios overhead io_reward cpu_reward long_tail]
+Usage: python benchmarks/vs_trl.py [--quick] [--seeds 3] [--steps 320] [--scenarios overhead io_reward cpu_reward long_tail]
 Needs the `bench` extra (`pip install -e ".[dev,bench]"`: trl, datasets, matplotlib).
 """
 
@@ -30,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import statistics
 import time
 from dataclasses import dataclass, field
 from datetime import date
@@ -103,21 +106,34 @@ def _data_overrides(base: str) -> List[str]:
             f"data.train_path={os.path.join(base, 'train.jsonl')}", f"data.test_path={os.path.join(base, 'test.jsonl')}"]
 
 
-def run_ours(config, work: str) -> Tuple[Dict, float]:
-    """`rlp run` on `config` in a fresh process (its own Ray and Redis); (summary, process seconds)."""
+def run_ours(config, work: str, seeds: int = 1) -> List[Tuple[Dict, float]]:
+    """`rlp run` on `config` in a fresh process (its own Ray and Redis), with `--seeds` when `seeds` > 1: each
+    seed's (summary, seconds). One seed: the process's seconds; several: each seed's own job wall time (the later
+    seeds run on the Ray the first one started)."""
     path = os.path.join(work, f"{config.name}.yaml")
     with open(path, "w") as f:
         f.write(to_yaml(config))
     started = time.perf_counter()
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    subprocess.run([os.path.join(os.path.dirname(sys.executable), "rlp"), "run", path], check=True, cwd=REPO, env=env,
-                   stdout=subprocess.DEVNULL)
+    several = ["--seeds", str(seeds)] if seeds > 1 else []
+    subprocess.run([os.path.join(os.path.dirname(sys.executable), "rlp"), "run", *several, path], check=True,
+                   cwd=REPO, env=env, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - started
-    with open(os.path.join(config.run_dir, "summary.json")) as f:
-        return json.load(f), wall
+    if not several:
+        with open(os.path.join(config.run_dir, "summary.json")) as f:
+            return [(json.load(f), wall)]
+    with open(os.path.join(config.run_dir, "seeds.json")) as f:
+        runs = [row["run_dir"] for row in json.load(f)["seeds"]]
+    summaries = []
+    for run_dir in runs:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            summary = json.load(f)
+        summaries.append((summary, summary["wall_s"]))
+    return summaries
 
 
-def ours(scenario: Scenario, staleness: int, work: str, eval_every: int) -> Result:
+def ours(scenario: Scenario, staleness: int, work: str, eval_every: int, seeds: int) -> List[Result]:
+    """rlplatform at `staleness` for seeds 0 to `seeds` - 1 (`rlp run --seeds`)."""
     config = load_config(None, _data_overrides(scenario.base) + [
         f"output_dir={work}", f"name={scenario.key}-staleness-{staleness}", "wandb.mode=disabled",
         "sft.enabled=false", f"rl.max_steps={scenario.steps}", f"rl.batch_prompts={PROMPTS}",
@@ -129,16 +145,20 @@ def ours(scenario: Scenario, staleness: int, work: str, eval_every: int) -> Resu
         fn, params = (("slow_exact_match", {"delay_ms": scenario.reward_delay_ms}) if scenario.reward_delay_ms
                       else ("cpu_exact_match", {"work_ms": scenario.reward_cpu_ms}))
         config.rewards = [RewardSpec(fn=f"benchmarks.bench_rewards:{fn}", params=params)]
-    summary, wall = run_ours(config, work)
-    rl = summary["rl"]
-    start = summary["eval"]["before_rl"]["accuracy"]  # no SFT here: the starting weights' accuracy
     mode = "sync" if staleness == 0 else f"async (staleness {staleness})"
-    return Result(f"rlplatform {mode}", rl["steps"], rl["samples_trained"], rl["wall_s"], wall,
-                  summary["startup_s"]["to_first_rl_step_s"], start, summary["eval"]["after_rl"]["accuracy"],
-                  [(0.0, start)] + [(h["wall_s"], h["accuracy"]) for h in rl["eval_history"]], rl["time_breakdown"])
+    results = []
+    for summary, wall in run_ours(config, work, seeds):
+        rl = summary["rl"]
+        start = summary["eval"]["before_rl"]["accuracy"]  # no SFT here: the starting weights' accuracy
+        results.append(Result(f"rlplatform {mode}", rl["steps"], rl["samples_trained"], rl["wall_s"], wall,
+                              summary["startup_s"]["to_first_rl_step_s"], start,
+                              summary["eval"]["after_rl"]["accuracy"],
+                              [(0.0, start)] + [(h["wall_s"], h["accuracy"]) for h in rl["eval_history"]],
+                              rl["time_breakdown"]))
+    return results
 
 
-def trl(scenario: Scenario, eval_every: int) -> Result:
+def trl(scenario: Scenario, eval_every: int, seed: int) -> Result:
     """benchmarks/trl_runner.py in its own process; GRPOTrainer trains every completion it generates."""
     runner = os.path.join(REPO, "benchmarks", "trl_runner.py")
     started = time.perf_counter()
@@ -147,7 +167,8 @@ def trl(scenario: Scenario, eval_every: int) -> Result:
                           "--eval-tokens", str(scenario.eval_tokens), "--eval-every", str(eval_every),
                           "--prompts", str(PROMPTS), "--group", str(GROUP), "--lr", str(LR),
                           "--reward-delay-ms", str(scenario.reward_delay_ms),
-                          "--reward-cpu-ms", str(scenario.reward_cpu_ms), "--out", tempfile.mkdtemp()],
+                          "--reward-cpu-ms", str(scenario.reward_cpu_ms), "--seed", str(seed),
+                          "--out", tempfile.mkdtemp()],
                          check=True, capture_output=True, text=True).stdout
     wall = time.perf_counter() - started
     run = json.loads(out.strip().splitlines()[-1])
@@ -156,30 +177,45 @@ def trl(scenario: Scenario, eval_every: int) -> Result:
                   run["acc_before"], run["acc_after"], history)
 
 
-def table(scenario: Scenario, results: List[Result], target: float) -> List[str]:
-    peer = results[0]
+def _mean_range(values: List[float], fmt: str) -> str:
+    """The mean of `values`, then [min-max] where there are several."""
+    mean = fmt.format(statistics.fmean(values))
+    return mean if len(values) == 1 else f"{mean} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
+
+
+def table(scenario: Scenario, systems: List[List[Result]], target: float) -> List[str]:
+    """The scenario's section: each system's figures over its seeds (the first system is the peer, TRL)."""
+    peer = systems[0]
     lines = [f"### {scenario.title}", "", scenario.note, "",
-             f"Starting accuracy (rlplatform's evaluator, sync run) {results[1].start_accuracy:.3f}; "
-             f"target {target:.3f}.", "",
+             f"Starting accuracy (rlplatform's evaluator, sync run) {systems[1][0].start_accuracy:.3f}; "
+             f"target {target:.3f}. Each cell: the mean over {len(peer)} seed(s), then [min-max] over them; a ratio "
+             f"pairs each seed with TRL's same seed.", "",
              "| system | steps | trained completions | train wall (s) | trained completions/s | vs TRL "
              "| time to target (s) | vs TRL | accuracy after | end-to-end (s) | start-up to first step (s) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        reached = r.time_to(target)
-        ttt = f"{reached:.1f}" if reached is not None else "not reached"
-        ttt_ratio = (f"{peer.time_to(target) / reached:.2f}x faster"
-                     if reached and peer.time_to(target) and r is not peer else "-")
-        startup = f"{r.startup_s:.1f}" if r.startup_s is not None else "-"
-        lines.append(f"| {r.system} | {r.steps} | {r.trained} | {r.train_s:.1f} | {r.trained_per_s:.0f} | "
-                     f"{r.trained_per_s / peer.trained_per_s:.2f}x | {ttt} | {ttt_ratio} | {r.accuracy:.3f} | "
-                     f"{r.end_to_end_s:.0f} | {startup} |")
-    lines += ["", "Where rlplatform's time went (seconds of the train wall time; components run at once, so they "
-              "overlap; reward latency is the mean from a group's completion to its score):", "",
+    for runs in systems:
+        reached = [r.time_to(target) for r in runs]
+        hits = [t for t in reached if t is not None]
+        ttt = "not reached" if not hits else _mean_range(hits, "{:.1f}") + (
+            f" ({len(hits)} of {len(runs)} seeds)" if len(hits) < len(runs) else "")
+        faster = [p.time_to(target) / t for p, t in zip(peer, reached) if t and p.time_to(target)]
+        ttt_ratio = f"{_mean_range(faster, '{:.2f}')}x faster" if faster and runs is not peer else "-"
+        ratio = _mean_range([r.trained_per_s / p.trained_per_s for r, p in zip(runs, peer)], "{:.2f}")
+        startups = [r.startup_s for r in runs if r.startup_s is not None]
+        lines.append(f"| {runs[0].system} | {runs[0].steps} | {runs[0].trained} | "
+                     f"{_mean_range([r.train_s for r in runs], '{:.1f}')} | "
+                     f"{_mean_range([r.trained_per_s for r in runs], '{:.0f}')} | {ratio}x | {ttt} | {ttt_ratio} | "
+                     f"{_mean_range([r.accuracy for r in runs], '{:.3f}')} | "
+                     f"{_mean_range([r.end_to_end_s for r in runs], '{:.0f}')} | "
+                     f"{_mean_range(startups, '{:.1f}') if startups else '-'} |")
+    lines += ["", "Where rlplatform's time went (seconds of the train wall time, the mean over the seeds; components "
+              "run at once, so they overlap; reward latency is the mean from a group's completion to its score):", "",
               "| system | wall | generation | queue submit | reward work | reward latency | learner steps | "
               "weight publish | weight sync |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in results[1:]:
-        b = r.breakdown
-        lines.append(f"| {r.system} | {r.train_s:.1f} | {b['generation_s']:.1f} | {b['queue_submit_s']:.2f} | "
+    for runs in systems[1:]:
+        b = {key: statistics.fmean(r.breakdown[key] for r in runs) for key in runs[0].breakdown}
+        lines.append(f"| {runs[0].system} | {statistics.fmean(r.train_s for r in runs):.1f} | "
+                     f"{b['generation_s']:.1f} | {b['queue_submit_s']:.2f} | "
                      f"{b['reward_busy_s']:.1f} | {b['reward_latency_s_mean'] * 1000:.0f} ms | "
                      f"{b['learner_step_s']:.1f} | {b['weight_publish_s']:.2f} | {b['weight_sync_s']:.2f} |")
     return lines + [""]
@@ -234,11 +270,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--long-tail-steps", type=int, default=40)
     parser.add_argument("--long-tail-base-steps", type=int, default=300)
     parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per system (0, 1, ...): ranges, not one draw")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "vs_trl.md"))
     args = parser.parse_args()
     if args.quick:
         args.base_max_steps, args.steps, args.reward_steps, args.long_tail_steps = 50, 4, 2, 2
-        args.long_tail_base_steps, args.eval_every = 5, 2
+        args.long_tail_base_steps, args.eval_every, args.seeds = 5, 2, 1
     return args
 
 
@@ -249,12 +286,14 @@ def main() -> None:
     base, sft = build_base(work, args.base_max_steps, args.base_accuracy)
     sections, panels = [], {}
     for scenario in scenarios(args, base, work):
-        results = [trl(scenario, args.eval_every), ours(scenario, 0, work, args.eval_every),
-                   ours(scenario, 1, work, args.eval_every)]
-        target = results[1].start_accuracy + args.gain
-        sections += table(scenario, results, target)
-        panels[scenario.title] = ({r.system: r.history for r in results}, target)
-        print("\n".join(sections[-len(results) - 12:]), flush=True)
+        systems = [[trl(scenario, args.eval_every, seed) for seed in range(args.seeds)],
+                   ours(scenario, 0, work, args.eval_every, args.seeds),
+                   ours(scenario, 1, work, args.eval_every, args.seeds)]
+        target = systems[1][0].start_accuracy + args.gain
+        section = table(scenario, systems, target)
+        sections += section
+        panels[scenario.title] = ({runs[0].system: runs[0].history for runs in systems}, target)
+        print("\n".join(section), flush=True)
     image = os.path.splitext(args.out)[0] + ".png"
     plots.accuracy_panels(panels, image, "training seconds")
     report = "\n".join([
@@ -263,7 +302,9 @@ def main() -> None:
         f"`{' '.join(['python benchmarks/vs_trl.py', *sys.argv[1:]])}`", "",
         f"Base: make_base.py's model and rows, SFT by rlplatform until held-out greedy accuracy first reached "
         f"{args.base_accuracy} (checked every 25 steps): {sft['accuracy']:.3f} after {sft['steps']} steps. Target: "
-        f"starting accuracy + {args.gain}. Both systems: {PROMPTS} prompts x {GROUP} completions per step, lr {LR} "
+        f"starting accuracy + {args.gain}. Seeds: {args.seeds} per system (0 to {args.seeds - 1}; rlplatform's by "
+        f"`rlp run --seeds`, whose later seeds run on the Ray its first one started: their end-to-end time is the job's "
+        f"own). Both systems: {PROMPTS} prompts x {GROUP} completions per step, lr {LR} "
         f"decaying linearly to 0, temperature 1, no KL term, held-out evaluation every {args.eval_every} steps "
         f"(TRL's clock stops while it evaluates; rlplatform evaluates on a spare worker at idle CPU priority, "
         f"`eval.priority`, and dates each result when the evaluated version was published). Trained completions/s: "
