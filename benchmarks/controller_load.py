@@ -53,11 +53,12 @@ def read_path(completion_tokens: int, samples: int = 2000) -> float:
     `completion_tokens` tokens stored by the reward queue on an embedded Redis."""
     from rlplatform.transport.redis_server import EmbeddedRedis, connect
     from rlplatform.transport.reward_queue import RewardQueue
+    from rlplatform.transport.run_keys import start_run
     from rlplatform.transport.samples import Sample, ScoredSample
 
     with EmbeddedRedis() as server:
         queue = RewardQueue(connect(server.url), "read-path", max_pending=samples)
-        queue.reset()
+        start_run(queue.client, queue.keys.run, queue.bound())
         queue.create_group()
         queue.submit([Sample(f"{i // 8}/{i % 8}", str(i // 8), "policy", "1+1=", "2", prompt_ids=list(range(32)),
                              completion_ids=list(range(completion_tokens)),

@@ -20,6 +20,7 @@ from rlplatform.config import RewardSpec, RewardWorkersConfig
 from rlplatform.rewards.worker import RewardWorker
 from rlplatform.transport.redis_server import EmbeddedRedis, connect
 from rlplatform.transport.reward_queue import RewardQueue
+from rlplatform.transport.run_keys import end_run
 from rlplatform.transport.samples import Sample
 
 
@@ -54,7 +55,7 @@ def throughput(url: str, workers: int, count: int) -> float:
     queue.request_stop()
     for p in procs:
         p.join()
-    queue.clear()
+    end_run(queue.client, queue.keys.run)
     return count / elapsed
 
 

@@ -46,6 +46,7 @@ from rlplatform.transport.job_lease import JobLease
 from rlplatform.transport.redis_server import EmbeddedRedis, RedisUnavailable, connect
 from rlplatform.transport.keys import PolicyKeys, run_scope
 from rlplatform.transport.reward_queue import RewardQueue
+from rlplatform.transport.run_keys import end_run, start_run
 from rlplatform.transport.weight_store import WeightStore
 
 
@@ -260,7 +261,7 @@ def _run_stages(config: JobConfig, plan: JobPlan, run: str, redis_url: str, lear
             queue.request_stop()
             # a standalone worker sees the flag, not a Redis gone with the job (an embedded one) or emptied
             Heartbeats(client, run).await_outside_workers()
-            queue.clear()
+            end_run(client, run)
         except RedisUnavailable:  # gone with what it held; the job ends on that error
             pass
         _stop(policies, reward_actors + tool_actors)
@@ -296,8 +297,8 @@ def _save_final(config: JobConfig, policies: List[PolicyWorkers]) -> None:
 def _open_queue(config: JobConfig, run: str, client) -> RewardQueue:
     from rlplatform.rewards.worker import job_rewards_json
 
+    start_run(client, run, config.redis.max_stream_len)
     queue = RewardQueue(client, run, config.redis.max_stream_len)
-    queue.reset()
     queue.create_group()
     queue.publish_rewards(job_rewards_json(config.rewards, config.imports))
     return queue

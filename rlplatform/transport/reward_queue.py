@@ -20,7 +20,7 @@ from rlplatform.transport.results import ResultStore
 from rlplatform.transport.samples import (ResultMeta, Sample, ScoredSample, WireFormatError, decode_meta, decode_sample,
                                           encode_meta, encode_sample, encode_scored)
 from rlplatform.transport.side_channels import StepEnd
-from rlplatform.transport.stream_queue import StreamQueue, as_text, entry_payloads
+from rlplatform.transport.stream_queue import StreamQueue, entry_payloads
 
 GROUP = "reward-workers"
 
@@ -30,7 +30,7 @@ class RewardQueue(StreamQueue):
 
     def __init__(self, client: redis.Redis, run: str, max_pending: Optional[int] = None) -> None:
         """`run`: the run's `run_scope`. `max_pending`: the job's bound on unscored requests. The controller
-        passes it and `reset` records it on Redis; producers built without it read it from there."""
+        passes it and records it on Redis (`run_keys.start_run`); producers built without it read it there."""
         self.keys = JobKeys(run)
         super().__init__(client, self.keys.rewards_queue, GROUP, self.keys.max_pending, max_pending)
         self.results = ResultStore(client, self.keys)
@@ -104,23 +104,6 @@ class RewardQueue(StreamQueue):
 
     def stop_requested(self) -> bool:
         return bool(self.client.exists(self.keys.stop))
-
-    def reset(self) -> None:
-        """Before a run starts or resumes: nothing left of its own earlier attempt but its status (the keys
-        of other runs, of its name or another, are never touched), and the job's producer bound recorded
-        for every producer."""
-        self._delete_all_but({self.keys.status})
-        self.client.set(self.keys.max_pending, self.bound())
-
-    def clear(self) -> None:
-        """After a run ends: its queues and counters go; its status and stop flag stay until they expire
-        (a week, `job_status.STATUS_TTL_S`; an hour, `request_stop`)."""
-        self._delete_all_but({self.keys.status, self.keys.stop})
-
-    def _delete_all_but(self, keep: set) -> None:
-        doomed = [k for k in self.client.scan_iter(match=self.keys.pattern, count=1000) if as_text(k) not in keep]
-        if doomed:
-            self.client.delete(*doomed)
 
     def add_counters(self, key: str, **values: float) -> None:
         """Add to a shared counter hash (`keys.rollout_stats`, `keys.reward_stats`)."""

@@ -13,6 +13,7 @@ from rlplatform.scheduling.buffer import GroupBuffer
 from rlplatform.scheduling.groups import GroupSchedule
 from rlplatform.scheduling.staleness import StalenessRule
 from rlplatform.transport.reward_queue import RewardQueue
+from rlplatform.transport.run_keys import start_run
 from rlplatform.transport.samples import ResultMeta, Sample, ScoredSample
 
 
@@ -27,7 +28,7 @@ def scored(policy: str, group: str, i: int, reward: float = 1.0, error=None) -> 
 
 def test_unused_samples_are_counted_where_they_sit_per_policy(redis_client):
     queue = RewardQueue(redis_client, "accounting")
-    queue.reset()
+    start_run(queue.client, queue.keys.run, queue.bound())
     queue.create_group()
     queue.submit([sample("a", "qa", i) for i in range(5)] + [sample("b", "qb", i) for i in range(2)])
     held = queue.fetch("reward-0", count=3, block_ms=10)  # a reward worker holds 3 requests of policy a

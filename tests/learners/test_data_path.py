@@ -13,6 +13,7 @@ from rlplatform.config import LearnerConfig, RLConfig
 from rlplatform.learners.group import LearnerGroup, TrainItem, shard_minibatches
 from rlplatform.transport.redis_server import RECONNECT_S, connect
 from rlplatform.transport.reward_queue import RewardQueue
+from rlplatform.transport.run_keys import start_run
 from rlplatform.transport.samples import ScoredSample, decode_sample
 from tests.learners.test_learner import rl_batch
 from rlplatform.transport.weight_transports import ObjectStoreTransport
@@ -57,7 +58,7 @@ def test_ranks_fetch_their_own_shard_and_the_controller_reads_no_tokens(ray_sess
                                                                         tiny_policy):
     job = f"path-{uuid.uuid4().hex[:6]}"
     queue = RewardQueue(redis_client, job)
-    queue.reset()
+    start_run(queue.client, queue.keys.run, queue.bound())
     queue.create_group()
     samples, advantages = rl_batch(tiny_policy)
     store_scored(queue, samples, advantages)

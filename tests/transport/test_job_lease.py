@@ -16,6 +16,7 @@ from rlplatform.config import ConfigError
 from rlplatform.transport.job_lease import JobLease, live_job_message, newest_run
 from rlplatform.transport.keys import JobKeys, NameKeys, run_scope
 from rlplatform.transport.reward_queue import RewardQueue
+from rlplatform.transport.run_keys import end_run, start_run
 
 HOLD = ("import sys, time\nfrom rlplatform.transport.job_lease import JobLease\n"
         "from rlplatform.transport.redis_server import connect\n"
@@ -26,7 +27,7 @@ HOLD = ("import sys, time\nfrom rlplatform.transport.job_lease import JobLease\n
 def test_a_second_job_of_a_live_name_refuses_and_leaves_its_keys_alone(redis_client, tmp_path):
     live = RewardQueue(redis_client, run_scope("shared", "a1"))
     with JobLease(redis_client, "shared", "a1", str(tmp_path / "a")):
-        live.reset()  # the live job's own reset keeps its lease
+        start_run(redis_client, live.keys.run, live.bound())  # the live job's own start keeps its lease
         live.create_group()
         live.client.xadd(live.keys.requests, {"sample": b"in flight"})
         live.client.hset(live.keys.status, "stage", "rl")
@@ -36,7 +37,7 @@ def test_a_second_job_of_a_live_name_refuses_and_leaves_its_keys_alone(redis_cli
                 pass
         assert newest_run(redis_client, "shared") == live.keys.run  # the refused run did not take the name
         assert redis_client.xlen(live.keys.requests) == 1 and redis_client.hget(live.keys.status, "stage") == b"rl"
-        live.clear()  # its end keeps the lease until the job gives it back
+        end_run(redis_client, live.keys.run)  # its end keeps the lease until the job gives it back
         assert live_job_message(redis_client, "shared") is not None
     assert live_job_message(redis_client, "shared") is None  # given back at the end
     with JobLease(redis_client, "shared", "b1", str(tmp_path / "b")):
@@ -69,7 +70,7 @@ def test_a_job_killed_outright_frees_its_name_within_the_ttl(redis_server, redis
 def test_a_later_run_of_the_name_resets_its_own_keys_only_and_the_name_leads_to_it(redis_client, tmp_path):
     earlier = RewardQueue(redis_client, run_scope("shared", "a1"))
     with JobLease(redis_client, "shared", "a1", str(tmp_path / "a")):
-        earlier.reset()
+        start_run(redis_client, earlier.keys.run, earlier.bound())
         earlier.create_group()
         earlier.client.xadd(earlier.keys.requests, {"sample": b"in flight"})  # killed outright: its keys stay
         earlier.client.hset(earlier.keys.status, "stage", "rl")
@@ -78,11 +79,11 @@ def test_a_later_run_of_the_name_resets_its_own_keys_only_and_the_name_leads_to_
     later = RewardQueue(redis_client, run_scope("shared", "b2"))
     with JobLease(redis_client, "shared", "b2", str(tmp_path / "b")):
         assert newest_run(redis_client, "shared") == "shared:b2"  # standalone workers and `rlp status` find it
-        later.reset()
+        start_run(redis_client, later.keys.run, later.bound())
         later.create_group()
         later.client.xadd(later.keys.requests, {"sample": b"the later run's"})
         later.request_stop()
-        later.clear()
+        end_run(redis_client, later.keys.run)
     assert sorted(redis_client.scan_iter(match=JobKeys(run_scope("shared", "a1")).pattern)) == keys_before
     assert redis_client.xlen(earlier.keys.requests) == 1 and redis_client.hget(earlier.keys.status, "stage") == b"rl"
     assert not earlier.stop_requested()  # the later run's stop flag is its own

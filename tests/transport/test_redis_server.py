@@ -20,6 +20,7 @@ from rlplatform.rewards.worker import RewardWorker
 from rlplatform.transport.redis_server import (PID_FILE, EmbeddedRedis, RedisUnavailable, connect, redis_binary,
                                                stop_leftover)
 from rlplatform.transport.reward_queue import GROUP, RewardQueue
+from rlplatform.transport.run_keys import start_run
 from rlplatform.transport.samples import Sample
 
 
@@ -59,7 +60,7 @@ def collect_until(queue: RewardQueue, worker: RewardWorker, expected: int, timeo
 def test_a_killed_server_restarted_on_its_port_loses_no_acknowledged_result(server):
     job = f"aof-{uuid.uuid4().hex[:6]}"
     queue = RewardQueue(connect(server.url), job, max_pending=100)
-    queue.reset()
+    start_run(queue.client, queue.keys.run, queue.bound())
     queue.create_group()
     worker = RewardWorker("w", [RewardSpec(name="exact_match")], server.url, job, RewardWorkersConfig(batch_size=8))
     queue.submit(make_samples(6, "before"))

@@ -18,6 +18,7 @@ from rlplatform.transport.keys import PolicyKeys
 from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import GROUP, RewardQueue, announce_step_end
 from rlplatform.transport.rollout_counters import RolloutCounterHash, RolloutCounters
+from rlplatform.transport.run_keys import end_run, start_run
 from rlplatform.transport.samples import Sample, ScoredSample, decode_sample
 from tests.transport.queue_events import scripts_run, wait_for_refusals, wait_until
 
@@ -257,15 +258,15 @@ def test_stop_flag(redis_server, job, queue):
     assert queue.stop_requested()
     stats = worker.run()  # returns at once: the stop flag is already set
     assert stats.scored == 0
-    queue.clear()  # the end of a job: standalone workers must still see the flag
+    end_run(queue.client, job)  # the end of a job: standalone workers must still see the flag
     assert queue.stop_requested()
-    queue.reset()  # the run resumed
+    start_run(queue.client, job, queue.bound())  # the run resumed
     assert not queue.stop_requested()
 
 
 def test_producers_built_without_a_bound_wait_at_the_jobs_bound_until_a_consumer_acks(redis_server, job):
     controller = RewardQueue(connect(redis_server), job, max_pending=4)  # the job's redis.max_stream_len
-    controller.reset()  # records the bound on Redis
+    start_run(controller.client, job, controller.bound())  # records the bound on Redis
     controller.create_group()
     producer = RewardQueue(connect(redis_server), job)  # as a rollout worker builds it, no bound given
     producer.submit([make_sample(i, "85", group="a") for i in range(4)])
@@ -287,7 +288,7 @@ def test_producers_built_without_a_bound_wait_at_the_jobs_bound_until_a_consumer
 
 def test_submit_counts_samples_and_tokens_as_the_stream_takes_each_part(redis_server, job):
     queue = RewardQueue(connect(redis_server), job, max_pending=3)
-    queue.reset()
+    start_run(queue.client, job, queue.bound())
     queue.create_group()
     counters = RolloutCounterHash(queue.client, PolicyKeys(job, "p").rollout_stats)
     done = threading.Thread(target=queue.submit, args=([make_sample(i, "85") for i in range(5)], counters.key))
