@@ -93,7 +93,7 @@ def build_base(work: str, max_steps: int, stop_at: float) -> Tuple[str, Dict]:
         f"output_dir={work}", "name=base", "wandb.mode=disabled", "rl.enabled=false", f"sft.steps={max_steps}",
         "sft.lr=3e-3", "sft.batch_size=128", f"sft.stop_at_accuracy={stop_at}", "sft.eval_every=25",
         "eval.max_new_tokens=5"])
-    summary, _ = run_ours(config, work)
+    [(summary, _)] = run_ours(config, work)
     base = os.path.join(work, "base-model")
     shutil.copytree(os.path.join(work, "base", "model"), base)
     for name in ("train.jsonl", "test.jsonl"):

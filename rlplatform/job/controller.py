@@ -38,7 +38,7 @@ from rlplatform.job.workers import Evaluator, PolicyWorkers, publish
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.monitoring.job_status import JobStatus
 from rlplatform.monitoring.metrics import Metrics
-from rlplatform.monitoring.watchdog import hang_rule, rank_processes, watched_write
+from rlplatform.monitoring.watchdog import dump_path, dump_process_state, hang_rule, rank_processes, watched_write
 from rlplatform.policy import load_tokenizer, save_initial_policy
 from rlplatform.tokenization import encode_prompts, save_prompts, within_limit
 from rlplatform.transport.deadlines import LEARNER_TIMEOUT_S, Heartbeats, JobFailed, LearnerDied, LearnerHung
@@ -51,11 +51,13 @@ from rlplatform.transport.weight_store import WeightStore
 
 
 class JobEnded(JobFailed):
-    """The job failed after its stages began; `results` are its policies' results as they stood."""
+    """The job failed after its stages began; `results` are its policies' results as they stood; `redis_lost`: the
+    job's Redis went away."""
 
-    def __init__(self, message: str, results: Dict[str, PolicyResults], exit_code: int = 1) -> None:
+    def __init__(self, message: str, results: Dict[str, PolicyResults], exit_code: int = 1,
+                 redis_lost: bool = False) -> None:
         super().__init__(message)
-        self.results, self.exit_code = results, exit_code
+        self.results, self.exit_code, self.redis_lost = results, exit_code, redis_lost
 
 
 def run_job(config: JobConfig, started_at: Optional[float] = None, shutdown_ray: Optional[bool] = None,
@@ -114,6 +116,9 @@ def _run_locked(config: JobConfig, started_at: float, shutdown_ray: Optional[boo
                 summary.status = "interrupted" if stop.requested else "completed"
             except JobEnded as ended:
                 summary.results = ended.results
+                if ended.redis_lost and embedded is not None:  # the one line also says what became of the server
+                    state = dump_process_state(embedded.pid, dump_path(run_dir, "redis-server", embedded.pid))
+                    raise JobEnded(f"{ended}; {state}", ended.results, ended.exit_code, True) from None
                 raise
             finally:
                 final = summary.status if summary.status != "running" else "failed"
@@ -243,7 +248,7 @@ def _run_stages(config: JobConfig, plan: JobPlan, run: str, redis_url: str, lear
             except StageFailed as failed:
                 for name, rl in failed.summaries.items():
                     results[name].rl = rl
-                raise JobEnded(str(failed), results, failed.exit_code) from None
+                raise JobEnded(str(failed), results, failed.exit_code, failed.redis_lost) from None
             for name, rl in summaries.items():
                 results[name].rl = rl
         if not stop.requested:

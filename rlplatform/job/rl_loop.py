@@ -135,11 +135,13 @@ class RedisMirror:
 
 
 class StageFailed(JobFailed):
-    """The RL stage ended on an error: `summaries` are its policies' figures as they stood (`PolicyRun.summary`)."""
+    """The RL stage ended on an error: `summaries` are its policies' figures as they stood (`PolicyRun.summary`);
+    `redis_lost`: the error was the job's Redis going away."""
 
-    def __init__(self, message: str, summaries: Dict[str, RLSummary], exit_code: int = 1) -> None:
+    def __init__(self, message: str, summaries: Dict[str, RLSummary], exit_code: int = 1,
+                 redis_lost: bool = False) -> None:
         super().__init__(message)
-        self.summaries, self.exit_code = summaries, exit_code
+        self.summaries, self.exit_code, self.redis_lost = summaries, exit_code, redis_lost
 
 
 class PolicyRun:
@@ -556,7 +558,7 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
         kept = f"checkpoint {saved} written from the learner's memory" if saved else \
             f"a learner step did not end, so no checkpoint could be written ({_newest(checkpoints.latest)})"
         raise StageFailed(f"{lost}; {kept}; resume with `rlp run --resume {job.run_dir}` once it is back",
-                          failed(offline=True)) from None
+                          failed(offline=True), redis_lost=True) from None
     except LearnerHung as hung:  # no checkpoint can be taken from it; the figures are Redis's
         metrics.event("hang", str(hung))
         raise StageFailed(str(hung), failed(), hung.exit_code) from None

@@ -10,6 +10,8 @@ no progress for `monitoring.hang_factor` times its longest round or step measure
 - recovers: a worker's actor is killed, Ray restarts it and the supervisor runs its loop again, re-issuing its
   unfinished work; its deadline doubles, so that a slow worker is not killed over and over. A learner that
   hangs ends the job (`LearnerHung`, exit code 3) naming the dump and the checkpoint to resume from.
+A job whose embedded Redis stopped answering ends naming it, with that server's process state (`dump_process_state`:
+not Python, so its kernel state, wait channel and stack) in `<run>/hangs/`.
 """
 
 from __future__ import annotations
@@ -76,6 +78,29 @@ def _py_spy_dump(pid: int) -> str:
 @ray.remote(num_cpus=0)
 def _dump_on_node(pid: int) -> str:
     return _py_spy_dump(pid)
+
+
+def dump_process_state(pid: int, path: str) -> str:
+    """What the kernel says of local process `pid` (its status, wait channel and kernel stack, where readable),
+    written to `path`: the stack dump of a process that runs no Python (the embedded redis-server). Returns what
+    to tell the user."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            status = f.read().rstrip()
+    except OSError:
+        return f"no process state (pid {pid} is gone)"
+    parts = [f"== /proc/{pid}/status\n{status}"]
+    for name in ("wchan", "stack"):
+        try:
+            with open(f"/proc/{pid}/{name}") as f:
+                parts.append(f"== /proc/{pid}/{name}\n{f.read().rstrip()}")
+        except OSError as err:  # not ours to read
+            parts.append(f"== /proc/{pid}/{name}: not readable ({err.strerror})")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n".join(parts) + "\n")
+    state = next((line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("State:")), "?")
+    return f"its process (pid {pid}) was {state}: state in {path}"
 
 
 def dump_path(run_dir: str, component: str, pid: int) -> str:

@@ -43,6 +43,10 @@ def test_a_job_whose_redis_stalls_checkpoints_from_the_learner_and_resumes(ray_s
     checkpoint = latest_checkpoint(config.run_dir)  # no periodic checkpoints: this one is the failure's
     assert checkpoint is not None and f"checkpoint {checkpoint} written from the learner's memory" in message
     assert f"rlp run --resume {config.run_dir}" in message
+    # not Python: the stopped server's kernel state stands for its stack dump
+    [dump] = Path(config.run_dir, "hangs").glob(f"redis-server-pid{stalled['pid']}-*.txt")
+    assert message.endswith(f"its process (pid {stalled['pid']}) was T (stopped): state in {dump}")
+    assert "State:\tT (stopped)" in dump.read_text()
 
     summary = json.loads((Path(config.run_dir) / "summary.json").read_text())
     rl = summary["rl"]
