@@ -42,7 +42,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from typing import Callable, Dict, Iterator, List, Optional
 
 import psutil
@@ -318,14 +318,16 @@ def stop_for_good(name: str) -> Callable[[Fault, Running], float]:
     return inject
 
 
-def stop_reward_worker(name: str, stopped_s: float = 20.0) -> Callable[[Fault, Running], float]:
-    """SIGSTOP the reward worker actor `name` for `stopped_s`, then SIGCONT."""
+def stop_then_continue(name: str, stopped_s: float) -> Callable[[Fault, Running], float]:
+    """SIGSTOP the live actor `name` for `stopped_s`, then SIGCONT (a process the watchdog had restarted meanwhile
+    is gone, and continues nothing)."""
     def inject(fault: Fault, job: Running) -> float:
         pid = actor_pid(name)
         os.kill(pid, signal.SIGSTOP)
         struck = time.time()
         time.sleep(stopped_s)
-        os.kill(pid, signal.SIGCONT)
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
         return struck
     return inject
 
@@ -712,9 +714,29 @@ SCENARIOS = [
     Scenario("learner-hang-resume", [*WATCHDOG, "checkpoint.every_steps=3"], lambda job, rng, steps: [
         Fault("SIGSTOP learner rank for good, then `rlp run --resume`", s, stop_for_good(f"{job}-policy-learner-0"))
         for s in fault_steps(rng, 16, 1)], resume=True, alert="hang", steps=60),  # lands while RL runs
+    # twice the deadline, then continued: the watchdog acts at the deadline, as for a process stopped for good
+    Scenario("rollout-pause", WATCHDOG, lambda job, rng, steps: [
+        Fault("SIGSTOP rollout worker for 10 s (twice its deadline), then SIGCONT", s,
+              stop_then_continue(f"{job}-policy-rollout-0", 10.0)) for s in fault_steps(rng, steps, 1)],
+             alert="hang", restarts="rollout"),
+    Scenario("rollout-pause-vllm", [*WATCHDOG, *VLLM], lambda job, rng, steps: [
+        Fault("SIGSTOP rollout worker on vLLM for 10 s (twice its deadline), then SIGCONT", s,
+              stop_then_continue(f"{job}-policy-rollout-0", 10.0)) for s in fault_steps(rng, steps, 1)],
+             alert="hang", restarts="rollout"),
+    Scenario("reward-pause", [*WATCHDOG, "reward_workers.num_workers=1", "rewards=[{name: exact_match, timeout_s: 1}]"],
+             lambda job, rng, steps: [Fault("SIGSTOP the only reward worker for 20 s (twice its deadline), then "
+                                            "SIGCONT", s, stop_then_continue(f"{job}-reward-0", 20.0))
+                                      for s in fault_steps(rng, steps, 1)], alert="hang", restarts="reward"),
+    Scenario("evaluator-hang", [*WATCHDOG, "eval.every_steps=1", "eval.priority=normal"], lambda job, rng, steps: [
+        Fault("SIGSTOP the evaluator for good", s, stop_for_good(f"{job}-policy-rollout-1"))
+        for s in fault_steps(rng, 60, 1)], alert="hang", restarts="evaluator", steps=300),
+    Scenario("learner-pause-resume", [*WATCHDOG, "checkpoint.every_steps=3"], lambda job, rng, steps: [
+        Fault("SIGSTOP learner rank for 10 s (twice its deadline), then SIGCONT, then `rlp run --resume`", s,
+              stop_then_continue(f"{job}-policy-learner-0", 10.0)) for s in fault_steps(rng, 16, 1)],
+             resume=True, alert="hang", steps=60),
     Scenario("reward-sigstop", ["reward_workers.num_workers=1", "monitoring.scoring_stall_s=10"],
              lambda job, rng, steps: [Fault("SIGSTOP the only reward worker for 20 s", s,
-                                            stop_reward_worker(f"{job}-reward-0"))
+                                            stop_then_continue(f"{job}-reward-0", 20.0))
                                       for s in fault_steps(rng, steps, 1)], alert="scoring_stalled"),
     Scenario("corrupt-checkpoint-resume", ["checkpoint.every_steps=3"], lambda job, rng, steps: [  # after 2
         Fault("SIGKILL of `rlp run`'s process group, its newest checkpoint truncated, then `rlp run --resume`",

@@ -270,13 +270,20 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--long-tail-steps", type=int, default=40)
     parser.add_argument("--long-tail-base-steps", type=int, default=300)
     parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--seeds", type=int, default=3, help="seeds per system (0, 1, ...): ranges, not one draw")
+    parser.add_argument("--seeds", type=int, help="seeds per system (0, 1, ...): ranges, not one draw; default 3 "
+                                                   "(1 with --quick)")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "vs_trl.md"))
     args = parser.parse_args()
+    if args.seeds is None:
+        args.seeds = 1 if args.quick else 3
     if args.quick:
         args.base_max_steps, args.steps, args.reward_steps, args.long_tail_steps = 50, 4, 2, 2
-        args.long_tail_base_steps, args.eval_every, args.seeds = 5, 2, 1
+        args.long_tail_base_steps, args.eval_every = 5, 2
     return args
+
+
+def seeds_used(count: int) -> str:
+    return "seed 0" if count == 1 else f"{count} seeds (0 to {count - 1})"
 
 
 def main() -> None:
@@ -302,9 +309,9 @@ def main() -> None:
         f"`{' '.join(['python benchmarks/vs_trl.py', *sys.argv[1:]])}`", "",
         f"Base: make_base.py's model and rows, SFT by rlplatform until held-out greedy accuracy first reached "
         f"{args.base_accuracy} (checked every 25 steps): {sft['accuracy']:.3f} after {sft['steps']} steps. Target: "
-        f"starting accuracy + {args.gain}. Seeds: {args.seeds} per system (0 to {args.seeds - 1}; rlplatform's by "
-        f"`rlp run --seeds`, whose later seeds run on the Ray its first one started: their end-to-end time is the job's "
-        f"own). Both systems: {PROMPTS} prompts x {GROUP} completions per step, lr {LR} "
+        f"starting accuracy + {args.gain}. Seeds: {seeds_used(args.seeds)} per system (rlplatform's by `rlp run "
+        f"--seeds`, whose later seeds run on the Ray its first one started: their end-to-end time is the job's own). "
+        f"Both systems: {PROMPTS} prompts x {GROUP} completions per step, lr {LR} "
         f"decaying linearly to 0, temperature 1, no KL term, held-out evaluation every {args.eval_every} steps "
         f"(TRL's clock stops while it evaluates; rlplatform evaluates on a spare worker at idle CPU priority, "
         f"`eval.priority`, and dates each result when the evaluated version was published). Trained completions/s: "
