@@ -106,16 +106,16 @@ def _data_overrides(base: str) -> List[str]:
             f"data.train_path={os.path.join(base, 'train.jsonl')}", f"data.test_path={os.path.join(base, 'test.jsonl')}"]
 
 
-def run_ours(config, work: str, seeds: int = 1) -> List[Tuple[Dict, float]]:
-    """`rlp run` on `config` in a fresh process (its own Ray and Redis), with `--seeds` when `seeds` > 1: each
-    seed's (summary, seconds). One seed: the process's seconds; several: each seed's own job wall time (the later
-    seeds run on the Ray the first one started)."""
+def run_ours(config, work: str, seeds: Optional[int] = None) -> List[Tuple[Dict, float]]:
+    """`rlp run` on `config` in a fresh process (its own Ray and Redis), with `--seeds` when `seeds` is given:
+    each run's (summary, seconds). Without: the one run and the process's seconds; with: each seed's run and its
+    job's wall time (the later seeds run on the Ray the first one started)."""
     path = os.path.join(work, f"{config.name}.yaml")
     with open(path, "w") as f:
         f.write(to_yaml(config))
     started = time.perf_counter()
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    several = ["--seeds", str(seeds)] if seeds > 1 else []
+    several = ["--seeds", str(seeds)] if seeds is not None else []
     subprocess.run([os.path.join(os.path.dirname(sys.executable), "rlp"), "run", *several, path], check=True,
                    cwd=REPO, env=env, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - started
@@ -309,9 +309,9 @@ def main() -> None:
         f"`{' '.join(['python benchmarks/vs_trl.py', *sys.argv[1:]])}`", "",
         f"Base: make_base.py's model and rows, SFT by rlplatform until held-out greedy accuracy first reached "
         f"{args.base_accuracy} (checked every 25 steps): {sft['accuracy']:.3f} after {sft['steps']} steps. Target: "
-        f"starting accuracy + {args.gain}. Seeds: {seeds_used(args.seeds)} per system (rlplatform's by `rlp run "
-        f"--seeds`, whose later seeds run on the Ray its first one started: their end-to-end time is the job's own). "
-        f"Both systems: {PROMPTS} prompts x {GROUP} completions per step, lr {LR} "
+        f"starting accuracy + {args.gain}. Seeds: {seeds_used(args.seeds)} per system, rlplatform's by `rlp run "
+        f"--seeds`; its end-to-end time is each seed's job (`wall_s`: Redis, Ray, the job), not the `rlp` process's "
+        f"own start, and its later seeds run on the Ray its first one started. Both systems: {PROMPTS} prompts x {GROUP} completions per step, lr {LR} "
         f"decaying linearly to 0, temperature 1, no KL term, held-out evaluation every {args.eval_every} steps "
         f"(TRL's clock stops while it evaluates; rlplatform evaluates on a spare worker at idle CPU priority, "
         f"`eval.priority`, and dates each result when the evaluated version was published). Trained completions/s: "
