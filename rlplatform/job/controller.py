@@ -28,7 +28,7 @@ from rlplatform.job.checkpoint import (DiskFull, checkpoints_dir, intact_checkpo
 from rlplatform.job.cluster import cpus_needed, start_ray
 from rlplatform.job.placement import JobPlan, PolicyPlan, check_fits, plan_job
 from rlplatform.job.run_dir import RunLock, check_fresh_start, move_aside, run_id
-from rlplatform.job.rl_loop import Resume, StageFailed, run_rl
+from rlplatform.job.rl_loop import STOP_GRACE_S, Resume, StageFailed, run_rl
 from rlplatform.job.sft import run_sft
 from rlplatform.job.signals import Interrupted, StopSignals
 from rlplatform.job.summaries import (JobSummary, PolicyResults, RLSummary, SFTSummary, StartupTimes,
@@ -265,7 +265,7 @@ def _run_stages(config: JobConfig, plan: JobPlan, run: str, redis_url: str, lear
         try:
             queue.request_stop()
             # a standalone worker sees the flag, not a Redis gone with the job (an embedded one) or emptied
-            Heartbeats(client, run).await_outside_workers()
+            Heartbeats(client, run).await_outside_workers(STOP_GRACE_S if stop.requested else None)
             end_run(client, run)
         except RedisUnavailable:  # gone with what it held; the job ends on that error
             pass

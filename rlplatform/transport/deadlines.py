@@ -130,11 +130,13 @@ class Heartbeats:
         """`worker` stopped on purpose: it is no longer watched."""
         self.client.hdel(self.key, worker)
 
-    def await_outside_workers(self, poll_s: float = 0.05) -> None:
+    def await_outside_workers(self, within_s: Optional[float] = None, poll_s: float = 0.05) -> None:
         """Once the job's stop flag is set: wait until every worker outside Ray (a standalone `rlp reward-worker`
         or `rlp tool-worker`) has left, each at most twice its longest round after its last beat, the longest it
-        can take to finish the round it is in and see the flag (one gone without leaving is waited for no longer)."""
-        expected = {beat.worker: beat.at + 2 * max(beat.longest_round_s, BEAT_EVERY_S)
+        can take to finish the round it is in and see the flag (one gone without leaving is waited for no longer),
+        and all of them at most `within_s` (a stop on a signal does not wait out a reward call's timeout)."""
+        cap = time.time() + within_s if within_s is not None else float("inf")
+        expected = {beat.worker: min(beat.at + 2 * max(beat.longest_round_s, BEAT_EVERY_S), cap)
                     for beat in self.beats() if not beat.actor}
         while expected:
             present, now = {name.decode() for name in self.client.hkeys(self.key)}, time.time()

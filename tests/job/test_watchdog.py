@@ -67,6 +67,10 @@ def test_at_the_stop_the_job_waits_for_workers_outside_ray_to_leave_within_their
     started = time.monotonic()
     heartbeats.await_outside_workers()  # back once it left, long before its 60 s
     assert time.monotonic() - started < 5
+    redis_client.hset(heartbeats.key, "reward worker killed", json.dumps({"at": time.time(), "longest_round_s": 30.0}))
+    started = time.monotonic()
+    heartbeats.await_outside_workers(within_s=0.5)  # a stop on a signal: not its 60 s
+    assert 0.4 < time.monotonic() - started < 3
 
 
 @pytest.fixture
