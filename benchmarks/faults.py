@@ -721,8 +721,8 @@ SCENARIOS = [
              alert="hang", restarts="rollout"),
     Scenario("rollout-pause-vllm", [*WATCHDOG, *VLLM], lambda job, rng, steps: [
         Fault("SIGSTOP rollout worker on vLLM for 10 s (twice its deadline), then SIGCONT", s,
-              stop_then_continue(f"{job}-policy-rollout-0", 10.0)) for s in fault_steps(rng, steps, 1)],
-             alert="hang", restarts="rollout"),
+              stop_then_continue(f"{job}-policy-rollout-0", 10.0)) for s in fault_steps(rng, 16, 1)],
+             alert="hang", restarts="rollout", steps=60),  # a job that outlives the deadline after a late fault
     Scenario("reward-pause", [*WATCHDOG, "reward_workers.num_workers=1", "rewards=[{name: exact_match, timeout_s: 1}]"],
              lambda job, rng, steps: [Fault("SIGSTOP the only reward worker for 20 s (twice its deadline), then "
                                             "SIGCONT", s, stop_then_continue(f"{job}-reward-0", 20.0))
