@@ -17,6 +17,7 @@ import redis
 
 from rlplatform.transport.keys import JobKeys
 from rlplatform.transport.results import ResultStore
+from rlplatform.transport.rollout_counters import add_to_counters, read_counters
 from rlplatform.transport.samples import (ResultMeta, Sample, ScoredSample, WireFormatError, decode_meta, decode_sample,
                                           encode_meta, encode_sample, encode_scored)
 from rlplatform.transport.side_channels import StepEnd
@@ -106,14 +107,11 @@ class RewardQueue(StreamQueue):
         return bool(self.client.exists(self.keys.stop))
 
     def add_counters(self, key: str, **values: float) -> None:
-        """Add to a shared counter hash (`keys.rollout_stats`, `keys.reward_stats`)."""
-        pipe = self.client.pipeline(transaction=False)
-        for name, value in values.items():
-            pipe.hincrbyfloat(key, name, value)
-        pipe.execute()
+        """Add to a shared counter hash (`keys.reward_stats`, a tool or teacher workers' stats)."""
+        add_to_counters(self.client, key, values)
 
-    def counters(self, key: str) -> dict:
-        return {k.decode(): float(v) for k, v in self.client.hgetall(key).items()}
+    def counters(self, key: str) -> Dict[str, float]:
+        return read_counters(self.client, key)
 
 
 STEP_ENDS_KEPT = 64  # learner step ends kept on their stream (approximately) when nothing reads it

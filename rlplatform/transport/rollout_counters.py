@@ -69,10 +69,20 @@ class RolloutCounterHash:
     def add(self, **values: float) -> None:
         """Add to the named counters, in one round trip; a name that is not a counter is an error."""
         RolloutCounters.of(values)
-        pipe = self.client.pipeline(transaction=False)
-        for name, value in values.items():
-            pipe.hincrbyfloat(self.key, name, value)
-        pipe.execute()
+        add_to_counters(self.client, self.key, values)
 
     def read(self) -> RolloutCounters:
-        return RolloutCounters.of({k.decode(): v for k, v in self.client.hgetall(self.key).items()})
+        return RolloutCounters.of(read_counters(self.client, self.key))
+
+
+def add_to_counters(client: redis.Redis, key: str, values: Dict[str, float]) -> None:
+    """Add `values` to the counter hash `key`, in one round trip (any counter hash: the reward, tool and teacher
+    workers' too)."""
+    pipe = client.pipeline(transaction=False)
+    for name, value in values.items():
+        pipe.hincrbyfloat(key, name, value)
+    pipe.execute()
+
+
+def read_counters(client: redis.Redis, key: str) -> Dict[str, float]:
+    return {name.decode(): float(value) for name, value in client.hgetall(key).items()}
