@@ -59,11 +59,12 @@ def require_vllm() -> None:
 
 class AdapterDirectory:
     """The adapters vLLM serves, as a peft adapter directory under a private temporary folder (the form vLLM
-    loads a `LoRARequest` from), rewritten by each version."""
+    loads a `LoRARequest` from), rewritten by each version; the folder goes when the engine's process ends."""
 
     def __init__(self, lora: LoraConfig) -> None:
         self.config = peft_config(lora).to_dict()
-        self.path = os.path.join(tempfile.mkdtemp(prefix="rlp-adapters-"), "adapters")
+        self.folder = tempfile.TemporaryDirectory(prefix="rlp-adapters-")  # removed when collected or at exit
+        self.path = os.path.join(self.folder.name, "adapters")
 
     def write(self, state: Dict[str, torch.Tensor]) -> str:
         """`state` (peft names) as the directory's adapters; returns the directory."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,9 +31,30 @@ def rlp_executable() -> str:
 
 
 def rlp(*args: str, cwd: Path, ray_address: str = "") -> subprocess.CompletedProcess:
+    """`rlp *args` to its end, in a session of its own (`.pid`: its pid, the session's id)."""
     env = dict(os.environ, WANDB_MODE="disabled", RAY_ADDRESS=ray_address)
-    return subprocess.run([rlp_executable(), *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=180)  # generous: `run` imports Ray and torch before failing
+    with subprocess.Popen([rlp_executable(), *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True) as process:
+        try:
+            out, err = process.communicate(timeout=180)  # generous: `run` imports Ray and torch before failing
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    completed = subprocess.CompletedProcess(process.args, process.returncode, out, err)
+    completed.pid = process.pid
+    return completed
+
+
+def left_in_session(sid: int) -> list:
+    """The live processes of session `sid`, zombies aside."""
+    left = []
+    for process in psutil.process_iter(["status"]):
+        try:
+            if os.getsid(process.pid) == sid and process.info["status"] != psutil.STATUS_ZOMBIE:
+                left.append(process.pid)
+        except (OSError, psutil.Error):
+            continue
+    return left
 
 
 def stderr_lines(result: subprocess.CompletedProcess) -> list:
@@ -205,6 +228,11 @@ def test_run_checks_the_model_folder_while_ray_starts_and_stops_before_the_job(t
     last = stderr_lines(result)[-1]
     assert last.startswith("rlp: config error: ") and "'model.path'" in last and "the config at" in last, last
     assert "Traceback" not in result.stderr and not (tmp_path / "runs").exists()
+    # the Ray it started is gone with it, its raylet's agents too (left to themselves they outlive it by a minute)
+    deadline = time.monotonic() + 10
+    while left_in_session(result.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left_in_session(result.pid) == []
 
 
 def test_a_job_failure_is_one_line_without_a_traceback(monkeypatch, capsys):

@@ -12,9 +12,10 @@ import math
 import os
 import signal
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Callable, Iterator, List, Optional
 
+import psutil
 import ray
 
 from rlplatform.config import JobConfig
@@ -62,14 +63,29 @@ def start_local_ray_while(config: JobConfig, work: Callable[[], None]) -> None:
     working.join()
     if failed:
         if started:
-            ray.shutdown()
+            shutdown_ray()
         raise failed[0]
 
 
 def shutdown_ray() -> None:
-    """Shut down the Ray this process started or joined, keeping the SIGTERM handler it has."""
+    """Shut down the Ray this process started or joined, keeping the SIGTERM handler it has. The processes of a
+    local Ray started here block SIGTERM (`start_ray`), so Ray's own stop, a SIGTERM to each and up to a second's
+    wait before its SIGKILL, would only wait (5 s for a head's processes): they are killed outright instead, the
+    end that wait comes to, and with them what their raylet started (its agents would outlive it by a minute,
+    waiting on a GCS that is gone). Joining a cluster, nothing is killed."""
+    node = getattr(ray._private.worker, "_global_node", None)  # Ray's handle on the processes ray.init started
+    started: List[psutil.Process] = []
+    if node is not None:
+        kill = node.kill_all_processes
+        node.kill_all_processes = lambda **how: kill(**{**how, "allow_graceful": False})
+        for raylet in node.all_processes.get("raylet", []):
+            with suppress(psutil.NoSuchProcess):
+                started += psutil.Process(raylet.process.pid).children(recursive=True)
     with _sigterm_handler_kept():
         ray.shutdown()
+    for process in started:
+        with suppress(psutil.NoSuchProcess):
+            process.kill()
 
 
 @contextmanager

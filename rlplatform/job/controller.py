@@ -25,7 +25,7 @@ from rlplatform.config import ConfigError, JobConfig, PolicyConfig, to_yaml
 from rlplatform.data import load_rows
 from rlplatform.job.checkpoint import (DiskFull, checkpoints_dir, intact_checkpoint, latest_checkpoint, read_state,
                                        remove_partial)
-from rlplatform.job.cluster import cpus_needed, start_ray
+from rlplatform.job.cluster import cpus_needed, shutdown_ray as stop_ray, start_ray
 from rlplatform.job.placement import JobPlan, PolicyPlan, check_fits, plan_job
 from rlplatform.job.run_dir import RunLock, check_fresh_start, move_aside, run_id
 from rlplatform.job.rl_loop import STOP_GRACE_S, Resume, StageFailed, run_rl
@@ -154,7 +154,7 @@ def _run_locked(config: JobConfig, started_at: float, shutdown_ray: Optional[boo
                 metrics.finish(failed=summary.status != "completed")
         finally:
             if shutdown_ray and ray.is_initialized():
-                ray.shutdown()  # last: it resets SIGTERM to the default beneath Python's handler
+                stop_ray()  # last: Ray's shutdown resets SIGTERM to the default beneath Python's handler
             stop.restore()  # and this sets the handlers the job found back
     return shown
 
