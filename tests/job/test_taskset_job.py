@@ -21,13 +21,13 @@ pytest.importorskip("verifiers.v1")
 
 TASKSET = ["env.kind=verifiers", "env.taskset=tests/envs/digit_sums.py", "env.test_tasks=4",
            "rewards=[{name: verifiers_reward}, {name: verifiers_components, weight: 0}]",
-           "eval.pass_reward=verifiers_reward", *EVAL]
+           "eval.pass_reward=verifiers_reward"]
 
 
 def test_a_taskset_job_on_vllm_trains_ledger_issued_tasks_and_resumes_without_training_one_twice(
         ray_session, tiny_job, run_files):
     config = tiny_job("taskset", *TASKSET, "rl.max_steps=6", "checkpoint.every_steps=2", "resume=auto",
-                      *ENGINES["vllm"])
+                      *ENGINES["vllm"])  # no evaluator until the resume: its vLLM engine starts once
 
     def stop_after_three_steps():
         run_files.wait_for(lambda: run_files.trained_steps(config.run_dir) >= 3)
@@ -40,7 +40,8 @@ def test_a_taskset_job_on_vllm_trains_ledger_issued_tasks_and_resumes_without_tr
     watchdog = threading.Timer(240.0, os.kill, (os.getpid(), signal.SIGTERM))  # a job that stalls fails
     watchdog.start()
     try:
-        second = run_job(config)
+        second = run_job(tiny_job("taskset", *TASKSET, "rl.max_steps=6", "checkpoint.every_steps=2", "resume=auto",
+                                  *ENGINES["vllm"], *EVAL))
     finally:
         watchdog.cancel()
     assert second["status"] == "completed" and second["rl"]["steps"] == 6
