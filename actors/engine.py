@@ -27,6 +27,7 @@ from rlplatform.actors.static_decode import SlotDecoder, StaticDecodeBatch, stat
 from rlplatform.config import LoraConfig, RolloutConfig
 from rlplatform.devices import resolve_device, share_kv_heads_on_cpu, vllm_memory_fraction
 from rlplatform.learners.batching import completion_logprobs
+from rlplatform.learners.token_distributions import completion_log_softmax, top_tokens
 from rlplatform.lora import load_adapters, with_adapters
 from rlplatform.policy import kv_cache_keyword, load_policy
 from rlplatform.tokenization import stop_token_ids
@@ -154,5 +155,13 @@ class TransformersEngine(BatchGenerate):
         with torch.no_grad():
             scores = completion_logprobs(self.model, prompts, completions, self.tokenizer.pad_token_id)
         return [row[mask.bool()].tolist() for row, mask in zip(scores.logprobs.float(), scores.mask)]
+
+    def top_logprobs(self, prompts: List[List[int]], completions: List[List[int]],
+                     k: int) -> List[Tuple[List[List[int]], List[List[float]]]]:
+        """Per completion, per token: the k ids this model found most likely at its position (teacher-forced
+        after the prompt and the tokens before it) and their log-probs (`token_distributions.top_tokens`)."""
+        with torch.no_grad():
+            log_softmax = completion_log_softmax(self.model, prompts, completions, self.tokenizer.pad_token_id)
+        return top_tokens(log_softmax, prompts, completions, k)
 
 

@@ -4,8 +4,8 @@ A distilling policy's rollout workers submit their samples to its teacher queue 
 worker is a Ray actor holding the teacher policy's engine, kept at the teacher's newest published version as its
 rollout workers keep theirs; it takes the samples as a reward worker takes its own (`QueueWorker`: at-least-once,
 reclaimed from a dead worker, dead-lettered when malformed), scores each completion token's log-prob under the
-teacher, records the teacher version that scored it, and passes the sample on to the reward queue in the step that
-acknowledges it. Its counters (samples scored, scoring seconds) go to the student's `teacher_stats` hash.
+teacher (and in `forward_kl` mode the teacher's top tokens at each position), records the teacher version that
+scored it, and passes the sample on to the reward queue in the step that acknowledges it. Its counters (samples scored, scoring seconds) go to the student's `teacher_stats` hash.
 """
 
 from __future__ import annotations
@@ -36,12 +36,19 @@ class TeacherStats(QueueStats):
 
 class TeacherWorker(QueueWorker):
     """Teacher worker `index` of `student`: scores its samples under the teacher `spec` describes (the teacher's
-    rollout worker spec: its model, weight store and run)."""
+    rollout worker spec: its model, weight store and run); with `top_k`, also the teacher's top_k tokens at each
+    completion token (`distill.mode: forward_kl`)."""
 
-    def __init__(self, spec: RolloutSpec, student: str, index: int, config: RewardWorkersConfig) -> None:
+    def __init__(self, spec: RolloutSpec, student: str, index: int, config: RewardWorkersConfig, *,
+                 top_k: int = 0) -> None:
+        from rlplatform.actors.engine import TransformersEngine
         from rlplatform.actors.rollout import RolloutWorker
 
         self.teacher = RolloutWorker(spec)  # the teacher's engine, and its weight sync
+        self.top_k = top_k
+        if top_k and not isinstance(self.teacher.engine, TransformersEngine):
+            raise RuntimeError(f"policy '{student}' distils in forward_kl mode, which reads its teacher's top tokens "
+                               f"from the transformers engine: set the teacher's rollout.engine: transformers")
         client = connect(spec.redis_url, wait_s=RECONNECT_S)
         self.stats_key = PolicyKeys(spec.run, student).teacher_stats
         label = f"teacher worker {index} of policy '{student}'"
@@ -56,9 +63,14 @@ class TeacherWorker(QueueWorker):
         """Each sample with its tokens' log-probs under the teacher's newest weights and their version."""
         start = time.perf_counter()
         version = self._newest_weights()
-        scores = self.teacher.engine.score([s.prompt_ids for s in samples], [s.completion_ids for s in samples])
+        prompts, completions = [s.prompt_ids for s in samples], [s.completion_ids for s in samples]
+        scores = self.teacher.engine.score(prompts, completions)
         for sample, logprobs in zip(samples, scores):
             sample.teacher_logprobs, sample.teacher_version = [float(x) for x in logprobs], version
+        if self.top_k:
+            for sample, (ids, logprobs) in zip(samples, self.teacher.engine.top_logprobs(prompts, completions,
+                                                                                        self.top_k)):
+                sample.teacher_top_ids, sample.teacher_top_logprobs = ids, logprobs
         self.stats.scored += len(samples)
         self.run_queue.add_counters(self.stats_key, scored=len(samples), busy_s=time.perf_counter() - start)
         return samples

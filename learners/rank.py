@@ -39,6 +39,7 @@ from rlplatform.learners.lora import AdaptersOff, adapter_state, copy_head_weigh
 from rlplatform.learners.losses import reference_kl, sft_loss
 from rlplatform.learners.moe import RouterLoad, aux_loss_coef
 from rlplatform.learners.routing_replay import RoutingReplay, Routes
+from rlplatform.learners.token_distributions import align_top, completion_log_softmax, forward_kl_on_top
 from rlplatform.lora import with_adapters
 from rlplatform.policy import enable_activation_checkpointing, load_policy, routers
 from rlplatform.token_budget import micro_batches
@@ -73,6 +74,7 @@ class MicroBatch:
     routed: Optional[List[Optional[torch.Tensor]]] = None  # a mixture-of-experts policy: each sample's recorded experts
     routing_check: Optional[Dict[str, torch.Tensor]] = None  # the routing check's sums (`_routing_check`)
     teacher: Optional[torch.Tensor] = None  # (batch, T-1) on-policy distillation: the teacher's log-probs
+    teacher_top: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # forward_kl: (batch, T-1, k) top ids, log-probs
 
 
 @dataclass
@@ -489,10 +491,15 @@ class LearnerRank:
             if unscored:
                 raise ValueError(f"sample {unscored[0]} reached a distilling learner without its teacher's log-probs")
             teacher = align_per_token([s.teacher_logprobs for s in samples], prompts, width).to(device)
+        teacher_top = None
+        if teacher is not None and any(s.teacher_top_ids for s in samples):  # forward_kl: the teacher's top tokens
+            top_ids, top_logprobs = align_top([s.teacher_top_ids for s in samples],
+                                              [s.teacher_top_logprobs for s in samples], prompts, width)
+            teacher_top = top_ids.to(device), top_logprobs.to(device)
         return MicroBatch(prompts, completions, torch.tensor(advantages, dtype=torch.float32, device=device),
                           align_per_token(behaviour, prompts, width).to(device), None, reference=None, live=live,
                           token_mask=token_mask, current=current.to(device), routed=self._recorded_routing(samples),
-                          teacher=teacher)
+                          teacher=teacher, teacher_top=teacher_top)
 
     def _recorded_routing(self, samples: List[Sample]) -> Optional[List[Optional[torch.Tensor]]]:
         """Each sample's recorded experts (`Sample.routed_experts`; None where it has none), when the policy is a
@@ -570,13 +577,19 @@ class LearnerRank:
         mask, totals = scores.mask * part.live, minibatch.totals
         proximal = scores.logprobs.detach() if minibatch.proximal_is_current else part.proximal
         advantages = part.advantages
-        if part.teacher is not None:  # each token's advantage: the task's, plus the teacher's signal
+        if part.teacher is not None and part.teacher_top is None:  # reverse_kl: each token's advantage, the task's
             advantages = advantages[:, None] + distillation_signal(part.teacher, part.behaviour, self.distill_coef)
         loss, metrics = policy_loss(scores.logprobs, proximal, part.behaviour, advantages, mask,
                                     correction=rl.correction, clip_eps=rl.clip_eps, is_cap=rl.is_cap,
                                     aggregation=rl.loss_aggregation, max_tokens=minibatch.max_tokens, totals=totals)
         if part.teacher is not None:
             metrics["distill_kl"] = token_mean(part.behaviour - part.teacher, mask, totals=totals)
+        if part.teacher_top is not None:  # forward_kl: KL(teacher || student) over the teacher's top tokens
+            student = completion_log_softmax(self.engine, part.prompts, part.completions,
+                                             self.tokenizer.pad_token_id, rl.temperature)
+            forward_kl = token_mean(forward_kl_on_top(student, *part.teacher_top), mask, totals=totals)
+            loss = loss + self.distill_coef * forward_kl
+            metrics["distill_forward_kl"] = forward_kl.detach()
         if proximal is not part.behaviour:  # the weights at entry scored the tokens: parity with the engine
             metrics.update(parity_sums(proximal, part.behaviour, mask * part.current))
             if part.routed is not None:  # the same figures under the name of the routing they were scored with

@@ -393,8 +393,9 @@ POLICY_SECTIONS = ("model", "sft", "rl", "rollout", "learner", "weights")
 @dataclass
 class DistillConfig:
     teacher: Optional[str] = None  # another policy of the job that scores this policy's samples token by token (on-policy distillation, docs/async-rl.md); unset: none
-    coef: float = above(1.0, 0)  # weight of the per-token signal, teacher log-prob minus the sampled log-prob, in each token's advantage
-    mode: str = one_of("reverse_kl")  # reverse_kl: the student's samples scored by the teacher, the per-token reverse KL minimised
+    coef: float = above(1.0, 0)  # weight of the teacher's signal: reverse_kl's per-token teacher log-prob minus the sampled log-prob in each token's advantage; forward_kl's loss term
+    mode: str = one_of("reverse_kl", "forward_kl")  # on the student's own samples, per token: reverse_kl, the sampled token's reverse KL(student || teacher) minimised through the advantage; forward_kl, the KL(teacher || student) over the teacher's top_k tokens minimised as a loss term (the teacher names the tokens it would have chosen)
+    top_k: int = at_least(8, 1)  # forward_kl: the teacher's most likely tokens at each position that the student is trained towards
     task_reward: bool = True  # add the signal to the task rewards' advantage; false: the signal alone (rewards are still scored and reported)
     workers: int = at_least(1, 1)  # teacher scoring workers (Ray actors holding the teacher's newest weights)
     _: KW_ONLY
@@ -759,6 +760,10 @@ def _check_distill(config: JobConfig, policy: PolicyConfig, prefix: str, source:
     if not distill.task_reward and policy.rl.dynamic_sampling:
         raise ConfigError(f"{source}: '{prefix}task_reward' is false with rl.dynamic_sampling, which drops groups "
                           f"for their rewards; the distillation signal alone does not read them")
+    if distill.mode == "forward_kl" and (policy.model.num_experts or teacher.rollout.engine == "vllm"):
+        raise ConfigError(f"{source}: '{prefix}mode' is forward_kl, which needs a dense student (its extra pass does "
+                          f"not replay routing) and a teacher on the transformers engine (its top tokens); use "
+                          f"reverse_kl")
 
 
 def _check_sizes(config: JobConfig, policy: PolicyConfig, prefix: str, source: str) -> None:

@@ -567,6 +567,8 @@ DEVICE_AND_SERVER = "configs/device_and_server.yaml"
                                                  "'device_alone' itself; a teacher learns from rewards alone"),
     ("policies[0].model.extra_chars=<>", "'policies[1].distill.teacher' 'server' has another tokenizer"),
     ("env.kind=tools", "distillation scores single-turn samples a rollout worker generates from the data"),
+    ("policies[0].rollout.engine=vllm", "'policies[1].distill.mode' is forward_kl, which needs a dense student"),
+    ("policies[1].model.num_experts=4", "'policies[1].distill.mode' is forward_kl, which needs a dense student"),
 ])
 def test_a_teacher_the_student_cannot_learn_from_is_refused_in_one_line(override, reason):
     with pytest.raises(ConfigError) as err:

@@ -402,7 +402,8 @@ def _start_teacher_workers(config: JobConfig, plan: JobPlan, student: PolicyConf
         actors.append(TeacherActor.options(num_cpus=distill.num_cpus, num_gpus=teacher_plan.rollout_gpus,
                                            max_restarts=MAX_RESTARTS,
                                            name=f"{config.name}-{student.name}-teacher-{i}"
-                                           ).remote(spec, student.name, i, config.reward_workers))
+                                           ).remote(spec, student.name, i, config.reward_workers,
+                                                    top_k=distill.top_k if distill.mode == "forward_kl" else 0))
     return actors
 
 

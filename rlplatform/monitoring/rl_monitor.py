@@ -199,8 +199,9 @@ class RLMonitor:
 
     def _distillation(self, learner: StepResult, batch: Batch) -> Dict[str, float]:
         """A distilling policy's step figures (W&B `<policy>/distill/...`): the learner's mean per-token reverse KL
-        to the teacher (sampled minus teacher log-prob), how many versions the teacher had moved on from the
-        version that scored the batch's samples, and the teacher workers' scoring seconds per sample since the
+        to the teacher (sampled minus teacher log-prob; in forward_kl mode also `forward_kl`, the KL(teacher ||
+        student) over the teacher's top tokens the loss minimises), how many versions the teacher had moved on from
+        the version that scored the batch's samples, and the teacher workers' scoring seconds per sample since the
         step before."""
         if self._teacher_version_key is None or "distill_kl" not in learner.figures:
             return {}
@@ -213,6 +214,8 @@ class RLMonitor:
         figures = {"kl": learner.figures["distill_kl"],
                    "teacher_lag": sum(teacher - s.teacher_version for s in batch.samples) / len(batch.samples),
                    "teacher_score_s_per_sample": busy / scored if scored else 0.0}
+        if "distill_forward_kl" in learner.figures:
+            figures["forward_kl"] = learner.figures["distill_forward_kl"]
         self._distill.append(figures)
         return figures
 

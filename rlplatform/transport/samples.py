@@ -14,7 +14,7 @@ reward, token counts), without its tokens or text.
 from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass, field, fields as dataclass_fields
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import msgpack
 
@@ -43,6 +43,8 @@ class Sample:
     routed_experts: bytes = b""  # a mixture-of-experts policy: the experts each layer routed each token to (`routed_experts` module); empty: none recorded
     teacher_logprobs: List[float] = field(default_factory=list)  # on-policy distillation: each completion token's log-prob under the teacher; empty: not scored
     teacher_version: int = -1  # the teacher's weight version that scored it (-1: none)
+    teacher_top_ids: List[List[int]] = field(default_factory=list)  # distill.mode forward_kl: per completion token, the teacher's top_k token ids; empty: none
+    teacher_top_logprobs: List[List[float]] = field(default_factory=list)  # their log-probs under the teacher, as the ids
 
     def __getattr__(self, name: str) -> Any:
         """The data row's fields read as attributes: `sample.answer`, `sample.tests`."""
@@ -238,8 +240,22 @@ def _sample_from(fields: Any) -> Sample:
                               f"completion token")
     if type(teacher_version) is not int:
         raise WireFormatError(f"sample {fields['sample_id']}: 'teacher_version' must be an integer")
+    top_ids, top_logprobs = _teacher_top(fields, tokens)
     return Sample(**{name: fields[name] for name in _SAMPLE_TYPES}, created_at=float(created_at), completion_mask=mask,
-                  routed_experts=routed, teacher_logprobs=[float(x) for x in teacher], teacher_version=teacher_version)
+                  routed_experts=routed, teacher_logprobs=[float(x) for x in teacher], teacher_version=teacher_version,
+                  teacher_top_ids=top_ids, teacher_top_logprobs=top_logprobs)
+
+
+def _teacher_top(fields: dict, tokens: int) -> Tuple[List[List[int]], List[List[float]]]:
+    """The record's teacher top tokens: both empty, or per completion token as many ids as log-probs."""
+    ids, logprobs = fields.get("teacher_top_ids", []), fields.get("teacher_top_logprobs", [])
+    shaped = isinstance(ids, list) and isinstance(logprobs, list) and len(ids) == len(logprobs) in (0, tokens) and all(
+        isinstance(i, list) and isinstance(p, list) and len(i) == len(p) and all(type(x) is int for x in i)
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in p) for i, p in zip(ids, logprobs))
+    if not shaped:
+        raise WireFormatError(f"sample {fields['sample_id']}: 'teacher_top_ids' and 'teacher_top_logprobs' must be "
+                              f"empty or, per completion token, as many integer ids as log-probs")
+    return ids, [[float(x) for x in row] for row in logprobs]
 
 
 def _completion_mask(fields: dict, tokens: int) -> List[int]:

@@ -1,14 +1,20 @@
 """On-policy distillation in the learner: RL steps whose only signal is the teacher's per-token one (the task's
-advantages all 0) take the student's reverse KL to the teacher down, computed exactly over the vocabulary."""
+advantages all 0) take the student's reverse KL to the teacher down, computed exactly over the vocabulary
+(`reverse_kl`); steps on the forward KL over the teacher's top tokens alone (`forward_kl`, checked against a hand
+computation) move the student's probability onto the token the teacher would choose."""
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import ray
 import torch
 
 from rlplatform.actors.engine import TransformersEngine
 from rlplatform.config import LearnerConfig, ModelConfig, RLConfig
 from rlplatform.learners.group import LearnerGroup
+from rlplatform.learners.token_distributions import align_top, forward_kl_on_top
 from rlplatform.policy import save_initial_policy
 from rlplatform.transport.samples import Sample
 from rlplatform.transport.weight_transports import ObjectStoreTransport
@@ -55,3 +61,56 @@ def test_steps_on_the_teachers_signal_alone_take_the_reverse_kl_down(ray_session
     # measured: 6.555, 6.496, 6.459, 6.418, 6.375; with the signal's sign flipped it climbs
     assert all(after < before for before, after in zip(kls, kls[1:])), kls
     assert kls[0] - kls[-1] > 0.1, kls
+
+
+def test_the_forward_kl_over_the_teachers_top_tokens_matches_a_hand_computation():
+    """A vocabulary of 4: at the first completion position the teacher gives tokens 2 and 0 probabilities 0.7 and
+    0.2 (its top 2); the student's log-softmax is uniform there. Per position sum_k p_t (log p_t - log p_s)."""
+    student = torch.full((1, 3, 4), torch.log(torch.tensor(0.25)).item())
+    top_ids, top_logprobs = align_top([[[2, 0], [1, 3]]], [[[math.log(0.7), math.log(0.2)], [0.0, -50.0]]],
+                                      prompts=[[9, 9]], width=3)  # prompt of 2: the completion starts at position 1
+    assert top_ids[0, 1].tolist() == [2, 0] and top_logprobs[0, 0].tolist() == [-math.inf, -math.inf]
+    kl = forward_kl_on_top(student, top_ids, top_logprobs)
+    expected = 0.7 * math.log(0.7 / 0.25) + 0.2 * math.log(0.2 / 0.25)
+    assert kl[0, 0].item() == 0.0 and kl[0, 1].item() == pytest.approx(expected, abs=1e-6)
+    assert kl[0, 2].item() == pytest.approx(math.log(1 / 0.25), abs=1e-6)  # a sure teacher: -log p_s(its token)
+
+
+def test_steps_on_the_forward_kl_alone_move_the_student_onto_the_teachers_top_tokens(ray_session, tmp_path):
+    """The teacher's top 4 tokens after each prompt (task advantages all 0): the student's probability of the
+    teacher's most likely next token rises step by step (with the term's sign flipped it falls)."""
+    student = TransformersEngine(save_initial_policy(TINY, 0, str(tmp_path / "student")))
+    teacher = TransformersEngine(save_initial_policy(TINY, 1, str(tmp_path / "teacher")))
+    with torch.no_grad():
+        teacher.model.lm_head.weight.mul_(8.0)
+    prompts = student.tokenizer([f"{a}+{b}=" for a, b in [(1, 2), (13, 7), (40, 45), (9, 9)]])["input_ids"]
+    with torch.no_grad():
+        favourite = [int(teacher.model(torch.tensor([p])).logits[0, -1].argmax()) for p in prompts]
+
+    def mass_on_favourite() -> float:
+        with torch.no_grad():
+            return sum(float(torch.softmax(student.model(torch.tensor([p])).logits[0, -1], -1)[f])
+                       for p, f in zip(prompts, favourite)) / len(prompts)
+
+    learner = LearnerGroup(LearnerConfig(num_cpus=0.5), str(tmp_path / "student"), seed=0,
+                           dtype="float32", transport=ObjectStoreTransport())
+    try:
+        learner.start_stage(lr=1e-3, distill_coef=1.0)
+        masses = [mass_on_favourite()]
+        for step in range(3):
+            completions = [c for group in student.generate(prompts, 8, 1, 1.0) for c in group]
+            prompt_ids, completion_ids = [c.prompt_ids for c in completions], [c.completion_ids for c in completions]
+            scores = teacher.score(prompt_ids, completion_ids)
+            tops = teacher.top_logprobs(prompt_ids, completion_ids, 4)
+            assert all(ids[0][0] == favourite[i // 8] for i, (ids, _) in enumerate(tops))
+            samples = [Sample(f"{step}/{i}", str(i // 8), "p", "", c.text, prompt_ids=c.prompt_ids,
+                              completion_ids=c.completion_ids, behaviour_logprobs=c.logprobs, token_versions=[step],
+                              teacher_logprobs=s, teacher_version=0, teacher_top_ids=ids, teacher_top_logprobs=lps)
+                       for i, (c, s, (ids, lps)) in enumerate(zip(completions, scores, tops))]
+            figures = rl_step(learner, samples, [0.0] * len(samples), RLConfig(max_new_tokens=1), step=step).figures
+            assert figures["distill_forward_kl"] > 0
+            student.load_weights(from_snapshot(ray.get(learner.snapshot_weights())), step + 1)
+            masses.append(mass_on_favourite())
+    finally:
+        learner.shutdown()
+    assert all(after > before for before, after in zip(masses, masses[1:])), masses

@@ -212,3 +212,17 @@ def test_teacher_scores_round_trip_and_must_cover_every_completion_token():
     for bad in ([-0.1], ["x", -2.0]):
         with pytest.raises(WireFormatError, match="'teacher_logprobs' must be empty or a number per completion token"):
             decode_sample(encode_sample(dataclasses.replace(sample, teacher_logprobs=bad)))
+
+
+def test_teacher_top_tokens_round_trip_and_must_pair_ids_with_log_probs_per_completion_token():
+    sample = Sample("g/0", "g", "device", "1+1=", "2", prompt_ids=[1, 2], completion_ids=[3, 4],
+                    behaviour_logprobs=[-0.5, -0.7], token_versions=[0, 0], teacher_logprobs=[-0.1, -2.0],
+                    teacher_version=3, teacher_top_ids=[[3, 5], [6, 4]], teacher_top_logprobs=[[-0.1, -2.5], [-0.2, -2.0]])
+    back = decode_sample(encode_sample(sample))
+    assert (back.teacher_top_ids, back.teacher_top_logprobs) == ([[3, 5], [6, 4]], [[-0.1, -2.5], [-0.2, -2.0]])
+    for ids, logprobs in (([[3, 5]], [[-0.1, -2.5]]),  # one token of two
+                          ([[3, 5], [6]], [[-0.1, -2.5], [-0.2, -2.0]]),  # an id short
+                          ([[3, 5], [6, 4.0]], [[-0.1, -2.5], [-0.2, -2.0]]),  # an id not an integer
+                          ([[3, 5], [6, 4]], [[-0.1, -2.5], [-0.2, "x"]])):
+        with pytest.raises(WireFormatError, match="'teacher_top_ids' and 'teacher_top_logprobs' must be empty or"):
+            decode_sample(encode_sample(dataclasses.replace(sample, teacher_top_ids=ids, teacher_top_logprobs=logprobs)))
