@@ -53,17 +53,26 @@ def align_top(ids: List[List[List[int]]], logprobs: List[List[List[float]]], pro
     top_ids = torch.zeros((len(ids), width, k), dtype=torch.long)
     top_logprobs = torch.full((len(ids), width, k), float("-inf"))
     for i, (sample_ids, sample_logprobs, prompt) in enumerate(zip(ids, logprobs, prompts)):
-        for t, (row_ids, row_logprobs) in enumerate(zip(sample_ids, sample_logprobs)):
-            top_ids[i, len(prompt) - 1 + t, :len(row_ids)] = torch.tensor(row_ids)
-            top_logprobs[i, len(prompt) - 1 + t, :len(row_logprobs)] = torch.tensor(row_logprobs)
+        if not sample_ids:
+            continue
+        span = slice(len(prompt) - 1, len(prompt) - 1 + len(sample_ids))
+        if len({len(row) for row in sample_ids}) == 1:  # the teacher's k at every token: one copy
+            top_ids[i, span, :len(sample_ids[0])] = torch.tensor(sample_ids)
+            top_logprobs[i, span, :len(sample_ids[0])] = torch.tensor(sample_logprobs)
+            continue
+        for t, (row_ids, row_logprobs) in zip(range(span.start, span.stop), zip(sample_ids, sample_logprobs)):
+            top_ids[i, t, :len(row_ids)] = torch.tensor(row_ids)
+            top_logprobs[i, t, :len(row_logprobs)] = torch.tensor(row_logprobs)
     return top_ids, top_logprobs
 
 
 def forward_kl_on_top(student: torch.Tensor, top_ids: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
     """(batch, width) per position: sum over the teacher's top tokens of p_teacher (log p_teacher - log
     p_student), from the student's (batch, width, vocabulary) log-softmax and the teacher's (batch, width, k)
-    ids and log-probs; 0 where the teacher gave none. Its gradient moves the student's mass onto the tokens the
-    teacher would have chosen."""
+    ids and log-probs; 0 where the teacher gave none. The forward KL's terms on those tokens: 0 where the student
+    matches the teacher on them, below 0 where it gives them more than the teacher does (the rest of the
+    vocabulary is left out). Its gradient moves the student's mass onto the tokens the teacher would have chosen,
+    in the teacher's proportions."""
     weights = teacher.exp()  # 0 at -inf
     gap = torch.where(weights > 0, teacher - student.gather(-1, top_ids), torch.zeros_like(teacher))
     return (weights * gap).sum(-1)

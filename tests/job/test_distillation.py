@@ -1,7 +1,8 @@
 """On-policy distillation between the policies of one job (configs/device_and_server.yaml, shortened): the device
 policy's samples go through its teacher queue, where a teacher worker scores every token with the server's newest
-weights, then on to the rewards; its learner adds the per-token signal to each token's advantage and the job
-reports the distillation KL, the teacher's version lag and its scoring time. The server here is frozen after its
+weights and names the server's top tokens at each position (the demo's `forward_kl` mode), then on to the rewards;
+its learner adds the forward KL over those tokens to its loss and the job reports both KLs, the teacher's version
+lag and its scoring time. The server here is frozen after its
 SFT (`rl.enabled: false`): its teacher worker serves version 0 throughout (the demo's server trains by RL
 meanwhile; tests/job/test_moe_job.py runs a mixture of experts with routing replay)."""
 
@@ -46,5 +47,5 @@ def test_a_device_policy_distils_from_a_server_policy_of_the_same_job(ray_sessio
     assert device["steps"] == 6 and device["samples_trained"] == 6 * 2 * 4 and balanced(device["ledger"])
     distill = device["distill"]  # every step's samples scored by the teacher (a learner refuses one that was not)
     assert distill["steps"] == 6 and distill["teacher_lag"] == 0 and distill["teacher_score_s_per_sample"] > 0
-    assert all(math.isfinite(distill[k]) for k in ("kl", "kl_first", "kl_last"))
+    assert all(math.isfinite(distill[k]) for k in ("kl", "kl_first", "kl_last", "forward_kl"))
     assert len(run_files.trained_ids(str(tmp_path / "pair" / "device"))) == 6 * 2 * 4
