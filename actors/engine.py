@@ -157,9 +157,10 @@ class TransformersEngine(BatchGenerate):
         return [row[mask.bool()].tolist() for row, mask in zip(scores.logprobs.float(), scores.mask)]
 
     def top_logprobs(self, prompts: List[List[int]], completions: List[List[int]],
-                     k: int) -> List[Tuple[List[List[int]], List[List[float]]]]:
-        """Per completion, per token: the k ids this model found most likely at its position (teacher-forced
-        after the prompt and the tokens before it) and their log-probs (`token_distributions.top_tokens`)."""
+                     k: int) -> List[Tuple[List[float], List[List[int]], List[List[float]]]]:
+        """Per completion, per token, teacher-forced after the prompt and the tokens before it: its log-prob, and
+        the k ids this model found most likely at its position with theirs (`token_distributions.top_tokens`), from
+        one pass."""
         with torch.no_grad():
             log_softmax = completion_log_softmax(self.model, prompts, completions, self.tokenizer.pad_token_id)
         return top_tokens(log_softmax, prompts, completions, k)

@@ -64,13 +64,15 @@ class TeacherWorker(QueueWorker):
         start = time.perf_counter()
         version = self._newest_weights()
         prompts, completions = [s.prompt_ids for s in samples], [s.completion_ids for s in samples]
-        scores = self.teacher.engine.score(prompts, completions)
-        for sample, logprobs in zip(samples, scores):
-            sample.teacher_logprobs, sample.teacher_version = [float(x) for x in logprobs], version
-        if self.top_k:
-            for sample, (ids, logprobs) in zip(samples, self.teacher.engine.top_logprobs(prompts, completions,
-                                                                                        self.top_k)):
-                sample.teacher_top_ids, sample.teacher_top_logprobs = ids, logprobs
+        if self.top_k:  # the sampled tokens' log-probs and the top tokens from one pass
+            for sample, (sampled, ids, logprobs) in zip(samples, self.teacher.engine.top_logprobs(
+                    prompts, completions, self.top_k)):
+                sample.teacher_logprobs, sample.teacher_top_ids, sample.teacher_top_logprobs = sampled, ids, logprobs
+        else:
+            for sample, logprobs in zip(samples, self.teacher.engine.score(prompts, completions)):
+                sample.teacher_logprobs = [float(x) for x in logprobs]
+        for sample in samples:
+            sample.teacher_version = version
         self.stats.scored += len(samples)
         self.run_queue.add_counters(self.stats_key, scored=len(samples), busy_s=time.perf_counter() - start)
         return samples

@@ -35,34 +35,31 @@ def completion_log_softmax(model, prompts: List[List[int]], completions: List[Li
 
 
 def top_tokens(log_softmax: torch.Tensor, prompts: List[List[int]], completions: List[List[int]],
-               k: int) -> List[Tuple[List[List[int]], List[List[float]]]]:
-    """Per sample, per completion token: the k most likely ids at its position and their log-probs."""
+               k: int) -> List[Tuple[List[float], List[List[int]], List[List[float]]]]:
+    """Per sample, per completion token: its own log-prob, and the k most likely ids at its position with their
+    log-probs."""
     values, ids = log_softmax.topk(min(k, log_softmax.shape[-1]), dim=-1)
     found = []
     for i, (prompt, completion) in enumerate(zip(prompts, completions)):
         span = slice(len(prompt) - 1, len(prompt) - 1 + len(completion))
-        found.append((ids[i, span].tolist(), values[i, span].tolist()))
+        sampled = log_softmax[i, span].gather(-1, torch.tensor(completion, device=log_softmax.device)[:, None])
+        found.append((sampled[:, 0].tolist(), ids[i, span].tolist(), values[i, span].tolist()))
     return found
 
 
 def align_top(ids: List[List[List[int]]], logprobs: List[List[List[float]]], prompts: List[List[int]],
               width: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Samples' teacher top tokens as (batch, width, k) ids and log-probs, at their completion tokens' positions;
-    elsewhere id 0 at log-prob -inf (no weight)."""
-    k = max((len(row) for sample in ids for row in sample), default=1)
+    """Samples' teacher top tokens (each sample the same k at every token, as the wire format holds them) as
+    (batch, width, k) ids and log-probs at their completion tokens' positions; elsewhere id 0 at log-prob -inf (no
+    weight)."""
+    k = max((len(sample[0]) for sample in ids if sample), default=1)
     top_ids = torch.zeros((len(ids), width, k), dtype=torch.long)
     top_logprobs = torch.full((len(ids), width, k), float("-inf"))
     for i, (sample_ids, sample_logprobs, prompt) in enumerate(zip(ids, logprobs, prompts)):
-        if not sample_ids:
-            continue
-        span = slice(len(prompt) - 1, len(prompt) - 1 + len(sample_ids))
-        if len({len(row) for row in sample_ids}) == 1:  # the teacher's k at every token: one copy
+        if sample_ids:
+            span = slice(len(prompt) - 1, len(prompt) - 1 + len(sample_ids))
             top_ids[i, span, :len(sample_ids[0])] = torch.tensor(sample_ids)
             top_logprobs[i, span, :len(sample_ids[0])] = torch.tensor(sample_logprobs)
-            continue
-        for t, (row_ids, row_logprobs) in zip(range(span.start, span.stop), zip(sample_ids, sample_logprobs)):
-            top_ids[i, t, :len(row_ids)] = torch.tensor(row_ids)
-            top_logprobs[i, t, :len(row_logprobs)] = torch.tensor(row_logprobs)
     return top_ids, top_logprobs
 
 

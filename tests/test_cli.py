@@ -14,8 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+
+from tests.processes import session
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,18 +44,6 @@ def rlp(*args: str, cwd: Path, ray_address: str = "") -> subprocess.CompletedPro
     completed = subprocess.CompletedProcess(process.args, process.returncode, out, err)
     completed.pid = process.pid
     return completed
-
-
-def left_in_session(sid: int) -> list:
-    """The live processes of session `sid`, zombies aside."""
-    left = []
-    for process in psutil.process_iter(["status"]):
-        try:
-            if os.getsid(process.pid) == sid and process.info["status"] != psutil.STATUS_ZOMBIE:
-                left.append(process.pid)
-        except (OSError, psutil.Error):
-            continue
-    return left
 
 
 def stderr_lines(result: subprocess.CompletedProcess) -> list:
@@ -230,9 +219,9 @@ def test_run_checks_the_model_folder_while_ray_starts_and_stops_before_the_job(t
     assert "Traceback" not in result.stderr and not (tmp_path / "runs").exists()
     # the Ray it started is gone with it, its raylet's agents too (left to themselves they outlive it by a minute)
     deadline = time.monotonic() + 10
-    while left_in_session(result.pid) and time.monotonic() < deadline:
+    while session(result.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert left_in_session(result.pid) == []
+    assert session(result.pid) == []
 
 
 def test_a_job_failure_is_one_line_without_a_traceback(monkeypatch, capsys):

@@ -247,14 +247,15 @@ def _sample_from(fields: Any) -> Sample:
 
 
 def _teacher_top(fields: dict, tokens: int) -> Tuple[List[List[int]], List[List[float]]]:
-    """The record's teacher top tokens: both empty, or per completion token as many ids as log-probs."""
+    """The record's teacher top tokens: both empty, or per completion token the same number of ids and log-probs."""
     ids, logprobs = fields.get("teacher_top_ids", []), fields.get("teacher_top_logprobs", [])
     shaped = isinstance(ids, list) and isinstance(logprobs, list) and len(ids) == len(logprobs) in (0, tokens) and all(
-        isinstance(i, list) and isinstance(p, list) and len(i) == len(p) and all(type(x) is int for x in i)
+        isinstance(i, list) and isinstance(p, list) and len(i) == len(p) == len(ids[0]) and all(type(x) is int for x in i)
         and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in p) for i, p in zip(ids, logprobs))
     if not shaped:
         raise WireFormatError(f"sample {fields['sample_id']}: 'teacher_top_ids' and 'teacher_top_logprobs' must be "
-                              f"empty or, per completion token, as many integer ids as log-probs")
+                              f"empty or, per completion token, as many integer ids as log-probs (the same number "
+                              f"at every token)")
     return ids, [[float(x) for x in row] for row in logprobs]
 
 

@@ -18,6 +18,8 @@ from typing import Optional
 import pytest
 import yaml
 
+from tests.processes import alive, session
+
 pytestmark = pytest.mark.slow
 
 RLP = str(Path(sys.executable).parent / "rlp")
@@ -29,31 +31,6 @@ TINY = {"name": "sigterm", "model": {"hidden_size": 64, "num_layers": 2, "interm
         "rl": {"max_steps": MAX_STEPS, "batch_prompts": 2, "group_size": 4, "max_new_tokens": 4},
         "rollout": {"prompts_per_batch": 4, "num_cpus": 0.5}, "learner": {"num_cpus": 0.5},
         "reward_workers": {"num_cpus": 0.25}, "wandb": {"mode": "offline"}}
-
-
-def _stat(pid: int) -> list:
-    """Fields of /proc/<pid>/stat after the command name: state, ppid, pgrp, session, ..."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return _stat(pid)[0] != "Z"
-    except OSError:
-        return False
-
-
-def _session(sid: int) -> list:
-    """Live processes, zombies aside, of session `sid`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            fields = _stat(int(entry.name))
-        except (OSError, ValueError):
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            found.append((int(entry.name), (entry / "cmdline").read_bytes()[:80]))
-    return found
 
 
 def _start(tmp_path: Path, temp: str, niceness: int = 0) -> subprocess.Popen:
@@ -69,7 +46,7 @@ def _cpu_priorities(sid: int) -> dict:
     """The nicenesses of the processes of session `sid`, by their title's actor class
     (`ray::RolloutWorker.run` -> RolloutWorker), or `rlp` for the job's own process."""
     found: dict = {}
-    for pid, _ in _session(sid):
+    for pid, _ in session(sid):
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         kind = "rlp" if RLP.encode() in argv[:2] else \
             argv[0].decode()[len("ray::"):].split(".")[0] if argv[0].startswith(b"ray::") else None
@@ -124,8 +101,8 @@ def test_sigterm_to_the_group_checkpoints_summarises_and_stops_every_child(tmp_p
     steps = summary["rl"]["steps"]
     assert 1 <= steps < MAX_STEPS
     assert (run_dir / "checkpoints" / f"step-{steps:06d}" / "state.json").exists()
-    assert not _alive(redis_pid) and not os.path.exists(redis_dir)
-    run_files.wait_for(lambda: _session(job.pid) == [], timeout_s=30)  # Ray's workers exit once their raylet is gone
+    assert not alive(redis_pid) and not os.path.exists(redis_dir)
+    run_files.wait_for(lambda: session(job.pid) == [], timeout_s=30)  # Ray's workers exit once their raylet is gone
     assert [p for p in os.listdir(temp) if p.startswith("rlp-")] == []
     # the signal reached the job alone: Ray's raylet did not shut itself down on it before the job was done
     raylet_logs = Path(temp).glob("ray/session_*/logs/raylet.out")
@@ -144,8 +121,8 @@ def test_a_second_sigterm_to_the_group_ends_at_once_still_with_a_summary(tmp_pat
     assert code in (143, -signal.SIGTERM), log_text[-3000:]
     summary = json.loads((tmp_path / "sigterm" / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["exit_code"] == 143
-    assert not _alive(redis_pid)
+    assert not alive(redis_pid)
     try:
-        run_files.wait_for(lambda: _session(job.pid) == [], timeout_s=30)
+        run_files.wait_for(lambda: session(job.pid) == [], timeout_s=30)
     except TimeoutError:
-        raise AssertionError(f"left running: {_session(job.pid)}") from None
+        raise AssertionError(f"left running: {session(job.pid)}") from None

@@ -222,6 +222,7 @@ def test_teacher_top_tokens_round_trip_and_must_pair_ids_with_log_probs_per_comp
     assert (back.teacher_top_ids, back.teacher_top_logprobs) == ([[3, 5], [6, 4]], [[-0.1, -2.5], [-0.2, -2.0]])
     for ids, logprobs in (([[3, 5]], [[-0.1, -2.5]]),  # one token of two
                           ([[3, 5], [6]], [[-0.1, -2.5], [-0.2, -2.0]]),  # an id short
+                          ([[3, 5], [6]], [[-0.1, -2.5], [-0.2]]),  # paired, but k differs between tokens
                           ([[3, 5], [6, 4.0]], [[-0.1, -2.5], [-0.2, -2.0]]),  # an id not an integer
                           ([[3, 5], [6, 4]], [[-0.1, -2.5], [-0.2, "x"]])):
         with pytest.raises(WireFormatError, match="'teacher_top_ids' and 'teacher_top_logprobs' must be empty or"):
