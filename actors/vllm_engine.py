@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import os
+import shutil
 import tempfile
 from typing import Dict, Hashable, List, Optional, Tuple
 
@@ -48,6 +49,7 @@ MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's LoR
 MAX_NUM_SEQS = 256  # requests vLLM decodes at once (its own default); more wait in its queue
 CPU_KV_SHARE = 0.25  # on CPU, the KV cache takes at most this share of the machine's memory unless set
 ADAPTER_ID = 1  # the one LoRA adapter id every request carries
+ADAPTER_FOLDER = "rlp-adapters-"  # an engine's adapter folder in the temporary directory: this, its pid, "-", a suffix
 
 
 def require_vllm() -> None:
@@ -59,17 +61,27 @@ def require_vllm() -> None:
 
 class AdapterDirectory:
     """The adapters vLLM serves, as a peft adapter directory under a private temporary folder (the form vLLM
-    loads a `LoRARequest` from), rewritten by each version; the folder goes when the engine's process ends."""
+    loads a `LoRARequest` from), rewritten by each version. The folder goes when the engine's process exits; one
+    whose process was killed (as Ray ends actors) is removed by the next engine of this machine that starts."""
 
     def __init__(self, lora: LoraConfig) -> None:
         self.config = peft_config(lora).to_dict()
-        self.folder = tempfile.TemporaryDirectory(prefix="rlp-adapters-")  # removed when collected or at exit
+        remove_orphaned_adapter_folders()
+        self.folder = tempfile.TemporaryDirectory(prefix=f"{ADAPTER_FOLDER}{os.getpid()}-")
         self.path = os.path.join(self.folder.name, "adapters")
 
     def write(self, state: Dict[str, torch.Tensor]) -> str:
         """`state` (peft names) as the directory's adapters; returns the directory."""
         save_adapter_dir(state, self.config, self.path)
         return self.path
+
+
+def remove_orphaned_adapter_folders() -> None:
+    """Removes the adapter folders of this machine's temporary directory whose engine process is gone."""
+    for entry in os.scandir(tempfile.gettempdir()):
+        owner = entry.name[len(ADAPTER_FOLDER):].split("-")[0]
+        if entry.name.startswith(ADAPTER_FOLDER) and owner.isdigit() and not psutil.pid_exists(int(owner)):
+            shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def max_lora_rank(rank: int) -> int:

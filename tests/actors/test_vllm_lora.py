@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import tempfile
 
 import pytest
 import torch
@@ -53,6 +56,15 @@ def test_each_version_is_a_peft_directory_of_exactly_the_streamed_tensors(tiny_p
     assert adapters.write(second) == directory
     rewritten = load_file(os.path.join(directory, "adapter_model.safetensors"))
     assert all(torch.equal(rewritten[k], second[k]) for k in second)
+
+
+def test_an_engine_killed_before_its_exit_has_its_adapter_folder_removed_by_the_next_one():
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tempfile.mkdtemp(prefix=f"rlp-adapters-{ended.stdout.strip()}-")  # as a killed engine leaves it
+    running = AdapterDirectory(LORA)
+    assert not os.path.exists(orphan)
+    AdapterDirectory(LORA)  # a second engine keeps the first's folder while its process runs
+    assert os.path.isdir(running.folder.name)
 
 
 def test_max_lora_rank_is_the_smallest_vllm_rank_that_fits():
