@@ -804,11 +804,12 @@ def _read(sums: Dict[str, torch.Tensor]) -> Dict[str, float]:
 
 
 def lr_scale(rl: RLConfig, step: int) -> float:
-    """The fraction of the stage's learning rate RL step `step` (0-based) uses: 1, or under `linear`
-    decaying to 0 at max_steps."""
+    """The fraction of the stage's learning rate RL step `step` (0-based) uses: a linear rise over
+    `rl.warmup_steps`, times 1 or, under `linear`, a decay to 0 at max_steps."""
+    warmup = min(1.0, (step + 1) / (rl.warmup_steps + 1))
     if rl.lr_schedule == "linear":
-        return max(0.0, 1.0 - step / rl.max_steps)
-    return 1.0
+        return warmup * max(0.0, 1.0 - step / rl.max_steps)
+    return warmup
 
 
 LearnerActor = ray.remote(LearnerRank)

@@ -131,6 +131,7 @@ class RLConfig:
     group_size: int = at_least(8, 2)  # completions sampled per prompt
     lr: float = above(2e-4, 0)  # AdamW learning rate
     lr_schedule: str = one_of("linear", "constant")  # linear: decays to 0 at max_steps (as TRL does), or constant
+    warmup_steps: int = at_least(0, 0)  # the learning rate rises linearly over these first steps (then follows lr_schedule): Adam's first steps move every weight by about lr whatever its gradient
     max_staleness: int = at_least(1, 0)  # samples more than this many versions behind the learner are dropped
     max_new_tokens: int = at_least(6, 1)  # completion length limit
     temperature: float = above(1.0, 0)  # sampling temperature of the rollout workers

@@ -46,9 +46,9 @@ def test_starting_ray_keeps_the_callers_sigterm_handler(tmp_path):
     """`ray.init` puts in a SIGTERM handler that exits with status 15; a job's own handler (and, after the
     job, the one it found) must stay, else a signal while Ray shuts down ends the job with 15."""
     script = """
-import signal, sys, ray
+import signal, sys
 from rlplatform.config import load_config
-from rlplatform.job.cluster import start_ray
+from rlplatform.job.cluster import shutdown_ray, start_ray
 
 def caller(signum, frame):
     pass
@@ -56,8 +56,8 @@ def caller(signum, frame):
 signal.signal(signal.SIGTERM, caller)
 start_ray(load_config())
 kept = signal.getsignal(signal.SIGTERM) is caller
-ray.shutdown()
-sys.exit(0 if kept else 3)
+shutdown_ray()
+sys.exit(0 if kept and signal.getsignal(signal.SIGTERM) is caller else 3)
 """
     env = {**os.environ, "RAY_ADDRESS": "", "TMPDIR": tempfile.mkdtemp(prefix="t", dir="/tmp")}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)

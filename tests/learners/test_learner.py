@@ -10,6 +10,7 @@ import ray
 from rlplatform.actors.engine import TransformersEngine
 from rlplatform.config import LearnerConfig, RLConfig
 from rlplatform.learners.group import LearnerGroup
+from rlplatform.learners.rank import lr_scale
 from rlplatform.transport.samples import Sample
 from tests.learners.steps import rl_step
 from rlplatform.transport.weight_transports import ObjectStoreTransport
@@ -124,7 +125,7 @@ def test_ppo_epochs_minibatches_corrections_and_auxiliary_terms(learner, tiny_po
     assert {"pg_loss", "entropy", "sft_loss", "loss", "grad_norm", "lr"} <= set(second.metrics())
 
 
-def test_linear_lr_schedule_decays_the_stage_rate_to_zero_at_max_steps(learner, tiny_policy):
+def test_the_rl_rate_warms_up_then_decays_linearly_to_zero_at_max_steps(learner, tiny_policy):
     learner.start_stage(lr=1e-2)
     samples, advantages = rl_batch(tiny_policy)
     rl = RLConfig(lr_schedule="linear", max_steps=4)
@@ -135,3 +136,6 @@ def test_linear_lr_schedule_decays_the_stage_rate_to_zero_at_max_steps(learner, 
     assert max_change(before, snapshot(learner)) == 0.0  # the last scheduled step moves nothing
     constant = rl_step(learner, samples, advantages, RLConfig(lr_schedule="constant"), step=3)
     assert constant.figures["lr"] == pytest.approx(1e-2)
+    warming = RLConfig(lr_schedule="linear", max_steps=8, warmup_steps=3)  # 1/4, 2/4, 3/4, then the decay alone
+    assert [lr_scale(warming, step) for step in range(5)] == pytest.approx([0.25, 0.4375, 0.5625, 0.625, 0.5])
+    assert rl_step(learner, samples, advantages, warming, step=0).figures["lr"] == pytest.approx(2.5e-3)
