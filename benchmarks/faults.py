@@ -65,15 +65,20 @@ TINY = ["model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=1
         "reward_workers.num_cpus=0.25", "wandb.mode=disabled", "rl.group_timeout_s=60"]
 VLLM = ["rollout.engine=vllm", "model.num_heads=2"]  # vLLM's CPU attention takes TINY's width in heads of 32
 WATCHDOG = ["monitoring.hang_floor_s=5"]  # deadlines a tiny job reaches: 10x its longest round or step, at least 5 s
+TOOL_CALC = os.path.join(REPO, "configs", "tool_calc.yaml")
+TOOLS = ["env.fn=tests.envs.tools_for_tests:CalculateThePrompt",  # every episode calls the calculator once
+         "env.max_tokens=40", "env.tools[0].timeout_s=0.3", "env.tool_workers.num_cpus=0.25"]
 MALFORMED = [b"\x00not msgpack", b"\x93\x01\x02\x03", b"\x82\xa1v\x07\xa6sample\xc0",  # garbage, a list, schema 7
              b"\x82\xa1v\x01\xa6sample\x81\xa9sample_id\xa1x"]  # schema 1 with a sample missing its fields
 
 
 @dataclass
 class Running:
-    """The job a fault lands on: its run directory and the pid of the process running it."""
+    """The job a fault lands on: its run directory, the pid of the process running it and the external Redis it
+    uses (None: its own, embedded)."""
     run_dir: str
     pid: int
+    external_redis: Optional[EmbeddedRedis] = None
 
 
 @dataclass
@@ -178,7 +183,8 @@ def kill_embedded_redis(fault: Fault, job: Running) -> float:
 
 
 def _embedded_redis(job: Running) -> psutil.Process:
-    """The redis-server listening on the port of the job's Redis URL."""
+    """The redis-server listening on the port of the job's Redis URL (its own, or an external one on this
+    machine)."""
     port = int(job_redis_url(job.run_dir).rsplit(":", 1)[1].split("/")[0])
     for process in psutil.process_iter(["name"]):
         if process.info["name"] == "redis-server":
@@ -196,13 +202,27 @@ def stall_embedded_redis(fault: Fault, job: Running) -> float:
     return time.time()
 
 
-def restart_external_redis(server: EmbeddedRedis, down_s: float = 3.0) -> Callable[[Fault, Running], float]:
-    """An operator's restart: the server is killed, and started again `down_s` later on its port."""
+def restart_external_redis(down_s: float = 3.0) -> Callable[[Fault, Running], float]:
+    """An operator's restart of the job's external Redis: the server is killed, and started again `down_s` later
+    on its port."""
     def inject(fault: Fault, job: Running) -> float:
-        os.kill(server.pid, signal.SIGKILL)
+        os.kill(job.external_redis.pid, signal.SIGKILL)
         struck = time.time()
         time.sleep(down_s)
-        server.start()
+        job.external_redis.start()
+        return struck
+    return inject
+
+
+def pause_redis(stopped_s: float) -> Callable[[Fault, Running], float]:
+    """SIGSTOP the job's redis-server (embedded or external) for `stopped_s`, then SIGCONT."""
+    def inject(fault: Fault, job: Running) -> float:
+        server = _embedded_redis(job)
+        server.suspend()
+        struck = time.time()
+        time.sleep(stopped_s)
+        with suppress(psutil.NoSuchProcess):
+            server.resume()
         return struck
     return inject
 
@@ -440,6 +460,7 @@ class Scenario:
     restarts: Optional[str] = None  # the restart kind (summary's rl.restarts) each landed fault must add
     disk: Optional[str] = None  # the size of a tmpfs mounted for its checkpoints (only root can mount one)
     refused: List[str] = field(default_factory=list)  # overrides each of which a `--resume` must refuse first
+    config: Optional[str] = None  # the YAML its job starts from, under TINY and `overrides` (None: the defaults)
 
 
 @dataclass
@@ -473,18 +494,17 @@ def _run_scenario(scenario: Scenario, out_dir: str, steps: int, seed: int) -> Ou
         if scenario.external_redis else None
     overrides = [f"output_dir={out_dir}", f"name={name}", *TINY, f"rl.max_steps={steps}", f"seed={seed}",
                  *scenario.overrides, *([f"redis.url={server.url}"] if server else [])]
-    config = load_config(None, overrides)
+    config = load_config(scenario.config, overrides)
     rng = random.Random(f"{seed}-{name}")
-    faults = scenario.faults(name, rng, steps) if not server else \
-        [Fault("external Redis restarted", s, restart_external_redis(server)) for s in fault_steps(rng, steps, 2)]
+    faults = scenario.faults(name, rng, steps)
     progress = Progress(config.run_dir)
     progress.start()
     start, orphans = time.time(), None
     try:
         if scenario.in_process:
-            _run_in_process(config, faults, progress)
+            _run_in_process(config, faults, progress, server)
         else:
-            orphans = _run_as_command(config, faults, progress, out_dir)
+            orphans = _run_as_command(config, faults, progress, out_dir, server)
         if scenario.resume:
             refusals = [wrong for override in scenario.refused for wrong in refuse_resume(config.run_dir, override)]
             orphans = (orphans or []) + ProcessTree([RLP, "run", "--resume", config.run_dir]).left()
@@ -546,11 +566,12 @@ def _inject_all(faults: List[Fault], job: Running, progress: Progress, errors: L
             errors.append(err)
 
 
-def _run_in_process(config: JobConfig, faults: List[Fault], progress: Progress) -> None:
+def _run_in_process(config: JobConfig, faults: List[Fault], progress: Progress,
+                    server: Optional[EmbeddedRedis]) -> None:
     errors: List[BaseException] = []
     ended = threading.Event()
-    injector = threading.Thread(target=_inject_all, args=(faults, Running(config.run_dir, os.getpid()), progress,
-                                                          errors, ended), daemon=True)
+    injector = threading.Thread(target=_inject_all, args=(faults, Running(config.run_dir, os.getpid(), server),
+                                                          progress, errors, ended), daemon=True)
     injector.start()
     try:
         run_job(config)
@@ -563,12 +584,13 @@ def _run_in_process(config: JobConfig, faults: List[Fault], progress: Progress) 
         raise RuntimeError(f"injection failed: {errors[0]}")
 
 
-def _run_as_command(config: JobConfig, faults: List[Fault], progress: Progress, out_dir: str) -> List[str]:
+def _run_as_command(config: JobConfig, faults: List[Fault], progress: Progress, out_dir: str,
+                    server: Optional[EmbeddedRedis]) -> List[str]:
     """`rlp run` of `config` in its own session while `faults` strike it; returns its processes left alive."""
     path = config_file(config, out_dir)
     job = ProcessTree([RLP, "run", path])
     errors: List[BaseException] = []
-    _inject_all(faults, Running(config.run_dir, job.pid), progress, errors)
+    _inject_all(faults, Running(config.run_dir, job.pid, server), progress, errors)
     left = job.left()
     if errors:
         raise RuntimeError(f"injection failed: {errors[0]}")
@@ -677,7 +699,15 @@ SCENARIOS = [
         Fault("SIGSTOP embedded redis-server, then `rlp run --resume`", fault_steps(rng, 20, 1)[0],
               stall_embedded_redis)], resume=True, steps=200),  # early in a job long enough to be running
     # when its Redis is found gone: it checkpoints from the learner's memory and stops
-    Scenario("external-redis-restart", [], lambda job, rng, steps: [], external_redis=True),
+    Scenario("external-redis-restart", [], lambda job, rng, steps: [
+        Fault("external Redis restarted", s, restart_external_redis()) for s in fault_steps(rng, steps, 2)],
+             external_redis=True),
+    # twice redis.reconnect_s: the job checkpoints from the learner and stops at 5 s, the operator's server answers
+    # again at 10 s, and the resume goes on
+    Scenario("external-redis-pause-resume", ["redis.reconnect_s=5"], lambda job, rng, steps: [
+        Fault("SIGSTOP the external redis-server for 10 s (twice redis.reconnect_s), then SIGCONT, then `rlp run "
+              "--resume`", fault_steps(rng, 20, 1)[0], pause_redis(10.0))], external_redis=True, resume=True,
+             steps=200),
     Scenario("malformed-messages", [], lambda job, rng, steps: [
         Fault(f"{2 * len(MALFORMED) + 1} malformed stream entries", s, write_malformed)
         for s in fault_steps(rng, steps, 2)]),
@@ -734,6 +764,16 @@ SCENARIOS = [
         Fault("SIGSTOP learner rank for 10 s (twice its deadline), then SIGCONT, then `rlp run --resume`", s,
               stop_then_continue(f"{job}-policy-learner-0", 10.0)) for s in fault_steps(rng, 16, 1)],
              resume=True, alert="hang", steps=60),
+    Scenario("tool-hang", [*WATCHDOG, *TOOLS], lambda job, rng, steps: [
+        Fault("SIGSTOP the only tool worker for good", s, stop_for_good(f"{job}-tool-0"))
+        for s in fault_steps(rng, steps, 1)], alert="hang", config=TOOL_CALC),
+    Scenario("tool-pause", [*WATCHDOG, *TOOLS], lambda job, rng, steps: [
+        Fault("SIGSTOP the only tool worker for 10 s (twice its deadline), then SIGCONT", s,
+              stop_then_continue(f"{job}-tool-0", 10.0)) for s in fault_steps(rng, steps, 1)], alert="hang",
+             config=TOOL_CALC),
+    Scenario("evaluator-pause", [*WATCHDOG, "eval.every_steps=1", "eval.priority=normal"], lambda job, rng, steps: [
+        Fault("SIGSTOP the evaluator for 20 s, then SIGCONT", s, stop_then_continue(f"{job}-policy-rollout-1", 20.0))
+        for s in fault_steps(rng, 60, 1)], alert="hang", restarts="evaluator", steps=300),
     Scenario("reward-sigstop", ["reward_workers.num_workers=1", "monitoring.scoring_stall_s=10"],
              lambda job, rng, steps: [Fault("SIGSTOP the only reward worker for 20 s", s,
                                             stop_then_continue(f"{job}-reward-0", 20.0))

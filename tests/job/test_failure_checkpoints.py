@@ -4,6 +4,7 @@ summary.json keeps the RL counters, balanced as a completed job's are.
 - Its Redis stops answering (SIGSTOPped: alive, holding its connections, silent): the job ends within its
   `redis.reconnect_s`, naming the Redis and the checkpoint it wrote from the learner's memory; resumed (with a
   fresh Redis), it trains on to its last step and no sample is trained twice.
+- An external Redis stalls the same way: the job ends as soon, naming it, with nothing of the server's to dump.
 - A worker's loop ends on its own (its job's stop flag set from outside): the job checkpoints and names it.
 - SIGINT while a reward call hangs: the job stops as on SIGTERM, checkpointed, within seconds, not when the
   call's timeout ends it."""
@@ -22,7 +23,7 @@ from rlplatform.config import RewardSpec
 from rlplatform.job.checkpoint import latest_checkpoint, read_state
 from rlplatform.job.controller import run_job
 from rlplatform.transport.deadlines import JobFailed
-from rlplatform.transport.redis_server import connect
+from rlplatform.transport.redis_server import EmbeddedRedis, connect
 from rlplatform.transport.reward_queue import RewardQueue
 from tests.job.conftest import samples_balance
 
@@ -62,6 +63,33 @@ def test_a_job_whose_redis_stalls_checkpoints_from_the_learner_and_resumes(ray_s
     ids = run_files.trained_ids(config.run_dir)
     assert len(ids) == len(set(ids)) == (steps + 3) * 2 * 4
     assert resumed["rl"]["samples_trained"] == (steps + 3) * 2 * 4
+
+
+def test_a_job_whose_external_redis_stalls_checkpoints_and_names_it(ray_session, tiny_job, run_files, tmp_path):
+    """The operator's Redis, not the job's: nothing to restart or dump, so the job checkpoints and ends naming it
+    within `redis.reconnect_s`, leaving the server as it found it."""
+    with EmbeddedRedis(str(tmp_path / "external")) as server:
+        config = tiny_job("lost-external-redis", "rl.max_steps=100000", "redis.reconnect_s=3",
+                          f"redis.url={server.url}")
+
+        def stall_redis():
+            run_files.wait_for(lambda: run_files.trained_steps(config.run_dir) >= 3)
+            os.kill(server.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(JobFailed) as failed:
+                run_files.run_job_while(config, stall_redis)
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        message = str(failed.value)
+        assert "\n" not in message and "went away" in message and "(no reconnect within 3s)" in message
+        checkpoint = latest_checkpoint(config.run_dir)
+        assert checkpoint is not None and f"checkpoint {checkpoint} written from the learner's memory" in message
+        assert message.endswith(f"resume with `rlp run --resume {config.run_dir}` once it is back")
+        assert not Path(config.run_dir, "hangs").exists()
+        rl = json.loads((Path(config.run_dir) / "summary.json").read_text())["rl"]
+        assert rl["ended_by"] == "failed" and samples_balance(rl)
+        assert read_state(checkpoint).policies["policy"].version == rl["steps"]
+        assert connect(server.url).ping()  # still the operator's
 
 
 def test_a_worker_loop_that_ends_on_its_own_fails_the_job_checkpointed(ray_session, tiny_job, run_files):
