@@ -33,12 +33,13 @@ from rlplatform.job.sft import run_sft
 from rlplatform.job.signals import Interrupted, StopSignals
 from rlplatform.job.summaries import (JobSummary, PolicyResults, RLSummary, SFTSummary, StartupTimes,
                                      first_eval_label, plain_text)
-from rlplatform.job.supervision import MAX_RESTARTS
+from rlplatform.job.supervision import MAX_RESTARTS, RestartDeadline
 from rlplatform.job.workers import Evaluator, PolicyWorkers, publish
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.monitoring.job_status import JobStatus
 from rlplatform.monitoring.metrics import Metrics
-from rlplatform.monitoring.watchdog import dump_path, dump_process_state, hang_rule, rank_processes, watched_write
+from rlplatform.monitoring.watchdog import (HangRule, dump_path, dump_process_state, hang_rule, rank_processes,
+                                            watched_write)
 from rlplatform.policy import load_tokenizer, save_initial_policy
 from rlplatform.tokenization import encode_prompts, save_prompts, within_limit
 from rlplatform.transport.deadlines import LEARNER_TIMEOUT_S, Heartbeats, JobFailed, LearnerDied, LearnerHung
@@ -222,16 +223,18 @@ def _run_stages(config: JobConfig, plan: JobPlan, run: str, redis_url: str, lear
     policies: List[PolicyWorkers] = []
     reward_actors: List = []
     tool_actors: List = []
+    restart = RestartDeadline(HangRule(config.monitoring.hang_factor, config.monitoring.hang_floor_s))
     try:
         for name, policy in plan.policies.items():
             policies.append(_start_policy(config, policy, learners[name], train_rows, test_rows,
-                                          redis_url=redis_url, run=run, alert=metrics.event))
+                                          redis_url=redis_url, run=run, alert=metrics.event, restart=restart))
         for workers in policies:  # once every policy's initial weights and weight store exist
             workers.teachers = _start_teacher_workers(config, plan, workers.config, run, redis_url)
         reward_actors = _start_reward_workers(config, run, redis_url)  # needed from RL on
         tool_actors = _start_tool_workers(config, run, redis_url, client)
         startup.mark("learners_ready_s", at=max(p.learner.ready_at for p in policies))
         startup.mark("workers_ready_s")  # every actor constructed
+        restart.start_s = startup.seconds["workers_ready_s"] - startup.seconds["services_ready_s"]
         results = {name: PolicyResults.from_state(state) for name, state in resume.state.results.items()} \
             if resume else {p.name: PolicyResults(p.data) for p in policies}
         resumed = resume.state.policies if resume else {}
@@ -244,7 +247,7 @@ def _run_stages(config: JobConfig, plan: JobPlan, run: str, redis_url: str, lear
             try:
                 summaries = _rl_stage(config, [p for p in policies if p.config.rl.enabled], queue, reward_actors,
                                       metrics, train_rows=train_rows, results=results, stop=stop, job_state=job_state,
-                                      resume=resume, tool_actors=tool_actors)
+                                      resume=resume, tool_actors=tool_actors, restart=restart)
             except StageFailed as failed:
                 for name, rl in failed.summaries.items():
                     results[name].rl = rl
@@ -335,7 +338,8 @@ def _start_tool_workers(config: JobConfig, run: str, redis_url: str, client) -> 
 
 
 def _start_policy(config: JobConfig, plan: PolicyPlan, learner: LearnerGroup, train_rows, test_rows,
-                  *, redis_url: str, run: str, alert: Callable[[str, str], None]) -> PolicyWorkers:
+                  *, redis_url: str, run: str, alert: Callable[[str, str], None],
+                  restart: RestartDeadline) -> PolicyWorkers:
     """A policy's initial weights on disk, its learner ranks, rollout workers and evaluator (the last
     rollout actor, started last: `Evaluator`). Actors are named `<job>-<policy>-rollout-<i>`,
     `<job>-<policy>-learner-<rank>` and `<job>-<policy>-weights`; rollout workers find the weight store
@@ -362,7 +366,7 @@ def _start_policy(config: JobConfig, plan: PolicyPlan, learner: LearnerGroup, tr
         learner.set_up()
     keys = PolicyKeys(run, policy.name)
     evaluator = Evaluator(start_rollout(index=policy.rollout.num_workers), test, config.eval, config.rewards,
-                          config.imports, on_restart=partial(alert, "worker_restart"),
+                          config.imports, on_restart=partial(alert, "worker_restart"), restart=restart,
                           hang_rule=hang_rule(config.monitoring), on_hang=partial(alert, "hang"),
                           run_dir=config.run_dir, redis_url=redis_url, process_key=keys.evaluator_process
                           ) if config.eval.enabled else None  # after the learner's set-up (`Evaluator`)
@@ -498,11 +502,12 @@ def _baseline_snapshot(workers: PolicyWorkers, streamed) -> ray.ObjectRef:
 
 def _rl_stage(config: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, reward_actors: List,
               metrics: Metrics, *, train_rows, results: Dict[str, PolicyResults], stop: StopSignals,
-              job_state: Callable[[], Dict], resume: Optional[Resume], tool_actors: List) -> Dict[str, RLSummary]:
+              job_state: Callable[[], Dict], resume: Optional[Resume], tool_actors: List,
+              restart: RestartDeadline) -> Dict[str, RLSummary]:
     """RL for `policies`, then each one's final evaluation (recorded in `results` as "after_rl"); returns each
     policy's RL summary."""
     summaries = run_rl(config, policies, queue, reward_actors, metrics, train_rows=train_rows, stop=stop,
-                       job_state=job_state, resume=resume, tool_actors=tool_actors)
+                       job_state=job_state, resume=resume, tool_actors=tool_actors, restart=restart)
     for workers in policies:
         if not stop.requested and workers.evaluator is not None:
             workers.evaluator.finish_baseline()

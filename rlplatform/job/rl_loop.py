@@ -27,7 +27,7 @@ from rlplatform.job.checkpoint import (CheckpointState, DiskFull, PolicyState, l
 from rlplatform.job.elastic import ElasticRollout, elastic_policies
 from rlplatform.job.signals import StopSignals
 from rlplatform.job.summaries import RLFigures, RLSummary, plain_text
-from rlplatform.job.supervision import RESTART_TIMEOUT_S, Supervisor
+from rlplatform.job.supervision import RestartDeadline, Supervisor
 from rlplatform.job.workers import PolicyWorkers, publish
 from rlplatform.learners.algorithms import ADVANTAGE_ESTIMATORS, grpo_advantages
 from rlplatform.learners.group import TrainItem
@@ -507,17 +507,19 @@ class Resume:
 
 def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, reward_actors: List,
            metrics: Metrics, *, train_rows: List[Dict], stop: StopSignals, job_state: Callable[[], Dict],
-           resume: Optional[Resume] = None, tool_actors: Sequence = ()) -> Dict[str, RLSummary]:
+           restart: RestartDeadline, resume: Optional[Resume] = None,
+           tool_actors: Sequence = ()) -> Dict[str, RLSummary]:
     """Train every policy to `rl.max_steps` from its version 0 (already published) or from `resume`,
     learner steps of different policies running at once, checkpoints every `checkpoint.every_steps`
     and at the end; a stop signal ends it early, checkpointed. `job_state()`: the job's own part of each
     checkpoint's state, as it stands when the checkpoint is written; `tool_actors`, serving since they were built, are
-    restarted when they hang. Returns each policy's summary by name.
+    restarted when they hang; `restart` bounds a dead worker's return. Returns each policy's summary by name.
     An error ends it checkpointed too (from the learner's memory and the Redis mirror when the job's Redis went
     away; not when a learner rank died or hung), as `StageFailed` with the figures as they stood."""
     controller_cpu_start = time.process_time()
     metrics.begin("rl")
-    _await_construction([actor for p in policies for actor in p.rollout + p.teachers] + reward_actors)
+    _await_construction([actor for p in policies for actor in p.rollout + p.teachers] + reward_actors,
+                        restart.seconds)
     runs = {p.name: PolicyRun(job, p, queue, metrics, train_rows) for p in policies}
     attempt = resume.attempt if resume else 0
     for name, run in runs.items():
@@ -527,7 +529,7 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
             _keep_lines(run.trained_log, 0)  # a fresh start: nothing trained yet
         run.monitor.started(run.version)
         run.mirror_redis()
-    supervisor = _start_loops(job, policies, reward_actors, metrics, tool_actors)
+    supervisor = _start_loops(job, policies, reward_actors, metrics, tool_actors, restart)
     for workers in elastic_policies(policies):
         runs[workers.name].elastic = ElasticRollout(workers, runs[workers.name].schedule, supervisor.start,
                                                     partial(metrics.event, "rollout_capacity"))
@@ -651,7 +653,7 @@ class WorkerWatch:
             self.metrics.status.set(SILENT_WORKERS, listing)
 
 
-def _await_construction(actors: List, timeout_s: float = RESTART_TIMEOUT_S) -> None:
+def _await_construction(actors: List, timeout_s: float) -> None:
     """Wait (at most `timeout_s`) until `actors` are constructed (a rollout worker has loaded its model), so the
     stage's clock starts with its workers ready and its first batch is generation, not start-up. An actor whose
     construction failed or hangs is the supervisor's to restart or report once its loop starts."""
@@ -660,8 +662,8 @@ def _await_construction(actors: List, timeout_s: float = RESTART_TIMEOUT_S) -> N
 
 
 def _start_loops(job: JobConfig, policies: List[PolicyWorkers], reward_actors: List, metrics: Metrics,
-                 tool_actors: Sequence) -> Supervisor:
-    supervisor = Supervisor(lambda text: metrics.event("worker_restart", text), tool_actors)
+                 tool_actors: Sequence, restart: RestartDeadline) -> Supervisor:
+    supervisor = Supervisor(lambda text: metrics.event("worker_restart", text), restart, tool_actors)
     for workers in policies:
         for i, actor in enumerate(workers.rollout):
             supervisor.start("rollout", f"{workers.name}-{i}", actor)

@@ -17,22 +17,36 @@ from typing import Callable, List, Optional, Sequence
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from rlplatform.monitoring.watchdog import HangRule
 from rlplatform.transport.deadlines import JobFailed, WorkerHung, deadline_get
 
 MAX_RESTARTS = 10  # per actor: Ray gives up on an actor that died this often, and the job fails
 PROBE_S = 0.5  # between readiness probes of an actor Ray is restarting
-RESTART_TIMEOUT_S = 600.0  # an actor not back this long after its death hangs
+
+
+@dataclass
+class RestartDeadline:
+    """How long an actor Ray restarts may take to answer again: the hang rule's deadline (`monitoring.hang_factor`
+    times, at least `monitoring.hang_floor_s`) on the job's measured start-up of its workers, `start_s` (the floor
+    alone until the job has measured it)."""
+    rule: HangRule
+    start_s: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.rule.deadline_s(self.start_s)
 
 
 class Revival:
     """An actor whose process died, while Ray restarts it: calls made meanwhile fail at once with
-    `ActorUnavailableError`, so it is probed (`__ray_ready__`) every PROBE_S until it answers."""
+    `ActorUnavailableError`, so it is probed (`__ray_ready__`) every PROBE_S until it answers, for at most
+    `timeout_s`."""
 
-    def __init__(self, actor, what: str) -> None:
-        self.actor, self.what = actor, what
+    def __init__(self, actor, what: str, timeout_s: float) -> None:
+        self.actor, self.what, self.timeout_s = actor, what, timeout_s
         self._probe: Optional[ray.ObjectRef] = None
         self._next_at = 0.0
-        self._deadline = time.monotonic() + RESTART_TIMEOUT_S
+        self._deadline = time.monotonic() + timeout_s
 
     def ready(self) -> bool:
         """Whether the restarted actor answers (never blocks)."""
@@ -48,8 +62,9 @@ class Revival:
             return True
         except ActorUnavailableError:
             if time.monotonic() > self._deadline:
-                raise WorkerHung(f"{self.what} died and was not back within {RESTART_TIMEOUT_S:.0f}s; "
-                                 f"see the Ray logs") from None
+                raise WorkerHung(f"{self.what} died and was not back within {self.timeout_s:.0f}s (its restart "
+                                 f"deadline: monitoring.hang_factor x the workers' start-up); see the Ray "
+                                 f"logs") from None
             self._next_at = time.monotonic() + PROBE_S
             return False
         except ActorDiedError as err:
@@ -75,10 +90,10 @@ class _Loop:
 class Supervisor:
     """The worker loops of a stage: restarts dead ones, collects their results at the end."""
 
-    def __init__(self, note: Callable[[str], None], services: Sequence = ()) -> None:
-        """`services`: actors that serve from their construction, with no loop to run (tool workers); Ray
-        restarts them whole."""
-        self.note = note
+    def __init__(self, note: Callable[[str], None], restart: RestartDeadline, services: Sequence = ()) -> None:
+        """`restart`: how long a dead worker's actor may take to be back; `services`: actors that serve from their
+        construction, with no loop to run (tool workers); Ray restarts them whole."""
+        self.note, self.restart = note, restart
         self.restarts: Counter = Counter()
         self._loops: List[_Loop] = []
         self._services = list(services)
@@ -112,7 +127,7 @@ class Supervisor:
                 raise RuntimeError(f"{loop.kind} worker {loop.name} keeps dying: {err}") from None
             self.note(f"{loop.kind} worker {loop.name} died; restarting it (restart {self.restarts[loop.kind]} "
                       f"of {loop.kind} workers)")
-            loop.revival = Revival(loop.actor, f"{loop.kind} worker {loop.name}")
+            loop.revival = Revival(loop.actor, f"{loop.kind} worker {loop.name}", self.restart.seconds)
             return
         raise RuntimeError(f"{loop.kind} worker {loop.name} stopped before the job asked it to")
 
@@ -149,4 +164,4 @@ class Supervisor:
                         self._leave(loop)
                         break
                     self.restarts[kind] += 1
-                    loop.revival = Revival(loop.actor, f"{kind} worker {loop.name}")
+                    loop.revival = Revival(loop.actor, f"{kind} worker {loop.name}", self.restart.seconds)

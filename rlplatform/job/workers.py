@@ -17,7 +17,7 @@ from ray.exceptions import RayActorError
 
 from rlplatform.config import EvalConfig, PolicyConfig, RewardSpec
 from rlplatform.job.placement import PolicyPlan
-from rlplatform.job.supervision import MAX_RESTARTS, Revival
+from rlplatform.job.supervision import MAX_RESTARTS, RestartDeadline, Revival
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.tokenization import Prompt
 from rlplatform.monitoring.watchdog import HangRule, dump_path, dump_stacks
@@ -41,11 +41,13 @@ class Evaluator:
     again."""
 
     def __init__(self, actor, prompts: List[Prompt], config: EvalConfig, rewards: List[RewardSpec],
-                 imports: List[str], *, on_restart: Callable[[str], None], hang_rule: Optional[HangRule] = None,
+                 imports: List[str], *, on_restart: Callable[[str], None], restart: RestartDeadline,
+                 hang_rule: Optional[HangRule] = None,
                  on_hang: Callable[[str], None] = lambda message: None, run_dir: str = "", redis_url: str = "",
                  process_key: str = "") -> None:
         self.actor, self.prompts, self.config, self.rewards, self.imports = actor, prompts, config, rewards, imports
         self.on_restart, self.hang_rule, self.on_hang, self.run_dir = on_restart, hang_rule, on_hang, run_dir
+        self.restart = restart  # how long the actor may take to be back once it died
         self.redis_url, self.process_key = redis_url, process_key
         self.longest_s = 0.0  # the longest wait for an evaluation so far
         self._heard: Set[str] = set()  # the actor processes that have answered
@@ -209,7 +211,7 @@ class Evaluator:
         self._count_restart("the evaluator died during an evaluation; it is evaluating again once Ray restarted it")
         self._counted_unheard += 1
         self._lost.update(ref for ref in (self._pending, self._baseline_pending) if ref is not None)
-        self._revival = Revival(self.actor, "the evaluator")
+        self._revival = Revival(self.actor, "the evaluator", self.restart.seconds)
 
     def _count_restart(self, text: str) -> None:
         self.restarts += 1

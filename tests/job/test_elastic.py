@@ -15,8 +15,9 @@ from ray._private.state import state as ray_state
 from rlplatform.config import RLConfig, load_config
 from rlplatform.job.elastic import ElasticRollout
 from rlplatform.job.placement import plan_job
-from rlplatform.job.supervision import Supervisor
+from rlplatform.job.supervision import RestartDeadline, Supervisor
 from rlplatform.job.workers import PolicyWorkers
+from rlplatform.monitoring.watchdog import HangRule
 from rlplatform.scheduling.groups import GroupSchedule
 from rlplatform.scheduling.ledger import PromptLedger, balanced
 from rlplatform.scheduling.staleness import StalenessRule
@@ -77,7 +78,7 @@ def test_a_worker_that_was_never_placed_is_cancelled_at_the_end_instead_of_waite
     fixed = [None]  # the policy's one worker started with the job, which plays no part here
     workers = PolicyWorkers(plan, None, fixed, None, None, keys=None, sft_rows=[], data={},
                             add_rollout=lambda index: Unplaceable.remote())
-    supervisor = Supervisor(lambda text: None)
+    supervisor = Supervisor(lambda text: None, RestartDeadline(HangRule(factor=10, floor_s=60)))
     notes = []
     elastic = ElasticRollout(workers, GroupSchedule(redis_client, "elastic-run", "policy", StalenessRule.of(RLConfig())),
                              supervisor.start, notes.append)

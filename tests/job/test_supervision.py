@@ -17,13 +17,17 @@ import ray
 from rlplatform.job.checkpoint import latest_checkpoint
 from rlplatform.job.controller import run_job
 from rlplatform.config import EvalConfig
-from rlplatform.job.supervision import Supervisor
+from rlplatform.job.supervision import RestartDeadline, Supervisor
 from rlplatform.job.workers import Evaluator
 from rlplatform.rewards.worker import RewardWorker
-from rlplatform.transport.deadlines import JobFailed
+from rlplatform.monitoring.watchdog import HangRule
+from rlplatform.transport.deadlines import JobFailed, WorkerHung
 from rlplatform.scheduling.ledger import balanced
 from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import RewardQueue
+
+
+RESTART = RestartDeadline(HangRule(factor=10, floor_s=60))  # a worker's restart: the defaults' floor
 
 
 def _in_background(action):
@@ -51,6 +55,21 @@ class SlowToStart:
         time.sleep(600)
 
 
+def test_a_dead_worker_not_back_within_its_restart_deadline_hangs_the_job(ray_session):
+    """The deadline is the hang rule's on the workers' measured start-up: here 1 x 1 s, against a restart that takes
+    over 2 s."""
+    actor = SlowToStart.remote()
+    supervisor = Supervisor(lambda text: None, RestartDeadline(HangRule(factor=1, floor_s=0.5), start_s=1.0))
+    supervisor.start("rollout", "slow", actor)
+    os.kill(ray.get(actor.pid.remote()), signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    with pytest.raises(WorkerHung, match=r"rollout worker slow died and was not back within 1s \(its restart "):
+        while time.monotonic() < deadline:
+            supervisor.check()
+            time.sleep(0.05)
+    ray.kill(actor)
+
+
 def _answers(actor, not_pid: int) -> bool:
     try:
         return ray.get(actor.pid.remote(), timeout=1) != not_pid
@@ -61,7 +80,7 @@ def _answers(actor, not_pid: int) -> bool:
 def test_a_killed_worker_counts_one_restart_and_its_loop_runs_again(ray_session):
     actor = SlowToStart.remote()
     pid = ray.get(actor.pid.remote())
-    supervisor = Supervisor(lambda text: None)
+    supervisor = Supervisor(lambda text: None, RESTART)
     supervisor.start("rollout", "slow", actor)
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 120
@@ -108,7 +127,8 @@ def _kill_and_wait(actor) -> None:
 def test_an_evaluator_restarted_between_evaluations_counts_one_restart_and_raises_its_alert(ray_session,
                                                                                             heard_before):
     alerts = []
-    evaluator = Evaluator(AnsweringEvaluator.remote(), [], EvalConfig(), [], [], on_restart=alerts.append)
+    evaluator = Evaluator(AnsweringEvaluator.remote(), [], EvalConfig(), [], [], on_restart=alerts.append,
+                          restart=RESTART)
     if heard_before:  # else Ray restarts it before its first answer
         assert evaluator.run_now() == (0, {"accuracy": 0.5})
     _kill_and_wait(evaluator.actor)
