@@ -234,7 +234,7 @@ def _run_stages(config: JobConfig, plan: JobPlan, run: str, redis_url: str, lear
         tool_actors = _start_tool_workers(config, run, redis_url, client)
         startup.mark("learners_ready_s", at=max(p.learner.ready_at for p in policies))
         startup.mark("workers_ready_s")  # every actor constructed
-        restart.start_s = startup.seconds["workers_ready_s"] - startup.seconds["services_ready_s"]
+        restart.start_s = startup.seconds["workers_ready_s"]  # the job's own start, imports and actors included
         results = {name: PolicyResults.from_state(state) for name, state in resume.state.results.items()} \
             if resume else {p.name: PolicyResults(p.data) for p in policies}
         resumed = resume.state.policies if resume else {}

@@ -27,8 +27,8 @@ PROBE_S = 0.5  # between readiness probes of an actor Ray is restarting
 @dataclass
 class RestartDeadline:
     """How long an actor Ray restarts may take to answer again: the hang rule's deadline (`monitoring.hang_factor`
-    times, at least `monitoring.hang_floor_s`) on the job's measured start-up of its workers, `start_s` (the floor
-    alone until the job has measured it)."""
+    times, at least `monitoring.hang_floor_s`) on the job's measured start-up until its workers were constructed,
+    `start_s` (the floor alone until the job has measured it)."""
     rule: HangRule
     start_s: float = 0.0
 
