@@ -529,7 +529,7 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
             _keep_lines(run.trained_log, 0)  # a fresh start: nothing trained yet
         run.monitor.started(run.version)
         run.mirror_redis()
-    supervisor = _start_loops(job, policies, reward_actors, metrics, tool_actors, restart)
+    supervisor = _start_loops(job, policies, reward_actors, metrics, tool_actors, restart=restart)
     for workers in elastic_policies(policies):
         runs[workers.name].elastic = ElasticRollout(workers, runs[workers.name].schedule, supervisor.start,
                                                     partial(metrics.event, "rollout_capacity"))
@@ -662,7 +662,7 @@ def _await_construction(actors: List, timeout_s: float) -> None:
 
 
 def _start_loops(job: JobConfig, policies: List[PolicyWorkers], reward_actors: List, metrics: Metrics,
-                 tool_actors: Sequence, restart: RestartDeadline) -> Supervisor:
+                 tool_actors: Sequence, *, restart: RestartDeadline) -> Supervisor:
     supervisor = Supervisor(lambda text: metrics.event("worker_restart", text), restart, tool_actors)
     for workers in policies:
         for i, actor in enumerate(workers.rollout):
