@@ -41,6 +41,7 @@ from rlplatform.monitoring.watchdog import (LearnerProcess, WorkerWatchdog, hang
 from rlplatform.rewards.shaping import overlong_penalty
 from rlplatform.scheduling.buffer import Batch, GroupBuffer, has_signal
 from rlplatform.scheduling.groups import GroupSchedule
+from rlplatform.scheduling.ledger import AGENT
 from rlplatform.scheduling.staleness import StalenessRule
 from rlplatform.transport.deadlines import (LEARNER_TIMEOUT_S, Heartbeats, JobFailed, LearnerDied, LearnerHung,
                                             ScoringStall, SilentWorkers, WorkerHung)
@@ -130,8 +131,24 @@ class RedisMirror:
     """What a checkpoint and the stage's summary read from the job's Redis, as last read (at the stage's start and
     after each learner step): a job whose Redis went away checkpoints and reports from it."""
     ledger: Dict  # the prompt ledger's `state()`
+    open_groups: Dict[str, int]  # the ledger's open groups' prompt positions by group id (AGENT: an agent's group)
     rollout: RolloutCounters  # the policy's rollout workers' counters
     reward: Dict[str, float]  # the reward workers' counters
+
+    def close_trained(self, group_ids: List[str]) -> List[Optional[int]]:
+        """Groups a learner step trained after Redis went away, closed as trained in the mirrored ledger as the
+        ledger would have closed them, so that a resume does not issue their prompts again; returns each one's
+        prompt position (None: an agent's group, or one the mirror did not hold open)."""
+        positions = []
+        for group_id in group_ids:
+            position = self.open_groups.pop(group_id, None)
+            if position is not None:
+                self.ledger["counts"]["trained"] = self.ledger["counts"].get("trained", 0) + 1
+                self.ledger["open"] -= 1
+                if position != AGENT:
+                    self.ledger["in_flight_prompts"].remove(position)
+            positions.append(None if position in (None, AGENT) else position)
+        return positions
 
 
 class StageFailed(JobFailed):
@@ -212,7 +229,8 @@ class PolicyRun:
         """Keep what a checkpoint and the summary need from Redis in `mirror`: the ledger read now, the workers'
         counters as the monitor last read them."""
         counts = self.monitor.worker_counters()
-        self.mirror = RedisMirror(self.schedule.ledger.state(), counts.rollout, counts.reward)
+        ledger, open_groups = self.schedule.ledger.snapshot()
+        self.mirror = RedisMirror(ledger, open_groups, counts.rollout, counts.reward)
 
     def _rollout_counters(self, offline: bool) -> RolloutCounters:
         """This attempt's rollout counters: from Redis, or mirrored with at least the samples the stage accounted
@@ -363,12 +381,12 @@ class PolicyRun:
 
     def finish_steps_offline(self) -> bool:
         """The job's Redis went away: wait for the learner steps in flight (`step_deadline_s` each) and count those
-        the learner applied; their groups stay open in the mirrored ledger, to be issued again at a resume. A step
-        whose ranks could not fetch its samples applied nothing. False if a step did not end: the learner then
-        holds weights no checkpoint can take. A step counted before Redis went away, but not yet recorded, is
-        logged as those are."""
+        the learner applied, their groups closed as trained in the mirrored ledger (a resume does not issue them
+        again). A step whose ranks could not fetch its samples applied nothing. False if a step did not end: the
+        learner then holds weights no checkpoint can take. A step counted before Redis went away, but not yet
+        recorded, is recorded as those are."""
         if self._unrecorded is not None:
-            self._log_trained(self._unrecorded, None)
+            self._log_trained(self._unrecorded, self.mirror.close_trained(self._unrecorded.group_ids()))
             self._unrecorded = None
         while self._steps:
             step = self._steps.popleft()
@@ -380,7 +398,7 @@ class PolicyRun:
             except ray.exceptions.RayTaskError:
                 continue
             self._count_trained(step, result)
-            self._log_trained(step.batch, None)
+            self._log_trained(step.batch, self.mirror.close_trained(step.batch.group_ids()))
         return True
 
     def learner_hang(self, checkpoint: Optional[str]) -> Optional[LearnerHung]:
@@ -429,11 +447,11 @@ class PolicyRun:
     def _record_trained(self, batch: Batch) -> None:
         """Close the batch's groups in the ledger and append its sample ids and the groups' prompt
         positions (null for a group the ledger had already closed) to trained.jsonl."""
-        self._log_trained(batch, self.schedule.trained([group[0].group_id for group in batch.groups]))
+        self._log_trained(batch, self.schedule.trained(batch.group_ids()))
 
-    def _log_trained(self, batch: Batch, prompts: Optional[List]) -> None:
-        """Append the step's sample ids and its groups' prompt positions (None: unknown, the ledger gone) to
-        trained.jsonl."""
+    def _log_trained(self, batch: Batch, prompts: List[Optional[int]]) -> None:
+        """Append the step's sample ids and its groups' prompt positions (None for a group the ledger did not hold
+        open) to trained.jsonl."""
         with open(self.trained_log, "a") as f:
             f.write(json.dumps({"step": self.version, "sample_ids": [s.sample_id for s in batch.samples],
                                 "prompts": prompts}) + "\n")

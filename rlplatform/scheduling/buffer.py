@@ -34,6 +34,10 @@ class Batch:
     def samples(self) -> List[ResultMeta]:
         return [s for group in self.groups for s in group]
 
+    def group_ids(self) -> List[str]:
+        """The trained groups' ids, in order."""
+        return [group[0].group_id for group in self.groups]
+
     def dropped_ids(self) -> List[str]:
         """Every sample this take dropped: never trained, their stored results can go."""
         groups = self.dropped_stale + self.dropped_errors + self.dropped_zero_advantage

@@ -167,14 +167,20 @@ class PromptLedger:
     def state(self) -> Dict:
         """What a checkpoint keeps: the data position, the counts and the prompts still in flight, read
         in one transaction (rollout workers keep issuing meanwhile; no prompt may fall between reads)."""
+        return self.snapshot()[0]
+
+    def snapshot(self) -> Tuple[Dict, Dict[str, int]]:
+        """`state()`, and the open groups' prompt positions by group id (AGENT for an agent's), from the same
+        transaction."""
         pipe = self.client.pipeline(transaction=True)
-        pipe.hvals(self.open).lrange(self.reissue, 0, -1).get(self.cursor).get(self.seq).hgetall(self.counts_key)
+        pipe.hgetall(self.open).lrange(self.reissue, 0, -1).get(self.cursor).get(self.seq).hgetall(self.counts_key)
         entries, reissue, cursor, seq, stored = pipe.execute()
+        positions = {_text(group): int(entry.split()[0]) for group, entry in entries.items()}
         counts = _counts(stored, len(entries))
         return {"cursor": int(cursor or 0), "seq": int(seq or 0),
                 "counts": {k: v for k, v in counts.items() if k != "open"}, "open": counts["open"],
-                "in_flight_prompts": [p for p in (int(entry.split()[0]) for entry in entries) if p != AGENT]
-                + [int(p) for p in reissue]}
+                "in_flight_prompts": [p for p in positions.values() if p != AGENT] + [int(p) for p in reissue]}, \
+            positions
 
     def restore(self, state: Dict, attempt: int) -> None:
         """Continue from a checkpoint's `state`: prompts in flight then are re-issued first."""
