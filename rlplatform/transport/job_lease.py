@@ -5,18 +5,21 @@ run touches no other run's keys. Two keys belong to the name itself. The lease `
 holds it from before it writes any key until it ends, so a same-name job started elsewhere against the
 same Redis (another run directory, another machine) refuses to start in one line. It names its holder
 (host, pid, run directory) and expires `ttl_s` after its last renewal, renewed by a daemon thread, so a job
-killed outright frees its name within `ttl_s`. And `rlp:<name>:run`, the run id of the name's newest run,
+killed outright frees its name within `ttl_s`, at once to a job started on the same machine (the holder's process
+is gone). And `rlp:<name>:run`, the run id of the name's newest run,
 set by the lease's holder: where standalone workers and `rlp status`, given only the name, find the run.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
 import uuid
 from typing import Optional
 
+import psutil
 import redis
 
 from rlplatform.config import ConfigError
@@ -35,6 +38,12 @@ end
 return 0
 """
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+# KEYS: the lease. ARGV: the holder found, the new holder, TTL in ms. Takes the lease over from that holder.
+_TAKE_OVER = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('set', KEYS[1], ARGV[2], 'px', ARGV[3]) end
+return 0
+"""
+HOLDER = re.compile(r"(?P<host>\S+) pid (?P<pid>\d+), ")  # how a holder starts: its host and process
 
 
 class JobLease:
@@ -51,12 +60,23 @@ class JobLease:
         self._thread: Optional[threading.Thread] = None
 
     def __enter__(self) -> "JobLease":
-        if not self.client.set(self.key, self.holder, px=int(self.ttl_s * 1000), nx=True):
+        if not self.client.set(self.key, self.holder, px=int(self.ttl_s * 1000), nx=True) and not self._take_over():
             raise ConfigError(live_job_message(self.client, self.job) or f"job '{self.job}' started twice")
         self.client.set(NameKeys(self.job).newest_run, self.run_id)
         self._thread = threading.Thread(target=self._keep, name=f"lease-{self.job}", daemon=True)
         self._thread.start()
         return self
+
+    def _take_over(self) -> bool:
+        """Takes the lease from a holder on this machine whose process is gone (a job that could not give it back:
+        killed, or its Redis unreachable as it ended) instead of waiting out its TTL; False where the holder may
+        live."""
+        found = self.client.get(self.key)
+        holder = HOLDER.match(found.decode(errors="replace")) if found is not None else None
+        if holder is None or holder["host"] != socket.gethostname() or psutil.pid_exists(int(holder["pid"])):
+            return False
+        return bool(self.client.register_script(_TAKE_OVER)(keys=[self.key],
+                                                            args=[found, self.holder, int(self.ttl_s * 1000)]))
 
     def __exit__(self, *exc) -> None:
         self._stop.set()

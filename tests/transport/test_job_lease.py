@@ -1,11 +1,13 @@
 """A job's name on a shared Redis belongs to one live job: a second job of the name refuses before it touches
 a key (the live job's queue and status stay), the lease survives the job's own reset, and a job killed
-outright frees its name within the lease's TTL. Each run's keys are its own: a later run of the name
+outright frees its name within the lease's TTL, at once to a job on its machine. Each run's keys are its own: a later run of the name
 resets its own keys only, and is the run the name leads to."""
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -65,6 +67,25 @@ def test_a_job_killed_outright_frees_its_name_within_the_ttl(redis_server, redis
         time.sleep(0.1)
     with JobLease(redis_client, "shared", "b1", str(tmp_path / "b")):
         pass
+
+
+def test_a_holder_on_this_machine_whose_process_is_gone_gives_way_at_once(redis_client, tmp_path):
+    """As a job leaves its lease whose Redis did not answer as it ended: the next job of the name on the machine
+    takes it without waiting out the TTL; a holder still alive, or on another machine, keeps it."""
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    owner = NameKeys("shared").owner
+    for holder, taken in ((f"{socket.gethostname()} pid {ended.stdout.strip()}, /runs/a [1]", True),
+                          (f"{socket.gethostname()} pid {os.getpid()}, /runs/a [2]", False),
+                          (f"elsewhere pid {ended.stdout.strip()}, /runs/a [3]", False)):
+        redis_client.set(owner, holder, px=60_000)
+        if taken:
+            with JobLease(redis_client, "shared", "b1", str(tmp_path / "b")):
+                assert str(tmp_path / "b") in live_job_message(redis_client, "shared")
+            assert newest_run(redis_client, "shared") == run_scope("shared", "b1")
+        else:
+            with pytest.raises(ConfigError, match="is running on this Redis"):
+                JobLease(redis_client, "shared", "b1", str(tmp_path / "b")).__enter__()
+            assert redis_client.get(owner).decode() == holder
 
 
 def test_a_later_run_of_the_name_resets_its_own_keys_only_and_the_name_leads_to_it(redis_client, tmp_path):
