@@ -33,7 +33,7 @@ from rlplatform.job.sft import run_sft
 from rlplatform.job.signals import Interrupted, StopSignals
 from rlplatform.job.summaries import (JobSummary, PolicyResults, RLSummary, SFTSummary, StartupTimes,
                                      first_eval_label, plain_text)
-from rlplatform.job.supervision import MAX_RESTARTS, RestartDeadline
+from rlplatform.job.supervision import MAX_RESTARTS, RestartDeadline, ServiceWatch
 from rlplatform.job.workers import Evaluator, PolicyWorkers, publish
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.monitoring.job_status import JobStatus
@@ -224,14 +224,18 @@ def _run_stages(config: JobConfig, plan: JobPlan, run: str, redis_url: str, lear
     reward_actors: List = []
     tool_actors: List = []
     restart = RestartDeadline(HangRule(config.monitoring.hang_factor, config.monitoring.hang_floor_s))
+    services = ServiceWatch(hang_rule(config.monitoring), config.run_dir, Heartbeats(client, run),
+                            partial(metrics.event, "hang"))  # watched by the evaluations the job waits for
     try:
         for name, policy in plan.policies.items():
             policies.append(_start_policy(config, policy, learners[name], train_rows, test_rows,
-                                          redis_url=redis_url, run=run, alert=metrics.event, restart=restart))
+                                          redis_url=redis_url, run=run, alert=metrics.event, restart=restart,
+                                          services=services))
         for workers in policies:  # once every policy's initial weights and weight store exist
             workers.teachers = _start_teacher_workers(config, plan, workers.config, run, redis_url)
         reward_actors = _start_reward_workers(config, run, redis_url)  # needed from RL on
         tool_actors = _start_tool_workers(config, run, redis_url, client)
+        services.actors = tool_actors
         startup.mark("learners_ready_s", at=max(p.learner.ready_at for p in policies))
         startup.mark("workers_ready_s")  # every actor constructed
         restart.start_s = startup.seconds["workers_ready_s"]  # the job's own start, imports and actors included
@@ -339,7 +343,7 @@ def _start_tool_workers(config: JobConfig, run: str, redis_url: str, client) -> 
 
 def _start_policy(config: JobConfig, plan: PolicyPlan, learner: LearnerGroup, train_rows, test_rows,
                   *, redis_url: str, run: str, alert: Callable[[str, str], None],
-                  restart: RestartDeadline) -> PolicyWorkers:
+                  restart: RestartDeadline, services: ServiceWatch) -> PolicyWorkers:
     """A policy's initial weights on disk, its learner ranks, rollout workers and evaluator (the last
     rollout actor, started last: `Evaluator`). Actors are named `<job>-<policy>-rollout-<i>`,
     `<job>-<policy>-learner-<rank>` and `<job>-<policy>-weights`; rollout workers find the weight store
@@ -367,7 +371,7 @@ def _start_policy(config: JobConfig, plan: PolicyPlan, learner: LearnerGroup, tr
     keys = PolicyKeys(run, policy.name)
     evaluator = Evaluator(start_rollout(index=policy.rollout.num_workers), test, config.eval, config.rewards,
                           config.imports, on_restart=partial(alert, "worker_restart"), restart=restart,
-                          hang_rule=hang_rule(config.monitoring), on_hang=partial(alert, "hang"),
+                          while_waiting=services.check, hang_rule=hang_rule(config.monitoring), on_hang=partial(alert, "hang"),
                           run_dir=config.run_dir, redis_url=redis_url, process_key=keys.evaluator_process
                           ) if config.eval.enabled else None  # after the learner's set-up (`Evaluator`)
     learner.connect_results(redis_url, run, config.redis.reconnect_s, policy.name)

@@ -17,11 +17,12 @@ from typing import Callable, List, Optional, Sequence
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from rlplatform.monitoring.watchdog import HangRule
-from rlplatform.transport.deadlines import JobFailed, WorkerHung, deadline_get
+from rlplatform.monitoring.watchdog import HangRule, WorkerWatchdog
+from rlplatform.transport.deadlines import Heartbeats, JobFailed, WorkerHung, deadline_get
 
 MAX_RESTARTS = 10  # per actor: Ray gives up on an actor that died this often, and the job fails
 PROBE_S = 0.5  # between readiness probes of an actor Ray is restarting
+WATCH_EVERY_S = 2.0  # between two looks at the services' beats while the job waits on an evaluation
 
 
 @dataclass
@@ -35,6 +36,36 @@ class RestartDeadline:
     @property
     def seconds(self) -> float:
         return self.rule.deadline_s(self.start_s)
+
+
+class ServiceWatch:
+    """The job's services (tool workers, serving from their construction) watched outside the RL loop, while the job
+    waits on an evaluation whose episodes call them: a hung one is dumped, killed for Ray to restart it (its restart
+    takes back the calls it held) and alerted, as the RL loop's watchdog does. `actors` are set once they started;
+    with the watchdog off (`rule` None) nothing is watched."""
+
+    def __init__(self, rule: Optional[HangRule], run_dir: str, heartbeats: Heartbeats,
+                 alert: Callable[[str], None]) -> None:
+        self.watchdog = WorkerWatchdog(rule, run_dir, self._restart) if rule else None
+        self.heartbeats, self.alert = heartbeats, alert
+        self.actors: List = []
+        self._last = 0.0
+
+    def check(self) -> None:
+        """Every WATCH_EVERY_S at most: handle the services hung since their last beat."""
+        if self.watchdog is None or not self.actors or time.monotonic() - self._last < WATCH_EVERY_S:
+            return
+        self._last = time.monotonic()
+        ids = {actor._actor_id.hex() for actor in self.actors}
+        for message in self.watchdog.check([beat for beat in self.heartbeats.beats() if beat.actor in ids]):
+            self.alert(message)
+
+    def _restart(self, actor_id: str) -> bool:
+        for actor in self.actors:
+            if actor._actor_id.hex() == actor_id:
+                ray.kill(actor, no_restart=False)
+                return True
+        return False
 
 
 class Revival:

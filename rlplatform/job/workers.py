@@ -17,11 +17,12 @@ from ray.exceptions import RayActorError
 
 from rlplatform.config import EvalConfig, PolicyConfig, RewardSpec
 from rlplatform.job.placement import PolicyPlan
-from rlplatform.job.supervision import MAX_RESTARTS, RestartDeadline, Revival
+from rlplatform.job.supervision import MAX_RESTARTS, WATCH_EVERY_S, RestartDeadline, Revival
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.tokenization import Prompt
 from rlplatform.monitoring.watchdog import HangRule, dump_path, dump_stacks
-from rlplatform.transport.deadlines import EVAL_TIMEOUT_S, WEIGHTS_TIMEOUT_S, JobFailed, WorkerHung, deadline_get
+from rlplatform.transport.deadlines import (EVAL_TIMEOUT_S, WEIGHTS_TIMEOUT_S, JobFailed, WorkerHung, deadline_get,
+                                            unresponsive)
 from rlplatform.transport.keys import PolicyKeys
 from rlplatform.transport.versions import publish_version
 
@@ -42,12 +43,13 @@ class Evaluator:
 
     def __init__(self, actor, prompts: List[Prompt], config: EvalConfig, rewards: List[RewardSpec],
                  imports: List[str], *, on_restart: Callable[[str], None], restart: RestartDeadline,
-                 hang_rule: Optional[HangRule] = None,
+                 while_waiting: Callable[[], None] = lambda: None, hang_rule: Optional[HangRule] = None,
                  on_hang: Callable[[str], None] = lambda message: None, run_dir: str = "", redis_url: str = "",
                  process_key: str = "") -> None:
         self.actor, self.prompts, self.config, self.rewards, self.imports = actor, prompts, config, rewards, imports
         self.on_restart, self.hang_rule, self.on_hang, self.run_dir = on_restart, hang_rule, on_hang, run_dir
         self.restart = restart  # how long the actor may take to be back once it died
+        self.while_waiting = while_waiting  # called every WATCH_EVERY_S while the job waits for an evaluation
         self.redis_url, self.process_key = redis_url, process_key
         self.longest_s = 0.0  # the longest wait for an evaluation so far
         self._heard: Set[str] = set()  # the actor processes that have answered
@@ -77,7 +79,7 @@ class Evaluator:
         started, killed = time.monotonic(), False
         while True:
             try:
-                answer = deadline_get(ref, "the evaluator", self._deadline_s())
+                answer = self._wait(ref, started)
                 self.longest_s = max(self.longest_s, time.monotonic() - started)
                 return self._answer(answer)
             except WorkerHung:
@@ -96,6 +98,14 @@ class Evaluator:
                     self._revival.wait()
                     self._revival = None
                 ref, started = call(), time.monotonic()
+
+    def _wait(self, ref: ray.ObjectRef, started: float):
+        """`ref`'s answer, `while_waiting` called meanwhile; WorkerHung once `_deadline_s` passed since `started`."""
+        while not ray.wait([ref], timeout=WATCH_EVERY_S)[0]:
+            if time.monotonic() - started > self._deadline_s():
+                raise WorkerHung(unresponsive("the evaluator", time.monotonic() - started, "did not answer"))
+            self.while_waiting()
+        return deadline_get(ref, "the evaluator", self._deadline_s())
 
     def _deadline_s(self) -> float:
         return self.hang_rule.deadline_s(self.longest_s or self.hang_rule.floor_s) if self.hang_rule \

@@ -1,7 +1,8 @@
 """The watchdog: beats say where each worker runs and what it does; a rollout worker or the evaluator stopped for
 good is named in a `hang` alert with its pid, its stacks are dumped to the run's hangs/ folder and it is restarted,
 the job completing with every sample accounted for (and its evaluations); a learner rank stopped for good ends
-the job within its deadline in one line naming the rank and the dump, exit code 3. With
+the job within its deadline in one line naming the rank and the dump, exit code 3; a tool worker stopped while
+the job waits on an evaluation outside RL is restarted by that wait. With
 `monitoring.watchdog=false` each job test fails by its own deadline (the job never ends, and is stopped after
 JOB_DEADLINE_S)."""
 
@@ -210,3 +211,46 @@ def test_a_tool_worker_stopped_for_good_is_named_dumped_and_restarted(ray_sessio
     rl = summary["rl"]
     assert rl["steps"] == 30 and rl["samples_trained"] == 30 * 2 * 2 and balanced(rl["ledger"])
     assert rl["tools"]["calculator/calls"] >= 30 * 2 * 2
+
+
+def test_a_tool_worker_stopped_while_sft_checks_call_it_is_restarted_by_the_waiting_job(ray_session, tmp_path,
+                                                                                       run_files):
+    """Outside the RL loop (here SFT's held-out checks, as at a stage's final evaluation) the job waits on the
+    evaluator while its episodes wait on the tool worker: the wait watches the tool workers, and restarts the hung
+    one, instead of restarting the evaluator over and over."""
+    from rlplatform.config import load_config
+    from rlplatform.job.run_dir import RUN_ID
+    from rlplatform.transport.keys import run_scope
+    from rlplatform.transport.redis_server import connect
+
+    config = load_config(TOOL_CALC, [
+        f"output_dir={tmp_path}", "name=hung-sft-tool", "env.fn=tests.envs.tools_for_tests:CalculateThePrompt",
+        "model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=128", "rl.enabled=false",
+        "sft.steps=160", "sft.eval_every=40", "sft.stop_at_accuracy=0.99", "sft.batch_size=8", "eval.max_rows=8",
+        "rl.max_new_tokens=4", "env.max_tokens=40", "data.train_size=64", "data.test_size=8", "wandb.mode=disabled",
+        "env.tool_workers.num_cpus=0.25", "env.tools[0].timeout_s=0.3", *FAST_WATCHDOG])  # deadline 3 s
+    stopped = []
+
+    def stop_it():
+        run_id = Path(config.run_dir, RUN_ID)
+        run_files.wait_for(run_id.exists)
+        beats = Heartbeats(connect(run_files.redis_url(config.run_dir)), run_scope(config.name, run_id.read_text().strip()))
+        run_files.wait_for(lambda: any(b.worker.startswith("tool worker") for b in beats.beats()))  # it serves
+        stopped.append(actor_pid("hung-sft-tool-tool-0"))
+        os.kill(stopped[0], signal.SIGSTOP)
+    deadline = threading.Timer(JOB_DEADLINE_S, os.kill, (os.getpid(), signal.SIGTERM))
+    deadline.start()
+    try:
+        summary = run_files.run_job_while(config, stop_it)
+    finally:
+        deadline.cancel()
+        if stopped:
+            try:
+                os.kill(stopped[0], signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    assert summary["status"] == "completed", "the job never ended with its only tool worker stopped"
+    [hang] = _events(config.run_dir, "hang")
+    assert hang["message"].startswith(f"tool worker hung-sft-tool-tool-0 (pid {stopped[0]} on ")
+    assert "restarting it" in hang["message"] and not _events(config.run_dir, "worker_restart")
+    assert [check["step"] for check in summary["stages"]["sft"]["accuracy_checks"]] == [40, 80, 120, 160]
