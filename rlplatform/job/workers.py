@@ -79,7 +79,7 @@ class Evaluator:
         started, killed = time.monotonic(), False
         while True:
             try:
-                answer = self._wait(ref, started)
+                answer = self._wait(ref)
                 self.longest_s = max(self.longest_s, time.monotonic() - started)
                 return self._answer(answer)
             except WorkerHung:
@@ -99,11 +99,12 @@ class Evaluator:
                     self._revival = None
                 ref, started = call(), time.monotonic()
 
-    def _wait(self, ref: ray.ObjectRef, started: float):
-        """`ref`'s answer, `while_waiting` called meanwhile; WorkerHung once `_deadline_s` passed since `started`."""
+    def _wait(self, ref: ray.ObjectRef):
+        """`ref`'s answer, `while_waiting` called meanwhile; WorkerHung after `_deadline_s` without one."""
+        begun = time.monotonic()
         while not ray.wait([ref], timeout=WATCH_EVERY_S)[0]:
-            if time.monotonic() - started > self._deadline_s():
-                raise WorkerHung(unresponsive("the evaluator", time.monotonic() - started, "did not answer"))
+            if time.monotonic() - begun > self._deadline_s():
+                raise WorkerHung(unresponsive("the evaluator", time.monotonic() - begun, "did not answer"))
             self.while_waiting()
         return deadline_get(ref, "the evaluator", self._deadline_s())
 
