@@ -445,9 +445,11 @@ class PolicyRun:
             self.failure, self.hold = verdict.message, True
 
     def _record_trained(self, batch: Batch) -> None:
-        """Close the batch's groups in the ledger and append its sample ids and the groups' prompt
-        positions (null for a group the ledger had already closed) to trained.jsonl."""
+        """Close the batch's groups in the ledger, and in its mirror (a Redis lost before the mirror's next read
+        leaves them closed there too), and append its sample ids and the groups' prompt positions (null for a group
+        the ledger had already closed) to trained.jsonl."""
         self._log_trained(batch, self.schedule.trained(batch.group_ids()))
+        self.mirror.close_trained(batch.group_ids())
 
     def _log_trained(self, batch: Batch, prompts: List[Optional[int]]) -> None:
         """Append the step's sample ids and its groups' prompt positions (None for a group the ledger did not hold
