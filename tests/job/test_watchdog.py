@@ -110,14 +110,14 @@ def test_a_stopped_process_on_another_node_is_dumped_by_a_task_there_or_says_why
     assert said.startswith("no stack dump (") and not (tmp_path / "d.txt").exists()
 
 
-def _job_with_a_stopped_actor(config, actor: str, after_steps: int, run_files):
-    """Run the job, SIGSTOPping actor `actor` for good once `after_steps` steps are trained; a job still running
-    after JOB_DEADLINE_S is stopped (SIGTERM; 20 s later the stopped process is killed, ending a wait on it).
-    Returns (summary or the error raised, the stopped pid)."""
+def _job_with_a_stopped_actor(config, actor: str, after_steps: int, run_files, when=None):
+    """Run the job, SIGSTOPping actor `actor` for good once `after_steps` steps are trained (or once `when()`); a job
+    still running after JOB_DEADLINE_S is stopped (SIGTERM; 20 s later the stopped process is killed, ending a wait
+    on it). Returns (summary or the error raised, the stopped pid)."""
     stopped = []
 
     def stop_it():
-        run_files.wait_for(lambda: run_files.trained_steps(config.run_dir) >= after_steps)
+        run_files.wait_for(when or (lambda: run_files.trained_steps(config.run_dir) >= after_steps))
         stopped.append(actor_pid(actor))
         os.kill(stopped[0], signal.SIGSTOP)
     deadlines = [threading.Timer(JOB_DEADLINE_S, os.kill, (os.getpid(), signal.SIGTERM)),
@@ -229,28 +229,16 @@ def test_a_tool_worker_stopped_while_sft_checks_call_it_is_restarted_by_the_wait
         "sft.steps=160", "sft.eval_every=40", "sft.stop_at_accuracy=0.99", "sft.batch_size=8", "eval.max_rows=8",
         "rl.max_new_tokens=4", "env.max_tokens=40", "data.train_size=64", "data.test_size=8", "wandb.mode=disabled",
         "env.tool_workers.num_cpus=0.25", "env.tools[0].timeout_s=0.3", *FAST_WATCHDOG])  # deadline 3 s
-    stopped = []
 
-    def stop_it():
-        run_id = Path(config.run_dir, RUN_ID)
-        run_files.wait_for(run_id.exists)
-        beats = Heartbeats(connect(run_files.redis_url(config.run_dir)), run_scope(config.name, run_id.read_text().strip()))
-        run_files.wait_for(lambda: any(b.worker.startswith("tool worker") for b in beats.beats()))  # it serves
-        stopped.append(actor_pid("hung-sft-tool-tool-0"))
-        os.kill(stopped[0], signal.SIGSTOP)
-    deadline = threading.Timer(JOB_DEADLINE_S, os.kill, (os.getpid(), signal.SIGTERM))
-    deadline.start()
-    try:
-        summary = run_files.run_job_while(config, stop_it)
-    finally:
-        deadline.cancel()
-        if stopped:
-            try:
-                os.kill(stopped[0], signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+    def tool_serving() -> bool:
+        run_id, url = Path(config.run_dir, RUN_ID), Path(config.run_dir, "redis.url")
+        if not (run_id.exists() and url.exists()):
+            return False
+        beats = Heartbeats(connect(url.read_text().strip()), run_scope(config.name, run_id.read_text().strip()))
+        return any(beat.worker.startswith("tool worker") for beat in beats.beats())
+    summary, pid = _job_with_a_stopped_actor(config, "hung-sft-tool-tool-0", 0, run_files, when=tool_serving)
     assert summary["status"] == "completed", "the job never ended with its only tool worker stopped"
     [hang] = _events(config.run_dir, "hang")
-    assert hang["message"].startswith(f"tool worker hung-sft-tool-tool-0 (pid {stopped[0]} on ")
+    assert hang["message"].startswith(f"tool worker hung-sft-tool-tool-0 (pid {pid} on ")
     assert "restarting it" in hang["message"] and not _events(config.run_dir, "worker_restart")
     assert [check["step"] for check in summary["stages"]["sft"]["accuracy_checks"]] == [40, 80, 120, 160]
