@@ -129,16 +129,17 @@ class StepInFlight:
 @dataclass(frozen=True)
 class RedisMirror:
     """What a checkpoint and the stage's summary read from the job's Redis, as last read (at the stage's start and
-    after each learner step): a job whose Redis went away checkpoints and reports from it."""
+    after each learner step), with the groups trained since closed in it: a job whose Redis went away checkpoints
+    and reports from it."""
     ledger: Dict  # the prompt ledger's `state()`
     open_groups: Dict[str, int]  # the ledger's open groups' prompt positions by group id (AGENT: an agent's group)
     rollout: RolloutCounters  # the policy's rollout workers' counters
     reward: Dict[str, float]  # the reward workers' counters
 
     def close_trained(self, group_ids: List[str]) -> List[Optional[int]]:
-        """Groups a learner step trained after Redis went away, closed as trained in the mirrored ledger as the
-        ledger would have closed them, so that a resume does not issue their prompts again; returns each one's
-        prompt position (None: an agent's group, or one the mirror did not hold open)."""
+        """Groups a learner step trained, closed as trained in the mirrored ledger as the ledger closes them, so that a
+        resume from the mirror does not issue their prompts again; returns each one's prompt position (None: an
+        agent's group, or one the mirror did not hold open, issued after its read)."""
         positions = []
         for group_id in group_ids:
             position = self.open_groups.pop(group_id, None)
