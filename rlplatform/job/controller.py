@@ -373,7 +373,7 @@ def _start_policy(config: JobConfig, plan: PolicyPlan, learner: LearnerGroup, tr
                           config.imports, on_restart=partial(alert, "worker_restart"), restart=restart,
                           while_waiting=services.check, hang_rule=hang_rule(config.monitoring),
                           on_hang=partial(alert, "hang"), run_dir=config.run_dir, redis_url=redis_url,
-                          process_key=keys.evaluator_process                          ) if config.eval.enabled else None  # after the learner's set-up (`Evaluator`)
+                          process_key=keys.evaluator_process) if config.eval.enabled else None  # after the learner's set-up (`Evaluator`)
     learner.connect_results(redis_url, run, config.redis.reconnect_s, policy.name)
     if config.monitoring.parity_every:
         learner.watch_parity([p.ids for p in train], keys.canary_reference, config.monitoring.parity_every)
