@@ -369,11 +369,12 @@ def _start_policy(config: JobConfig, plan: PolicyPlan, learner: LearnerGroup, tr
         rollout = [start_rollout(index=i) for i in range(policy.rollout.num_workers)]
         learner.set_up()
     keys = PolicyKeys(run, policy.name)
+    # the evaluator starts after the learner's set-up (`Evaluator`)
     evaluator = Evaluator(start_rollout(index=policy.rollout.num_workers), test, config.eval, config.rewards,
                           config.imports, on_restart=partial(alert, "worker_restart"), restart=restart,
                           while_waiting=services.check, hang_rule=hang_rule(config.monitoring),
                           on_hang=partial(alert, "hang"), run_dir=config.run_dir, redis_url=redis_url,
-                          process_key=keys.evaluator_process) if config.eval.enabled else None  # after the learner's set-up (`Evaluator`)
+                          process_key=keys.evaluator_process) if config.eval.enabled else None
     learner.connect_results(redis_url, run, config.redis.reconnect_s, policy.name)
     if config.monitoring.parity_every:
         learner.watch_parity([p.ids for p in train], keys.canary_reference, config.monitoring.parity_every)
