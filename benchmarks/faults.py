@@ -49,7 +49,7 @@ import psutil
 import ray
 from ray._private.state import state as ray_state  # the GCS actor table: names, pids, states
 
-from rlplatform.config import JobConfig, load_config, to_yaml
+from rlplatform.config import REDIS_URL_ENV, JobConfig, load_config, to_yaml
 from rlplatform.job.checkpoint import DiskFull, checkpoints_dir, latest_checkpoint, read_state
 from rlplatform.job.controller import run_job
 from rlplatform.job.run_dir import RUN_ID
@@ -500,6 +500,8 @@ def _run_scenario(scenario: Scenario, out_dir: str, steps: int, seed: int) -> Ou
     progress = Progress(config.run_dir)
     progress.start()
     start, orphans = time.time(), None
+    if server:  # what `rlp run` reads for a Redis URL its config file saved without the password
+        os.environ[REDIS_URL_ENV] = server.url
     try:
         if scenario.in_process:
             _run_in_process(config, faults, progress, server)
@@ -512,6 +514,7 @@ def _run_scenario(scenario: Scenario, out_dir: str, steps: int, seed: int) -> Ou
         progress.stop()
         if server:
             server.stop()
+            os.environ.pop(REDIS_URL_ENV, None)
     for fault in faults:
         fault.recovery_s = progress.recovery(fault.at) if fault.at else None
     outcome = account(config, faults)
