@@ -72,8 +72,7 @@ class JobLease:
         killed, or its Redis unreachable as it ended) instead of waiting out its TTL; False where the holder may
         live."""
         found = self.client.get(self.key)
-        holder = HOLDER.match(found.decode(errors="replace")) if found is not None else None
-        if holder is None or holder["host"] != socket.gethostname() or psutil.pid_exists(int(holder["pid"])):
+        if found is None or not gone(found):
             return False
         return bool(self.client.register_script(_TAKE_OVER)(keys=[self.key],
                                                             args=[found, self.holder, int(self.ttl_s * 1000)]))
@@ -102,10 +101,17 @@ def newest_run(client: redis.Redis, job: str) -> Optional[str]:
     return run_scope(job, run_id.decode()) if run_id is not None else None
 
 
+def gone(holder: bytes) -> bool:
+    """Whether a lease's holder is a process of this machine that no longer runs (its lease is free to take)."""
+    found = HOLDER.match(holder.decode(errors="replace"))
+    return bool(found and found["host"] == socket.gethostname() and not psutil.pid_exists(int(found["pid"])))
+
+
 def live_job_message(client: redis.Redis, job: str) -> Optional[str]:
-    """The line refusing a second job named `job` while one holds the name on `client`'s Redis (None: free)."""
+    """The line refusing a second job named `job` while one holds the name on `client`'s Redis (None: free, or held
+    by a process of this machine that is gone)."""
     holder = client.get(NameKeys(job).owner)
-    if holder is None:
+    if holder is None or gone(holder):
         return None
     return (f"a job named '{job}' is running on this Redis ({holder.decode(errors='replace')}): one job of a name "
             f"runs at a time (standalone workers and `rlp status` find a job by its name); give this run another "

@@ -78,6 +78,7 @@ def test_a_holder_on_this_machine_whose_process_is_gone_gives_way_at_once(redis_
                           (f"{socket.gethostname()} pid {os.getpid()}, /runs/a [2]", False),
                           (f"elsewhere pid {ended.stdout.strip()}, /runs/a [3]", False)):
         redis_client.set(owner, holder, px=60_000)
+        assert (live_job_message(redis_client, "shared") is None) == taken  # what `rlp run` checks before it starts
         if taken:
             with JobLease(redis_client, "shared", "b1", str(tmp_path / "b")):
                 assert str(tmp_path / "b") in live_job_message(redis_client, "shared")
