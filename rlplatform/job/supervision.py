@@ -46,7 +46,8 @@ class ServiceWatch:
 
     def __init__(self, rule: Optional[HangRule], run_dir: str, heartbeats: Heartbeats,
                  alert: Callable[[str], None]) -> None:
-        self.watchdog = WorkerWatchdog(rule, run_dir, self._restart) if rule else None
+        self.watchdog = WorkerWatchdog(rule, run_dir, lambda actor_id: restart_among(self.actors, actor_id)) \
+            if rule else None
         self.heartbeats, self.alert = heartbeats, alert
         self.actors: List = []
         self._last = 0.0
@@ -60,12 +61,14 @@ class ServiceWatch:
         for message in self.watchdog.check([beat for beat in self.heartbeats.beats() if beat.actor in ids]):
             self.alert(message)
 
-    def _restart(self, actor_id: str) -> bool:
-        for actor in self.actors:
-            if actor._actor_id.hex() == actor_id:
-                ray.kill(actor, no_restart=False)
-                return True
-        return False
+
+def restart_among(actors: Sequence, actor_id: str) -> bool:
+    """Kill the one of `actors` whose Ray actor id (hex) is `actor_id`, for Ray to restart it; False where none is."""
+    for actor in actors:
+        if actor._actor_id.hex() == actor_id:
+            ray.kill(actor, no_restart=False)
+            return True
+    return False
 
 
 class Revival:
@@ -169,11 +172,7 @@ class Supervisor:
     def restart_hung(self, actor_id: str) -> bool:
         """Kill the actor `actor_id` (Ray actor id, hex) of a hung worker loop or service, so that Ray restarts it
         (and `check` runs a loop again); False where the stage holds no such actor."""
-        for actor in [loop.actor for loop in self._loops] + self._services:
-            if actor._actor_id.hex() == actor_id:
-                ray.kill(actor, no_restart=False)
-                return True
-        return False
+        return restart_among([loop.actor for loop in self._loops] + self._services, actor_id)
 
     def _count(self, kind: str) -> int:
         return sum(loop.kind == kind for loop in self._loops)

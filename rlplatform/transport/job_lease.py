@@ -56,6 +56,7 @@ class JobLease:
         self.holder = f"{socket.gethostname()} pid {os.getpid()}, {os.path.abspath(run_dir)} [{uuid.uuid4().hex[:8]}]"
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
+        self._take = client.register_script(_TAKE_OVER)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -74,8 +75,7 @@ class JobLease:
         found = self.client.get(self.key)
         if found is None or not gone(found):
             return False
-        return bool(self.client.register_script(_TAKE_OVER)(keys=[self.key],
-                                                            args=[found, self.holder, int(self.ttl_s * 1000)]))
+        return bool(self._take(keys=[self.key], args=[found, self.holder, int(self.ttl_s * 1000)]))
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
