@@ -126,8 +126,8 @@ def test_a_taskset_trains_on_the_episodes_its_reward_scored(sft_checkpoint, tmp_
     weight-0 reward checks each sample); some are right. An episode's tokens paired with another episode's
     reward fail it; the learning itself is the tests' above."""
     pytest.importorskip("verifiers.v1")
-    summary = rl_from(sft_checkpoint, tmp_path, *TASKSET, "rl.max_steps=4", "eval.every_steps=0")
+    summary = rl_from(sft_checkpoint, tmp_path, *TASKSET, "rl.max_steps=3", "rl.batch_prompts=8", "eval.enabled=false")
     rl = summary["rl"]
-    assert rl["ledger"]["admitted"] == 0 and rl["samples_trained"] == 4 * 16 * 8  # every group a task the ledger issued
+    assert rl["ledger"]["admitted"] == 0 and rl["samples_trained"] == 3 * 8 * 8  # every group a task the ledger issued
     components = rl["rewards"]["components"]
     assert components["agrees_with_verifiers"] == 1.0 and components["exact_match"] > 0.1
