@@ -6,12 +6,16 @@ called by the worker loop between steps) and its completions come back through `
 carry their token ids and weight versions. Requests with an `X-Episode-Id` header grow one token
 sequence per episode (`bridge_episodes.py`); `POST /v1/episodes/{id}/finish` with `{"group", "row"}`
 turns it into a `Sample` for the reward queue, like any rollout; `DELETE /v1/episodes/{id}` drops it.
+An episode whose agent sends nothing past the idle deadline (`idle_episodes.py`) is dropped and reported
+(`on_expired`); the agent's later requests for it are answered 410.
 
 Finished episodes are counted with the worker's generated samples and tokens (the policy's rollout
 stats), so the job's balance (generated = trained + dropped + unused) holds with them. An agent's
 group enters the job's schedule when its first episode finishes (`admit`: the prompt ledger opens it
 and it claims staleness capacity like an issued group); while the staleness rule allows no more
 groups in play, that finish is answered 429 and the episode kept for the agent to finish again later.
+A finish into a group that has ended (trained, dropped, or expired while its agent was away) is answered
+410 and the episode kept, to be finished into a new group.
 A group's ends (trained, dropped, expired) are the ledger's, as for any group; having no data
 position, it is never issued again.
 
@@ -43,8 +47,11 @@ from rlplatform.actors.bridge_episodes import ChatRenderer, Episode, ExtensionEr
 from rlplatform.actors.completions import Completion
 from rlplatform.actors.decode_batch import DecodeBatch
 from rlplatform.actors.engine import TransformersEngine
+from rlplatform.actors.idle_episodes import ExpiredEpisode, IdleEpisodes
 from rlplatform.config import OpenAIBridgeConfig, RLConfig
+from rlplatform.monitoring.watchdog import HangRule
 from rlplatform.preflight import is_loopback
+from rlplatform.scheduling.groups import GroupEnded
 from rlplatform.transport.bridge_protocol import DISCARD_ROUTE, EPISODE_HEADER, FINISH_ROUTE, bridge_status_field
 from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.samples import Sample
@@ -53,6 +60,7 @@ from rlplatform.transport.samples import Sample
 _UNSUPPORTED = {"stream": False, "stop": None, "top_p": 1, "top_logprobs": 0, "frequency_penalty": 0,
                 "presence_penalty": 0, "logit_bias": None, "tools": None, "response_format": None}
 STOP_WAIT_S = 5.0  # the longest a stopping bridge waits for requests still being answered
+SWEEP_EVERY_S = 1.0  # how often held episodes are checked against the idle deadline
 
 
 class RequestError(Exception):
@@ -94,12 +102,16 @@ class OpenAIBridge:
 
     def __init__(self, engine: TransformersEngine, policy: str, chat_template: str, temperature: float,
                  max_new_tokens: int, *, submit: Callable[[List[Sample]], None], admit: Callable[[str], bool],
-                 limits: OpenAIBridgeConfig = OpenAIBridgeConfig(), api_key: Optional[str] = None) -> None:
-        """`admit(group)`: whether an agent's group is (now) in the job's schedule; `limits`: the request
-        bounds of `rollout.openai_bridge`; `api_key`: the bearer token requests must carry (None: any
-        request is served)."""
+                 limits: OpenAIBridgeConfig = OpenAIBridgeConfig(), api_key: Optional[str] = None,
+                 idle_rule: Optional[HangRule] = None,
+                 on_expired: Callable[[List[ExpiredEpisode]], None] = lambda expired: None) -> None:
+        """`admit(group)`: whether an agent's group is (now) in the job's schedule (`GroupEnded` when it ended);
+        `limits`: the request bounds of `rollout.openai_bridge`; `api_key`: the bearer token requests must carry
+        (None: any request is served); `idle_rule`: the hang rule that drops episodes whose agent went silent,
+        each batch of them told to `on_expired` (None: episodes are held until their agent ends them)."""
         self.policy, self.submit, self.limits, self.api_key = policy, submit, limits, api_key
-        self.admit_group = admit
+        self.admit_group, self.on_expired = admit, on_expired
+        self.idle = IdleEpisodes(idle_rule)
         self.temperature, self.max_new_tokens = temperature, max_new_tokens  # the job's rl settings
         self.renderer = ChatRenderer(engine.tokenizer, chat_template)
         self.stop_ids = set(engine.stop_ids)
@@ -115,6 +127,7 @@ class OpenAIBridge:
         self.url: Optional[str] = None  # where it serves, once announced
         self._in_progress = 0  # chat requests being answered (server thread only)
         self._stopping = False  # set once `stop` begins: requests arriving on open connections get 503 at once
+        self._sweeper: Optional[asyncio.Task] = None
 
     # the worker loop's side
     def admit(self, batch: DecodeBatch) -> None:
@@ -157,6 +170,8 @@ class OpenAIBridge:
         except OSError as err:
             raise RuntimeError(f"rollout.openai_bridge: cannot listen on {host}:{port} ({err.strerror}); "
                                "choose another rollout.openai_bridge.port") from None
+        if self.idle.rule is not None:
+            self._sweeper = self._loop.create_task(self._sweep_idle())
         self._thread = threading.Thread(target=self._loop.run_forever, name="openai-bridge", daemon=True)
         self._thread.start()
         return self._runner.addresses[0][1]
@@ -179,6 +194,8 @@ class OpenAIBridge:
 
     async def _shutdown(self) -> None:
         self._stopping = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         for generation in list(self._decoding.values()) + _drain(self._pending):
             if not generation.future.done():
                 generation.future.set_exception(RequestError(503, "the rollout worker stopped", "unavailable"))
@@ -227,11 +244,13 @@ class OpenAIBridge:
             prompt_ids = self._within_limit(self.renderer.prompt_ids(text, params.messages))
             completions = await self._generate(prompt_ids, params)
         else:
-            prompt_ids, completions = await self._episode_turn(episode_id, params)
+            prompt_ids, completions = await self._episode_turn(episode_id, params, request.remote or "")
         return web.json_response(self._response(prompt_ids, completions, params.logprobs))
 
-    async def _episode_turn(self, episode_id: str, params: ChatParams) -> Tuple[List[int], List[Completion]]:
+    async def _episode_turn(self, episode_id: str, params: ChatParams,
+                            client: str) -> Tuple[List[int], List[Completion]]:
         """A reply within episode `episode_id`: it starts the episode or extends its token sequence."""
+        self._not_expired(episode_id)
         if params.n != 1 or params.temperature != self.temperature:
             raise RequestError(400, f"episode {episode_id}: episode requests take n=1 and the job's "
                                     f"rl.temperature {self.temperature} (the learner scores tokens at it)")
@@ -239,6 +258,7 @@ class OpenAIBridge:
             raise RequestError(409, f"episode {episode_id} already has a request in progress; send its turns "
                                     "one after another", "episode_busy")
         self.busy_episodes.add(episode_id)
+        self.idle.requested(episode_id)
         try:
             episode = self.episodes.get(episode_id)
             if episode is None:
@@ -246,10 +266,12 @@ class OpenAIBridge:
             else:
                 episode.extend(self.renderer, params.messages)
             self.episodes.pop(episode_id, None)  # an episode whose turn fails is discarded
+            self.idle.ended(episode_id)
             prompt_ids = self._within_limit(episode.ids)
             completions = await self._generate(prompt_ids, params)
             episode.add_reply(self.renderer, completions[0])
             self.episodes[episode_id] = episode
+            self.idle.answered(episode_id, client)
             return prompt_ids, completions
         except ExtensionError as err:
             raise RequestError(400, f"episode {episode_id}: {err}", "episode_mismatch") from None
@@ -278,7 +300,14 @@ class OpenAIBridge:
         if not isinstance(group, str) or not isinstance(row, dict):
             raise RequestError(400, "finish takes {\"group\": a string, \"row\": an object of the row's fields}")
         self._held(episode_id)
-        if not await self._loop.run_in_executor(None, self.admit_group, group):
+        self.idle.requested(episode_id)
+        self.idle.answered(episode_id, request.remote or "")  # kept until taken below
+        try:
+            admitted = await self._loop.run_in_executor(None, self.admit_group, group)
+        except GroupEnded as ended:
+            raise RequestError(410, f"{ended}; finish this episode into a new group (it is kept)",
+                               "group_ended") from None
+        if not admitted:
             raise RequestError(429, f"group {group} cannot start: the job holds as many groups in play as "
                                     "rl.max_staleness allows; finish this episode again later (it is kept)",
                                "groups_full")
@@ -297,10 +326,31 @@ class OpenAIBridge:
     def _take(self, episode_id: str) -> Episode:
         """The episode, removed from those held: it ends here (finished or dropped)."""
         self._held(episode_id)
+        self.idle.ended(episode_id)
         return self.episodes.pop(episode_id)
+
+    def _not_expired(self, episode_id: str) -> None:
+        if self.idle.has_expired(episode_id):
+            raise RequestError(410, f"episode {episode_id} was dropped: no request of it came for longer than this "
+                                    "worker's idle deadline (its agent looked gone); play it again under a new "
+                                    "episode id", "episode_expired")
+
+    async def _sweep_idle(self) -> None:
+        """Every `SWEEP_EVERY_S`: drop the held episodes idle past the deadline and tell `on_expired`."""
+        while True:
+            await asyncio.sleep(SWEEP_EVERY_S)
+            expired = self.idle.expire(self.busy_episodes)
+            for gone in expired:
+                self.episodes.pop(gone.episode, None)
+            if expired:
+                try:
+                    await self._loop.run_in_executor(None, self.on_expired, expired)
+                except Exception as err:  # the job's Redis gone: the job ends on it; the sweep goes on meanwhile
+                    print(f"openai bridge: {len(expired)} expired episodes not reported ({err})", flush=True)
 
     def _held(self, episode_id: str) -> None:
         """Refuses an episode this worker does not hold, or whose turn is in progress."""
+        self._not_expired(episode_id)
         if episode_id in self.busy_episodes:
             raise RequestError(409, f"episode {episode_id} has a request in progress", "episode_busy")
         if episode_id not in self.episodes:
@@ -329,7 +379,8 @@ class OpenAIBridge:
 
 def serve_worker(engine: TransformersEngine, config: OpenAIBridgeConfig, rl: RLConfig, policy: str, index: int,
                  *, chat_template: str, reward_queue: RewardQueue, counters: str,
-                 admit: Callable[[str], bool], taskset: bool = False) -> Optional[OpenAIBridge]:
+                 admit: Callable[[str], bool], taskset: bool = False, idle_rule: Optional[HangRule] = None,
+                 on_expired: Callable[[List[ExpiredEpisode]], None] = lambda expired: None) -> Optional[OpenAIBridge]:
     """Rollout worker `index`'s endpoint when `config` enables it, on port `config.port + index` (a free one
     on loopback when it is off but `taskset` asks for one: the worker's own player of a taskset); its URL
     is printed and shown by `rlp status` until it stops. Finished episodes are counted in `counters`
@@ -345,7 +396,7 @@ def serve_worker(engine: TransformersEngine, config: OpenAIBridgeConfig, rl: RLC
                            "where the rollout workers run: set it to a secret key, or listen on 127.0.0.1")
     bridge = OpenAIBridge(engine, policy, chat_template, rl.temperature, rl.max_new_tokens,
                           submit=lambda samples: reward_queue.submit(samples, counters=counters), admit=admit,
-                          limits=config, api_key=api_key)
+                          limits=config, api_key=api_key, idle_rule=idle_rule, on_expired=on_expired)
     port = bridge.start(config.host, config.port + index if config.port else 0)
     host = ray.util.get_node_ip_address() if config.host in ("0.0.0.0", "::") else config.host
     bridge.announce(reward_queue, bridge_status_field(policy, index), f"http://{host}:{port}/v1")

@@ -21,6 +21,7 @@ while episodes wait on tools) live on Redis, in the policy's
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,12 +33,14 @@ import torch
 from rlplatform.actors.completions import Completion
 from rlplatform.actors.engine import ContinuousBatch, build_engine
 from rlplatform.actors.episodes import MultiTurn, SingleTurn, WaitOccupancy, run_episodes
+from rlplatform.actors.idle_episodes import ExpiredEpisode
 from rlplatform.actors.openai_bridge import OpenAIBridge, serve_worker
 from rlplatform.actors.rollout_spec import RolloutSpec
 from rlplatform.config import EvalConfig, RewardSpec
 from rlplatform.envs.rendering import Renderer
 from rlplatform.envs.taskset_source import TasksetPlayer, play_held_out
 from rlplatform.monitoring.eval_figures import evaluation_figures
+from rlplatform.monitoring.watchdog import HangRule
 from rlplatform.monitoring.parity_canary import CanaryCheck
 from rlplatform.priority import set_cpu_priority
 from rlplatform.rewards.registry import resolve
@@ -93,6 +96,7 @@ class RolloutWorker:
         self.schedule = GroupSchedule(client, run, policy, StalenessRule.of(rl))
         self.seed, self.chat_template = spec.seed, spec.chat_template
         self.env = spec.env
+        self.idle_rule = HangRule(spec.monitoring.hang_factor, spec.monitoring.hang_floor_s)  # for agents' episodes
         self.episodes = self._episodes(client, run, spec.chat_template, rl.max_new_tokens)
         self.occupancy = WaitOccupancy()  # the decode batch while episodes wait on tools
         self._scorer = None  # the job's rewards, built on the first evaluation
@@ -162,7 +166,8 @@ class RolloutWorker:
                               chat_template=self.chat_template, reward_queue=self.queue,
                               counters=self.keys.rollout_stats,
                               admit=lambda group: self.schedule.admit(group, self.version),
-                              taskset=self.env.plays_taskset)
+                              taskset=self.env.plays_taskset, idle_rule=self.idle_rule,
+                              on_expired=self._episodes_expired)
         self.schedule.taken_over(self.index)  # after a restart: the groups a predecessor left unsubmitted
         player = self._taskset_player(bridge, capacity)
         while not self._poll():
@@ -230,6 +235,12 @@ class RolloutWorker:
         self._count(busy_s=self._unreported_busy_s, submit_s=time.perf_counter() - start,
                     **self.occupancy.take_counts())
         self._unreported_busy_s = 0.0
+
+    def _episodes_expired(self, expired: List[ExpiredEpisode]) -> None:
+        """Agent episodes the bridge dropped for their agent's silence: counted, and told to the job's alert."""
+        self._count(agent_episodes_expired=len(expired))
+        self.queue.client.rpush(self.keys.agent_episodes_expired,
+                                *[json.dumps({**gone.as_dict(), "worker": self.label}) for gone in expired])
 
     def _count(self, **values: float) -> None:
         """Add to the policy's rollout counters on Redis (read by the monitor and the summary)."""

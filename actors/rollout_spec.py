@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Optional
 
-from rlplatform.config import EnvConfig, LoraConfig, RLConfig, RolloutConfig
+from rlplatform.config import EnvConfig, LoraConfig, MonitoringConfig, RLConfig, RolloutConfig
 from rlplatform.transport.weight_transports import WeightTransport
 
 
@@ -36,3 +36,4 @@ class RolloutSpec:
     priority: str = "normal"  # the process's CPU priority: `rollout.priority`, or the evaluator's `eval.priority`
     parity_every: int = 0  # `monitoring.parity_every`: versions between parity canary checks (0: none)
     distilled: bool = False  # the policy distils (`distill.teacher`): samples go to its teacher queue, not the reward queue
+    monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)  # its hang rule drops idle agent episodes

@@ -66,6 +66,8 @@ TINY = ["model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=1
 VLLM = ["rollout.engine=vllm", "model.num_heads=2"]  # vLLM's CPU attention takes TINY's width in heads of 32
 WATCHDOG = ["monitoring.hang_floor_s=5"]  # deadlines a tiny job reaches: 10x its longest round or step, at least 5 s
 TOOL_CALC = os.path.join(REPO, "configs", "tool_calc.yaml")
+AGENT = os.path.join(REPO, "examples", "bridge_agent.py")
+BRIDGE = ["rollout.openai_bridge.enabled=true", "rollout.openai_bridge.port=0"]
 TOOLS = ["env.fn=tests.envs.tools_for_tests:CalculateThePrompt",  # every episode calls the calculator once
          "env.max_tokens=40", "env.tools[0].timeout_s=0.3", "env.tool_workers.num_cpus=0.25"]
 MALFORMED = [b"\x00not msgpack", b"\x93\x01\x02\x03", b"\x82\xa1v\x07\xa6sample\xc0",  # garbage, a list, schema 7
@@ -92,6 +94,7 @@ class Fault:
     landed_step: Optional[int] = None  # steps trained when it was injected (at_step or later)
     recovery_s: Optional[float] = None  # until a learner step next ended
     wrong: List[str] = field(default_factory=list)  # what the injection saw go wrong (none: as it should)
+    after: Optional[Callable[[str], List[str]]] = None  # once the job ended: its own checks on the run directory
 
 
 class Progress(threading.Thread):
@@ -274,6 +277,68 @@ def _bridge_url(job: Running) -> str:
             raise TimeoutError("rollout worker 0's bridge never appeared in the job status")
         time.sleep(0.2)
     return url.decode()
+
+
+class BridgeAgent:
+    """examples/bridge_agent.py playing groups of episodes through rollout worker 0's bridge, started by one fault
+    and stopped by another; once the job ended (`check`) it is killed and its log checked against what the job
+    trained."""
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
+        self.process: Optional[subprocess.Popen] = None
+        self.log = ""
+
+    def start(self, fault: Fault, job: Running) -> float:
+        self.log = f"{job.run_dir}-agent.jsonl"
+        self.process = subprocess.Popen([sys.executable, AGENT, _bridge_url(job), "--group-size",
+                                         str(self.group_size), "--log", self.log])
+        fault.after = lambda run_dir: self.check(fault, run_dir)
+        return time.time()
+
+    def stop(self, stopped_s: Optional[float]) -> Callable[[Fault, Running], float]:
+        """SIGSTOP the agent once it has finished an episode of a group it has not finished (it holds a group open
+        and an episode on the bridge), for `stopped_s` (None: for good)."""
+        def inject(fault: Fault, job: Running) -> float:
+            deadline = time.monotonic() + 120
+            while not self._mid_group():
+                if time.monotonic() > deadline:
+                    fault.wrong.append("the agent never finished an episode")
+                    return time.time()
+                time.sleep(0.05)
+            os.kill(self.process.pid, signal.SIGSTOP)
+            struck = time.time()
+            if stopped_s is not None:
+                time.sleep(stopped_s)
+                os.kill(self.process.pid, signal.SIGCONT)
+            return struck
+        return inject
+
+    def _mid_group(self) -> bool:
+        finished = Counter(entry["group"] for entry in self._entries() if entry["outcome"] == "finished")
+        return bool(finished) and 0 < finished[self._entries()[-1]["group"]] < self.group_size
+
+    def _entries(self) -> List[Dict]:
+        return [json.loads(line) for line in open(self.log)] if os.path.exists(self.log) else []
+
+    def check(self, fault: Fault, run_dir: str) -> List[str]:
+        """Every agent sample trained was an episode the bridge accepted, in a group that did not end before its
+        agent was done with it; the row's fault text gets what the agent did."""
+        self.process.kill()
+        self.process.wait()
+        entries = self._entries()
+        accepted = {f"{e['group']}/{e['episode']}" for e in entries if e["outcome"] == "finished"}
+        ended = {e["group"] for e in entries if e["outcome"] == "group_ended"}
+        trained = [i for line in map(json.loads, open(os.path.join(run_dir, "trained.jsonl")))
+                   for i in line["sample_ids"] if i.startswith("agent-")]
+        wrong = [f"{len(set(trained) - accepted)} agent samples trained that the bridge never accepted"] \
+            if set(trained) - accepted else []
+        if {i.rsplit("/", 1)[0] for i in trained} & ended:
+            wrong.append("a group the bridge refused as ended was trained")
+        fault.what += (f" ({len(accepted)} episodes accepted, {len(trained)} trained; "
+                       f"{sum(e['outcome'] == 'episode_expired' for e in entries)} finishes and {len(ended)} groups "
+                       "refused 410)")
+        return wrong
 
 
 def _post(url: str, body: bytes) -> int:
@@ -517,6 +582,8 @@ def _run_scenario(scenario: Scenario, out_dir: str, steps: int, seed: int) -> Ou
             os.environ.pop(REDIS_URL_ENV, None)
     for fault in faults:
         fault.recovery_s = progress.recovery(fault.at) if fault.at else None
+        if fault.after is not None:
+            fault.wrong += fault.after(config.run_dir)
     outcome = account(config, faults)
     outcome.wall_s = round(time.time() - start, 1)
     outcome.orphans, outcome.alerts = orphans, _alerts(config.run_dir)
@@ -673,6 +740,18 @@ def _kills(kind: str, actors: Callable[[str], List[str]], first_steps: Optional[
     return faults
 
 
+def _agent_stopped(stopped_s: Optional[float]):
+    """An agent started early, SIGSTOPped mid-group for `stopped_s` (past its episode's idle deadline, 5 s here)
+    or for good."""
+    def faults(job: str, rng: random.Random, steps: int) -> List[Fault]:
+        agent = BridgeAgent(group_size=4)  # TINY's rl.group_size
+        start, stop = fault_steps(rng, 40, 2)
+        what = f"SIGSTOP the agent for {stopped_s:g} s, then SIGCONT" if stopped_s else "SIGSTOP the agent for good"
+        return [Fault("an agent playing groups through the bridge", start, agent.start),
+                Fault(what, stop, agent.stop(stopped_s))]
+    return faults
+
+
 def _sigterm(job: str, rng: random.Random, steps: int) -> List[Fault]:
     return [Fault("SIGTERM to `rlp run`, then `rlp run --resume`", fault_steps(rng, steps, 1)[0],
                   _terminate)]
@@ -721,7 +800,7 @@ SCENARIOS = [
     Scenario("process-group-kill-resume", ["checkpoint.every_steps=3"], lambda job, rng, steps: [
         Fault("SIGKILL of `rlp run`'s process group, then `rlp run --resume`", fault_steps(rng, steps, 1)[0],
               kill_process_group)], resume=True, in_process=False),
-    Scenario("bridge-flood", ["rollout.openai_bridge.enabled=true", "rollout.openai_bridge.port=0"],
+    Scenario("bridge-flood", BRIDGE,
              lambda job, rng, steps: [Fault("240 oversized and malformed bridge requests", s, flood_bridge())
                                       for s in fault_steps(rng, 60, 2)], steps=300),  # the job outlives both
     Scenario("same-name-beside", [], lambda job, rng, steps: [
@@ -778,6 +857,11 @@ SCENARIOS = [
     Scenario("evaluator-pause", [*WATCHDOG, "eval.every_steps=1", "eval.priority=normal"], lambda job, rng, steps: [
         Fault("SIGSTOP the evaluator for 20 s, then SIGCONT", s, stop_then_continue(f"{job}-policy-rollout-1", 20.0))
         for s in fault_steps(rng, 60, 1)], steps=300),
+    # an agent outside the job, playing groups through the bridge (its deadlines derived: rl.group_timeout_s unset)
+    Scenario("agent-pause", [*WATCHDOG, *BRIDGE, "rl.group_timeout_s=null"], _agent_stopped(12.0),
+             alert="agent_episodes_expired", steps=200),
+    Scenario("agent-hang", [*WATCHDOG, *BRIDGE, "rl.group_timeout_s=null"], _agent_stopped(None),
+             alert="agent_episodes_expired", steps=300),
     Scenario("reward-sigstop", ["reward_workers.num_workers=1", "monitoring.scoring_stall_s=10"],
              lambda job, rng, steps: [Fault("SIGSTOP the only reward worker for 20 s", s,
                                             stop_then_continue(f"{job}-reward-0", 20.0))

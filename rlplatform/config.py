@@ -146,7 +146,7 @@ class RLConfig:
     routing_replay: bool = True  # a mixture-of-experts policy: the learner routes each token to the experts the engine chose for it (rollout routing replay; docs/async-rl.md)
     reference_kl_every: int = at_least(10, 1)  # with kl_coef 0, the KL to the reference is measured every this many steps (a forward pass each time); with kl_coef > 0, every step
     idle_timeout_s: float = at_least(0.0, 0)  # the stage ends after this many seconds without a scored sample, once no step is in flight (0: never); a bridge-only job's end when its agents stop
-    group_timeout_s: float = above(300.0, 0)  # a group not complete this long after its claim expires and frees its capacity
+    group_timeout_s: Optional[float] = above(None, 0)  # a group not complete this long after its claim expires and frees its capacity; unset: monitoring.hang_factor x the longest a group took, at least hang_floor_s
     log_every: int = at_least(5, 1)  # console/W&B interval in steps
 
 

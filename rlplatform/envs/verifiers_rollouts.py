@@ -13,7 +13,7 @@ Every model seat of an environment plays through the bridge (a simulated user to
 environment marks untrainable, every trace of a failed rollout and those of attempts verifiers
 retried are discarded on the bridge (`DELETE /v1/episodes/<id>`) and counted: nothing is left
 half-recorded in a worker's memory. A task whose group is left short of `group_size` samples expires
-on the learner's side after `rl.group_timeout_s` and is counted in `groups_expired`.
+on the learner's side at the job's group deadline (`GroupDeadline`) and is counted in `groups_expired`.
 """
 
 from __future__ import annotations

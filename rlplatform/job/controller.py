@@ -449,7 +449,7 @@ def _start_rollout_actor(config: JobConfig, plan: PolicyPlan, run: str, model_pa
                        lora=policy.model.lora, chat_template=config.data.chat_template, env=config.env,
                        priority=config.eval.priority if evaluator else policy.rollout.priority,
                        parity_every=0 if evaluator else config.monitoring.parity_every,
-                       distilled=policy.distill.teacher is not None)
+                       distilled=policy.distill.teacher is not None, monitoring=config.monitoring)
     return (EvaluatorActor if evaluator else RolloutActor).options(**options).remote(spec)
 
 

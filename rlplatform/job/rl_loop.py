@@ -36,10 +36,12 @@ from rlplatform.monitoring.error_guard import RewardErrorGuard, Verdict
 from rlplatform.monitoring.job_status import SILENT_WORKERS
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.rl_monitor import RLMonitor
-from rlplatform.monitoring.watchdog import (LearnerProcess, WorkerWatchdog, hang_rule, learner_hang,
+from rlplatform.monitoring.expiry_alerts import agents_gone, expired_groups
+from rlplatform.monitoring.watchdog import (HangRule, LearnerProcess, WorkerWatchdog, hang_rule, learner_hang,
                                             rank_processes, watched_write)
 from rlplatform.rewards.shaping import overlong_penalty
 from rlplatform.scheduling.buffer import Batch, GroupBuffer, has_signal
+from rlplatform.scheduling.group_deadline import GroupDeadline
 from rlplatform.scheduling.groups import GroupSchedule
 from rlplatform.scheduling.ledger import AGENT
 from rlplatform.scheduling.staleness import StalenessRule
@@ -66,7 +68,7 @@ class RLCounters:
     _: KW_ONLY
     groups_in_batches: int = 0  # groups the learner was given
     groups_with_signal: int = 0  # of those, groups whose rewards were not all equal
-    samples_dropped_expired: int = 0  # samples of groups that did not complete within rl.group_timeout_s
+    samples_dropped_expired: int = 0  # samples of groups that did not complete within their deadline (GroupDeadline)
     groups_expired: int = 0
     samples_dropped_invalid: int = 0  # reward error or drop flag, in a group trained without them
     reward_errors: int = 0
@@ -190,6 +192,10 @@ class PolicyRun:
         self.longest_save_s = 0.0  # the longest the learner took to write its part of a checkpoint
         self._unrecorded: Optional[Batch] = None  # a step counted as trained whose record has not been written
         self.hang_rule = hang_rule(job.monitoring)
+        monitoring = job.monitoring  # the group deadline follows the hang rule's keys, the watchdog on or off
+        self.group_deadline = GroupDeadline(self.rl.group_timeout_s,
+                                            HangRule(monitoring.hang_factor, monitoring.hang_floor_s).deadline_s,
+                                            monitoring.hang_floor_s)
         self.mirror: Optional[RedisMirror] = None
         self.trained_at_start = 0  # samples trained before this attempt (a resumed job's)
         self._last_watch = time.monotonic()
@@ -269,6 +275,9 @@ class PolicyRun:
         if self.rl.overlong_buffer:
             scored = _shaped(scored, self.job.env.completion_tokens(self.rl.max_new_tokens), self.rl.overlong_buffer)
         self.buffer.add(scored)
+        if self.buffer.completed:
+            self.group_deadline.completed(self.buffer.completed, time.time())  # the ledger's clock
+            self.buffer.completed = []
         self.error_guard.scored(scored)
         self.counters.samples_dropped_expired = self.buffer.samples_expired
         _count_scored(scored, self.counters)
@@ -281,18 +290,27 @@ class PolicyRun:
             self.buffer.forgotten = []
 
     def watch(self) -> None:
-        """Every few seconds: expire groups past rl.group_timeout_s since their claim (an issued group's prompt
-        is issued again; an agent's group claimed at its first finished episode has none)."""
+        """Every few seconds: expire groups incomplete past their deadline since their claim (`GroupDeadline`; an
+        issued group's prompt is issued again; an agent's group claimed at its first finished episode has none)."""
         if time.monotonic() - self._last_watch < 2.0:
             return
         self._last_watch = time.monotonic()
         self._heed(self.error_guard.waiting(self._last_watch))
-        for group_id in self.schedule.ledger.overdue(self.rl.group_timeout_s):
+        self.group_deadline.seen(self.schedule.ledger.open_since())
+        expired = []
+        for group_id in self.group_deadline.overdue(time.time()):
             if self.buffer.is_complete(group_id):
                 continue
             if self.schedule.expired(group_id):
                 self.buffer.expire(group_id)
+                self.group_deadline.expired(group_id)
                 self.counters.groups_expired += 1
+                expired.append(group_id)
+        if expired:
+            self.metrics.event("groups_expired", expired_groups(self.workers.name, expired, self.group_deadline),
+                               self.version)
+        for message in agents_gone(self.queue.client, self.workers.keys.agent_episodes_expired):
+            self.metrics.event("agent_episodes_expired", message, self.version)
         self.counters.samples_dropped_expired = self.buffer.samples_expired
         self._forget_expired()
 
@@ -487,7 +505,7 @@ class PolicyRun:
             unused = {"in_flight_at_failure": max(generated - _accounted(self.counters), 0)}
         wall = time.perf_counter() - self.start
         figures = stage_figures(self.counters, rollout, len(self.workers.rollout), unused, self.version, wall=wall,
-                                trained_at_start=self.trained_at_start)
+                                trained_at_start=self.trained_at_start, group_deadline_s=self.group_deadline.deadline_s())
         if self.elastic is not None:
             figures = replace(figures, **self.elastic.figures())
         reward_now = self.mirror.reward if offline else self.queue.counters(self.queue.keys.reward_stats)
@@ -560,7 +578,7 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
     watch = WorkerWatch(SilentWorkers(heartbeats, job.monitoring.worker_silent_s),
                         ScoringStall(heartbeats, job.monitoring.scoring_stall_s,
                                      {spec.label: spec.timeout_s for spec in job.rewards}), queue, metrics,
-                        WorkerWatchdog(rule, job.run_dir, supervisor.restart_hung) if rule else None)
+                        WorkerWatchdog(rule, job.run_dir, supervisor.restart_hung) if rule else None, restart)
     failed = partial(_as_they_stood, runs, supervisor, checkpoints, controller_cpu_start, metrics)
     try:
         with stop.polled():
@@ -573,6 +591,8 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
                         run.monitor.rollout_workers = len(run.workers.rollout)  # busy fractions: over those there now
                 watch.check(max(run.version for run in runs.values()),
                             min(run.since_scored_s for run in runs.values()))
+                for run in runs.values():
+                    run.group_deadline.recovery_s = watch.recovery_s
                 _check_learners(runs, checkpoints.latest)
                 checkpoints.maybe_save()
             checkpoints.save_now()
@@ -643,12 +663,14 @@ def _newest(checkpoint: Optional[str]) -> str:
 
 class WorkerWatch:
     """Every few seconds: names rollout and reward workers gone silent, and a reward queue that stalled, in an
-    alert (and the silent workers in the job status); the watchdog, when on, recovers hung workers."""
+    alert (and the silent workers in the job status); the watchdog, when on, recovers hung workers. `recovery_s`:
+    the longest recovering a worker may take now, its hang deadline (the longest of the workers') and its restart."""
 
     def __init__(self, silent: SilentWorkers, stall: ScoringStall, queue: RewardQueue, metrics: Metrics,
-                 watchdog: Optional[WorkerWatchdog]) -> None:
+                 watchdog: Optional[WorkerWatchdog], restart: RestartDeadline) -> None:
         self.silent, self.stall, self.queue, self.metrics = silent, stall, queue, metrics
-        self.watchdog = watchdog
+        self.watchdog, self.restart = watchdog, restart
+        self.recovery_s = restart.seconds
         self._last = time.monotonic()
 
     def check(self, step: int, since_scored_s: float) -> None:
@@ -656,8 +678,11 @@ class WorkerWatch:
         if time.monotonic() - self._last < 2.0:
             return
         self._last = time.monotonic()
-        for message in self.watchdog.check(self.silent.heartbeats.beats()) if self.watchdog else []:
+        beats = self.silent.heartbeats.beats()
+        for message in self.watchdog.check(beats) if self.watchdog else []:
             self.metrics.event("hang", message, step)
+        hang_s = max((self.watchdog.deadline_s(beat) for beat in beats), default=0.0) if self.watchdog else 0.0
+        self.recovery_s = hang_s + self.restart.seconds
         for message in self.silent.newly_silent():
             self.metrics.event("worker_silent", message, step)
         stalled = self.stall.check(self.queue.pending(), since_scored_s)
@@ -854,7 +879,7 @@ def _keep_lines(path: str, last_step: int) -> None:
 
 
 def stage_figures(counters: RLCounters, rollout: RolloutCounters, rollout_workers: int, unused: Dict[str, int],
-                  version: int, *, wall: float, trained_at_start: int) -> RLFigures:
+                  version: int, *, wall: float, trained_at_start: int, group_deadline_s: float) -> RLFigures:
     """The stage's counts and rates from the loop's counters and the rollout workers' (summed on Redis) after
     `wall` seconds of this attempt: counts over every attempt (samples_generated = trained + dropped +
     abandoned + unused), rates over this one."""
@@ -871,6 +896,8 @@ def stage_figures(counters: RLCounters, rollout: RolloutCounters, rollout_worker
         signal_group_fraction=round(counters.groups_with_signal / max(counters.groups_in_batches, 1), 4),
         samples_dropped_expired=counters.samples_dropped_expired,
         groups_expired=counters.groups_expired,
+        group_deadline_s=round(group_deadline_s, 1),
+        agent_episodes_expired=int(rollout.agent_episodes_expired),
         samples_dropped_invalid=counters.samples_dropped_invalid,
         samples_abandoned_at_resume=counters.samples_abandoned,
         samples_unused_at_end=sum(unused.values()),

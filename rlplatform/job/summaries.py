@@ -58,6 +58,8 @@ class RLFigures:
     signal_group_fraction: float  # of the groups in batches, those whose rewards differ
     samples_dropped_expired: int
     groups_expired: int
+    group_deadline_s: float  # the deadline groups expired at, as it stood at the end (`GroupDeadline`)
+    agent_episodes_expired: int  # agents' episodes the OpenAI bridges dropped, their agents silent too long
     samples_dropped_invalid: int
     samples_abandoned_at_resume: int
     samples_unused_at_end: int

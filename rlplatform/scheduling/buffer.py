@@ -6,7 +6,9 @@ the learner's batches of complete groups, oldest policy version first. Groups ov
 distilling policy, also the teacher version that scored them), and groups left with fewer than two
 samples once reward errors and filter drops are removed, are dropped and counted, never
 trained on; so are groups expired before they completed (a sample lost to dead letters).
-`forgotten` lists the samples of expired groups, whose stored results can be deleted.
+`forgotten` lists the samples of expired groups, whose stored results can be deleted; `completed` the
+groups that completed since the RL loop last took it, an expired one's late completion included (its
+deadline is measured on them).
 """
 
 from __future__ import annotations
@@ -63,15 +65,15 @@ class GroupBuffer:
         self._partial: Dict[str, Group] = {}
         self._complete: List[Group] = []
         self._completed_ids: Set[str] = set()  # groups already complete: later redeliveries are ignored
-        self._expired_ids: Set[str] = set()  # groups given up on: their late results are dropped
+        self._expired: Dict[str, Set[str]] = {}  # groups given up on, with their samples' ids: dropped as they come
         self.samples_expired = 0  # samples of expired groups, dropped
         self.forgotten: List[str] = []  # sample ids of expired groups dropped here, not yet deleted
+        self.completed: List[str] = []  # groups completed since the RL loop last took them, late ones included
 
     def add(self, scored: ResultMeta) -> None:
         group_id = scored.group_id
-        if group_id in self._expired_ids:
-            self.samples_expired += 1
-            self.forgotten.append(scored.sample_id)
+        if group_id in self._expired:
+            self._add_expired(scored)
             return
         if group_id in self._completed_ids:
             return  # a redelivered result of a group already complete
@@ -82,14 +84,27 @@ class GroupBuffer:
         if len(group) == self.group_size:
             self._completed_ids.add(group_id)
             self._complete.append(self._partial.pop(group_id))
+            self.completed.append(group_id)
+
+    def _add_expired(self, scored: ResultMeta) -> None:
+        seen = self._expired[scored.group_id]
+        if scored.sample_id in seen:
+            return  # a redelivered result: dropped already
+        seen.add(scored.sample_id)
+        self.samples_expired += 1
+        self.forgotten.append(scored.sample_id)
+        if len(seen) == self.group_size:
+            self.completed.append(scored.group_id)
 
     def is_complete(self, group_id: str) -> bool:
         return group_id in self._completed_ids
 
     def expire(self, group_id: str) -> None:
         """Give up on an incomplete group: drop what arrived of it and whatever arrives later."""
-        self._expired_ids.add(group_id)
+        if group_id in self._expired:
+            return
         dropped = self._partial.pop(group_id, [])
+        self._expired[group_id] = {s.sample_id for s in dropped}
         self.samples_expired += len(dropped)
         self.forgotten += [s.sample_id for s in dropped]
 

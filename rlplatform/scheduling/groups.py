@@ -8,7 +8,8 @@ bridge, capacity claimed at its first finished episode), `submitted`, then one e
 `dropped` (with the reason), `expired` (prompt issued again), `taken_over` (a restarted worker's
 predecessor's groups, prompts issued again); `resume` continues from a checkpoint. Every end but
 `trained` gives the group's capacity back, once, and only if the ledger holds it open. This module is
-the only one that claims or gives back capacity.
+the only one that claims or gives back capacity. An agent's group is played once: admitting one that
+ended raises `GroupEnded`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ if grant <= 0 then return 0 end
 redis.call('INCRBY', KEYS[1], grant)
 return grant
 """
+
+
+class GroupEnded(ValueError):
+    """An agent finished an episode into a group that has ended."""
 
 
 class GroupSchedule:
@@ -53,10 +58,15 @@ class GroupSchedule:
         while the staleness rule allows no more groups in play (the agent tries again later)."""
         if self.ledger.is_open(group_id):
             return True
+        if self.ledger.has_ended(group_id):
+            raise GroupEnded(f"group {group_id} has ended (trained, dropped, or expired unfinished)")
         if not int(self._claim(keys=[self._started, self._ended], args=[1, self.rule.groups_allowed(version)])):
             return False
-        if not self.ledger.admit(group_id):  # another worker admitted it meanwhile: one claim is enough
+        opened = self.ledger.admit(group_id)
+        if not opened:  # another worker admitted it, or it ended, meanwhile: no claim of its own
             self._give_back(1)
+        if opened is None:
+            raise GroupEnded(f"group {group_id} has ended (trained, dropped, or expired unfinished)")
         return True
 
     def submitted(self, group_ids: List[str]) -> None:

@@ -22,9 +22,11 @@ from rlplatform.transport.keys import PolicyKeys
 OUTCOMES = ("trained", "dropped_stale", "dropped_error", "dropped_zero_advantage", "expired", "abandoned")
 AGENT = -1  # the position an agent's group holds: none of the data's
 
-# KEYS: open, counts. ARGV: group, now. Opens an agent's group unless it is open; 1 if it opened it.
+# KEYS: open, counts, agents_ended. ARGV: group, now. Opens an agent's group unless it is open (0) or has
+# ended (-1); 1 if it opened it.
 _ADMIT = """
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
+if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1 then return -1 end
 redis.call('HSET', KEYS[1], ARGV[1], '-1 ' .. ARGV[2])
 redis.call('HINCRBY', KEYS[2], 'issued', 1)
 redis.call('HINCRBY', KEYS[2], 'admitted', 1)
@@ -52,8 +54,9 @@ end
 return out
 """
 
-# KEYS: open, claimed, counts, reissue. ARGV: group, outcome, '1' to queue its prompt for re-issue.
-# Returns the group's prompt position the first time it is closed, else false.
+# KEYS: open, claimed, counts, reissue, agents_ended. ARGV: group, outcome, '1' to queue its prompt for re-issue.
+# Returns the group's prompt position the first time it is closed, else false. An agent's group is remembered
+# as ended: its agent cannot open it again.
 _CLOSE = """
 local entry = redis.call('HGET', KEYS[1], ARGV[1])
 if not entry then return false end
@@ -61,11 +64,12 @@ local prompt = string.match(entry, '^(%S+)')
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HINCRBY', KEYS[3], ARGV[2], 1)
+if prompt == '-1' then redis.call('SADD', KEYS[5], ARGV[1]) end
 if ARGV[3] == '1' and prompt ~= '-1' then redis.call('RPUSH', KEYS[4], prompt) end
 return prompt
 """
 
-# KEYS: open, claimed, counts, reissue. ARGV: worker. Returns how many groups it abandoned.
+# KEYS: open, claimed, counts, reissue, agents_ended. ARGV: worker. Returns how many groups it abandoned.
 _ABANDON = """
 local claimed = redis.call('HGETALL', KEYS[2])
 local abandoned = 0
@@ -107,7 +111,9 @@ class PromptLedger:
         keys = PolicyKeys(run, policy).ledger
         self.open, self.claimed, self.counts_key = keys.open, keys.claimed, keys.counts
         self.reissue, self.cursor, self.seq, self.attempt = keys.reissue, keys.cursor, keys.seq, keys.attempt
-        self._ending_keys = [self.open, self.claimed, self.counts_key, self.reissue]  # what ending a group touches
+        self.agents_ended = keys.agents_ended
+        # what ending a group touches
+        self._ending_keys = [self.open, self.claimed, self.counts_key, self.reissue, self.agents_ended]
         self._issue = client.register_script(_ISSUE)
         self._close = client.register_script(_CLOSE)
         self._abandon = client.register_script(_ABANDON)
@@ -121,9 +127,16 @@ class PromptLedger:
         flat = self._issue(keys=keys, args=[groups, worker, f"{self.clock():.3f}", self.policy])
         return [(_text(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
 
-    def admit(self, group_id: str) -> bool:
-        """Open an agent's group `group_id` (position `AGENT`); False when it is open already."""
-        return bool(self._admit(keys=[self.open, self.counts_key], args=[group_id, f"{self.clock():.3f}"]))
+    def admit(self, group_id: str) -> Optional[bool]:
+        """Open an agent's group `group_id` (position `AGENT`); False when it is open already, None when it has
+        ended (an agent's group is played once)."""
+        opened = int(self._admit(keys=[self.open, self.counts_key, self.agents_ended],
+                                 args=[group_id, f"{self.clock():.3f}"]))
+        return None if opened < 0 else bool(opened)
+
+    def has_ended(self, group_id: str) -> bool:
+        """Whether `group_id` is an agent's group that has ended."""
+        return bool(self.client.sismember(self.agents_ended, group_id))
 
     def submitted(self, group_ids: List[str]) -> None:
         """These groups are in the reward queue now: a restart of their worker no longer abandons them."""
@@ -152,11 +165,9 @@ class PromptLedger:
         """Whether the ledger issued or admitted `group_id` and it has not ended."""
         return bool(self.client.hexists(self.open, group_id))
 
-    def overdue(self, timeout_s: float) -> List[str]:
-        """Open groups claimed more than `timeout_s` ago."""
-        cutoff = self.clock() - timeout_s
-        return [_text(group) for group, entry in self.client.hgetall(self.open).items()
-                if float(entry.split()[1]) < cutoff]
+    def open_since(self) -> Dict[str, float]:
+        """Every open group's claim time (`clock` seconds)."""
+        return {_text(group): float(entry.split()[1]) for group, entry in self.client.hgetall(self.open).items()}
 
     def counts(self) -> Dict[str, int]:
         """issued, reissued, admitted (agents' groups, among the issued), each outcome, and `open` (issued and not

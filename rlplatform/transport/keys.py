@@ -65,6 +65,7 @@ class LedgerKeys:
         self.open, self.claimed, self.counts = f"{prefix}:open", f"{prefix}:claimed", f"{prefix}:counts"
         self.reissue, self.cursor, self.seq = f"{prefix}:reissue", f"{prefix}:cursor", f"{prefix}:seq"
         self.attempt = f"{prefix}:attempt"
+        self.agents_ended = f"{prefix}:agents-ended"  # agents' groups that ended: never opened again
 
 
 class PolicyKeys:
@@ -76,6 +77,7 @@ class PolicyKeys:
         self.versions = f"{prefix}:versions"  # a stream announcing each published version (`versions`)
         self.groups_started = f"{prefix}:groups-started"
         self.groups_dropped = f"{prefix}:groups-dropped"
+        self.agent_episodes_expired = f"{prefix}:agent-episodes-expired"  # the bridges' dropped episodes, for the alert
         self.rollout_stats = f"{prefix}:rollout-stats"  # the policy's rollout counters (the one record of them)
         self.canary_reference = f"{prefix}:canary-reference"  # the learner's parity canary scores (`parity_canary`)
         self.canary_checks = f"{prefix}:canary-checks"  # the engines' canary checks, a stream

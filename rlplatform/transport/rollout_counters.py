@@ -38,6 +38,7 @@ class RolloutCounters:
     decode_steps_while_waiting: float = 0.0  # decode steps taken while episodes waited on tools
     sequences_while_waiting: float = 0.0  # the sequences those steps decoded, summed
     idle_s_while_waiting: float = 0.0  # seconds the decode batch sat empty while episodes waited
+    agent_episodes_expired: float = 0.0  # agents' episodes the OpenAI bridges dropped, their agents silent too long
 
     @classmethod
     def of(cls, values: Dict[str, float]) -> "RolloutCounters":

@@ -20,7 +20,7 @@ from rlplatform.actors.decode_batch import DecodeBatch
 from rlplatform.actors.openai_bridge import OpenAIBridge
 from rlplatform.actors.rollout import RolloutWorker
 from rlplatform.actors.rollout_spec import RolloutSpec
-from rlplatform.config import BRIDGE_KEY_ENV, OpenAIBridgeConfig, RLConfig, RolloutConfig
+from rlplatform.config import BRIDGE_KEY_ENV, MonitoringConfig, OpenAIBridgeConfig, RLConfig, RolloutConfig
 from rlplatform.learners.batching import completion_logprobs
 from rlplatform.policy import load_tokenizer
 from rlplatform.tokenization import encode_prompts, save_prompts
@@ -47,10 +47,10 @@ def chat_policy(tiny_policy, tmp_path_factory) -> str:
 
 
 @pytest.fixture
-def served(chat_policy, redis_server, redis_client, tmp_path, monkeypatch):
+def served(chat_policy, redis_server, redis_client, tmp_path, monkeypatch, request):
     """(worker, endpoint URL, reward queue) of a rollout worker running its loop with the bridge on, asking
     for KEY and refusing prompts over 200 tokens, max_tokens over 16, n over 4, bodies over 64 KiB and more
-    than 6 requests at once."""
+    than 6 requests at once; its hang rule is the `MonitoringConfig` a test passes (indirectly), else the default."""
     job = f"bridge-{time.time_ns()}"
     queue = RewardQueue(redis_client, job)
     queue.create_group()
@@ -62,8 +62,8 @@ def served(chat_policy, redis_server, redis_client, tmp_path, monkeypatch):
     prompts = save_prompts(encode_prompts(load_tokenizer(chat_policy), [{"prompt": "1+1=", "answer": "2"}], "auto"),
                            str(tmp_path / "prompts.jsonl"))
     worker = RolloutWorker(RolloutSpec(0, "policy", job, chat_policy, prompts, redis_url=redis_server, rl=rl,
-                                       rollout=rollout,
-                                       dtype="float32", transport=ObjectStoreTransport()))
+                                       rollout=rollout, dtype="float32", transport=ObjectStoreTransport(),
+                                       monitoring=getattr(request, "param", MonitoringConfig())))
     worker.engine.load_weights({k: v.clone() for k, v in worker.engine.model.state_dict().items()}, VERSION)
     loop = threading.Thread(target=worker.run, daemon=True)
     loop.start()
@@ -286,3 +286,52 @@ def test_a_bridge_reachable_from_other_machines_needs_its_key(monkeypatch, tmp_p
     monkeypatch.setenv(BRIDGE_KEY_ENV, KEY)
     check_bridges(config, "job.yaml")
     check_bridges(load_config(None, [f"output_dir={tmp_path}", "rollout.openai_bridge.enabled=true"]), "job.yaml")
+
+
+def finish(url: str, episode: str, group: str):
+    """POST an episode's finish into `group`: (status, body)."""
+    request = urllib.request.Request(f"{url}/episodes/{episode}/finish", method="POST", headers=AUTHORISED,
+                                     data=json.dumps({"group": group, "row": {"answer": "2"}}).encode())
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as refused:
+        return refused.code, json.loads(refused.read())
+
+
+@pytest.mark.parametrize("served", [MonitoringConfig(hang_factor=2, hang_floor_s=1)], indirect=True)
+def test_an_episode_whose_agent_goes_silent_is_dropped_named_and_refused_after(served):
+    """The idle deadline is the hang rule on the longest an agent took to send an episode's next request (here
+    2 x about 0.8 s, at least 1 s): an episode held past it is dropped, counted and pushed for the job's alert, and
+    the agent's late requests for it are answered 410; so is a finish into an agent's group that has ended."""
+    worker, url, queue = served
+    api = client(url, episode="slow")
+    turn1 = [{"role": "user", "content": "1+1="}]
+    first = api.chat.completions.create(model="policy", messages=turn1)
+    time.sleep(0.8)  # the agent thinks: the longest wait so far
+    api.chat.completions.create(model="policy", messages=turn1 + [
+        {"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "2+2="}])
+    assert finish(url, "slow", "g")[0] == 200  # group g admitted
+    client(url, episode="gone").chat.completions.create(model="policy", messages=turn1)
+    started = time.monotonic()
+    while not (dropped := queue.client.lrange(worker.keys.agent_episodes_expired, 0, -1)):
+        assert time.monotonic() - started < 10, "the silent agent's episode was never dropped"
+        time.sleep(0.1)
+    [entry] = [json.loads(e) for e in dropped]
+    assert entry["episode"] == "gone" and entry["client"] == "127.0.0.1"
+    assert 1.6 <= entry["deadline_s"] < 3 and entry["idle_s"] > entry["deadline_s"]
+    assert entry["worker"] == "rollout worker 0 of policy 'policy'"
+    assert time.monotonic() - started < entry["deadline_s"] + 2.5  # found within a sweep of the deadline
+    assert worker.counters.read().agent_episodes_expired == 1
+    with pytest.raises(openai.APIStatusError, match="was dropped") as late:
+        client(url, episode="gone").chat.completions.create(model="policy", messages=turn1)
+    assert late.value.status_code == 410
+    status, body = finish(url, "gone", "g2")
+    assert status == 410 and body["error"]["code"] == "episode_expired"
+    # group g expires (its second episode never came): a finish into it is refused, the episode kept for another
+    assert worker.schedule.expired("g")
+    client(url, episode="after").chat.completions.create(model="policy", messages=turn1)
+    status, body = finish(url, "after", "g")
+    assert status == 410 and body["error"]["code"] == "group_ended"
+    assert finish(url, "after", "g3")[0] == 200
+    assert worker.schedule.ledger.counts()["admitted"] == 2  # g and g3; g was not opened again

@@ -1,7 +1,8 @@
 """A bridge-only job (`rollout.source: bridge`): its rollout workers generate nothing of their own. With
 no agent calling, the stage ends by `rl.idle_timeout_s` with counts that balance; with an agent, it
 trains on the agent's episodes alone, each group admitted through the prompt ledger, then ends when
-the agent stops, its counts balancing."""
+the agent stops, its counts balancing; the episode the agent left mid-way is dropped by its worker's bridge
+and named in an alert."""
 
 from __future__ import annotations
 
@@ -38,19 +39,23 @@ def test_a_bridge_only_job_generates_nothing_itself_and_ends_when_idle(ray_sessi
     assert rl["wall_s"] < 60
 
 
-def play(url: str, group: str, episode: str) -> None:
-    """One single-turn episode of an agent, finished into `group`."""
+def play(url: str, group: str, episode: str, finish: bool = True) -> None:
+    """One single-turn episode of an agent, finished into `group` (or left open)."""
     def post(path: str, body: dict, headers: dict) -> None:
         request = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
                                          headers={"Content-Type": "application/json", **headers})
         urllib.request.urlopen(request, timeout=60).read()
     post("/chat/completions", {"model": "policy", "messages": [{"role": "user", "content": "12+3="}]},
          {"X-Episode-Id": episode})
-    post(f"/episodes/{episode}/finish", {"group": group, "row": {"answer": "15"}}, {})
+    if finish:
+        post(f"/episodes/{episode}/finish", {"group": group, "row": {"answer": "15"}}, {})
 
 
 def test_a_bridge_only_job_trains_on_an_agents_groups_through_the_ledger(ray_session, tiny_job, run_files):
-    config = tiny_job("bridge-agent", *BRIDGE_ONLY, "rl.batch_prompts=2", "rl.group_size=4")
+    # the bridge's idle deadline: 2 x the longest the agent took to send an episode's next request, at least 2 s (the
+    # watchdog off: no worker is restarted on so short a rule)
+    config = tiny_job("bridge-agent", *BRIDGE_ONLY, "rl.batch_prompts=2", "rl.group_size=4", "monitoring.watchdog=false",
+                      "monitoring.hang_factor=2", "monitoring.hang_floor_s=2")
     groups = [f"task-{k}" for k in range(4)]
 
     def agent():
@@ -61,13 +66,21 @@ def test_a_bridge_only_job_trains_on_an_agents_groups_through_the_ledger(ray_ses
         for group in groups:
             for i in range(config.rl.group_size):
                 play(url, group, f"{group}-e{i}")
+        play(url, "task-left", "task-left-e0")  # a fifth group begun, then the agent goes silent mid-episode
+        play(url, "task-left", "task-left-e1", finish=False)
     thread = threading.Thread(target=agent, daemon=True)
     thread.start()
     summary = run_watched(config)
     thread.join(timeout=30)
     rl = summary["rl"]
     assert summary["status"] == "completed" and rl["ended_by"] == "idle_timeout" and rl["steps"] == 2
-    assert rl["ledger"]["admitted"] == rl["ledger"]["issued"] == 4 and rl["ledger"]["trained"] == 4
-    assert balanced(rl["ledger"]) and rl["samples_generated"] == rl["samples_trained"] == 16
+    assert rl["ledger"]["admitted"] == rl["ledger"]["issued"] == 5 and rl["ledger"]["trained"] == 4
+    assert balanced(rl["ledger"]) and rl["samples_generated"] == 17 and rl["samples_trained"] == 16
+    assert rl["samples_unused_at_end"] == 1  # the left group's finished episode
     trained = run_files.trained_ids(config.run_dir)
     assert sorted({sample_id.split("/")[0] for sample_id in trained}) == groups  # the agent's, and only those
+    assert rl["agent_episodes_expired"] == 1
+    events = [json.loads(line) for line in open(os.path.join(config.run_dir, "events.jsonl"))]
+    [alert] = [event["message"] for event in events if event["kind"] == "agent_episodes_expired"]
+    assert alert.startswith("1 agent episode(s) on rollout worker 0 of policy 'policy' made no request for ")
+    assert "task-left-e1 from 127.0.0.1" in alert

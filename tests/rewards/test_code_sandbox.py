@@ -229,6 +229,6 @@ def test_why_a_sample_scored_zero_reaches_the_summary_counted_per_reason(redis_s
     counters = RLCounters()
     for scored in queue.read_results():
         _count_scored(scored, counters)
-    figures = stage_figures(counters, RolloutCounters(), 1, {}, 0, wall=1.0, trained_at_start=0)
+    figures = stage_figures(counters, RolloutCounters(), 1, {}, 0, wall=1.0, trained_at_start=0, group_deadline_s=60.0)
     assert figures.reward_reasons == {"code_tests/failed": 1, "code_tests/network": 1, "code_tests/passed": 1,
                                          "code_tests/timeout": 1}

@@ -151,10 +151,13 @@ def test_an_expired_group_drops_what_arrived_and_what_arrives_later():
     buffer.add(scored("lost", 1))
     buffer.expire("lost")
     assert buffer.samples_expired == 2
+    assert buffer.completed == []
     buffer.add(scored("lost", 2))  # late: the group would complete now, but it expired
+    buffer.add(scored("lost", 2))  # and a redelivery of it
     assert buffer.samples_expired == 3 and buffer.held_samples() == 0 and not buffer.is_complete("lost")
+    assert buffer.completed == ["lost"]  # its late completion is reported, for the group deadline
     fill(buffer, "kept")
-    assert buffer.held_samples() == 3 and buffer.is_complete("kept")
+    assert buffer.held_samples() == 3 and buffer.is_complete("kept") and buffer.completed == ["lost", "kept"]
 
 
 def test_a_group_scored_by_a_teacher_several_versions_behind_is_dropped_as_stale():

@@ -1,5 +1,5 @@
 """The prompt ledger on a real Redis: prompts issued in shuffled passes, each group ending once,
-a dead worker's unsubmitted groups re-issued, overdue groups found, and a checkpoint's state
+a dead worker's unsubmitted groups re-issued, open groups' claim times read, and a checkpoint's state
 restored with what was in flight issued again first."""
 
 from __future__ import annotations
@@ -50,13 +50,20 @@ def test_a_restarted_worker_abandons_only_its_unsubmitted_groups_and_they_are_is
     assert counts["abandoned"] == 2 and counts["reissued"] == 2 and counts["open"] == 5 and balanced(counts)
 
 
-def test_overdue_groups_are_those_claimed_before_the_timeout(redis_client):
+def test_open_groups_are_read_with_their_claim_times(redis_client):
     now = [1000.0]
     ledger = PromptLedger(redis_client, "job", "p", clock=lambda: now[0])
     (old, _), = ledger.issue(worker=0, groups=1)
     now[0] += 0.3
-    ledger.issue(worker=0, groups=1)
-    assert ledger.overdue(0.2) == [old] and ledger.overdue(0.4) == []
+    (new, _), = ledger.issue(worker=0, groups=1)
+    ledger.admit("agent-task")
+    assert ledger.open_since() == {old: 1000.0, new: 1000.3, "agent-task": 1000.3}
+    ledger.close(old, "trained")
+    assert set(ledger.open_since()) == {new, "agent-task"}
+    assert ledger.admit("agent-task") is False  # open already
+    ledger.close("agent-task", "expired")
+    assert ledger.has_ended("agent-task") and not ledger.has_ended(new)
+    assert ledger.admit("agent-task") is None  # an agent's group is played once
 
 
 def test_an_expired_group_s_prompt_is_issued_again(redis_client):
