@@ -27,7 +27,7 @@ def test_short_quickstart_writes_a_valid_summary_and_logs_every_dashboard_key(ra
                                       "rl.max_staleness=1", "sft.log_every=10",
                                       "data.test_size=100",  # evaluations, and their check row by row, on 100 rows
                                       "rl.batch_prompts=4", "rollout.prompts_per_batch=4",
-                                      "monitoring.samples_every=3", "eval.every_steps=2", "wandb.mode=offline"])
+                                      "monitoring.samples_every=3", "eval.every_steps=6", "wandb.mode=offline"])
     run_job(config)
     run_dir = tmp_path / "e2e"
     summary = json.loads((run_dir / "summary.json").read_text())

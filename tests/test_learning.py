@@ -73,7 +73,7 @@ def rl_from(checkpoint, tmp_path, *overrides: str):
     model_path = checkpoint[0]
     return run_job(load_config(QUICKSTART, TASK + [
         f"output_dir={tmp_path}", "name=rl", "sft.enabled=false", "model.kind=pretrained", f"model.path={model_path}",
-        f"rl.max_steps={RL_STEPS}", "eval.every_steps=10",
+        f"rl.max_steps={RL_STEPS}", "eval.every_steps=20",  # one in-run evaluation of the 200 rows, at step 20
         "eval.priority=normal",  # its in-run evaluations within 40 steps, beside the other tests on 2 cores
         *overrides]))
 
@@ -105,7 +105,7 @@ def test_staleness_two_keeps_its_bound_and_loses_no_sample(sft_checkpoint, tmp_p
 
 
 def test_lora_rl_raises_held_out_accuracy_streaming_adapters_only(sft_checkpoint, tmp_path, greedy_accuracy):
-    summary = rl_from(sft_checkpoint, tmp_path, *LORA, f"rl.max_steps={LORA_STEPS}", "eval.every_steps=8",
+    summary = rl_from(sft_checkpoint, tmp_path, *LORA, f"rl.max_steps={LORA_STEPS}", "eval.every_steps=30",
                       "rl.max_staleness=1", "checkpoint.export_merged=true")
     start, end = summary["eval"]["before_rl"]["accuracy"], summary["eval"]["after_rl"]["accuracy"]
     # from 0.365: +14.0, +15.5, +21.5 and +14.5 points alone, +9.0 in a full suite run whose other tests took the

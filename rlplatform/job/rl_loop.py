@@ -578,7 +578,7 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
     watch = WorkerWatch(SilentWorkers(heartbeats, job.monitoring.worker_silent_s),
                         ScoringStall(heartbeats, job.monitoring.scoring_stall_s,
                                      {spec.label: spec.timeout_s for spec in job.rewards}), queue, metrics,
-                        WorkerWatchdog(rule, job.run_dir, supervisor.restart_hung) if rule else None, restart)
+                        WorkerWatchdog(rule, job.run_dir, supervisor.restart_hung) if rule else None, restart=restart)
     failed = partial(_as_they_stood, runs, supervisor, checkpoints, controller_cpu_start, metrics)
     try:
         with stop.polled():
@@ -667,7 +667,7 @@ class WorkerWatch:
     the longest recovering a worker may take now, its hang deadline (the longest of the workers') and its restart."""
 
     def __init__(self, silent: SilentWorkers, stall: ScoringStall, queue: RewardQueue, metrics: Metrics,
-                 watchdog: Optional[WorkerWatchdog], restart: RestartDeadline) -> None:
+                 watchdog: Optional[WorkerWatchdog], *, restart: RestartDeadline) -> None:
         self.silent, self.stall, self.queue, self.metrics = silent, stall, queue, metrics
         self.watchdog, self.restart = watchdog, restart
         self.recovery_s = restart.seconds
