@@ -68,6 +68,7 @@ WATCHDOG = ["monitoring.hang_floor_s=5"]  # deadlines a tiny job reaches: 10x it
 TOOL_CALC = os.path.join(REPO, "configs", "tool_calc.yaml")
 AGENT = os.path.join(REPO, "examples", "bridge_agent.py")
 BRIDGE = ["rollout.openai_bridge.enabled=true", "rollout.openai_bridge.port=0"]
+AGENTS = [*BRIDGE, "rollout.source=bridge", "rl.group_timeout_s=null", "rl.idle_timeout_s=120"]
 TOOLS = ["env.fn=tests.envs.tools_for_tests:CalculateThePrompt",  # every episode calls the calculator once
          "env.max_tokens=40", "env.tools[0].timeout_s=0.3", "env.tool_workers.num_cpus=0.25"]
 MALFORMED = [b"\x00not msgpack", b"\x93\x01\x02\x03", b"\x82\xa1v\x07\xa6sample\xc0",  # garbage, a list, schema 7
@@ -270,8 +271,13 @@ def flood_bridge(requests: int = 240) -> Callable[[Fault, Running], float]:
 
 
 def _bridge_url(job: Running) -> str:
-    client = connect(job_redis_url(job.run_dir))
     deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(job.run_dir, "redis.url")) or not os.path.exists(
+            os.path.join(job.run_dir, RUN_ID)):  # a fault at step 0 may come before the job has its Redis
+        if time.monotonic() > deadline:
+            raise TimeoutError("the job never wrote its redis.url")
+        time.sleep(0.2)
+    client = connect(job_redis_url(job.run_dir))
     while (url := client.hget(job_keys(job.run_dir).status, "openai_bridge/policy/0")) is None:
         if time.monotonic() > deadline:
             raise TimeoutError("rollout worker 0's bridge never appeared in the job status")
@@ -279,55 +285,56 @@ def _bridge_url(job: Running) -> str:
     return url.decode()
 
 
-class BridgeAgent:
-    """examples/bridge_agent.py playing groups of episodes through rollout worker 0's bridge, started by one fault
-    and stopped by another; once the job ended (`check`) it is killed and its log checked against what the job
-    trained."""
+class BridgeAgents:
+    """`count` agents (examples/bridge_agent.py, each with its own seed and log) playing groups of episodes through
+    rollout worker 0's bridge, started by one fault; the first of them is stopped by another. Once the job ended
+    (`check`) they are killed and their logs checked against what the job trained."""
 
-    def __init__(self, group_size: int) -> None:
-        self.group_size = group_size
-        self.process: Optional[subprocess.Popen] = None
-        self.log = ""
+    def __init__(self, group_size: int, count: int) -> None:
+        self.group_size, self.count = group_size, count
+        self.processes: List[subprocess.Popen] = []
+        self.logs: List[str] = []
 
     def start(self, fault: Fault, job: Running) -> float:
-        self.log = f"{job.run_dir}-agent.jsonl"
-        self.process = subprocess.Popen([sys.executable, AGENT, _bridge_url(job), "--group-size",
-                                         str(self.group_size), "--log", self.log])
+        url = _bridge_url(job)
+        self.logs = [f"{job.run_dir}-agent-{k}.jsonl" for k in range(self.count)]
+        self.processes = [subprocess.Popen([sys.executable, AGENT, url, "--group-size", str(self.group_size),
+                                            "--log", log, "--seed", str(k)]) for k, log in enumerate(self.logs)]
         fault.after = lambda run_dir: self.check(fault, run_dir)
         return time.time()
 
     def stop(self, stopped_s: Optional[float]) -> Callable[[Fault, Running], float]:
-        """SIGSTOP the agent once it has finished an episode of a group it has not finished (it holds a group open
-        and an episode on the bridge), for `stopped_s` (None: for good)."""
+        """SIGSTOP the first agent once it has finished an episode of a group it has not finished (it holds a group
+        open, and its next episode on the bridge), for `stopped_s` (None: for good)."""
         def inject(fault: Fault, job: Running) -> float:
             deadline = time.monotonic() + 120
-            while not self._mid_group():
+            while not self._mid_group(self.logs[0]):
                 if time.monotonic() > deadline:
                     fault.wrong.append("the agent never finished an episode")
                     return time.time()
-                time.sleep(0.05)
-            os.kill(self.process.pid, signal.SIGSTOP)
+                time.sleep(0.02)
+            os.kill(self.processes[0].pid, signal.SIGSTOP)
             struck = time.time()
             if stopped_s is not None:
                 time.sleep(stopped_s)
-                os.kill(self.process.pid, signal.SIGCONT)
+                os.kill(self.processes[0].pid, signal.SIGCONT)
             return struck
         return inject
 
-    def _mid_group(self) -> bool:
-        finished = Counter(entry["group"] for entry in self._entries() if entry["outcome"] == "finished")
-        return bool(finished) and 0 < finished[self._entries()[-1]["group"]] < self.group_size
-
-    def _entries(self) -> List[Dict]:
-        return [json.loads(line) for line in open(self.log)] if os.path.exists(self.log) else []
+    def _mid_group(self, log: str) -> bool:
+        entries = _entries(log)
+        finished = Counter(entry["group"] for entry in entries if entry["outcome"] == "finished")
+        return bool(entries) and 0 < finished[entries[-1]["group"]] < self.group_size
 
     def check(self, fault: Fault, run_dir: str) -> List[str]:
         """Every agent sample trained was an episode the bridge accepted, in a group that did not end before its
-        agent was done with it; the row's fault text gets what the agent did."""
-        self.process.kill()
-        self.process.wait()
-        entries = self._entries()
+        agent was done with it; the row's fault text gets what the agents did."""
+        for process in self.processes:
+            process.kill()
+            process.wait()
+        entries = [entry for log in self.logs for entry in _entries(log)]
         accepted = {f"{e['group']}/{e['episode']}" for e in entries if e["outcome"] == "finished"}
+        refused = sum(e["outcome"] in ("turn_refused_expired", "episode_expired") for e in entries)
         ended = {e["group"] for e in entries if e["outcome"] == "group_ended"}
         trained = [i for line in map(json.loads, open(os.path.join(run_dir, "trained.jsonl")))
                    for i in line["sample_ids"] if i.startswith("agent-")]
@@ -335,10 +342,14 @@ class BridgeAgent:
             if set(trained) - accepted else []
         if {i.rsplit("/", 1)[0] for i in trained} & ended:
             wrong.append("a group the bridge refused as ended was trained")
-        fault.what += (f" ({len(accepted)} episodes accepted, {len(trained)} trained; "
-                       f"{sum(e['outcome'] == 'episode_expired' for e in entries)} finishes and {len(ended)} groups "
-                       "refused 410)")
+        fault.what += (f" ({self.count} agent{'s' if self.count > 1 else ''}: {len(accepted)} episodes accepted, "
+                       f"{len(trained)} trained; {refused} requests of expired episodes and {len(ended)} finishes "
+                       "into ended groups refused 410)")
         return wrong
+
+
+def _entries(log: str) -> List[Dict]:
+    return [json.loads(line) for line in open(log)] if os.path.exists(log) else []
 
 
 def _post(url: str, body: bytes) -> int:
@@ -521,6 +532,7 @@ class Scenario:
     in_process: bool = True  # else `rlp run` in its own process and session (a SIGTERM or SIGKILL goes to it)
     external_redis: bool = False
     alert: Optional[str] = None  # the event kind the job must raise for the fault (events.jsonl)
+    alert_follows: int = 0  # the index of the fault (among those that landed) the alert is timed from
     steps: Optional[int] = None  # RL steps of its job, where a fault takes longer than --steps leave it
     restarts: Optional[str] = None  # the restart kind (summary's rl.restarts) each landed fault must add
     disk: Optional[str] = None  # the size of a tmpfs mounted for its checkpoints (only root can mount one)
@@ -588,7 +600,8 @@ def _run_scenario(scenario: Scenario, out_dir: str, steps: int, seed: int) -> Ou
     outcome.wall_s = round(time.time() - start, 1)
     outcome.orphans, outcome.alerts = orphans, _alerts(config.run_dir)
     struck = [fault.at for fault in faults if fault.at]
-    after_s = _first_alert_after(config.run_dir, scenario.alert, struck[0]) if scenario.alert and struck else None
+    after_s = _first_alert_after(config.run_dir, scenario.alert, struck[scenario.alert_follows]) \
+        if scenario.alert and len(struck) > scenario.alert_follows else None
     if after_s is not None:
         outcome.alerted_after = f"{scenario.alert} {after_s:g} s"
     outcome.checks += [wrong for fault in faults for wrong in fault.wrong]
@@ -703,8 +716,11 @@ def account(config: JobConfig, faults: List[Fault]) -> Outcome:
         + rl.get("samples_dropped_invalid", 0),
         "groups_expired": counts.get("expired", 0),
         "samples_trained_twice": len(ids) - len(set(ids)),
-        "prompts_trained_twice": len(prompts) - len(set(known)),  # a repeat, or a group the ledger had closed
-        "prompts_skipped": cursor - len(seen) - ended_otherwise,
+        # a repeat, or a group the ledger had closed (an agent's group, here named agent-..., has no prompt)
+        "prompts_trained_twice": len(prompts) - len(set(known)) - len({i.rsplit("/", 1)[0] for i in ids
+                                                                        if i.startswith("agent-")}),
+        # (a job whose groups are all agents' issues no data prompt, and skips none)
+        "prompts_skipped": cursor - len(seen) - ended_otherwise if cursor else 0,
         "dropped_stale": counts.get("dropped_stale", 0) * group_size,
     }
     groups = Counter(i.rsplit("/", 1)[0] for i in ids)
@@ -721,7 +737,8 @@ def account(config: JobConfig, faults: List[Fault]) -> Outcome:
         checks.append(f"summary counts {rl.get('samples_generated')} samples generated but "
                       f"{sum(rl.get(key, 0) for key in ended)} trained, dropped, abandoned at a resume or unused: "
                       f"a restarted worker's counts went missing")
-    if sum(counts.get(k, 0) for k in counts if k not in ("issued", "reissued")) + ledger["open"] != counts["issued"]:
+    if sum(counts.get(k, 0) for k in counts if k not in ("issued", "reissued", "admitted")) + ledger["open"] \
+            != counts["issued"]:
         checks.append("the checkpoint's ledger does not balance")
     return Outcome(config.name, summary.get("status") == "completed" and rl.get("steps") == config.rl.max_steps,
                    rl.get("steps", 0), faults, figures, checks, rl.get("restarts", {}))
@@ -740,15 +757,14 @@ def _kills(kind: str, actors: Callable[[str], List[str]], first_steps: Optional[
     return faults
 
 
-def _agent_stopped(stopped_s: Optional[float]):
-    """An agent started early, SIGSTOPped mid-group for `stopped_s` (past its episode's idle deadline, 5 s here)
-    or for good."""
+def _agent_stopped(stopped_s: Optional[float], agents: int):
+    """`agents` started before the first step, the first SIGSTOPped mid-group for `stopped_s` (past its episode's
+    idle deadline, 5 s here) or for good."""
     def faults(job: str, rng: random.Random, steps: int) -> List[Fault]:
-        agent = BridgeAgent(group_size=4)  # TINY's rl.group_size
-        start, stop = fault_steps(rng, 40, 2)
-        what = f"SIGSTOP the agent for {stopped_s:g} s, then SIGCONT" if stopped_s else "SIGSTOP the agent for good"
-        return [Fault("an agent playing groups through the bridge", start, agent.start),
-                Fault(what, stop, agent.stop(stopped_s))]
+        players = BridgeAgents(group_size=4, count=agents)  # TINY's rl.group_size
+        what = f"SIGSTOP an agent for {stopped_s:g} s, then SIGCONT" if stopped_s else "SIGSTOP an agent for good"
+        return [Fault("agents playing groups through the bridge", 0, players.start),
+                Fault(what, fault_steps(rng, steps, 1)[0], players.stop(stopped_s))]
     return faults
 
 
@@ -857,11 +873,13 @@ SCENARIOS = [
     Scenario("evaluator-pause", [*WATCHDOG, "eval.every_steps=1", "eval.priority=normal"], lambda job, rng, steps: [
         Fault("SIGSTOP the evaluator for 20 s, then SIGCONT", s, stop_then_continue(f"{job}-policy-rollout-1", 20.0))
         for s in fault_steps(rng, 60, 1)], steps=300),
-    # an agent outside the job, playing groups through the bridge (its deadlines derived: rl.group_timeout_s unset)
-    Scenario("agent-pause", [*WATCHDOG, *BRIDGE, "rl.group_timeout_s=null"], _agent_stopped(12.0),
-             alert="agent_episodes_expired", steps=200),
-    Scenario("agent-hang", [*WATCHDOG, *BRIDGE, "rl.group_timeout_s=null"], _agent_stopped(None),
-             alert="agent_episodes_expired", steps=300),
+    # agents outside the job, its only source (rollout.source: bridge), playing groups through the bridge; the
+    # deadlines derived (rl.group_timeout_s unset): an agent silent past its episode's idle deadline loses that
+    # episode (played again once it is back); one stopped for good leaves its group to expire
+    Scenario("agent-pause", [*WATCHDOG, *AGENTS], _agent_stopped(12.0, agents=1), alert="agent_episodes_expired",
+             alert_follows=1),
+    Scenario("agent-hang", [*WATCHDOG, *AGENTS], _agent_stopped(None, agents=2), alert="agent_episodes_expired",
+             alert_follows=1, steps=300),  # the job outlives the stopped agent's group deadline
     Scenario("reward-sigstop", ["reward_workers.num_workers=1", "monitoring.scoring_stall_s=10"],
              lambda job, rng, steps: [Fault("SIGSTOP the only reward worker for 20 s", s,
                                             stop_then_continue(f"{job}-reward-0", 20.0))

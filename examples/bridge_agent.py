@@ -6,7 +6,7 @@ an agent should: 429 (the job holds as many groups as its staleness bound allows
 a little later; 410 `episode_expired` (the bridge dropped the episode after the agent went silent) by
 playing that episode again under a new id; 410 `group_ended` (the group expired while the agent was
 away) by playing the whole task again as a new group. Every finish and its answer is appended to
-`--log` as a JSON line. It runs until the bridge stops answering.
+`--log` as a JSON line, and so is each turn refused because its episode expired. It runs until the bridge stops answering.
 
     python examples/bridge_agent.py http://127.0.0.1:8000/v1 --group-size 4 --log agent.jsonl
 """
@@ -39,7 +39,7 @@ def post(url: str, body: Dict, episode: Optional[str] = None) -> Dict:
         raise Refused(refused.code, json.loads(refused.read())["error"]["code"]) from None
 
 
-def play_episode(url: str, turns: List[str]) -> str:
+def play_episode(url: str, turns: List[str], log) -> str:
     """The turns of one episode; returns its id (an expired one is played again under a new id)."""
     while True:
         episode, messages = f"ep-{uuid.uuid4().hex[:10]}", []
@@ -52,6 +52,7 @@ def play_episode(url: str, turns: List[str]) -> str:
         except Refused as refused:
             if refused.code != "episode_expired":
                 raise
+            record(log, episode=episode, outcome="turn_refused_expired")
 
 
 def finish(url: str, episode: str, group: str, answer: str, log) -> str:
@@ -67,9 +68,13 @@ def finish(url: str, episode: str, group: str, answer: str, log) -> str:
             if refused.status != 410:
                 raise
             outcome = refused.code
-        log.write(json.dumps({"time": time.time(), "group": group, "episode": episode, "outcome": outcome}) + "\n")
-        log.flush()
+        record(log, group=group, episode=episode, outcome=outcome)
         return outcome
+
+
+def record(log, **entry) -> None:
+    log.write(json.dumps({"time": time.time(), **entry}) + "\n")
+    log.flush()
 
 
 def discard(url: str, episode: str) -> None:
@@ -95,9 +100,9 @@ def main() -> None:
                 turns, answer = task(rng)
                 group = f"agent-{uuid.uuid4().hex[:10]}"
                 for _ in range(args.group_size):
-                    episode = play_episode(args.url, turns)
+                    episode = play_episode(args.url, turns, log)
                     while (outcome := finish(args.url, episode, group, answer, log)) == "episode_expired":
-                        episode = play_episode(args.url, turns)
+                        episode = play_episode(args.url, turns, log)
                     if outcome == "group_ended":  # it expired while this agent was away: the task again, anew
                         discard(args.url, episode)
                         break

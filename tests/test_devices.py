@@ -149,7 +149,8 @@ from rlplatform.job.controller import run_job
 ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)
 summary = run_job(load_config({QUICKSTART!r}, ["output_dir={tmp_path}", "name=one-gpu", "sft.enabled=false",
                               "rl.max_steps=2", "rl.batch_prompts=4", "rollout.prompts_per_batch=4",
-                              "data.test_size=20", "wandb.mode=disabled"]))
+                              "model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=128",
+                              "data.test_size=8", "wandb.mode=disabled"]))
 print(json.dumps({{"status": summary["status"], "steps": summary["stages"]["rl"]["steps"]}}))
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -18,7 +19,6 @@ from safetensors import safe_open
 
 from rlplatform.actors.engine import TransformersEngine
 from rlplatform.config import LearnerConfig, ModelConfig, RLConfig
-from rlplatform.data.addition import addition_rows
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.policy import load_policy, save_initial_policy
 from rlplatform.tokenization import encode_prompts
@@ -119,25 +119,40 @@ TRACK_STEPS, TRACK_WINDOW = 60, 30
 TRACK_LR, TRACK_TOLERANCE = 1e-4, 0.02
 
 
-def sft_curve(policy: str, dtype: str, rows, steps: int, bf16_mode: str = "autocast"):
-    learner = LearnerGroup(LearnerConfig(num_cpus=0.5, bf16_mode=bf16_mode), policy, 0,
-                           dtype=dtype, transport=ObjectStoreTransport())
-    try:
-        learner.start_stage(lr=TRACK_LR)
-        rng = random.Random(0)
-        return [learner.sft_step(rng.sample(rows, 64)).loss for _ in range(steps)]
-    finally:
-        learner.shutdown()
+# the three curves in one process of their own, one lone rank after another (one start-up instead of three actors')
+SFT_CURVES = r"""
+import json, random, socket, sys
+from rlplatform.config import LearnerConfig
+from rlplatform.data.addition import addition_rows
+from rlplatform.learners.rank import LearnerRank
+from rlplatform.transport.weight_transports import ObjectStoreTransport
+runs, steps, lr = json.loads(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+rows = addition_rows(5000, random.Random(1))
+curves = {}
+for name, policy, dtype, mode in runs:
+    rank = LearnerRank(0, 1, policy, LearnerConfig(bf16_mode=mode), seed=0, dtype=dtype,
+                       transport=ObjectStoreTransport())
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    rank.setup("127.0.0.1", port)
+    rank.start_stage(lr=lr)
+    rng = random.Random(0)
+    curves[name] = [rank.sft_step(rng.sample(rows, 64))["loss"] for _ in range(steps)]
+print(json.dumps(curves))
+"""
 
 
-def test_bfloat16_sft_tracks_float32(ray_session, tmp_path):
+def test_bfloat16_sft_tracks_float32(tmp_path):
     # the quickstart's model and task, the same initial weights, batches and seed; only the precision differs
-    rows = addition_rows(5000, random.Random(1))
     policies = {dtype: save_initial_policy(ModelConfig(dtype=dtype), 0, str(tmp_path / dtype))
                 for dtype in ("float32", "bfloat16")}
-    curves = {"float32": sft_curve(policies["float32"], "float32", rows, TRACK_STEPS),
-              **{mode: sft_curve(policies["bfloat16"], "bfloat16", rows, TRACK_STEPS, mode)
-                 for mode in ("autocast", "master_weights")}}
+    runs = [("float32", policies["float32"], "float32", "autocast"),
+            *[(mode, policies["bfloat16"], "bfloat16", mode) for mode in ("autocast", "master_weights")]]
+    done = subprocess.run([sys.executable, "-c", SFT_CURVES, json.dumps(runs), str(TRACK_STEPS), str(TRACK_LR)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    curves = json.loads(done.stdout.strip().splitlines()[-1])
     late = {name: sum(curve[-TRACK_WINDOW:]) / TRACK_WINDOW for name, curve in curves.items()}
     assert late["float32"] < curves["float32"][0] - 0.3  # it learns: no comparison of two flat lines
     for mode in ("autocast", "master_weights"):

@@ -57,8 +57,8 @@ def test_a_vllm_job_survives_its_rollout_workers_kill(ray_session, tmp_path):
     """The fault suite's `rollout-kill-vllm`: the rollout worker, its engine vLLM, SIGKILLed; restarted, it builds
     its engine again and the job completes with nothing lost, trained twice or skipped."""
     scenario = next(s for s in faults.SCENARIOS if s.name == "rollout-kill-vllm")
-    outcome = faults.run_scenario(scenario, str(tmp_path), steps=10, seed=0)
-    assert outcome.completed and outcome.steps == 10 and outcome.checks == []
+    outcome = faults.run_scenario(scenario, str(tmp_path), steps=8, seed=0)
+    assert outcome.completed and outcome.steps == 8 and outcome.checks == []
     counts = outcome.counts
     assert counts["samples_lost"] == counts["samples_trained_twice"] == counts["prompts_trained_twice"] == 0
     assert counts["prompts_skipped"] == 0 and outcome.restarts["rollout"] == 1
