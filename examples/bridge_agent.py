@@ -6,7 +6,8 @@ an agent should: 429 (the job holds as many groups as its staleness bound allows
 a little later; 410 `episode_expired` (the bridge dropped the episode after the agent went silent) by
 playing that episode again under a new id; 410 `group_ended` (the group expired while the agent was
 away) by playing the whole task again as a new group. Every finish and its answer is appended to
-`--log` as a JSON line, and so is each turn refused because its episode expired. It runs until the bridge stops answering.
+`--log` as a JSON line, and so is each turn refused because its episode expired. It runs until the
+bridge stops answering.
 
     python examples/bridge_agent.py http://127.0.0.1:8000/v1 --group-size 4 --log agent.jsonl
 """
