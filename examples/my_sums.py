@@ -7,7 +7,7 @@ import random
 
 import verifiers.v1 as vf
 
-TASKS = 400
+TASKS = 2000
 
 
 class SumData(vf.TaskData):

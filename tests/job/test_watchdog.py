@@ -110,33 +110,38 @@ def test_a_stopped_process_on_another_node_is_dumped_by_a_task_there_or_says_why
     assert said.startswith("no stack dump (") and not (tmp_path / "d.txt").exists()
 
 
-def _job_with_a_stopped_actor(config, actor: str, after_steps: int, run_files, when=None):
-    """Run the job, SIGSTOPping actor `actor` for good once `after_steps` steps are trained (or once `when()`); a job
-    still running after JOB_DEADLINE_S is stopped (SIGTERM; 20 s later the stopped process is killed, ending a wait
-    on it). Returns (summary or the error raised, the stopped pid)."""
+def _job_with_stopped_actors(config, stops, run_files):
+    """Run the job, SIGSTOPping for good each `(actor, when)` of `stops` in turn, once `when()` holds; a job still
+    running after JOB_DEADLINE_S is stopped (SIGTERM; 20 s later the stopped processes are killed, ending a wait on
+    them). Returns (summary or the error raised, the stopped pids)."""
     stopped = []
 
-    def stop_it():
-        run_files.wait_for(when or (lambda: run_files.trained_steps(config.run_dir) >= after_steps))
-        stopped.append(actor_pid(actor))
-        os.kill(stopped[0], signal.SIGSTOP)
+    def stop_them():
+        for actor, when in stops:
+            run_files.wait_for(when)
+            stopped.append(actor_pid(actor))
+            os.kill(stopped[-1], signal.SIGSTOP)
     deadlines = [threading.Timer(JOB_DEADLINE_S, os.kill, (os.getpid(), signal.SIGTERM)),
-                 threading.Timer(JOB_DEADLINE_S + 20, lambda: os.kill(stopped[0], signal.SIGKILL))]  # a wait on it
+                 threading.Timer(JOB_DEADLINE_S + 20, lambda: [os.kill(pid, signal.SIGKILL) for pid in stopped])]
     for deadline in deadlines:
         deadline.start()
     try:
-        result = run_files.run_job_while(config, stop_it)
+        result = run_files.run_job_while(config, stop_them)
     except JobFailed as err:
         result = err
     finally:
         for deadline in deadlines:
             deadline.cancel()
-        if stopped:
+        for pid in stopped:
             try:
-                os.kill(stopped[0], signal.SIGCONT)
+                os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-    return result, stopped[0]
+    return result, stopped
+
+
+def _after_steps(config, run_files, steps: int):
+    return lambda: run_files.trained_steps(config.run_dir) >= steps
 
 
 def _events(run_dir: str, kind: str):
@@ -145,23 +150,10 @@ def _events(run_dir: str, kind: str):
     return [event for event in map(json.loads, lines) if event["kind"] == kind]
 
 
-def test_a_rollout_worker_stopped_for_good_is_named_dumped_and_restarted(ray_session, tiny_job, run_files):
-    config = tiny_job("hung-rollout", "rl.max_steps=12", *FAST_WATCHDOG)
-    summary, pid = _job_with_a_stopped_actor(config, "hung-rollout-policy-rollout-0", 3, run_files)
-    assert summary["status"] == "completed", "the job never ended with its only rollout worker stopped"
-    [hang] = _events(config.run_dir, "hang")
-    assert hang["message"].startswith(f"rollout worker 0 of policy 'policy' (pid {pid} on ")
-    assert ("generating" in hang["message"] or "loading weights" in hang["message"]) and "restarting it" in hang["message"]
-    [dump] = list(Path(config.run_dir, "hangs").iterdir())
-    assert f"stacks in {dump}" in hang["message"] and "rollout.py" in dump.read_text()
-    rl = summary["rl"]
-    assert rl["restarts"]["rollout"] == 1 and rl["steps"] == 12
-    assert rl["samples_trained"] == 12 * 2 * 4 and balanced(rl["ledger"])
-
-
 def test_a_learner_stopped_for_good_ends_the_job_in_one_line_naming_it_and_the_dump(ray_session, tiny_job, run_files):
     config = tiny_job("hung-learner", "rl.max_steps=200", "checkpoint.every_steps=2", *FAST_WATCHDOG)
-    error, pid = _job_with_a_stopped_actor(config, "hung-learner-policy-learner-0", 3, run_files)
+    error, [pid] = _job_with_stopped_actors(
+        config, [("hung-learner-policy-learner-0", _after_steps(config, run_files, 3))], run_files)
     summary = json.loads(Path(config.run_dir, "summary.json").read_text())
     assert isinstance(error, JobFailed) and summary["status"] == "failed", "the job never ended with its learner stopped"
     message = str(error)
@@ -178,7 +170,8 @@ def test_an_evaluator_stopped_for_good_is_named_dumped_and_restarted(ray_session
     # before an evaluation was waited for, its deadline is hang_factor x hang_floor_s: 9 s here
     config = tiny_job("hung-eval", "rl.max_steps=150", *EVAL, "eval.priority=normal", "monitoring.hang_floor_s=3",
                       "monitoring.hang_factor=3")
-    summary, pid = _job_with_a_stopped_actor(config, "hung-eval-policy-rollout-1", 3, run_files)  # the evaluator
+    summary, [pid] = _job_with_stopped_actors(  # the evaluator
+        config, [("hung-eval-policy-rollout-1", _after_steps(config, run_files, 3))], run_files)
     assert summary["status"] == "completed", "the job never ended with its evaluator stopped"
     [hang] = _events(config.run_dir, "hang")
     assert hang["message"].startswith(f"the evaluator (pid {pid} on ") and "restarting it" in hang["message"]
@@ -191,9 +184,12 @@ def test_an_evaluator_stopped_for_good_is_named_dumped_and_restarted(ray_session
 TOOL_CALC = str(Path(__file__).resolve().parents[2] / "configs" / "tool_calc.yaml")
 
 
-def test_a_tool_worker_stopped_for_good_is_named_dumped_and_restarted(ray_session, tmp_path, run_files):
-    """Tool workers serve from their construction, without a loop of the stage's: the watchdog restarts one whole,
-    and the calls it held are taken back by its restart (every episode here calls the calculator)."""
+def test_a_tool_worker_then_a_rollout_worker_stopped_for_good_are_named_dumped_and_restarted(ray_session, tmp_path,
+                                                                                            run_files):
+    """One job, two hangs in turn. Tool workers serve from their construction, without a loop of the stage's: the
+    watchdog restarts one whole, and the calls it held are taken back by its restart (every episode here calls the
+    calculator). Then the only rollout worker, stopped mid-loop: restarted, its unsubmitted groups issued again; the
+    job completes with every sample accounted for."""
     from rlplatform.config import load_config
 
     config = load_config(TOOL_CALC, [
@@ -202,13 +198,27 @@ def test_a_tool_worker_stopped_for_good_is_named_dumped_and_restarted(ray_sessio
         "eval.enabled=false", "rl.max_steps=30", "rl.batch_prompts=2", "rl.group_size=2", "rl.max_new_tokens=4",
         "env.max_tokens=40", "data.train_size=64", "data.test_size=8", "wandb.mode=disabled",
         "env.tool_workers.num_cpus=0.25", "env.tools[0].timeout_s=0.3", *FAST_WATCHDOG])  # deadline 3 s
-    summary, pid = _job_with_a_stopped_actor(config, "hung-tool-tool-0", 3, run_files)
-    assert summary["status"] == "completed", "the job never ended with its only tool worker stopped"
-    [hang] = _events(config.run_dir, "hang")
-    assert hang["message"].startswith(f"tool worker hung-tool-tool-0 (pid {pid} on ") and "restarting it" in hang["message"]
-    [dump] = list(Path(config.run_dir, "hangs").iterdir())
-    assert f"stacks in {dump}" in hang["message"] and dump.read_text().strip()
+    trained_at_tool_restart = []
+
+    def tool_restarted_and_three_more_steps() -> bool:
+        if not trained_at_tool_restart and _events(config.run_dir, "hang"):
+            trained_at_tool_restart.append(run_files.trained_steps(config.run_dir))
+        return bool(trained_at_tool_restart) and \
+            run_files.trained_steps(config.run_dir) >= trained_at_tool_restart[0] + 3
+    summary, [tool_pid, rollout_pid] = _job_with_stopped_actors(config, [
+        ("hung-tool-tool-0", _after_steps(config, run_files, 3)),
+        ("hung-tool-policy-rollout-0", tool_restarted_and_three_more_steps)], run_files)
+    assert summary["status"] == "completed", "the job never ended with its tool worker, then its rollout worker stopped"
+    tool, rollout = (event["message"] for event in _events(config.run_dir, "hang"))
+    assert tool.startswith(f"tool worker hung-tool-tool-0 (pid {tool_pid} on ") and "restarting it" in tool
+    assert rollout.startswith(f"rollout worker 0 of policy 'policy' (pid {rollout_pid} on ")
+    assert ("generating" in rollout or "loading weights" in rollout) and "restarting it" in rollout
+    dumps = list(Path(config.run_dir, "hangs").iterdir())
+    [tool_dump] = [dump for dump in dumps if f"stacks in {dump}" in tool]
+    [rollout_dump] = [dump for dump in dumps if f"stacks in {dump}" in rollout]
+    assert len(dumps) == 2 and tool_dump.read_text().strip() and "rollout.py" in rollout_dump.read_text()
     rl = summary["rl"]
+    assert rl["restarts"]["rollout"] == 1
     assert rl["steps"] == 30 and rl["samples_trained"] == 30 * 2 * 2 and balanced(rl["ledger"])
     assert rl["tools"]["calculator/calls"] >= 30 * 2 * 2
 
@@ -236,7 +246,7 @@ def test_a_tool_worker_stopped_while_sft_checks_call_it_is_restarted_by_the_wait
             return False
         beats = Heartbeats(connect(url.read_text().strip()), run_scope(config.name, run_id.read_text().strip()))
         return any(beat.worker.startswith("tool worker") for beat in beats.beats())
-    summary, pid = _job_with_a_stopped_actor(config, "hung-sft-tool-tool-0", 0, run_files, when=tool_serving)
+    summary, [pid] = _job_with_stopped_actors(config, [("hung-sft-tool-tool-0", tool_serving)], run_files)
     assert summary["status"] == "completed", "the job never ended with its only tool worker stopped"
     [hang] = _events(config.run_dir, "hang")
     assert hang["message"].startswith(f"tool worker hung-sft-tool-tool-0 (pid {pid} on ")
