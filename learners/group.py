@@ -109,13 +109,15 @@ class LearnerGroup:
                      "a learner rank", LEARNER_TIMEOUT_S)
 
     def rl_step_async(self, batch: List[TrainItem], rl: RLConfig, sft_rows: Optional[List[Dict]] = None,
-                      step: int = 0, max_tokens: Optional[int] = None) -> List[ray.ObjectRef]:
+                      step: int = 0, max_tokens: Optional[int] = None, *,
+                      distill: bool = True) -> List[ray.ObjectRef]:
         """Start RL step `step` on every rank with its token-balanced share of the batch's ids and
         advantages (each rank fetches its samples from Redis: `connect_results`), each publishing its
-        new weights as it ends; `gather` the refs."""
+        new weights as it ends; `gather` the refs. `distill`: False leaves a distilling policy's teacher signal
+        out of this step."""
         shares = shard_minibatches(batch, len(self.ranks), rl.minibatches, [item.tokens for item in batch])
         return [rank.rl_step_and_stream.remote([i.sample_id for i in share], [i.advantage for i in share], rl,
-                                                rows, step, max_tokens=max_tokens)
+                                                rows, step, max_tokens=max_tokens, distill=distill)
                 for rank, share, rows in zip(self.ranks, shares, self._sft_parts(sft_rows))]
 
     def _sft_parts(self, sft_rows: Optional[List[Dict]]) -> List[Optional[List[Dict]]]:

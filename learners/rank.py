@@ -135,6 +135,7 @@ class LearnerRank:
         self.aux_coef = 0.0  # the weight of their load-balancing loss (the model config's router_aux_loss_coef)
         self.replay: Optional[RoutingReplay] = None  # routing replay's hooks on them, entered for each pass
         self.distill_coef = 0.0  # the stage's weight of the teacher's per-token signal (`start_stage`)
+        self.step_distill_coef = 0.0  # the current RL step's: the stage's, or 0 while distillation is paused
         self.compiled_layers = 0  # decoder layers under torch.compile (`learner.compile`)
         self.peak: Optional[DevicePeak] = None  # the device's peak FLOP/s in the compute dtype
         self.reference = None  # frozen policy for KL, kept during RL when asked
@@ -398,7 +399,7 @@ class LearnerRank:
 
     def rl_step(self, samples: List[Sample], advantages: List[float], rl: RLConfig,
                 sft_rows: Optional[List[Dict]] = None, step: int = 0,
-                *, max_tokens: Optional[int] = None) -> Dict[str, float]:
+                *, max_tokens: Optional[int] = None, distill: bool = True) -> Dict[str, float]:
         """`rl.ppo_epochs` passes over `rl.minibatches` minibatches of the clipped, importance-weighted
         policy gradient (plus the KL, entropy and SFT terms rl asks for), at the learning rate of RL
         step `step` (the stage's rate under `rl.lr_schedule`). The proximal policy is the weights at
@@ -413,6 +414,7 @@ class LearnerRank:
         started = time.perf_counter()
         for group in self.engine.optimizer.param_groups:
             group["lr"] = self.stage_lr * lr_scale(rl, step)
+        self.step_distill_coef = self.distill_coef if distill else 0.0
         stale = sum(v != step for s in samples for v, m in zip(s.token_versions, s.model_token_mask()) if m)
         total_samples, stale, routed_bytes = self._all_reduce([len(samples), stale,
                                                                sum(len(s.routed_experts) for s in samples)])
@@ -486,7 +488,7 @@ class LearnerRank:
         # older weights wrote, a gap that is not the engine's numerics
         current = align_per_token([[float(all(v == step for v in vs))] * len(vs) for vs in versions], prompts, width)
         teacher = None
-        if live and self.distill_coef:  # every sample of a distilling policy passed its teacher queue
+        if live and self.step_distill_coef:  # every sample of a distilling policy passed its teacher queue
             unscored = [s.sample_id for s in samples if not s.teacher_logprobs]
             if unscored:
                 raise ValueError(f"sample {unscored[0]} reached a distilling learner without its teacher's log-probs")
@@ -578,7 +580,8 @@ class LearnerRank:
         proximal = scores.logprobs.detach() if minibatch.proximal_is_current else part.proximal
         advantages = part.advantages
         if part.teacher is not None and part.teacher_top is None:  # reverse_kl: each token's advantage, the task's
-            advantages = advantages[:, None] + distillation_signal(part.teacher, part.behaviour, self.distill_coef)
+            advantages = advantages[:, None] + distillation_signal(part.teacher, part.behaviour,
+                                                                   self.step_distill_coef)
         loss, metrics = policy_loss(scores.logprobs, proximal, part.behaviour, advantages, mask,
                                     correction=rl.correction, clip_eps=rl.clip_eps, is_cap=rl.is_cap,
                                     aggregation=rl.loss_aggregation, max_tokens=minibatch.max_tokens, totals=totals)
@@ -588,7 +591,7 @@ class LearnerRank:
             student = completion_log_softmax(self.engine, part.prompts, part.completions,
                                              self.tokenizer.pad_token_id, rl.temperature)
             forward_kl = token_mean(forward_kl_on_top(student, *part.teacher_top), mask, totals=totals)
-            loss = loss + self.distill_coef * forward_kl
+            loss = loss + self.step_distill_coef * forward_kl
             metrics["distill_forward_kl"] = forward_kl.detach()
         if proximal is not part.behaviour:  # the weights at entry scored the tokens: parity with the engine
             metrics.update(parity_sums(proximal, part.behaviour, mask * part.current))
@@ -680,13 +683,14 @@ class LearnerRank:
 
     def rl_step_and_stream(self, sample_ids: List[str], advantages: List[float], rl: RLConfig,
                             sft_rows: Optional[List[Dict]] = None, step: int = 0,
-                            *, max_tokens: Optional[int] = None) -> Tuple[Dict[str, float], Optional[List]]:
+                            *, max_tokens: Optional[int] = None,
+                            distill: bool = True) -> Tuple[Dict[str, float], Optional[List]]:
         """`rl_step` on this rank's share of a batch, fetched from Redis by id, then the new weights
         streamed as version `step + 1`, in one call: no round trip between them."""
         if self.results is None:
             raise RuntimeError("learner rank has no Redis to fetch samples from: call connect_results first")
         samples = self.results.fetch(sample_ids)
-        metrics = self.rl_step(samples, advantages, rl, sft_rows, step, max_tokens=max_tokens)
+        metrics = self.rl_step(samples, advantages, rl, sft_rows, step, max_tokens=max_tokens, distill=distill)
         try:
             streamed = self.stream_weights(step + 1)
             if self.step_ends is not None:

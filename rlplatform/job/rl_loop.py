@@ -36,6 +36,7 @@ from rlplatform.monitoring.error_guard import RewardErrorGuard, Verdict
 from rlplatform.monitoring.job_status import SILENT_WORKERS
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.rl_monitor import RLMonitor
+from rlplatform.monitoring.teacher_guard import TeacherGuard
 from rlplatform.monitoring.expiry_alerts import agents_gone, expired_groups
 from rlplatform.monitoring.watchdog import (HangRule, LearnerProcess, WorkerWatchdog, hang_rule, learner_hang,
                                             rank_processes, watched_write)
@@ -203,6 +204,7 @@ class PolicyRun:
         self.elastic: Optional[ElasticRollout] = None  # rollout workers added while the stage runs (`max_workers`)
         self.teacher = job.teacher_of(workers.config)  # on-policy distillation's teacher policy, or None
         self.teacher_keys = PolicyKeys(queue.keys.run, self.teacher.name) if self.teacher else None
+        self.teacher_guard: Optional[TeacherGuard] = None  # set where the teacher trains RL in this job too
         distill = workers.config.distill
         workers.learner.start_stage(self.rl.lr, keep_reference=self.rl.kl_coef > 0 or self.rl.track_reference_kl,
                                     distill_coef=distill.coef if self.teacher else 0.0)
@@ -342,17 +344,24 @@ class PolicyRun:
         self.counters.groups_with_signal += sum(map(has_signal, batch.groups))
         rewards = [[s.reward for s in group] for group in batch.groups]
         advantages = [a for group in _advantages(self.rl, rewards) for a in group]
-        if self.teacher is not None:
-            if not self.workers.config.distill.task_reward:  # the teacher's per-token signal alone
-                advantages = [0.0] * len(advantages)
+        distilling = self.teacher is not None and (self.teacher_guard is None or self.teacher_guard.distilling())
+        if distilling and not self.workers.config.distill.task_reward:  # the teacher's per-token signal alone
+            advantages = [0.0] * len(advantages)
         sft_rows = random.Random(version).sample(self.train_rows, self.rl.batch_prompts) \
             if self.rl.sft_coef else None
         items = [TrainItem(s.sample_id, a, s.tokens) for s, a in zip(batch.samples, advantages)]
         refs = self.workers.learner.rl_step_async(items, self.rl, sft_rows, step=version,
-                                                  max_tokens=self.job.env.completion_tokens(self.rl.max_new_tokens))
+                                                  max_tokens=self.job.env.completion_tokens(self.rl.max_new_tokens),
+                                                  distill=distilling)
         self.counters.steps_queued += bool(self._steps)
         self._steps.append(StepInFlight(refs, batch, version, time.perf_counter()))
         return True
+
+    def _distill_totals(self) -> Dict:
+        totals = self.monitor.distill_totals()
+        if totals and self.teacher_guard is not None:
+            totals["steps_paused"] = self.teacher_guard.steps_paused
+        return totals
 
     def _teacher_version(self) -> Optional[int]:
         """The teacher's newest published version (on-policy distillation; None without a teacher)."""
@@ -528,7 +537,7 @@ class PolicyRun:
             tools=self.monitor.tool_totals() if self.job.env.multi_turn else None,
             restarts={"rollout": 0, "reward": 0, **end.restarts, "evaluator": self.workers.evaluator_restarts},
             checkpoint=end.checkpoint, results_held_at_end=end.results_held, controller_cpu_s=end.controller_cpu_s,
-            wandb_dir=end.wandb_dir, distill=self.monitor.distill_totals())
+            wandb_dir=end.wandb_dir, distill=self._distill_totals())
 
 
 @dataclass
@@ -560,6 +569,12 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
     _await_construction([actor for p in policies for actor in p.rollout + p.teachers] + reward_actors,
                         restart.seconds)
     runs = {p.name: PolicyRun(job, p, queue, metrics, train_rows) for p in policies}
+    for run in runs.values():
+        if run.teacher is not None and run.teacher.name in runs:  # a teacher that trains RL beside its student
+            alerts = runs[run.teacher.name].monitor.alerts
+            run.teacher_guard = TeacherGuard(run.workers.name, run.teacher.name,
+                                             lambda alerts=alerts: alerts.firing.get("reward_collapse", False),
+                                             metrics.event)
     attempt = resume.attempt if resume else 0
     for name, run in runs.items():
         if resume:

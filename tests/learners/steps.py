@@ -15,12 +15,13 @@ from rlplatform.transport.samples import Sample
 
 
 def rl_step(learner: LearnerGroup, samples: List[Sample], advantages: List[float], rl: RLConfig,
-            sft_rows: Optional[List[Dict]] = None, step: int = 0, max_tokens: Optional[int] = None) -> StepResult:
-    """RL step `step` of `learner` on `samples` (`max_tokens`: as `LearnerRank.rl_step`'s)."""
+            sft_rows: Optional[List[Dict]] = None, step: int = 0, max_tokens: Optional[int] = None,
+            distill: bool = True) -> StepResult:
+    """RL step `step` of `learner` on `samples` (`max_tokens`, `distill`: as `LearnerRank.rl_step`'s)."""
     n = len(learner.ranks)
     weights = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
     rows = shard(sft_rows, n) if sft_rows else [None] * n
-    refs = [rank.rl_step.remote(s, a, rl, r, step, max_tokens=max_tokens) for rank, s, a, r in
+    refs = [rank.rl_step.remote(s, a, rl, r, step, max_tokens=max_tokens, distill=distill) for rank, s, a, r in
             zip(learner.ranks, shard_minibatches(samples, n, rl.minibatches, weights),
                 shard_minibatches(advantages, n, rl.minibatches, weights), rows)]
     return merge_rank_metrics(ray.get(refs))

@@ -56,6 +56,9 @@ def test_steps_on_the_teachers_signal_alone_take_the_reverse_kl_down(ray_session
             assert figures["distill_kl"] > 0
             student.load_weights(from_snapshot(ray.get(learner.snapshot_weights())), step + 1)
             kls.append(_reverse_kl(student.model, teacher.model, prompts))
+        # a step with distillation paused (its teacher's reward collapsed: `TeacherGuard`) leaves the signal out
+        paused = rl_step(learner, samples, [0.0] * len(samples), RLConfig(max_new_tokens=1), step=4, distill=False)
+        assert "distill_kl" not in paused.figures and paused.figures["pg_loss"] == 0.0
     finally:
         learner.shutdown()
     # measured: 6.555, 6.496, 6.459, 6.418, 6.375; with the signal's sign flipped it climbs
