@@ -571,9 +571,7 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
     runs = {p.name: PolicyRun(job, p, queue, metrics, train_rows) for p in policies}
     for run in runs.values():
         if run.teacher is not None and run.teacher.name in runs:  # a teacher that trains RL beside its student
-            alerts = runs[run.teacher.name].monitor.alerts
-            run.teacher_guard = TeacherGuard(run.workers.name, run.teacher.name,
-                                             lambda alerts=alerts: alerts.firing.get("reward_collapse", False),
+            run.teacher_guard = TeacherGuard(run.workers.name, run.teacher.name, runs[run.teacher.name].monitor.alerts,
                                              metrics.event)
     attempt = resume.attempt if resume else 0
     for name, run in runs.items():

@@ -58,6 +58,15 @@ class AlertRules:
             self.firing[rule.kind] = message is not None
         return alerts
 
+    def reward_of_best(self) -> Optional[float]:
+        """The reward_collapse rule's window mean as a fraction of the best window mean so far (None before the
+        rule has a full window, or without the rule)."""
+        rule = next((r for r in self.rules if r.kind == "reward_collapse"), None)
+        window = self._window(rule) if rule else []
+        if not rule or len(window) < rule.window or self.best_reward <= 0:
+            return None
+        return sum(f.reward_mean for f in window) / len(window) / self.best_reward
+
     def check_stall(self, step: int, seconds_since_progress: float) -> List[Alert]:
         """Between learner steps: only the no-progress rules, without touching the history."""
         alerts = []
