@@ -40,7 +40,7 @@ from rlplatform.config import EvalConfig, RewardSpec
 from rlplatform.envs.rendering import Renderer
 from rlplatform.envs.taskset_source import TasksetPlayer, play_held_out
 from rlplatform.monitoring.eval_figures import evaluation_figures
-from rlplatform.monitoring.watchdog import HangRule
+from rlplatform.monitoring.watchdog import deadline_rule
 from rlplatform.monitoring.parity_canary import CanaryCheck
 from rlplatform.priority import set_cpu_priority
 from rlplatform.rewards.registry import resolve
@@ -96,7 +96,7 @@ class RolloutWorker:
         self.schedule = GroupSchedule(client, run, policy, StalenessRule.of(rl))
         self.seed, self.chat_template = spec.seed, spec.chat_template
         self.env = spec.env
-        self.idle_rule = HangRule(spec.monitoring.hang_factor, spec.monitoring.hang_floor_s)  # for agents' episodes
+        self.idle_rule = deadline_rule(spec.monitoring)  # the bridge's, for agents' episodes
         self.episodes = self._episodes(client, run, spec.chat_template, rl.max_new_tokens)
         self.occupancy = WaitOccupancy()  # the decode batch while episodes wait on tools
         self._scorer = None  # the job's rewards, built on the first evaluation

@@ -38,7 +38,7 @@ from rlplatform.job.workers import Evaluator, PolicyWorkers, publish
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.monitoring.job_status import JobStatus
 from rlplatform.monitoring.metrics import Metrics
-from rlplatform.monitoring.watchdog import (HangRule, dump_path, dump_process_state, hang_rule, rank_processes,
+from rlplatform.monitoring.watchdog import (deadline_rule, dump_path, dump_process_state, hang_rule, rank_processes,
                                             watched_write)
 from rlplatform.policy import load_tokenizer, save_initial_policy
 from rlplatform.tokenization import encode_prompts, save_prompts, within_limit
@@ -223,7 +223,7 @@ def _run_stages(config: JobConfig, plan: JobPlan, run: str, redis_url: str, lear
     policies: List[PolicyWorkers] = []
     reward_actors: List = []
     tool_actors: List = []
-    restart = RestartDeadline(HangRule(config.monitoring.hang_factor, config.monitoring.hang_floor_s))
+    restart = RestartDeadline(deadline_rule(config.monitoring))
     services = ServiceWatch(hang_rule(config.monitoring), config.run_dir, Heartbeats(client, run),
                             partial(metrics.event, "hang"))  # watched by the evaluations the job waits for
     try:

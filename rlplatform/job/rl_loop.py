@@ -38,7 +38,7 @@ from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.rl_monitor import RLMonitor
 from rlplatform.monitoring.teacher_guard import TeacherGuard
 from rlplatform.monitoring.expiry_alerts import agents_gone, expired_groups
-from rlplatform.monitoring.watchdog import (HangRule, LearnerProcess, WorkerWatchdog, hang_rule, learner_hang,
+from rlplatform.monitoring.watchdog import (LearnerProcess, WorkerWatchdog, deadline_rule, hang_rule, learner_hang,
                                             rank_processes, watched_write)
 from rlplatform.rewards.shaping import overlong_penalty
 from rlplatform.scheduling.buffer import Batch, GroupBuffer, has_signal
@@ -193,10 +193,8 @@ class PolicyRun:
         self.longest_save_s = 0.0  # the longest the learner took to write its part of a checkpoint
         self._unrecorded: Optional[Batch] = None  # a step counted as trained whose record has not been written
         self.hang_rule = hang_rule(job.monitoring)
-        monitoring = job.monitoring  # the group deadline follows the hang rule's keys, the watchdog on or off
-        self.group_deadline = GroupDeadline(self.rl.group_timeout_s,
-                                            HangRule(monitoring.hang_factor, monitoring.hang_floor_s).deadline_s,
-                                            monitoring.hang_floor_s)
+        rule = deadline_rule(job.monitoring)
+        self.group_deadline = GroupDeadline(self.rl.group_timeout_s, rule.deadline_s, rule.floor_s)
         self.mirror: Optional[RedisMirror] = None
         self.trained_at_start = 0  # samples trained before this attempt (a resumed job's)
         self._last_watch = time.monotonic()
@@ -514,7 +512,8 @@ class PolicyRun:
             unused = {"in_flight_at_failure": max(generated - _accounted(self.counters), 0)}
         wall = time.perf_counter() - self.start
         figures = stage_figures(self.counters, rollout, len(self.workers.rollout), unused, self.version, wall=wall,
-                                trained_at_start=self.trained_at_start, group_deadline_s=self.group_deadline.deadline_s())
+                                trained_at_start=self.trained_at_start,
+                                group_deadline_s=self.group_deadline.deadline_s())
         if self.elastic is not None:
             figures = replace(figures, **self.elastic.figures())
         reward_now = self.mirror.reward if offline else self.queue.counters(self.queue.keys.reward_stats)

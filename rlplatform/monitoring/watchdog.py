@@ -44,7 +44,13 @@ class HangRule:
 
 def hang_rule(monitoring) -> Optional[HangRule]:
     """The job's `HangRule` (`monitoring.hang_factor`, `monitoring.hang_floor_s`); None with the watchdog off."""
-    return HangRule(monitoring.hang_factor, monitoring.hang_floor_s) if monitoring.watchdog else None
+    return deadline_rule(monitoring) if monitoring.watchdog else None
+
+
+def deadline_rule(monitoring) -> HangRule:
+    """The rule on `monitoring.hang_factor` and `monitoring.hang_floor_s`, whether or not the watchdog acts on hangs:
+    the deadlines of a restart, of a group's completion and of an agent's next request follow it too."""
+    return HangRule(monitoring.hang_factor, monitoring.hang_floor_s)
 
 
 def dump_stacks(pid: int, node_id: str, path: str) -> str:
