@@ -21,8 +21,8 @@ NAMED = 5  # groups or episodes named in one alert; the rest are counted
 def expired_groups(policy: str, group_ids: List[str], deadline: GroupDeadline) -> str:
     """One line for the groups of `policy` just expired."""
     how = "rl.group_timeout_s" if deadline.fixed_s is not None else \
-        f"monitoring.hang_factor x the longest a group took, {deadline.longest_s:.1f}s, plus {deadline.recovery_s:.0f}s " \
-        "to recover a hung worker"
+        (f"monitoring.hang_factor x the longest a group took, {deadline.longest_s:.1f}s, plus "
+         f"{deadline.recovery_s:.0f}s to recover a hung worker")
     return (f"{len(group_ids)} group(s) of policy '{policy}' incomplete {deadline.deadline_s():.0f}s after their "
             f"claim expired ({how}): {_named(group_ids)}; their samples are dropped, issued prompts issued again "
             "and agents' groups closed (a sample lost, a stopped worker, or an agent that went silent)")
