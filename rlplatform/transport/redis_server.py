@@ -36,6 +36,11 @@ from rlplatform.config import redact_url
 
 RECONNECT_S = 30.0  # how long a client keeps reconnecting to a Redis that went away
 AOF_NAME = "appendonly.aof"
+# every write reaches the file (the kernel's cache) before its reply: a killed server loses nothing it
+# acknowledged. Under `everysec`, Redis's default, a write is held back while a previous fsync is slow (a loaded
+# disk) and the reply goes out first, so a kill then lost acknowledged writes (a stream's consumer group, once).
+# A machine that crashes ends its job anyway; a resume rebuilds from the checkpoint, not from this file.
+APPEND_FSYNC = "no"
 PID_FILE = "redis.pid"  # in the data directory: the server's pid, for the next start to find a leftover
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when the thread that created it ends
 
@@ -132,7 +137,8 @@ class EmbeddedRedis:
 
     def _config(self) -> str:
         lines = [f"port {self.port}", "bind 127.0.0.1", "protected-mode yes", f"requirepass {self.password}",
-                 'save ""', "appendonly yes", f"appendfilename {AOF_NAME}", f"dir {json.dumps(self.data_dir)}",
+                 'save ""', "appendonly yes", f"appendfilename {AOF_NAME}", f"appendfsync {APPEND_FSYNC}",
+                 f"dir {json.dumps(self.data_dir)}",
                  f"pidfile {json.dumps(os.path.join(self.data_dir, PID_FILE))}"]
         return "\n".join(lines) + "\n"
 
