@@ -235,6 +235,65 @@ def _reward_worker(args) -> int:
     return 0
 
 
+def _rollout_worker(args) -> int:
+    """Rollout workers on this node of job `args.job`'s Ray cluster, attached to its newest run for as long as
+    this command runs (`rlplatform.transport.worker_attach`); they leave once it ends (Ctrl-C, SIGTERM)."""
+    import signal
+    import time
+
+    from rlplatform.transport.job_lease import newest_run
+    from rlplatform.transport.keys import JobKeys, NameKeys
+    from rlplatform.transport.redis_server import connect
+    from rlplatform.transport.worker_attach import LEASE_S, AttachLease
+
+    client = connect(_redis(args))
+    run = _published(lambda: newest_run(client, args.job) if client.exists(NameKeys(args.job).owner) else None,
+                     f"job '{args.job}' to start")
+    keys = JobKeys(run)
+    node_ip = "" if args.node_id else _node_ip()
+    lease = AttachLease.ask(client, keys, policy=args.policy or "", node_id=args.node_id or "", node_ip=node_ip,
+                            workers=args.workers)
+    where = f"node {args.node_id}" if args.node_id else f"the node at {node_ip}"
+    print(f"rlp: asked job '{args.job}' (run {run}) for {args.workers} rollout worker(s) on {where}", file=sys.stderr)
+    stopping: List[int] = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stopping.append(1))
+    answered, asked_at = None, time.monotonic()
+    try:
+        while not stopping:
+            if client.exists(keys.stop) or not client.exists(NameKeys(args.job).owner) or \
+                    newest_run(client, args.job) != run:
+                print(f"rlp: job '{args.job}' ended; its rollout workers here ended with it", file=sys.stderr)
+                return 0
+            if not lease.renew():
+                print(f"rlp: this command's lease lapsed (not renewed for {LEASE_S:g} s): job '{args.job}' stopped its "
+                      f"rollout workers here", file=sys.stderr)
+                return 1
+            if answered is None and (answered := lease.answer()) is not None:
+                if answered.refused:
+                    print(f"rlp: job '{args.job}' refused: {answered.refused}", file=sys.stderr)
+                    return 1
+                print(f"rlp: attached {', '.join(answered.workers)}; they generate for job '{args.job}' until this "
+                      f"command ends (Ctrl-C)", file=sys.stderr)
+            elif answered is None and time.monotonic() - asked_at > 30:
+                print(f"rlp: waiting for job '{args.job}' to take the request (it does during its RL stage)",
+                      file=sys.stderr)
+                asked_at = time.monotonic()
+            time.sleep(LEASE_S / 5)
+    finally:
+        lease.release()
+    print(f"rlp: detached: job '{args.job}' stops the workers and issues the groups they had not submitted again",
+          file=sys.stderr)
+    return 0
+
+
+def _node_ip() -> str:
+    """This machine's address as Ray's nodes report theirs."""
+    import ray.util
+
+    return ray.util.get_node_ip_address()
+
+
 def _newest_run_with(client, job: str, key):
     """(the `run_scope` of job `job`'s newest run, the value it keeps under `key(run)`) once it keeps one, else
     None: read afresh each time, so a worker started before the job, or beside an ended run, finds the new run."""
@@ -424,6 +483,15 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--batch-size", type=int, default=64, help="queue messages read per call")
     worker.add_argument("--name", help="consumer name (default: <job>-reward-<host>-<pid>)")
     worker.set_defaults(handler=_reward_worker)
+    rollout = commands.add_parser("rollout-worker", help="attach rollout workers on this node of a running job's Ray "
+                                  "cluster, for as long as this command runs")
+    rollout.add_argument("--redis", help=REDIS_HELP)
+    rollout.add_argument("--job", required=True, help="the job's name")
+    rollout.add_argument("--policy", help="the policy they generate for (default: the job's only one)")
+    rollout.add_argument("--workers", type=_positive, default=1, help="rollout workers to start here")
+    rollout.add_argument("--node-id", help="the Ray node to start them on (default: the node at this machine's "
+                         "address; needed where one machine runs several nodes)")
+    rollout.set_defaults(handler=_rollout_worker)
     tools = commands.add_parser("tool-worker", help="serve a running job's tool calls from this machine")
     tools.add_argument("--redis", help=REDIS_HELP)
     tools.add_argument("--job", required=True, help="the job's name")

@@ -430,11 +430,16 @@ def _start_learner(config: JobConfig, plan: PolicyPlan) -> LearnerGroup:
 
 
 def _start_rollout_actor(config: JobConfig, plan: PolicyPlan, run: str, model_path: str, prompts_path: str,
-                         *, redis_url: str, store_name: str, index: int, restarts: int = MAX_RESTARTS):
+                         *, redis_url: str, store_name: str, index: int, restarts: int = MAX_RESTARTS,
+                         node_id: Optional[str] = None):
     """Rollout actor `index` of the policy, or its evaluator at index `rollout.num_workers` (an
     `EvaluatorActor`, at `eval.priority` from its first import): it reads its prompts from `prompts_path`
     and finds the weight store by `store_name`. Ray restarts it up to `restarts` times (0: a worker added
-    while the stage runs, which leaves when it dies: `rlplatform.job.elastic`)."""
+    while the stage runs, which leaves when it dies: `rlplatform.job.elastic`). With `node_id` (a worker
+    attached by `rlp rollout-worker`) it runs on that node, asking for its CPUs and GPUs there but not for
+    `rollout.resources`, the labels that choose nodes for the others."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     from rlplatform.actors.evaluator import EvaluatorActor
     from rlplatform.actors.rollout import RolloutActor
     from rlplatform.actors.rollout_spec import RolloutSpec
@@ -442,6 +447,8 @@ def _start_rollout_actor(config: JobConfig, plan: PolicyPlan, run: str, model_pa
     policy = plan.policy
     options = dict(num_cpus=policy.rollout.num_cpus, num_gpus=plan.rollout_gpus, resources=policy.rollout.resources,
                    max_restarts=restarts, name=f"{config.name}-{policy.name}-rollout-{index}")
+    if node_id is not None:
+        options.update(resources={}, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
     evaluator = index == policy.rollout.num_workers
     spec = RolloutSpec(index, policy.name, run, model_path, prompts_path, redis_url=redis_url, rl=policy.rl,
                        rollout=policy.rollout,

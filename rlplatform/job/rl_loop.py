@@ -24,7 +24,7 @@ import ray
 from rlplatform.config import JobConfig
 from rlplatform.job.checkpoint import (CheckpointState, DiskFull, PolicyState, latest_checkpoint, learner_dir,
                                        write_checkpoint)
-from rlplatform.job.elastic import ElasticRollout, elastic_policies
+from rlplatform.job.elastic import AttachDesk, ElasticRollout
 from rlplatform.job.signals import StopSignals
 from rlplatform.job.summaries import RLFigures, RLSummary, plain_text
 from rlplatform.job.supervision import RestartDeadline, Supervisor
@@ -53,6 +53,7 @@ from rlplatform.transport.keys import PolicyKeys
 from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.rollout_counters import RolloutCounters
 from rlplatform.transport.samples import ResultMeta
+from rlplatform.transport.worker_attach import AttachRequests
 
 
 _LEARNER_TOTALS = {"learner_compute_s": "compute_s", "learner_model_tokens": "model_tokens",
@@ -199,7 +200,7 @@ class PolicyRun:
         self.trained_at_start = 0  # samples trained before this attempt (a resumed job's)
         self._last_watch = time.monotonic()
         self.trained_log = os.path.join(job.policy_dir(workers.name), "trained.jsonl")
-        self.elastic: Optional[ElasticRollout] = None  # rollout workers added while the stage runs (`max_workers`)
+        self.elastic: Optional[ElasticRollout] = None  # rollout workers added or attached while the stage runs
         self.teacher = job.teacher_of(workers.config)  # on-policy distillation's teacher policy, or None
         self.teacher_keys = PolicyKeys(queue.keys.run, self.teacher.name) if self.teacher else None
         self.teacher_guard: Optional[TeacherGuard] = None  # set where the teacher trains RL in this job too
@@ -514,7 +515,7 @@ class PolicyRun:
         figures = stage_figures(self.counters, rollout, len(self.workers.rollout), unused, self.version, wall=wall,
                                 trained_at_start=self.trained_at_start,
                                 group_deadline_s=self.group_deadline.deadline_s())
-        if self.elastic is not None:
+        if self.elastic is not None:  # None before the stage's loops start
             figures = replace(figures, **self.elastic.figures())
         reward_now = self.mirror.reward if offline else self.queue.counters(self.queue.keys.reward_stats)
         reward = {k: v - self._reward_counters_at_start.get(k, 0.0) for k, v in reward_now.items()}
@@ -581,9 +582,12 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
         run.monitor.started(run.version)
         run.mirror_redis()
     supervisor = _start_loops(job, policies, reward_actors, metrics, tool_actors, restart=restart)
-    for workers in elastic_policies(policies):
-        runs[workers.name].elastic = ElasticRollout(workers, runs[workers.name].schedule, supervisor.start,
-                                                    partial(metrics.event, "rollout_capacity"))
+    capacity_note = partial(metrics.event, "rollout_capacity")
+    for workers in policies:
+        runs[workers.name].elastic = ElasticRollout(job.name, workers, runs[workers.name].schedule, supervisor.start,
+                                                    capacity_note)
+    attach_desk = AttachDesk(AttachRequests(queue.client, queue.keys),
+                             {name: run.elastic for name, run in runs.items()}, capacity_note)
     checkpoints = Checkpoints(job, runs, job_state, attempt)
     heartbeats = Heartbeats(queue.client, queue.keys.run)
     rule = hang_rule(job.monitoring)
@@ -597,10 +601,10 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
             while not all(run.done for run in runs.values()) and not stop.requested and not _failure(runs):
                 _turn(runs, queue)
                 supervisor.check()
+                attach_desk.check()
                 for run in runs.values():
-                    if run.elastic is not None:
-                        run.elastic.check()
-                        run.monitor.rollout_workers = len(run.workers.rollout)  # busy fractions: over those there now
+                    run.elastic.check()
+                    run.monitor.rollout_workers = len(run.workers.rollout)  # busy fractions: over those there now
                 watch.check(max(run.version for run in runs.values()),
                             min(run.since_scored_s for run in runs.values()))
                 for run in runs.values():
@@ -631,8 +635,7 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
                           f"(checkpoint {checkpoints.latest})", failed())
     queue.request_stop()
     for run in runs.values():
-        if run.elastic is not None:
-            run.elastic.cancel_pending()
+        run.elastic.cancel_pending()
     for kind in ("reward", "rollout", "teacher"):
         try:
             supervisor.wait_ended(kind, STOP_GRACE_S if stop.requested else WORKERS_END_S)

@@ -245,7 +245,7 @@ class PolicyWorkers:
     sft_rows: List[Dict]  # the training rows whose prompts fit `data.max_prompt_tokens`
     data: Dict[str, int]  # rows kept and skipped as too long, for the summary
     teachers: List = field(default_factory=list)  # a distilling policy's teacher scoring workers (TeacherActor handles)
-    add_rollout: Optional[Callable[..., Any]] = None  # starts rollout actor `index=`, not restarted by Ray (`elastic`)
+    add_rollout: Optional[Callable[..., Any]] = None  # starts rollout actor `index=` (`node_id=`), not restarted (`elastic`)
 
     @property
     def config(self) -> PolicyConfig:

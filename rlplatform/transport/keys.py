@@ -51,6 +51,16 @@ class JobKeys:
         self.max_pending = f"{prefix}:max-pending"  # the job's producer bound (redis.max_stream_len)
         self.heartbeats = f"{prefix}:heartbeats"  # worker label -> time its loop last went round
         self.learner_steps = f"{prefix}:learner-steps"  # a stream: the policy of each learner step as it ends
+        self.attach_requests = f"{prefix}:attach-requests"  # a stream: workers asked for by `rlp rollout-worker`
+        self._attach = f"{prefix}:attach:"  # + request id: its lease and the job's answer
+
+    def attach_lease(self, request: str) -> str:
+        """Held by the `rlp rollout-worker` command that made attach request `request`, while it runs."""
+        return f"{self._attach}{request}:lease"
+
+    def attach_answer(self, request: str) -> str:
+        """The job's answer to attach request `request`: the workers it started, or why none."""
+        return f"{self._attach}{request}:answer"
 
     def result(self, sample_id: str) -> str:
         """Where the whole scored result of sample `sample_id` waits until it is trained or dropped."""

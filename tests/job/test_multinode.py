@@ -4,7 +4,8 @@ The second node declares a custom resource; the job joins the cluster through `r
 its rollout and reward workers ask for that resource (`rollout.resources`,
 `reward_workers.resources`) and so run on the second node, a standalone `rlp reward-worker`
 serves the same queue from outside Ray; a third node joins and leaves while the job runs (elastic rollout
-workers: `rollout.max_workers`), and the job accounts for every sample as a local run does.
+workers: `rollout.max_workers`), then `rlp rollout-worker` attaches a worker by the job's name on a node it names
+until it is stopped, and the job accounts for every sample as a local run does.
 """
 
 from __future__ import annotations
@@ -172,9 +173,11 @@ def test_a_job_on_labelled_nodes_that_come_and_go_accounts_for_every_sample(clus
     """The labelled node holds the job's rollout worker, evaluator and reward worker (its 3 `rollout_node`), beside a
     standalone `rlp reward-worker` serving the same queue from outside Ray. A second labelled node joining mid-run
     has room for one more rollout worker, which joins there (the job allows 2: `rollout.max_workers`); then that node
-    goes away, its worker's unsubmitted groups issued again, and a stop ends the job with every sample accounted
-    for. Trained samples/s before, with and after the added worker are printed: on one machine the nodes share its
-    cores, so they show what the move costs, not added capacity."""
+    goes away, its worker's unsubmitted groups issued again. `rlp rollout-worker --job NAME` then attaches a worker
+    on the node it names (asked without one, it is told that two nodes share this machine's address) until a Ctrl-C
+    detaches it, its unsubmitted groups issued again; a stop ends the job with every sample accounted for. Trained
+    samples/s before, with and after the added worker, and with the attached one, are printed: on one machine the
+    nodes share its cores, so they show what the move costs, not added capacity."""
     name = "multinode"
     run_dir = tmp_path / name
     watcher = cluster.watch_actors(until=run_dir / "summary.json")
@@ -198,6 +201,21 @@ def test_a_job_on_labelled_nodes_that_come_and_go_accounts_for_every_sample(clus
         cluster.remove_node(node)
         run_files.wait_for(lambda: len(said(run_dir, "rollout_capacity")) == 2, timeout_s=180)
         after = trained_per_s(run_dir, 2.0)
+        # a worker attached by the job's name from a node of its cluster, for as long as its command runs: the two
+        # nodes left share this machine's address, so the command is told to name one
+        ask = [RLP, "rollout-worker", "--redis", redis_url, "--job", name]
+        refused = subprocess.run(ask, env=ENV, capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 1 and "2 nodes of the job's Ray cluster run at " in refused.stderr, refused.stderr
+        node_id = refused.stderr.split("(one of ")[1].split(",")[0]
+        attached = subprocess.Popen([*ask, "--node-id", node_id], env=ENV, stderr=subprocess.PIPE, text=True)
+        started.append(attached)
+        run_files.wait_for(lambda: any(beat.worker == "rollout worker 3 of policy 'policy'" and beat.version is not None
+                                       and beat.action == "generating" for beat in beats.beats()), timeout_s=180)
+        with_attached = trained_per_s(run_dir, 2.0)
+        attached.send_signal(signal.SIGINT)  # Ctrl-C: the job stops the worker, its unsubmitted groups issued again
+        _, attach_log = attached.communicate(timeout=60)
+        assert attached.returncode == 0, attach_log
+        run_files.wait_for(lambda: len(said(run_dir, "rollout_capacity")) == 5, timeout_s=180)
         job.send_signal(signal.SIGTERM)
         output, _ = job.communicate(timeout=300)
         assert job.returncode == 143, output[-3000:]
@@ -208,7 +226,8 @@ def test_a_job_on_labelled_nodes_that_come_and_go_accounts_for_every_sample(clus
     finally:
         for process in started:
             process.kill()  # only those still running: a finished one ignores it
-    print(f"trained samples/s: {before:.1f} before the node joined, {during:.1f} with its worker, {after:.1f} after")
+    print(f"trained samples/s: {before:.1f} before the node joined, {during:.1f} with its worker, {after:.1f} after, "
+          f"{with_attached:.1f} with a worker attached by `rlp rollout-worker`")
     assert int(worker_log.split("scored ")[1].split(" samples")[0]) > 0  # it served beside the Ray reward worker
     placement = json.loads(seen.strip().splitlines()[-1])
     placed, labelled = placement["actors"], placement["labelled"]
@@ -216,8 +235,13 @@ def test_a_job_on_labelled_nodes_that_come_and_go_accounts_for_every_sample(clus
     assert len({placed[actor] for actor in workers}) == 1 and placed[workers[0]] in labelled, placed
     added = f"{name}-policy-rollout-2"
     assert placed[added] not in {node for actor, node in placed.items() if actor != added}, placed  # the new node
-    joined, left = said(run_dir, "rollout_capacity")
+    joined, left, refusal, attach, detach = said(run_dir, "rollout_capacity")
     assert joined.startswith("rollout worker policy-2 joined") and left.startswith("rollout worker policy-2 left")
+    assert refusal.startswith("attach request ") and "give --node-id" in refusal
+    assert attach.startswith(f"rollout worker policy-3 attached on node {node_id[:12]} by `rlp rollout-worker`")
+    assert detach.startswith("rollout worker policy-3 left (its `rlp rollout-worker` ended)")
+    assert placed[f"{name}-policy-rollout-3"] == node_id  # on the node its command named
+    assert f"attached {name}-policy-rollout-3;" in attach_log and "rlp: detached" in attach_log
 
     summary = json.loads((run_dir / "summary.json").read_text())
     rl = summary["rl"]
@@ -226,5 +250,5 @@ def test_a_job_on_labelled_nodes_that_come_and_go_accounts_for_every_sample(clus
     assert rl["samples_unused_at_end"] == sum(rl["samples_unused_where"].values())
     assert rl["ledger"]["trained"] == rl["steps"] * 2 and balanced(rl["ledger"])
     assert rl["ledger"]["abandoned"] == rl["rollout_groups_reissued"]
-    assert rl["rollout_workers_joined"] == rl["rollout_workers_left"] == 1
+    assert rl["rollout_workers_joined"] == rl["rollout_workers_left"] == 2
     assert rl["restarts"] == {"rollout": 0, "reward": 0, "evaluator": 0}  # a worker that leaves is not a restart
