@@ -364,6 +364,7 @@ def _status(args) -> int:
     from rlplatform.transport.deadlines import Heartbeats
     from rlplatform.transport.job_lease import newest_run
     from rlplatform.transport.redis_server import connect
+    from rlplatform.transport.samples import WireFormatError
 
     if args.run_dir:  # that run: its name, id and Redis from its directory
         job, run = _run_in(args.run_dir)
@@ -374,11 +375,15 @@ def _status(args) -> int:
         run = newest_run(client, job)  # the name's newest run: the live one, while one is
     else:
         raise ConfigError("rlp status: give a run directory (rlp status runs/<name>) or --job NAME")
-    fields = JobStatus(client, run).read() if run is not None else {}
-    if not fields:
+    try:
+        status = JobStatus(client, run).read() if run is not None else None
+    except WireFormatError as err:  # written by another version of the platform, or by hand
+        print(f"rlp: job '{job}' has a status this rlp cannot read: {err}", file=sys.stderr)
+        return 1
+    if status is None:
         print(f"rlp: no status for job '{job}' on this Redis (not started, or expired)", file=sys.stderr)
         return 1
-    print(f"{job}: {format_status(fields, time.time())}")
+    print(f"{job}: {format_status(status, time.time())}")
     for line in format_beats(Heartbeats(client, run).beats(), time.time()):
         print(f"  {line}")
     return 0

@@ -36,7 +36,7 @@ from rlplatform.job.summaries import (JobSummary, PolicyResults, RLSummary, SFTS
 from rlplatform.job.supervision import MAX_RESTARTS, RestartDeadline, ServiceWatch
 from rlplatform.job.workers import Evaluator, PolicyWorkers, publish
 from rlplatform.learners.group import LearnerGroup
-from rlplatform.monitoring.job_status import JobStatus
+from rlplatform.monitoring.job_status import JobStatus, StatusLine
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.watchdog import (deadline_rule, dump_path, dump_process_state, hang_rule, rank_processes,
                                             watched_write)
@@ -124,7 +124,7 @@ def _run_locked(config: JobConfig, started_at: float, shutdown_ray: Optional[boo
             finally:
                 final = summary.status if summary.status != "running" else "failed"
                 try:
-                    metrics.status.write({"stage": final, "wall_s": round(time.perf_counter() - start, 2)})
+                    metrics.status.write(StatusLine(final, wall_s=round(time.perf_counter() - start, 2)))
                 except RedisUnavailable:  # the job's error says so
                     pass
     except Interrupted as err:

@@ -33,7 +33,6 @@ from rlplatform.learners.algorithms import ADVANTAGE_ESTIMATORS, grpo_advantages
 from rlplatform.learners.group import TrainItem
 from rlplatform.learners.step_result import LearnerTotals
 from rlplatform.monitoring.error_guard import RewardErrorGuard, Verdict
-from rlplatform.monitoring.job_status import SILENT_WORKERS
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.rl_monitor import RLMonitor
 from rlplatform.monitoring.teacher_guard import TeacherGuard
@@ -711,7 +710,7 @@ class WorkerWatch:
 
     def _show(self, listing: str) -> None:
         if self.metrics.status is not None:
-            self.metrics.status.set(SILENT_WORKERS, listing)
+            self.metrics.status.show_silent_workers(listing)
 
 
 def _await_construction(actors: List, timeout_s: float) -> None:

@@ -16,6 +16,7 @@ from rlplatform.config import SFTConfig
 from rlplatform.job.summaries import SFTSummary
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.learners.step_result import LearnerTotals, StepResult
+from rlplatform.monitoring.job_status import NOT_YET, StatusLine
 from rlplatform.monitoring.metrics import Metrics
 
 
@@ -44,9 +45,9 @@ def run_sft(config: SFTConfig, learner: LearnerGroup, rows: List[Dict], metrics:
             elapsed = time.perf_counter() - start
             metrics.log(stage, step, {**result.metrics(), "rows_per_s": step * config.batch_size / elapsed,
                                       "tokens_per_s": tokens / elapsed})
-            metrics.progress({"stage": stage, "step": f"{step}/{config.steps}", "loss": result.loss,
-                              "accuracy": f"{checks[-1]['accuracy']:.3f}" if checks else "-",
-                              "eta_s": elapsed / step * (config.steps - step)})
+            metrics.progress(StatusLine(stage, f"{step}/{config.steps}", loss=result.loss,
+                                        accuracy=checks[-1]["accuracy"] if checks else NOT_YET,
+                                        eta_s=elapsed / step * (config.steps - step)))
     return SFTSummary(steps=step, wall_s=round(time.perf_counter() - start, 2),
                       final_loss=result.loss if result is not None else None, accuracy_checks=tuple(checks),
                       first_step_at=first_step_at, **totals.figures())

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 import wandb
 
 from rlplatform.config import JobConfig, to_dict
-from rlplatform.monitoring.job_status import JobStatus
+from rlplatform.monitoring.job_status import JobStatus, StatusLine
 
 # RL metric family -> the step axis it is plotted against
 RL_AXES = {"learning": "learner_step", "rewards": "learner_step", "async": "wall_time_s",
@@ -93,11 +93,11 @@ class Metrics:
             step = "wall_time_s" if axis == "wall_time_s" else f"{policy}/{axis}"
             self.run.define_metric(f"{policy}/{family}/*", step_metric=step)
 
-    def progress(self, fields: Dict[str, object]) -> None:
+    def progress(self, line: StatusLine) -> None:
         """The live view: the console line, mirrored to the job status on Redis."""
-        self.console.show(fields)
+        self.console.show(line)
         if self.status is not None:
-            self.status.write({k: _fmt(v) for k, v in fields.items()})
+            self.status.write(line)
 
     def event(self, kind: str, message: str, step: Optional[int] = None) -> None:
         """An alert or notable event: console warning, event log line, W&B alert when online. Without
@@ -129,8 +129,8 @@ class ProgressLine:
         self.live = self.stream.isatty()
         self._last_len = 0
 
-    def show(self, fields: Dict[str, object]) -> None:
-        text = "  ".join(f"{k} {_fmt(v)}" for k, v in fields.items())
+    def show(self, line: StatusLine) -> None:
+        text = "  ".join(f"{k} {v}" for k, v in line.fields().items())
         if self.live:
             self.stream.write("\r" + text.ljust(self._last_len))
             self._last_len = len(text)
@@ -147,10 +147,3 @@ class ProgressLine:
         if self.live and self._last_len:
             self.stream.write("\n")
             self._last_len = 0
-
-
-def _fmt(value: object) -> str:
-    if isinstance(value, float):
-        return f"{value:.3f}" if abs(value) < 100 else f"{value:.0f}"
-    return str(value)
-

@@ -22,6 +22,7 @@ import wandb
 from rlplatform.config import JobConfig, RLConfig
 from rlplatform.learners.step_result import StepResult
 from rlplatform.monitoring.alerts import AlertRules, StepFigures
+from rlplatform.monitoring.job_status import NOT_YET, Figure, StatusLine
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.parity_canary import checks_since
 from rlplatform.monitoring.tool_metrics import tool_figures
@@ -344,14 +345,15 @@ class RLMonitor:
         """A progress line while no step ends: the rollout workers' rate and the queue, no step figures."""
         current = self._worker_counters()
         rate = self._sample_rate.update(current.time, current.rollout.samples)
-        self._line(version, now, "-", rate, self.queue.pending(), staleness="-")
+        self._line(version, now, NOT_YET, rate, self.queue.pending(), staleness=NOT_YET)
 
-    def _line(self, version: int, now: float, reward, samples_per_s: float, queue: int, *, staleness) -> None:
+    def _line(self, version: int, now: float, reward: Figure, samples_per_s: float, queue: int, *,
+              staleness: Figure) -> None:
         elapsed, total = now - self.start, self.rl.max_steps
         done = version - self._first_version
         self.last_line = now
-        self.metrics.progress({
-            "stage": f"rl {self.policy}" if self.config.policies else "rl", "step": f"{version}/{total}",
-            "eta_s": round(elapsed / done * (total - version)) if done > 0 else "-", "reward": reward,
-            "accuracy": "-" if self.last_accuracy is None else f"{self.last_accuracy:.3f}",
-            "samples/s": samples_per_s, "queue": queue, "staleness": staleness})
+        self.metrics.progress(StatusLine(
+            f"rl {self.policy}" if self.config.policies else "rl", f"{version}/{total}",
+            eta_s=round(elapsed / done * (total - version)) if done > 0 else NOT_YET, reward=reward,
+            accuracy=NOT_YET if self.last_accuracy is None else self.last_accuracy,
+            samples_per_s=samples_per_s, queue=queue, staleness=staleness))

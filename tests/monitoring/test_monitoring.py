@@ -16,7 +16,7 @@ from rlplatform.config import load_config
 from rlplatform.job.rl_loop import RLCounters
 from rlplatform.learners.step_result import StepResult
 from rlplatform.monitoring.dashboard import build_workspace, render_layout
-from rlplatform.monitoring.job_status import JobStatus
+from rlplatform.monitoring.job_status import JobStatus, StatusLine
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.rl_monitor import PROGRESS_EVERY_S, RLMonitor, TrailingRate
 from rlplatform.scheduling.buffer import Batch
@@ -121,21 +121,21 @@ def test_the_rl_stage_shows_a_line_at_its_start_and_by_time_while_no_step_ends(r
 def test_rlp_status_prints_a_jobs_progress_from_redis(redis_server, redis_client, tmp_path):
     redis_client.set(NameKeys("elsewhere").newest_run, "r1")  # as the job's lease names its run
     status = JobStatus(redis_client, run_scope("elsewhere", "r1"))
-    status.write({"stage": "sft", "step": "500/1500", "loss": 0.62})
-    status.set("silent_workers", "reward worker 1")
+    status.write(StatusLine("sft", "500/1500", loss=0.62))
+    status.show_silent_workers("reward worker 1")
     bridge = bridge_status_field("policy", 0)
     redis_client.hset(status.key, bridge, "http://127.0.0.1:8000/v1")  # as a rollout worker announces its bridge
-    status.write({"stage": "rl", "step": "12/400", "reward": 0.5, "samples/s": 840})  # SFT's loss is gone
-    assert "loss" not in status.read() and status.read()["silent_workers"] == "reward worker 1"
-    assert status.read()[bridge] == "http://127.0.0.1:8000/v1"  # shown while the bridge serves
-    status.set("silent_workers", "")
+    status.write(StatusLine("rl", "12/400", reward=0.5, samples_per_s=840.0))  # SFT's loss is gone
+    assert status.read().line.loss is None and status.read().silent_workers == "reward worker 1"
+    assert status.read().bridges == {("policy", 0): "http://127.0.0.1:8000/v1"}  # shown while the bridge serves
+    status.show_silent_workers("")
     redis_client.hdel(status.key, bridge)
     rlp = str(Path(sys.executable).parent / "rlp")
     env = dict(os.environ, RAY_ADDRESS="")
     shown = subprocess.run([rlp, "status", "--redis", redis_server, "--job", "elsewhere"],
                            capture_output=True, text=True, timeout=60, env=env)
     assert shown.returncode == 0
-    assert shown.stdout.startswith("elsewhere: stage rl  step 12/400  reward 0.5  samples/s 840  (updated")
+    assert shown.stdout.startswith("elsewhere: stage rl  step 12/400  reward 0.500  samples/s 840  (updated")
     missing = subprocess.run([rlp, "status", "--redis", redis_server, "--job", "nope"],
                              capture_output=True, text=True, timeout=60, env=env)
     assert missing.returncode == 1 and "no status for job 'nope'" in missing.stderr
@@ -157,8 +157,8 @@ def test_rlp_status_of_a_run_directory_reads_that_runs_redis_and_status(redis_se
     (run_dir / "config.yaml").write_text("name: mine\n")
     (run_dir / "run_id").write_text("first\n")
     (run_dir / "redis.url").write_text(redis_server + "\n")
-    JobStatus(redis_client, run_scope("mine", "first")).write({"stage": "rl", "step": "3/10"})
-    JobStatus(redis_client, run_scope("mine", "later")).write({"stage": "sft", "step": "1/5"})
+    JobStatus(redis_client, run_scope("mine", "first")).write(StatusLine("rl", "3/10"))
+    JobStatus(redis_client, run_scope("mine", "later")).write(StatusLine("sft", "1/5"))
     redis_client.set(NameKeys("mine").newest_run, "later")  # a later run of the name: the directory's run is still shown
     rlp = str(Path(sys.executable).parent / "rlp")
     env = {k: v for k, v in os.environ.items() if k != "RLP_REDIS_URL"}
