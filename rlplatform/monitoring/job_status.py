@@ -9,7 +9,7 @@ it back as one `StatusSnapshot`, refusing a field that is not one (`WireFormatEr
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields as dataclass_fields
+from dataclasses import KW_ONLY, dataclass, field, fields as dataclass_fields
 from typing import Callable, Dict, List, Literal, Mapping, Optional, Tuple, Union
 
 import redis
@@ -33,6 +33,7 @@ class StatusLine:
     reward, rates and staleness, a finished job's line its wall time alone)."""
     stage: str  # "sft", "rl", "rl <policy>", or how the job ended: "completed", "interrupted", "failed"
     step: Optional[str] = None  # "12/40": the stage's step of its total
+    _: KW_ONLY
     eta_s: Optional[Figure] = None
     loss: Optional[float] = None
     reward: Optional[Figure] = None
