@@ -77,11 +77,11 @@ def test_a_worker_that_was_never_placed_is_cancelled_at_the_end_instead_of_waite
     plan = plan_job(config, ray.cluster_resources(), cuda_here=False).of("policy")
     fixed = [None]  # the policy's one worker started with the job, which plays no part here
     workers = PolicyWorkers(plan, None, fixed, None, None, keys=None, sft_rows=[], data={},
-                            add_rollout=lambda index: Unplaceable.remote())
+                            add_rollout=lambda index, node_id: Unplaceable.remote())
     supervisor = Supervisor(lambda text: None, RestartDeadline(HangRule(factor=10, floor_s=60)))
     notes = []
-    elastic = ElasticRollout(workers, GroupSchedule(redis_client, "elastic-run", "policy", StalenessRule.of(RLConfig())),
-                             supervisor.start, notes.append)
+    elastic = ElasticRollout("elastic", workers, GroupSchedule(redis_client, "elastic-run", "policy",
+                                                               StalenessRule.of(RLConfig())), supervisor.start, notes.append)
     elastic.room = {}  # any node has room for it, as the cluster looked a moment before another actor took it
     elastic.check()
     assert elastic.joined == 1 and len(workers.rollout) == 2
