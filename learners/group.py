@@ -90,11 +90,12 @@ class LearnerGroup:
         deadline_get([rank.start_stage.remote(lr, keep_reference, distill_coef) for rank in self.ranks],
                      "a learner rank", LEARNER_TIMEOUT_S)
 
-    def sft_step(self, rows: List[Dict], lr_fraction: float = 1.0) -> StepResult:
+    def sft_step(self, rows: List[Dict], lr_fraction: float = 1.0, timeout_s: float = LEARNER_TIMEOUT_S) -> StepResult:
+        """One SFT step on `rows`, shared out over the ranks; `WorkerHung` once it takes over `timeout_s`."""
         parts = shard(rows, len(self.ranks))
         return merge_rank_metrics(deadline_get([rank.sft_step.remote(p, lr_fraction)
                                                 for rank, p in zip(self.ranks, parts)],
-                                               "a learner rank's SFT step", LEARNER_TIMEOUT_S))
+                                               "a learner rank's SFT step", timeout_s))
 
     def connect_results(self, redis_url: str, run: str, reconnect_s: float, policy: Optional[str] = None) -> None:
         """Let every rank fetch the run's scored samples from Redis (`rl_step_async`; `run`: its `run_scope`); with

@@ -39,7 +39,7 @@ from rlplatform.learners.group import LearnerGroup
 from rlplatform.monitoring.job_status import JobStatus, StatusLine
 from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.watchdog import (deadline_rule, dump_path, dump_process_state, hang_rule, rank_processes,
-                                            watched_write)
+                                            watched_call)
 from rlplatform.policy import load_tokenizer, save_initial_policy
 from rlplatform.tokenization import encode_prompts, save_prompts, within_limit
 from rlplatform.transport.deadlines import LEARNER_TIMEOUT_S, Heartbeats, JobFailed, LearnerDied, LearnerHung
@@ -244,8 +244,12 @@ def _run_stages(config: JobConfig, plan: JobPlan, run: str, redis_url: str, lear
         resumed = resume.state.policies if resume else {}
         for workers in policies:
             if workers.name not in resumed:
-                results[workers.name].sft = _supervised_stage(config, workers, train_rows, metrics, client,
-                                                              record_eval=results[workers.name].record_eval)
+                try:
+                    results[workers.name].sft = _supervised_stage(config, workers, train_rows, metrics, client,
+                                                                  record_eval=results[workers.name].record_eval)
+                except LearnerHung as hung:  # in an SFT step: nothing to checkpoint from it
+                    metrics.event("hang", str(hung))
+                    raise JobEnded(str(hung), results, hung.exit_code) from None
         if any(p.config.rl.enabled for p in policies):
             job_state = partial(_job_state, results, metrics.run.id if metrics.run else None)
             try:
@@ -300,10 +304,10 @@ def _save_final(config: JobConfig, policies: List[PolicyWorkers]) -> None:
         merged = model if workers.config.model.lora.enabled and config.checkpoint.export_merged else None
         saves = dict(model_dir=os.path.join(policy_dir, "adapter"), merged_dir=merged) \
             if workers.config.model.lora.enabled else dict(model_dir=model)
-        watched_write(hang_rule(config.monitoring), config.run_dir,
-                      partial(rank_processes, workers.name, workers.learner.processes), "writing the final model",
-                      0.0, checkpoint=latest_checkpoint(config.run_dir),
-                      write=lambda deadline_s: workers.learner.save(checkpoint, **saves, timeout_s=deadline_s))
+        watched_call(hang_rule(config.monitoring), config.run_dir,
+                     partial(rank_processes, workers.name, workers.learner.processes), "writing the final model",
+                     0.0, checkpoint=latest_checkpoint(config.run_dir),
+                     call=lambda deadline_s: workers.learner.save(checkpoint, **saves, timeout_s=deadline_s))
 
 
 def _open_queue(config: JobConfig, run: str, client) -> RewardQueue:
@@ -489,7 +493,9 @@ def _supervised_stage(config: JobConfig, workers: PolicyWorkers, train_rows, met
     if workers.config.sft.enabled:
         stage = "sft" if not config.policies else f"{workers.name}/sft"
         sft = run_sft(workers.config.sft, workers.learner, workers.sft_rows, metrics, config.seed, stage=stage,
-                      accuracy=lambda: workers.evaluator.score(workers.learner.snapshot_weights()))
+                      accuracy=lambda: workers.evaluator.score(workers.learner.snapshot_weights()),
+                      watched=partial(watched_call, hang_rule(config.monitoring), config.run_dir,
+                                      partial(rank_processes, workers.name, workers.learner.processes)))
     streamed = workers.learner.stream_weights(0)
     publish(workers, client, 0, streamed)
     if workers.evaluator is None:  # `eval.enabled: false`

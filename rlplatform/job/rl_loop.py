@@ -38,7 +38,7 @@ from rlplatform.monitoring.rl_monitor import RLMonitor
 from rlplatform.monitoring.teacher_guard import TeacherGuard
 from rlplatform.monitoring.expiry_alerts import agents_gone, expired_groups
 from rlplatform.monitoring.watchdog import (LearnerProcess, WorkerWatchdog, deadline_rule, hang_rule, learner_hang,
-                                            rank_processes, watched_write)
+                                            rank_processes, watched_call)
 from rlplatform.rewards.shaping import overlong_penalty
 from rlplatform.scheduling.buffer import Batch, GroupBuffer, has_signal
 from rlplatform.scheduling.group_deadline import GroupDeadline
@@ -445,9 +445,9 @@ class PolicyRun:
         `monitoring.hang_factor` times the longest so far (before one, times `monitoring.hang_floor_s`) is the
         learner's hang (`checkpoint`: the newest one before it)."""
         started = time.perf_counter()
-        watched_write(self.hang_rule, self.job.run_dir, self._learner_ranks, "writing a checkpoint",
-                      self.longest_save_s, checkpoint=checkpoint,
-                      write=lambda deadline_s: self.workers.learner.save(directory, timeout_s=deadline_s))
+        watched_call(self.hang_rule, self.job.run_dir, self._learner_ranks, "writing a checkpoint", self.longest_save_s,
+                     checkpoint=checkpoint,
+                     call=lambda deadline_s: self.workers.learner.save(directory, timeout_s=deadline_s))
         self.longest_save_s = max(self.longest_save_s, time.perf_counter() - started)
 
     def _learner_ranks(self) -> List[LearnerProcess]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from functools import partial
 from typing import Callable, Dict, List, Optional
 
 from rlplatform.config import SFTConfig
@@ -18,23 +19,32 @@ from rlplatform.learners.group import LearnerGroup
 from rlplatform.learners.step_result import LearnerTotals, StepResult
 from rlplatform.monitoring.job_status import NOT_YET, StatusLine
 from rlplatform.monitoring.metrics import Metrics
+from rlplatform.monitoring.watchdog import watched_call
 
 
 def run_sft(config: SFTConfig, learner: LearnerGroup, rows: List[Dict], metrics: Metrics, seed: int,
-            *, stage: str = "sft", accuracy: Optional[Callable[[], float]] = None) -> SFTSummary:
+            *, stage: str = "sft", accuracy: Optional[Callable[[], float]] = None,
+            watched: Callable[..., StepResult] = partial(watched_call, None, "", list)) -> SFTSummary:
     """Train up to `config.steps` steps on random batches; `accuracy()` measures the learner's current
-    weights on held-out rows for the stop rule. Returns the stage's figures."""
+    weights on held-out rows for the stop rule. Each step is waited on through `watched` (`watched_call` on the
+    job's hang rule, its run directory and the learner's ranks): one that takes `monitoring.hang_factor` times the
+    longest so far (before one, the learner's set-up) is the learner's hang (`LearnerHung`); by default, the
+    learner's own limit. Returns the stage's figures."""
     rng = random.Random(seed)
     metrics.begin(stage)
     learner.start_stage(config.lr)
     start = time.perf_counter()
     result: Optional[StepResult] = None
     checks: List[Dict] = []
-    tokens, step, first_step_at = 0.0, 0, None
+    tokens, step, first_step_at, longest_step_s = 0.0, 0, None, 0.0
     totals = LearnerTotals()
     while step < config.steps and not _reached(checks, config.stop_at_accuracy):
         step += 1
-        result = learner.sft_step(rng.sample(rows, min(config.batch_size, len(rows))), lr_fraction(config, step))
+        batch = rng.sample(rows, min(config.batch_size, len(rows)))
+        fraction, started = lr_fraction(config, step), time.perf_counter()
+        result = watched("an SFT step", longest_step_s or learner.set_up_s, checkpoint=None,
+                         call=lambda deadline_s: learner.sft_step(batch, fraction, timeout_s=deadline_s))
+        longest_step_s = max(longest_step_s, time.perf_counter() - started)
         tokens += result.tokens_total
         totals.add(result)
         first_step_at = first_step_at or time.time()

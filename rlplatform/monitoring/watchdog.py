@@ -23,13 +23,15 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional, TypeVar
 
 import ray
 
 from rlplatform.transport.deadlines import LEARNER_TIMEOUT_S, Beat, LearnerHung, WorkerHung
 
 DUMP_TIMEOUT_S = 30.0  # one py-spy dump
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -180,15 +182,16 @@ def learner_hang(rule: HangRule, run_dir: str, ranks: List[LearnerProcess], runn
                        f"{where}; {'; '.join(dumps)}; {resume}")
 
 
-def watched_write(rule: Optional[HangRule], run_dir: str, ranks: Callable[[], List[LearnerProcess]], doing: str,
-                  longest_s: float, *, checkpoint: Optional[str], write: Callable[[float], None]) -> None:
-    """`write(deadline_s)`, a learner's write of its weights (`doing`). With the watchdog's `rule` its deadline comes
-    from the longest such write so far, `longest_s` (before one, from the floor), and one past it is the learner's
-    hang (`learner_hang`, naming `ranks()` and `checkpoint`); without, the learner's own limit."""
+def watched_call(rule: Optional[HangRule], run_dir: str, ranks: Callable[[], List[LearnerProcess]], doing: str,
+                 longest_s: float, *, checkpoint: Optional[str], call: Callable[[float], T]) -> T:
+    """`call(deadline_s)`, a learner call the job waits on (`doing`: an SFT step, a write of its weights). With the
+    watchdog's `rule` its deadline comes from the longest such call so far, `longest_s` (before one, from the
+    floor), and one past it is the learner's hang (`learner_hang`, naming `ranks()` and `checkpoint`); without, the
+    learner's own limit."""
     deadline = rule.deadline_s(longest_s or rule.floor_s) if rule else LEARNER_TIMEOUT_S
     started = time.perf_counter()
     try:
-        write(deadline)
+        return call(deadline)
     except WorkerHung:
         if rule is None:
             raise

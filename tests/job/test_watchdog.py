@@ -1,8 +1,8 @@
 """The watchdog: beats say where each worker runs and what it does; a rollout worker or the evaluator stopped for
 good is named in a `hang` alert with its pid, its stacks are dumped to the run's hangs/ folder and it is restarted,
 the job completing with every sample accounted for (and its evaluations); a learner rank stopped for good ends
-the job within its deadline in one line naming the rank and the dump, exit code 3; a tool worker stopped while
-the job waits on an evaluation outside RL is restarted by that wait. With
+the job within its deadline in one line naming the rank and the dump, exit code 3, in RL and in SFT; a tool worker
+stopped while the job waits on an evaluation outside RL is restarted by that wait. With
 `monitoring.watchdog=false` each job test fails by its own deadline (the job never ends, and is stopped after
 JOB_DEADLINE_S)."""
 
@@ -223,32 +223,51 @@ def test_a_tool_worker_then_a_rollout_worker_stopped_for_good_are_named_dumped_a
     assert rl["tools"]["calculator/calls"] >= 30 * 2 * 2
 
 
-def test_a_tool_worker_stopped_while_sft_checks_call_it_is_restarted_by_the_waiting_job(ray_session, tmp_path,
-                                                                                       run_files):
-    """Outside the RL loop (here SFT's held-out checks, as at a stage's final evaluation) the job waits on the
-    evaluator while its episodes wait on the tool worker: the wait watches the tool workers, and restarts the hung
-    one, instead of restarting the evaluator over and over."""
+def test_in_sft_a_stopped_tool_worker_is_restarted_by_the_waiting_job_and_a_stopped_learner_ends_it(
+        ray_session, tmp_path, run_files):
+    """One job, two hangs in turn. Outside the RL loop (here SFT's held-out checks, as at a stage's final evaluation)
+    the job waits on the evaluator while its episodes wait on the tool worker: the wait watches the tool workers, and
+    restarts the hung one, instead of restarting the evaluator over and over; SFT goes on past its next check. Then
+    the learner rank, stopped mid-SFT: the step's deadline (10x the longest step so far, at least 3 s) ends the job
+    in one line naming the rank and its dump, exit code 3."""
     from rlplatform.config import load_config
     from rlplatform.job.run_dir import RUN_ID
+    from rlplatform.monitoring.job_status import JobStatus
     from rlplatform.transport.keys import run_scope
     from rlplatform.transport.redis_server import connect
 
     config = load_config(TOOL_CALC, [
         f"output_dir={tmp_path}", "name=hung-sft-tool", "env.fn=tests.envs.tools_for_tests:CalculateThePrompt",
         "model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=128", "rl.enabled=false",
-        "sft.steps=160", "sft.eval_every=40", "sft.stop_at_accuracy=0.99", "sft.batch_size=8", "eval.max_rows=8",
+        "sft.steps=1000", "sft.eval_every=40", "sft.stop_at_accuracy=0.99", "sft.batch_size=8", "eval.max_rows=8",
         "rl.max_new_tokens=4", "env.max_tokens=40", "data.train_size=64", "data.test_size=8", "wandb.mode=disabled",
         "env.tool_workers.num_cpus=0.25", "env.tools[0].timeout_s=0.3", *FAST_WATCHDOG])  # deadline 3 s
 
-    def tool_serving() -> bool:
+    def run_keys():
         run_id, url = Path(config.run_dir, RUN_ID), Path(config.run_dir, "redis.url")
         if not (run_id.exists() and url.exists()):
-            return False
-        beats = Heartbeats(connect(url.read_text().strip()), run_scope(config.name, run_id.read_text().strip()))
-        return any(beat.worker.startswith("tool worker") for beat in beats.beats())
-    summary, [pid] = _job_with_stopped_actors(config, [("hung-sft-tool-tool-0", tool_serving)], run_files)
-    assert summary["status"] == "completed", "the job never ended with its only tool worker stopped"
-    [hang] = _events(config.run_dir, "hang")
-    assert hang["message"].startswith(f"tool worker hung-sft-tool-tool-0 (pid {pid} on ")
-    assert "restarting it" in hang["message"] and not _events(config.run_dir, "worker_restart")
-    assert [check["step"] for check in summary["stages"]["sft"]["accuracy_checks"]] == [40, 80, 120, 160]
+            return None
+        return connect(url.read_text().strip()), run_scope(config.name, run_id.read_text().strip())
+
+    def tool_serving() -> bool:
+        keys = run_keys()
+        return keys is not None and any(beat.worker.startswith("tool worker") for beat in Heartbeats(*keys).beats())
+
+    def restarted_and_past_the_next_check() -> bool:  # the check at step 40 waited on the restarted tool worker
+        status = JobStatus(*run_keys()).read()
+        line = status.line if status is not None else None
+        return bool(_events(config.run_dir, "hang")) and line is not None and line.stage == "sft" and \
+            int(line.step.split("/")[0]) > 50
+    error, [tool_pid, learner_pid] = _job_with_stopped_actors(config, [
+        ("hung-sft-tool-tool-0", tool_serving),
+        ("hung-sft-tool-policy-learner-0", restarted_and_past_the_next_check)], run_files)
+    assert isinstance(error, JobFailed), "the job never ended with its tool worker, then its learner stopped"
+    tool, learner = (event["message"] for event in _events(config.run_dir, "hang"))
+    assert tool.startswith(f"tool worker hung-sft-tool-tool-0 (pid {tool_pid} on ")
+    assert "restarting it" in tool and not _events(config.run_dir, "worker_restart")
+    assert learner == str(error) and learner.startswith("the learner hung: an SFT step made no progress for ")
+    assert f"learner rank 0 of policy 'policy' (pid {learner_pid} on " in learner and "\n" not in learner
+    learner_dumps = [dump for dump in Path(config.run_dir, "hangs").iterdir() if f"stacks in {dump}" in learner]
+    assert len(learner_dumps) == 1 and learner_dumps[0].read_text().strip()
+    summary = json.loads(Path(config.run_dir, "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["exit_code"] == error.exit_code == 3
