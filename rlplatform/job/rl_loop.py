@@ -37,15 +37,15 @@ from rlplatform.monitoring.metrics import Metrics
 from rlplatform.monitoring.rl_monitor import RLMonitor
 from rlplatform.monitoring.teacher_guard import TeacherGuard
 from rlplatform.monitoring.expiry_alerts import agents_gone, expired_groups
-from rlplatform.monitoring.watchdog import (LearnerProcess, WorkerWatchdog, deadline_rule, hang_rule, learner_hang,
-                                            rank_processes, watched_call)
+from rlplatform.monitoring.watchdog import (HangRule, LearnerProcess, WorkerWatchdog, deadline_rule, hang_rule,
+                                            learner_hang, rank_processes, watched_call)
 from rlplatform.rewards.shaping import overlong_penalty
 from rlplatform.scheduling.buffer import Batch, GroupBuffer, has_signal
 from rlplatform.scheduling.group_deadline import GroupDeadline
 from rlplatform.scheduling.groups import GroupSchedule
 from rlplatform.scheduling.ledger import AGENT
 from rlplatform.scheduling.staleness import StalenessRule
-from rlplatform.transport.deadlines import (LEARNER_TIMEOUT_S, Heartbeats, JobFailed, LearnerDied, LearnerHung,
+from rlplatform.transport.deadlines import (LEARNER_TIMEOUT_S, Beat, Heartbeats, JobFailed, LearnerDied, LearnerHung,
                                             ScoringStall, SilentWorkers, WorkerHung)
 from rlplatform.transport.redis_server import RedisUnavailable
 from rlplatform.transport.keys import PolicyKeys
@@ -115,7 +115,6 @@ class StageEnd:
 
 TURN_WAIT_MS = 20  # the RL loop's longest wait for results or a learner step's end before going round
 STEP_RESULT_WAIT_S = 0.05  # a learner step announced as ended: its result is awaited this long at most, then next turn
-WORKERS_END_S = 600.0  # at the stage's end, how long workers may take to finish what they hold and stop
 STOP_GRACE_S = 5.0  # after a signal: workers still inside a call then are stopped with it (their samples unscored)
 STEPS_IN_FLIGHT = 2  # learner steps sent at most: the one running and the next, queued on the learner so it starts
 # the moment the first ends (a step's batch must still meet the staleness bound at the version it trains)
@@ -637,7 +636,8 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
         run.elastic.cancel_pending()
     for kind in ("reward", "rollout", "teacher"):
         try:
-            supervisor.wait_ended(kind, STOP_GRACE_S if stop.requested else WORKERS_END_S)
+            supervisor.wait_ended(kind, STOP_GRACE_S if stop.requested else
+                                  end_deadline_s(deadline_rule(job.monitoring), heartbeats.beats(), kind))
         except WorkerHung:
             if not stop.requested:
                 raise
@@ -712,6 +712,13 @@ class WorkerWatch:
         if self.metrics.status is not None:
             self.metrics.status.show_silent_workers(listing)
 
+
+
+def end_deadline_s(rule: HangRule, beats: List[Beat], kind: str) -> float:
+    """How long the `kind` workers may take at the stage's end to finish what they hold and stop: the rule on the
+    longest round any of them went between two beats (before any, its floor)."""
+    return rule.deadline_s(max((beat.longest_round_s for beat in beats if beat.worker.startswith(f"{kind} worker ")),
+                               default=0.0))
 
 def _await_construction(actors: List, timeout_s: float) -> None:
     """Wait (at most `timeout_s`) until `actors` are constructed (a rollout worker has loaded its model), so the

@@ -72,7 +72,7 @@ class Unplaceable:
 
 def test_a_worker_that_was_never_placed_is_cancelled_at_the_end_instead_of_waited_for(ray_session, redis_client):
     """The room seen on a node was taken before Ray placed the added worker: at the stage's end it is killed and
-    leaves, and the end does not wait `WORKERS_END_S` for a loop that never ran."""
+    leaves, and the end does not wait out its end deadline for a loop that never ran."""
     config = load_config(None, ["rollout.max_workers=2"])
     plan = plan_job(config, ray.cluster_resources(), cuda_here=False).of("policy")
     fixed = [None]  # the policy's one worker started with the job, which plays no part here

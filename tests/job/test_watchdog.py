@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from rlplatform.job.rl_loop import end_deadline_s
 from rlplatform.monitoring.job_status import format_beats
 from rlplatform.monitoring.watchdog import HangRule, WorkerWatchdog, dump_stacks
 from rlplatform.scheduling.ledger import balanced
@@ -85,6 +86,15 @@ def stopped_process():
     yield process
     process.kill()
     process.wait()
+
+
+def test_the_stage_end_gives_each_kind_of_worker_the_rule_on_its_longest_round():
+    rule = HangRule(factor=10, floor_s=3)
+    beats = [Beat("rollout worker 0 of policy 'p'", 1.0, longest_round_s=0.8),
+             Beat("rollout worker 1 of policy 'p'", 1.0, longest_round_s=0.2), Beat("reward worker w", 1.0,
+                                                                                   longest_round_s=2.0)]
+    assert end_deadline_s(rule, beats, "rollout") == 8.0 and end_deadline_s(rule, beats, "reward") == 20.0
+    assert end_deadline_s(rule, beats, "teacher") == 3.0  # none has beaten: the floor
 
 
 def test_a_hung_workers_stacks_are_dumped_and_it_is_restarted_once_per_hang(stopped_process, tmp_path):
