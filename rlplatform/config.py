@@ -460,8 +460,9 @@ class JobConfig:
         return next((p for p in self.policy_list() if p.name == policy.distill.teacher), None)
 
     def generating_actors(self, policy: PolicyConfig) -> int:
-        """A policy's actors that generate: its rollout workers and, where the job evaluates, its evaluator."""
-        return policy.rollout.num_workers + int(self.eval.enabled)
+        """A policy's actors that generate: its rollout workers (none for a policy trained by SFT alone, which
+        generates only to evaluate) and, where the job evaluates, its evaluator."""
+        return (policy.rollout.num_workers if policy.rl.enabled else 0) + int(self.eval.enabled)
 
     def policy_dir(self, policy: str) -> str:
         """Where a policy's checkpoint and models go: the run directory itself for a one-policy job."""

@@ -54,6 +54,10 @@ def sft_checkpoint(ray_session, tmp_path_factory):
                                                                  f"sft.steps={SFT_STEPS}", "rl.enabled=false"]))
     accuracy = summary["eval"]["after_sft"]["accuracy"]
     assert 0.2 <= accuracy <= 0.8, f"the SFT checkpoint should be partly right, got {accuracy}"
+    # a job that trains by SFT alone generates only to evaluate: its evaluator (index rollout.num_workers) started,
+    # no rollout worker
+    started = {actor["Name"] for actor in ray_session._private.state.actors().values()}
+    assert "sft-policy-rollout-1" in started and "sft-policy-rollout-0" not in started
     return str(out / "sft" / "model"), accuracy, summary["stages"]["sft"]
 
 

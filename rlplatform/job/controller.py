@@ -366,11 +366,12 @@ def _start_policy(config: JobConfig, plan: PolicyPlan, learner: LearnerGroup, tr
     store = WeightStore.options(name=store_name).remote(plan.transport.delta_full_every)
     start_rollout = partial(_start_rollout_actor, config, plan, run, model_path, prompts_path, redis_url=redis_url,
                             store_name=store_name)
+    rollout_workers = policy.rollout.num_workers if policy.rl.enabled else 0  # SFT alone generates only to evaluate
     if policy.sft.enabled:
         learner.set_up()
-        rollout = [start_rollout(index=i) for i in range(policy.rollout.num_workers)]
+        rollout = [start_rollout(index=i) for i in range(rollout_workers)]
     else:
-        rollout = [start_rollout(index=i) for i in range(policy.rollout.num_workers)]
+        rollout = [start_rollout(index=i) for i in range(rollout_workers)]
         learner.set_up()
     keys = PolicyKeys(run, policy.name)
     # the evaluator starts after the learner's set-up (`Evaluator`)

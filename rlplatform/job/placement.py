@@ -55,12 +55,13 @@ class PolicyPlan:
         """What was decided, as plain data: plan.yaml's entry for the policy."""
         learner, rollout = self.policy.learner, self.policy.rollout
         dtype = self.policy.model.dtype
+        workers = rollout.num_workers if self.policy.rl.enabled else 0  # SFT alone starts none
         return {"model.dtype": dtype,
                 "learner": {"num_ranks": learner.num_ranks, "num_gpus": learner.num_gpus,
                             "zero_stage": learner.zero_stage,
                             "precision": _precision(learner, dtype)},
-                "rollout": {"num_workers": rollout.num_workers, "max_workers": rollout.max_workers or
-                            rollout.num_workers, "generating_actors": self.generating_actors,
+                "rollout": {"num_workers": workers, "max_workers": (rollout.max_workers or workers) if workers else 0,
+                            "generating_actors": self.generating_actors,
                             "num_gpus": rollout.num_gpus, "engine": rollout.engine, "kv_cache": rollout.kv_cache},
                 "weights.transport": self.transport.name}
 
