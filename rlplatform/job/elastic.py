@@ -187,7 +187,3 @@ def fits(needed: Dict[str, float], available: Dict[str, float]) -> bool:
     """Whether a node with resources `available` free holds one actor asking for `needed`."""
     return all(available.get(name, 0.0) >= amount - 1e-9 for name, amount in needed.items() if amount > 0)
 
-
-def elastic_policies(policies: List[PolicyWorkers]) -> List[PolicyWorkers]:
-    """The policies whose rollout workers may grow past `rollout.num_workers`."""
-    return [p for p in policies if (p.config.rollout.max_workers or 0) > p.config.rollout.num_workers]
