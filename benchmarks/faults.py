@@ -63,7 +63,9 @@ TINY = ["model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=1
         "data.train_size=300", "data.test_size=8", "eval.batch_size=8", "rl.batch_prompts=2", "rl.group_size=4",
         "rl.max_new_tokens=4", "rollout.prompts_per_batch=4", "rollout.num_cpus=0.5", "learner.num_cpus=0.5",
         "reward_workers.num_cpus=0.25", "wandb.mode=disabled", "rl.group_timeout_s=60"]
-VLLM = ["rollout.engine=vllm", "model.num_heads=2"]  # vLLM's CPU attention takes TINY's width in heads of 32
+# vLLM's CPU attention takes TINY's width in heads of 32; the rollout worker's the one engine (the evaluator's
+# would be a second vLLM start, and the scenarios fault the rollout worker)
+VLLM = ["rollout.engine=vllm", "model.num_heads=2", "eval.enabled=false"]
 WATCHDOG = ["monitoring.hang_floor_s=5"]  # deadlines a tiny job reaches: 10x its longest round or step, at least 5 s
 TOOL_CALC = os.path.join(REPO, "configs", "tool_calc.yaml")
 AGENT = os.path.join(REPO, "examples", "bridge_agent.py")
