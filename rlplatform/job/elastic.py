@@ -43,7 +43,7 @@ class ElasticRollout:
         self.most = rollout.max_workers or rollout.num_workers
         self._next_index = rollout.num_workers + 1  # index num_workers is the evaluator's
         self._starting: Optional[Tuple[object, ray.ObjectRef]] = None  # the newest added worker, its construction
-        self._placing: List[object] = []  # every added or attached worker, until Ray has placed it
+        self._placing: List[object] = []  # every added or attached worker: those still unplaced at the end are killed
         self._attached: Dict[str, Tuple[Callable[[], bool], List[object]]] = {}  # request -> (held, its workers)
         self._detached: set = set()  # the attached workers stopped because their command ended
         self._looked_at = 0.0
