@@ -194,4 +194,6 @@ class Supervisor:
                         self._leave(loop)
                         break
                     self.restarts[kind] += 1
+                    self.note(f"{kind} worker {loop.name} died while the stage ended; restarting it to finish what it "
+                              f"held (restart {self.restarts[kind]} of {kind} workers)")
                     loop.revival = Revival(loop.actor, f"{kind} worker {loop.name}", self.restart.seconds)

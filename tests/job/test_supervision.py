@@ -101,6 +101,31 @@ def test_a_killed_worker_counts_one_restart_and_its_loop_runs_again(ray_session)
     ray.kill(actor, no_restart=True)
 
 
+@ray.remote(max_restarts=1, max_concurrency=2)
+class EndsOnceRestarted:
+    """A loop that runs until its process dies; restarted, it sees the stage's stop at once and returns."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self) -> None:
+        if not ray.get_runtime_context().was_current_actor_reconstructed:
+            time.sleep(600)
+
+
+def test_a_worker_that_dies_as_the_stage_ends_counts_one_restart_and_says_so(ray_session):
+    actor = EndsOnceRestarted.remote()
+    pid = ray.get(actor.pid.remote())
+    notes = []
+    supervisor = Supervisor(notes.append, RESTART)
+    supervisor.start("rollout", "late", actor)
+    os.kill(pid, signal.SIGKILL)  # before any check: its death is seen by the end's wait
+    supervisor.wait_ended("rollout", timeout_s=60)
+    assert supervisor.restarts["rollout"] == 1
+    assert len(notes) == 1 and notes[0].startswith("rollout worker late died while the stage ended; restarting it")
+    ray.kill(actor, no_restart=True)
+
+
 @ray.remote(max_restarts=2)
 class AnsweringEvaluator:
     """Answers as `EvaluatorWorker` does, naming its process: ((id, started as a restart), result)."""
