@@ -26,7 +26,7 @@ from rlplatform.scheduling.groups import GroupSchedule
 from rlplatform.transport.side_channels import AttachAnswer, AttachRequest
 from rlplatform.transport.worker_attach import AttachRequests
 
-CHECK_EVERY_S = 1.0  # between two looks at the cluster's free resources
+CHECK_EVERY_S = 1.0  # between two looks at the cluster's free resources, the attach requests and their leases
 
 
 class ElasticRollout:
@@ -39,7 +39,8 @@ class ElasticRollout:
         job's log and W&B."""
         rollout = workers.config.rollout
         self.job, self.workers, self.schedule, self.start_loop, self.note = job, workers, schedule, start_loop, note
-        self.room = {"CPU": rollout.num_cpus, "GPU": workers.plan.rollout_gpus, **rollout.resources}  # what one worker asks Ray for
+        # what one worker asks Ray for
+        self.room = {"CPU": rollout.num_cpus, "GPU": workers.plan.rollout_gpus, **rollout.resources}
         self.most = rollout.max_workers or rollout.num_workers
         self._next_index = rollout.num_workers + 1  # index num_workers is the evaluator's
         self._starting: Optional[Tuple[object, ray.ObjectRef]] = None  # the newest added worker, its construction
@@ -53,16 +54,18 @@ class ElasticRollout:
 
     def check(self) -> None:
         """Stop the attached workers whose command ended; add a worker where the cluster has room for one and the
-        policy has fewer than `max_workers`."""
+        policy has fewer than `max_workers`; once a `CHECK_EVERY_S` (each look reads Redis and Ray's state)."""
+        if time.monotonic() - self._looked_at < CHECK_EVERY_S:
+            return
+        self._looked_at = time.monotonic()
         for request, (held, started) in list(self._attached.items()):
             if not held():
                 del self._attached[request]
                 for actor in started:
                     self._detached.add(actor)
                     ray.kill(actor, no_restart=True)  # its loop ends in an actor error: it leaves
-        if len(self.workers.rollout) >= self.most or time.monotonic() - self._looked_at < CHECK_EVERY_S:
+        if len(self.workers.rollout) >= self.most:
             return
-        self._looked_at = time.monotonic()
         if self._starting is not None:
             if not ray.wait([self._starting[1]], timeout=0)[0]:
                 return

@@ -634,10 +634,10 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
     queue.request_stop()
     for run in runs.values():
         run.elastic.cancel_pending()
+    end_rule, beats = deadline_rule(job.monitoring), heartbeats.beats()
     for kind in ("reward", "rollout", "teacher"):
         try:
-            supervisor.wait_ended(kind, STOP_GRACE_S if stop.requested else
-                                  end_deadline_s(deadline_rule(job.monitoring), heartbeats.beats(), kind))
+            supervisor.wait_ended(kind, STOP_GRACE_S if stop.requested else end_deadline_s(end_rule, beats, kind))
         except WorkerHung:
             if not stop.requested:
                 raise
@@ -713,12 +713,12 @@ class WorkerWatch:
             self.metrics.status.show_silent_workers(listing)
 
 
-
 def end_deadline_s(rule: HangRule, beats: List[Beat], kind: str) -> float:
     """How long the `kind` workers may take at the stage's end to finish what they hold and stop: the rule on the
     longest round any of them went between two beats (before any, its floor)."""
     return rule.deadline_s(max((beat.longest_round_s for beat in beats if beat.worker.startswith(f"{kind} worker ")),
                                default=0.0))
+
 
 def _await_construction(actors: List, timeout_s: float) -> None:
     """Wait (at most `timeout_s`) until `actors` are constructed (a rollout worker has loaded its model), so the
