@@ -111,8 +111,10 @@ class Episode:
         self.reply_model_text = renderer.decode(reply.completion_ids, special_tokens=True)
 
     def sample(self, renderer: ChatRenderer, sample_id: str, group_id: str, policy: str, row: Dict,
-               *, now: float) -> Sample:
+               *, now: float, position: int) -> Sample:
+        """`position`: the prompt ledger's position of the group's prompt (-1: none, an agent's own group)."""
         return Sample(sample_id=sample_id, group_id=group_id, policy=policy, prompt=self.prompt_text,
                       completion=renderer.decode(self.trace.ids), prompt_ids=self.prompt_ids,
                       completion_ids=self.trace.ids, behaviour_logprobs=self.trace.logprobs,
-                      token_versions=self.trace.versions, completion_mask=self.trace.mask, row=row, created_at=now)
+                      token_versions=self.trace.versions, completion_mask=self.trace.mask, row=row, created_at=now,
+                      prompt_position=position)

@@ -101,11 +101,12 @@ class OpenAIBridge:
     """The endpoint of one rollout worker's engine for policy `policy`; `submit` queues finished episodes."""
 
     def __init__(self, engine: TransformersEngine, policy: str, chat_template: str, temperature: float,
-                 max_new_tokens: int, *, submit: Callable[[List[Sample]], None], admit: Callable[[str], bool],
+                 max_new_tokens: int, *, submit: Callable[[List[Sample]], None], admit: Callable[[str], Optional[int]],
                  limits: OpenAIBridgeConfig = OpenAIBridgeConfig(), api_key: Optional[str] = None,
                  idle_rule: Optional[HangRule] = None,
                  on_expired: Callable[[List[ExpiredEpisode]], None] = lambda expired: None) -> None:
-        """`admit(group)`: whether an agent's group is (now) in the job's schedule (`GroupEnded` when it ended);
+        """`admit(group)`: the group's prompt position once it is (now) in the job's schedule (-1: an agent's own
+        group), None while there is no room for it (`GroupEnded` when it ended);
         `limits`: the request bounds of `rollout.openai_bridge`; `api_key`: the bearer token requests must carry
         (None: any request is served); `idle_rule`: the hang rule that drops episodes whose agent went silent,
         each batch of them told to `on_expired` (None: episodes are held until their agent ends them)."""
@@ -303,16 +304,17 @@ class OpenAIBridge:
         self.idle.requested(episode_id)
         self.idle.answered(episode_id, request.remote or "")  # kept until taken below
         try:
-            admitted = await self._loop.run_in_executor(None, self.admit_group, group)
+            position = await self._loop.run_in_executor(None, self.admit_group, group)
         except GroupEnded as ended:
             raise RequestError(410, f"{ended}; finish this episode into a new group (it is kept)",
                                "group_ended") from None
-        if not admitted:
+        if position is None:
             raise RequestError(429, f"group {group} cannot start: the job holds as many groups in play as "
                                     "rl.max_staleness allows; finish this episode again later (it is kept)",
                                "groups_full")
         episode = self._take(episode_id)
-        sample = episode.sample(self.renderer, f"{group}/{episode_id}", group, self.policy, row, now=time.time())
+        sample = episode.sample(self.renderer, f"{group}/{episode_id}", group, self.policy, row, now=time.time(),
+                                position=position)
         await self._loop.run_in_executor(None, self.submit, [sample])
         return web.json_response({"sample_id": sample.sample_id, "group_id": group,
                                   "completion_tokens": len(sample.completion_ids), "model_tokens": sum(episode.trace.mask)})
@@ -379,7 +381,7 @@ class OpenAIBridge:
 
 def serve_worker(engine: TransformersEngine, config: OpenAIBridgeConfig, rl: RLConfig, policy: str, index: int,
                  *, chat_template: str, reward_queue: RewardQueue, counters: str,
-                 admit: Callable[[str], bool], taskset: bool = False, idle_rule: Optional[HangRule] = None,
+                 admit: Callable[[str], Optional[int]], taskset: bool = False, idle_rule: Optional[HangRule] = None,
                  on_expired: Callable[[List[ExpiredEpisode]], None] = lambda expired: None) -> Optional[OpenAIBridge]:
     """Rollout worker `index`'s endpoint when `config` enables it, on port `config.port + index` (a free one
     on loopback when it is off but `taskset` asks for one: the worker's own player of a taskset); its URL

@@ -70,6 +70,7 @@ IDLE_WAIT_S = 0.01  # with nothing to decode, the loop waits this long at most f
 class _OpenGroup:
     """A claimed prompt whose completions are still being decoded."""
     prompt: Prompt
+    position: int  # the prompt ledger's
     completions: List[Optional[Completion]]
 
 
@@ -279,7 +280,7 @@ class RolloutWorker:
         ledger's next prompts."""
         for group_id, position in self.schedule.issue(self.index, wanted, self.version):
             prompt = self.prompts[prompt_row(position, len(self.prompts), self.seed)]
-            open_groups[group_id] = _OpenGroup(prompt, [None] * self.rl.group_size)
+            open_groups[group_id] = _OpenGroup(prompt, position, [None] * self.rl.group_size)
             self.episodes.start(batch, [(group_id, i) for i in range(self.rl.group_size)], prompt)
 
     def _close_groups(self, open_groups: Dict[str, _OpenGroup],
@@ -295,18 +296,21 @@ class RolloutWorker:
             return []
         samples, now = [], time.time()
         for group_id, group in closed:
-            samples += [self._sample(f"{group_id}/{i}", group_id, group.prompt, c, now)
+            samples += [self._sample(f"{group_id}/{i}", group_id, group.prompt, c, now, position=group.position)
                         for i, c in enumerate(group.completions)]
         counts = self.episodes.take_counts()  # multi-turn: turns, tool calls, observation tokens
         if counts:
             self._count(**counts)
         return samples
 
-    def _sample(self, sample_id: str, group_id: str, prompt: Prompt, c: Completion, now: float) -> Sample:
+    def _sample(self, sample_id: str, group_id: str, prompt: Prompt, c: Completion, now: float, *,
+                position: int = -1) -> Sample:
+        """`position`: the prompt ledger's position of the group's prompt (-1: none, a held-out prompt)."""
         return Sample(sample_id=sample_id, group_id=group_id, policy=self.policy, prompt=prompt.text,
                       completion=c.text, prompt_ids=c.prompt_ids, completion_ids=c.completion_ids,
                       behaviour_logprobs=c.logprobs, token_versions=c.versions, row={**prompt.row, **c.episode},
-                      created_at=now, completion_mask=c.completion_mask, routed_experts=c.routed_experts)
+                      created_at=now, completion_mask=c.completion_mask, routed_experts=c.routed_experts,
+                      prompt_position=position)
 
     def evaluate_snapshot(self, snapshot: Dict, prompts: List[Prompt], config: EvalConfig, rewards: List[RewardSpec],
                           imports: List[str]) -> Dict:
@@ -353,7 +357,7 @@ class RolloutWorker:
         this engine on loopback while this thread decodes; the finished episodes, kept out of the queue."""
         samples: List[Sample] = []
         bridge = OpenAIBridge(self.engine, self.policy, self.chat_template, temperature, config.max_new_tokens,
-                              submit=samples.extend, admit=lambda group: True)
+                              submit=samples.extend, admit=lambda group: -1)
         port = bridge.start("127.0.0.1", 0)
         try:
             with ThreadPoolExecutor(1, thread_name_prefix="held-out") as pool:

@@ -43,10 +43,10 @@ from rlplatform.rewards.shaping import overlong_penalty
 from rlplatform.scheduling.buffer import Batch, GroupBuffer, has_signal
 from rlplatform.scheduling.group_deadline import GroupDeadline
 from rlplatform.scheduling.groups import GroupSchedule
-from rlplatform.scheduling.ledger import AGENT
+from rlplatform.scheduling.ledger_mirror import LedgerMirror
 from rlplatform.scheduling.staleness import StalenessRule
-from rlplatform.transport.deadlines import (LEARNER_TIMEOUT_S, Beat, Heartbeats, JobFailed, LearnerDied, LearnerHung,
-                                            ScoringStall, SilentWorkers, WorkerHung)
+from rlplatform.transport.deadlines import (LEARNER_TIMEOUT_S, WEIGHTS_TIMEOUT_S, Beat, Heartbeats, JobFailed,
+                                            LearnerDied, LearnerHung, ScoringStall, SilentWorkers, WorkerHung)
 from rlplatform.transport.redis_server import RedisUnavailable
 from rlplatform.transport.keys import PolicyKeys
 from rlplatform.transport.reward_queue import RewardQueue
@@ -131,27 +131,11 @@ class StepInFlight:
 @dataclass(frozen=True)
 class RedisMirror:
     """What a checkpoint and the stage's summary read from the job's Redis, as last read (at the stage's start and
-    after each learner step), with the groups trained since closed in it: a job whose Redis went away checkpoints
-    and reports from it."""
-    ledger: Dict  # the prompt ledger's `state()`
-    open_groups: Dict[str, int]  # the ledger's open groups' prompt positions by group id (AGENT: an agent's group)
+    after each learner step), with the groups trained since closed in its ledger: a job whose Redis went away
+    checkpoints and reports from it."""
+    ledger: LedgerMirror
     rollout: RolloutCounters  # the policy's rollout workers' counters
     reward: Dict[str, float]  # the reward workers' counters
-
-    def close_trained(self, group_ids: List[str]) -> List[Optional[int]]:
-        """Groups a learner step trained, closed as trained in the mirrored ledger as the ledger closes them, so that a
-        resume from the mirror does not issue their prompts again; returns each one's prompt position (None: an
-        agent's group, or one the mirror did not hold open, issued after its read)."""
-        positions = []
-        for group_id in group_ids:
-            position = self.open_groups.pop(group_id, None)
-            if position is not None:
-                self.ledger["counts"]["trained"] = self.ledger["counts"].get("trained", 0) + 1
-                self.ledger["open"] -= 1
-                if position != AGENT:
-                    self.ledger["in_flight_prompts"].remove(position)
-            positions.append(None if position in (None, AGENT) else position)
-        return positions
 
 
 class StageFailed(JobFailed):
@@ -190,9 +174,10 @@ class PolicyRun:
         self._last_step_end = 0.0  # perf_counter time the newest finished step was seen to end
         self.longest_step_s = 0.0  # the longest a learner step has run (queued ones from when the one before ended)
         self.longest_save_s = 0.0  # the longest the learner took to write its part of a checkpoint
+        self.longest_publish_s = 0.0  # the longest a version's weights took to reach the weight store
         self._unrecorded: Optional[Batch] = None  # a step counted as trained whose record has not been written
         self.hang_rule = hang_rule(job.monitoring)
-        rule = deadline_rule(job.monitoring)
+        self.deadline_rule = rule = deadline_rule(job.monitoring)
         self.group_deadline = GroupDeadline(self.rl.group_timeout_s, rule.deadline_s, rule.floor_s)
         self.mirror: Optional[RedisMirror] = None
         self.trained_at_start = 0  # samples trained before this attempt (a resumed job's)
@@ -227,7 +212,7 @@ class PolicyRun:
         comes from the mirror."""
         generated = self.counters.samples_generated_before + int(self._rollout_counters(offline).samples)
         counters = {**self.counters.state(), "samples_generated_before": generated}
-        ledger = self.mirror.ledger if offline else self.schedule.ledger.state()
+        ledger = self.mirror.ledger.state() if offline else self.schedule.ledger.state()
         return PolicyState(version=self.version, counters=counters, ledger=ledger,
                            eval_history=list(self.monitor.eval_history), rewards=self.monitor.reward_state())
 
@@ -235,8 +220,7 @@ class PolicyRun:
         """Keep what a checkpoint and the summary need from Redis in `mirror`: the ledger read now, the workers'
         counters as the monitor last read them."""
         counts = self.monitor.worker_counters()
-        ledger, open_groups = self.schedule.ledger.snapshot()
-        self.mirror = RedisMirror(ledger, open_groups, counts.rollout, counts.reward)
+        self.mirror = RedisMirror(LedgerMirror(*self.schedule.ledger.snapshot()), counts.rollout, counts.reward)
 
     def _rollout_counters(self, offline: bool) -> RolloutCounters:
         """This attempt's rollout counters: from Redis, or mirrored with at least the samples the stage accounted
@@ -378,8 +362,10 @@ class PolicyRun:
         self._heed(self.error_guard.stepped())
         self._start_step()  # the learner is running the queued step, if any: queue the next while this one is recorded
         # the rollout workers wait for these weights to generate the next batch: they go out before the records
-        publish_s = publish(self.workers, self.queue.client, self.version, snapshot)
+        publish_s = publish(self.workers, self.queue.client, self.version, snapshot,
+                            deadline_s=self.publish_deadline_s())
         self.counters.weight_publish_s += publish_s
+        self.longest_publish_s = max(self.longest_publish_s, publish_s)
         self._record_trained(batch)
         self._unrecorded = None
         self._evaluate_in_background()
@@ -411,7 +397,7 @@ class PolicyRun:
         learner then holds weights no checkpoint can take. A step counted before Redis went away, but not yet
         recorded, is recorded as those are."""
         if self._unrecorded is not None:
-            self._log_trained(self._unrecorded, self.mirror.close_trained(self._unrecorded.group_ids()))
+            self._log_trained(self._unrecorded, self.mirror.ledger.close_trained(self._unrecorded.group_positions()))
             self._unrecorded = None
         while self._steps:
             step = self._steps.popleft()
@@ -423,7 +409,7 @@ class PolicyRun:
             except ray.exceptions.RayTaskError:
                 continue
             self._count_trained(step, result)
-            self._log_trained(step.batch, self.mirror.close_trained(step.batch.group_ids()))
+            self._log_trained(step.batch, self.mirror.ledger.close_trained(step.batch.group_positions()))
         return True
 
     def learner_hang(self, checkpoint: Optional[str]) -> Optional[LearnerHung]:
@@ -452,6 +438,13 @@ class PolicyRun:
     def _learner_ranks(self) -> List[LearnerProcess]:
         return rank_processes(self.workers.name, self.workers.learner.processes)
 
+    def publish_deadline_s(self) -> float:
+        """How long the weight store may take to take a version: the job's deadline rule on the longest a
+        publish took so far; before the first was measured, the weight store's own limit."""
+        if not self.longest_publish_s:
+            return WEIGHTS_TIMEOUT_S
+        return self.deadline_rule.deadline_s(self.longest_publish_s)
+
     def step_deadline_s(self) -> float:
         """How long a learner step in flight may take to end once the job's Redis went away: its ranks' reconnect
         time (a step that could not fetch its samples ends when they give up), plus 4x the longest step so far and
@@ -474,7 +467,7 @@ class PolicyRun:
         leaves them closed there too), and append its sample ids and the groups' prompt positions (null for a group
         the ledger had already closed) to trained.jsonl."""
         self._log_trained(batch, self.schedule.trained(batch.group_ids()))
-        self.mirror.close_trained(batch.group_ids())
+        self.mirror.ledger.close_trained(batch.group_positions())
 
     def _log_trained(self, batch: Batch, prompts: List[Optional[int]]) -> None:
         """Append the step's sample ids and its groups' prompt positions (None for a group the ledger did not hold
@@ -517,7 +510,7 @@ class PolicyRun:
             figures = replace(figures, **self.elastic.figures())
         reward_now = self.mirror.reward if offline else self.queue.counters(self.queue.keys.reward_stats)
         reward = {k: v - self._reward_counters_at_start.get(k, 0.0) for k, v in reward_now.items()}
-        ledger = {**self.mirror.ledger["counts"], "open": self.mirror.ledger["open"]} if offline \
+        ledger = self.mirror.ledger.counts() if offline \
             else self.schedule.ledger.counts()
         ended_by = "failed" if failed else "max_steps" if self.version >= self.rl.max_steps \
             else "idle_timeout" if self.idle else "stop"

@@ -266,14 +266,16 @@ class PolicyWorkers:
         return self.evaluator.restarts if self.evaluator else 0
 
 
-def publish(workers: PolicyWorkers, client, version: int, snapshot=None) -> float:
+def publish(workers: PolicyWorkers, client, version: int, snapshot=None, *,
+            deadline_s: float = WEIGHTS_TIMEOUT_S) -> float:
     """Stream the policy's weights as `version`: `snapshot` when the learner step streamed them (an
     object ref for the weight store, or the version already broadcast), else the learner's current
-    weights. The version goes to Redis last. Returns the seconds it took."""
+    weights. The version goes to Redis last. Returns the seconds it took; a weight store that has not taken
+    the version within `deadline_s` is named (`WorkerHung`)."""
     start = time.perf_counter()
     sent = snapshot if snapshot is not None else workers.learner.stream_weights(version)
     if isinstance(sent, ray.ObjectRef):
         deadline_get(workers.weight_store.publish.remote(version, [sent]),
-                     f"the weight store of policy '{workers.name}'", WEIGHTS_TIMEOUT_S)
+                     f"the weight store of policy '{workers.name}'", deadline_s)
     publish_version(client, workers.keys, version)
     return time.perf_counter() - start

@@ -14,7 +14,7 @@ deadline is measured on them).
 from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 from rlplatform.scheduling.staleness import StalenessRule
 from rlplatform.transport.samples import ResultMeta
@@ -39,6 +39,10 @@ class Batch:
     def group_ids(self) -> List[str]:
         """The trained groups' ids, in order."""
         return [group[0].group_id for group in self.groups]
+
+    def group_positions(self) -> List[Tuple[str, int]]:
+        """The trained groups' (id, prompt position), in order."""
+        return [(group[0].group_id, group[0].prompt_position) for group in self.groups]
 
     def dropped_ids(self) -> List[str]:
         """Every sample this take dropped: never trained, their stored results can go."""

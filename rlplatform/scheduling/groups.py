@@ -52,22 +52,24 @@ class GroupSchedule:
         granted = int(self._claim(keys=[self._started, self._ended], args=[wanted, self.rule.groups_allowed(version)]))
         return self.ledger.issue(worker, granted)
 
-    def admit(self, group_id: str, version: int) -> bool:
+    def admit(self, group_id: str, version: int) -> Optional[int]:
         """An agent's group enters the schedule (its first finished episode), claiming capacity as an issued
-        group does, by a worker holding weights of `version`; True once it is open (now or before), False
-        while the staleness rule allows no more groups in play (the agent tries again later)."""
-        if self.ledger.is_open(group_id):
-            return True
+        group does, by a worker holding weights of `version`. Once it is open (now or before): its prompt
+        position (`AGENT` for an agent's own group; a taskset's groups are issued with one); None while the
+        staleness rule allows no more groups in play (the agent tries again later)."""
+        position = self.ledger.position(group_id)
+        if position is not None:
+            return position
         if self.ledger.has_ended(group_id):
             raise GroupEnded(f"group {group_id} has ended (trained, dropped, or expired unfinished)")
         if not int(self._claim(keys=[self._started, self._ended], args=[1, self.rule.groups_allowed(version)])):
-            return False
+            return None
         opened = self.ledger.admit(group_id)
         if not opened:  # another worker admitted it, or it ended, meanwhile: no claim of its own
             self._give_back(1)
         if opened is None:
             raise GroupEnded(f"group {group_id} has ended (trained, dropped, or expired unfinished)")
-        return True
+        return AGENT
 
     def submitted(self, group_ids: List[str]) -> None:
         """These groups are in the reward queue: a restart of their worker no longer abandons them."""

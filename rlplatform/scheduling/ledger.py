@@ -165,6 +165,11 @@ class PromptLedger:
         """Whether the ledger issued or admitted `group_id` and it has not ended."""
         return bool(self.client.hexists(self.open, group_id))
 
+    def position(self, group_id: str) -> Optional[int]:
+        """The prompt position of open group `group_id` (`AGENT` for an agent's group); None when it is not open."""
+        entry = self.client.hget(self.open, group_id)
+        return None if entry is None else int(entry.split()[0])
+
     def open_since(self) -> Dict[str, float]:
         """Every open group's claim time (`clock` seconds)."""
         return {_text(group): float(entry.split()[1]) for group, entry in self.client.hgetall(self.open).items()}

@@ -45,6 +45,7 @@ class Sample:
     teacher_version: int = -1  # the teacher's weight version that scored it (-1: none)
     teacher_top_ids: List[List[int]] = field(default_factory=list)  # distill.mode forward_kl: per completion token, the teacher's top_k token ids; empty: none
     teacher_top_logprobs: List[List[float]] = field(default_factory=list)  # their log-probs under the teacher, as the ids
+    prompt_position: int = -1  # the prompt ledger's position of its group's prompt (-1: none, an agent's group)
 
     def __getattr__(self, name: str) -> Any:
         """The data row's fields read as attributes: `sample.answer`, `sample.tests`."""
@@ -99,6 +100,7 @@ class ResultMeta:
     drop: bool = False
     reasons: Dict[str, str] = field(default_factory=dict)  # the scored sample's reasons, by reward label
     teacher_version: int = -1  # on-policy distillation: the teacher's version that scored it (-1: none)
+    prompt_position: int = -1  # the prompt ledger's position of its group's prompt (-1: none, an agent's group)
 
     @property
     def tokens(self) -> int:
@@ -110,7 +112,8 @@ class ResultMeta:
         return cls(sample.sample_id, sample.group_id, sample.policy, sample.version, len(sample.prompt_ids),
                    completion_tokens=len(sample.completion_ids), reward=float(scored.reward),
                    components=dict(scored.components), error=scored.error, filtered=bool(scored.filtered),
-                   drop=bool(scored.drop), reasons=dict(scored.reasons), teacher_version=sample.teacher_version)
+                   drop=bool(scored.drop), reasons=dict(scored.reasons), teacher_version=sample.teacher_version,
+                   prompt_position=sample.prompt_position)
 
 
 _META_TYPES = {"sample_id": str, "group_id": str, "policy": str, "version": int, "prompt_tokens": int,
@@ -134,11 +137,11 @@ def decode_meta(data: bytes) -> ResultMeta:
         raise WireFormatError("result record 'components' holds a value that is not a number")
     fields = {name: body[name] for name in _META_TYPES}
     fields.update(reward=float(body["reward"]), components={str(k): float(v) for k, v in components.items()})
-    teacher_version = body.get("teacher_version", -1)
-    if type(teacher_version) is not int:
-        raise WireFormatError("result record 'teacher_version' must be an integer")
+    teacher_version, position = body.get("teacher_version", -1), body.get("prompt_position", -1)
+    if type(teacher_version) is not int or type(position) is not int:
+        raise WireFormatError("result record 'teacher_version' and 'prompt_position' must be integers")
     return ResultMeta(**fields, error=error, reasons=_reasons_from(body.get("reasons", {})),
-                      teacher_version=teacher_version)
+                      teacher_version=teacher_version, prompt_position=position)
 
 
 _SAMPLE_TYPES = {
@@ -238,12 +241,14 @@ def _sample_from(fields: Any) -> Sample:
             or (teacher and len(teacher) != tokens):
         raise WireFormatError(f"sample {fields['sample_id']}: 'teacher_logprobs' must be empty or a number per "
                               f"completion token")
-    if type(teacher_version) is not int:
-        raise WireFormatError(f"sample {fields['sample_id']}: 'teacher_version' must be an integer")
+    position = fields.get("prompt_position", -1)
+    if type(teacher_version) is not int or type(position) is not int:
+        raise WireFormatError(f"sample {fields['sample_id']}: 'teacher_version' and 'prompt_position' must be "
+                              f"integers")
     top_ids, top_logprobs = _teacher_top(fields, tokens)
     return Sample(**{name: fields[name] for name in _SAMPLE_TYPES}, created_at=float(created_at), completion_mask=mask,
                   routed_experts=routed, teacher_logprobs=[float(x) for x in teacher], teacher_version=teacher_version,
-                  teacher_top_ids=top_ids, teacher_top_logprobs=top_logprobs)
+                  teacher_top_ids=top_ids, teacher_top_logprobs=top_logprobs, prompt_position=position)
 
 
 def _teacher_top(fields: dict, tokens: int) -> Tuple[List[List[int]], List[List[float]]]:

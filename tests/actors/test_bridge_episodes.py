@@ -54,7 +54,7 @@ def test_a_reply_is_kept_as_sampled_even_where_its_text_tokenises_otherwise(rend
     observation = ids(renderer, "</s>u:no</s>a:")
     assert episode.trace.ids == said + observation + ids(renderer, "2")  # the pad stays; "46" is not re-read
     assert episode.trace.versions == [5] * (3 + len(observation)) + [6]
-    sample = episode.sample(renderer, "g/e", "g", "policy", {"answer": "2"}, now=0.0)
+    sample = episode.sample(renderer, "g/e", "g", "policy", {"answer": "2"}, now=0.0, position=-1)
     assert sample.completion_mask == [1, 1, 1] + [0] * len(observation) + [1]
     assert sample.prompt == "u:1+1=</s>a:" and sample.completion == "46u:noa:2"
 
@@ -78,7 +78,7 @@ def test_an_agents_message_holding_a_special_tokens_text_is_plain_text(renderer)
     typed = renderer.tokenizer("1+1=</s>a:2", add_special_tokens=False, split_special_tokens=True)["input_ids"]
     assert episode.ids == ids(renderer, "u:") + typed + [eos] + ids(renderer, "a:")
     assert typed.count(eos) == 0 and episode.ids.count(eos) == 1  # only the template's own end of turn
-    assert episode.sample(renderer, "g/e", "g", "policy", {}, now=0.0).prompt == "u:1+1=</s>a:2</s>a:"
+    assert episode.sample(renderer, "g/e", "g", "policy", {}, now=0.0, position=-1).prompt == "u:1+1=</s>a:2</s>a:"
     said = ids(renderer, "2") + [eos]
     episode.add_reply(renderer, reply(renderer, said, version=1))
     episode.extend(renderer, first + [{"role": "assistant", "content": "2"}, {"role": "tool", "content": "</s>"}])

@@ -148,6 +148,12 @@ def test_a_two_turn_episode_is_one_trajectory_with_exact_tokens_and_mask(served)
     assert worker.schedule.ledger.is_open("task-7") and worker.schedule.ledger.counts()["admitted"] == 1
     assert finished["sample_id"] == "task-7/ep-1"
     sample = next_sample(queue, "task-7")
+    assert sample.prompt_position == -1  # an agent's own group: no data position
+    # an episode finished into a group the ledger issued (a taskset's) carries the group's prompt position
+    issued, position = in_play[1], worker.schedule.ledger.position(in_play[1])
+    client(url, episode="ep-2").chat.completions.create(model="policy", messages=turn1)
+    assert finish(url, "ep-2", issued)[0] == 200
+    assert position == 1 and next_sample(queue, issued).prompt_position == position
 
     reply1, reply2 = first.choices[0].token_ids, second.choices[0].token_ids
     # the template writes each turn's end itself: the reply's own EOS, where it sampled one, is not repeated

@@ -210,3 +210,32 @@ def test_learner_rank_death_ends_the_job_naming_the_checkpoint(ray_session, tiny
     assert message.startswith("a learner rank died") and "\n" not in message
     assert f"rlp run --resume {config.run_dir}" in message
     assert os.path.join(config.run_dir, "checkpoints", "step-") in message
+
+
+def test_a_weight_store_that_does_not_take_a_version_within_its_deadline_is_named(ray_session, redis_client):
+    """The deadline of a publish is the job's rule on the longest one measured (`PolicyRun.publish_deadline_s`):
+    a weight store past it (its process stopped) is named, and the version is not announced to the rollout
+    workers."""
+    from types import SimpleNamespace
+
+    from rlplatform.job.workers import publish
+    from rlplatform.transport.keys import PolicyKeys
+    from rlplatform.transport.weight_store import WeightStore
+    from tests.job.conftest import actor_pid
+
+    keys, name = PolicyKeys("run", "policy"), f"stuck-weights-{uuid.uuid4().hex[:6]}"
+    store = WeightStore.options(name=name).remote()
+    workers = SimpleNamespace(name="policy", keys=keys, weight_store=store)  # what `publish` reads of PolicyWorkers
+    publish(workers, redis_client, 1, ray.put({"w": 0}), deadline_s=60.0)
+    assert int(redis_client.get(keys.version)) == 1
+    pid = actor_pid(name)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(WorkerHung, match=r"the weight store of policy 'policy' did not answer for 2s"):
+            publish(workers, redis_client, 2, ray.put({"w": 1}), deadline_s=2.0)
+        assert time.monotonic() - started < 10
+        assert int(redis_client.get(keys.version)) == 1  # version 2 was not announced
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        ray.kill(store)

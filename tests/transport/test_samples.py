@@ -10,7 +10,8 @@ import msgpack
 import pytest
 
 from rlplatform.transport.samples import (SCHEMA_VERSION, ResultMeta, Sample, ScoredSample, WireFormatError,
-                                          decode_sample, decode_scored, encode_sample, encode_scored)
+                                          decode_meta, decode_sample, decode_scored, encode_meta, encode_sample,
+                                          encode_scored)
 
 
 def make_sample(**changes) -> Sample:
@@ -227,3 +228,19 @@ def test_teacher_top_tokens_round_trip_and_must_pair_ids_with_log_probs_per_comp
                           ([[3, 5], [6, 4]], [[-0.1, -2.5], [-0.2, "x"]])):
         with pytest.raises(WireFormatError, match="'teacher_top_ids' and 'teacher_top_logprobs' must be empty or"):
             decode_sample(encode_sample(dataclasses.replace(sample, teacher_top_ids=ids, teacher_top_logprobs=logprobs)))
+
+
+def test_the_prompt_position_travels_to_the_controllers_record_and_must_be_an_integer():
+    sample = Sample("g/0", "g", "device", "1+1=", "2", prompt_ids=[1, 2], completion_ids=[3],
+                    behaviour_logprobs=[-0.5], token_versions=[0], prompt_position=17)
+    back = decode_sample(encode_sample(sample))
+    assert back.prompt_position == 17
+    meta = ResultMeta.of(ScoredSample(back, 1.0, {}))
+    assert decode_meta(encode_meta(meta)).prompt_position == 17
+    without = packed_sample()
+    del without["sample"]["prompt_position"]
+    assert decode_sample(msgpack.packb(without)).prompt_position == -1  # a record without one: none
+    with pytest.raises(WireFormatError, match="'prompt_position' must be integers"):
+        decode_sample(encode_sample(dataclasses.replace(sample, prompt_position="17")))
+    with pytest.raises(WireFormatError, match="'prompt_position' must be integers"):
+        decode_meta(encode_meta(dataclasses.replace(meta, prompt_position=1.5)))
