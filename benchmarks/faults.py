@@ -791,8 +791,8 @@ SCENARIOS = [
              _kills("reward worker", lambda job: [f"{job}-reward-{i}" for i in range(3)]), alert="worker_restart"),
     Scenario("evaluator-kill", ["eval.every_steps=1", "eval.priority=normal"],  # it evaluates all along
              _kills("evaluator", lambda job: [f"{job}-policy-rollout-1"], first_steps=60, settle_s=5.0),
-             steps=300, restarts="evaluator", alert="worker_restart"),  # its start-up outlasts a short job's
-    # RL: the kill waits until it is alive, then 5 s more
+             steps=1200, restarts="evaluator", alert="worker_restart"),  # its start-up outlasts a short job's
+    # RL: the kill waits until it is alive, then 5 s more (300 steps, 9 s at 255 samples/s, ended first)
     Scenario("embedded-redis-kill", [], lambda job, rng, steps: [
         Fault("SIGKILL embedded redis-server", s, kill_embedded_redis) for s in fault_steps(rng, steps, 2)]),
     Scenario("embedded-redis-stall-resume", ["redis.reconnect_s=5"], lambda job, rng, steps: [
