@@ -97,7 +97,7 @@ def _run_locked(config: JobConfig, started_at: float, shutdown_ray: Optional[boo
         with ExitStack() as resources:
             redis_url, embedded, plan = _start_services(config, summary.run_id, resources)
             startup.mark("services_ready_s")  # Redis and Ray up
-            _record_redis_url(redis_url, run_dir)
+            record_redis_url(redis_url, run_dir)
             plan.write(run_dir)
             learners = {name: _start_learner(config, p) for name, p in plan.policies.items()}  # set up in _start_policy
             metrics = Metrics(config, run_dir, run_id=resume.state.wandb_run_id if resume else None,
@@ -179,13 +179,17 @@ def find_resume(config: JobConfig) -> Optional[Resume]:
     return Resume(checkpoint, read_state(checkpoint), set_aside)
 
 
-def _record_redis_url(url: str, run_dir: str) -> None:
-    """The job's Redis URL (with its password) for `rlp status`, readable by the owner only."""
+def record_redis_url(url: str, run_dir: str) -> None:
+    """The job's Redis URL (with its password) for `rlp status` and workers started beside the job, readable by
+    the owner only. Written whole under another name and then renamed: a reader that finds `redis.url` reads the
+    whole URL, never an empty or half-written file."""
     path = os.path.join(run_dir, "redis.url")
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(descriptor, 0o600)  # also when an earlier run left the file with wider permissions
+    partial = f"{path}.{os.getpid()}.partial"
+    descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(descriptor, 0o600)  # also when an earlier attempt left the file with wider permissions
     with os.fdopen(descriptor, "w") as f:
         f.write(url + "\n")
+    os.replace(partial, path)
 
 
 def _start_services(config: JobConfig, run_id: str,

@@ -98,3 +98,33 @@ def test_a_same_name_run_beside_a_live_job_on_a_shared_redis_refuses_in_one_line
         assert "a job named 'shared' is running on this Redis" in second.stderr and "/elsewhere" in second.stderr
         assert redis_client.xlen(live.keys.requests) == 1  # nothing of the live job was touched
         assert not os.path.exists(tmp_path / "shared")  # nor anything written for the refused one
+
+
+def test_the_redis_url_file_is_read_whole_or_not_at_all(tmp_path):
+    """Workers and `rlp status` read `redis.url` as soon as it exists: each write of it is whole, owner-only, and
+    replaces the one before (a reader racing the writes never reads an empty or half-written URL)."""
+    import threading
+
+    from rlplatform.job.controller import record_redis_url
+
+    path = tmp_path / "redis.url"
+    path.write_text("left by an earlier attempt\n")
+    path.chmod(0o644)
+    urls = [f"redis://:{'p' * 32}{i:04d}@127.0.0.1:{40000 + i}/0" for i in range(400)]
+    read, done = [], threading.Event()
+
+    def reader() -> None:
+        while not done.is_set():
+            read.append(path.read_text())
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for url in urls:
+            record_redis_url(url, str(tmp_path))
+    finally:
+        done.set()
+        thread.join()
+    whole = {"left by an earlier attempt\n", *(url + "\n" for url in urls)}
+    assert len(read) > 100 and all(text in whole for text in read), [text for text in read if text not in whole][:3]
+    assert path.read_text() == urls[-1] + "\n" and path.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["redis.url"]  # nothing partial left beside it

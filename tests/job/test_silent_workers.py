@@ -64,17 +64,21 @@ def test_a_stopped_standalone_reward_worker_is_named_in_an_alert_and_rlp_status(
     assert len(named) == 1 and named[0].startswith(f"{stuck} made no progress for ")
 
 
-def test_a_stalled_reward_queue_is_named_before_its_only_worker_goes_silent(ray_session, tiny_job, run_files):
+def test_a_stalled_reward_queue_is_named_before_its_only_worker_goes_silent(ray_session, tiny_job, run_files,
+                                                                           tmp_path):
     config = tiny_job("stall", "rl.max_steps=100000", "reward_workers.num_workers=0", "monitoring.scoring_stall_s=4",
                       "monitoring.worker_silent_s=600")
     seen = {}
+    worker_log = tmp_path / "reward-worker.log"  # what the worker said, for a failure's message
 
     def stop_the_worker_then_let_it_go():
         url = run_files.redis_url(config.run_dir)
         worker = subprocess.Popen([RLP, "reward-worker", "--redis", url, "--job", config.name, "--name", "only"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                  stdout=subprocess.DEVNULL, stderr=worker_log.open("w"))
         try:
-            run_files.wait_for(lambda: run_files.trained_steps(config.run_dir) >= 1)
+            run_files.wait_for(lambda: worker.poll() is not None or run_files.trained_steps(config.run_dir) >= 1)
+            if worker.poll() is not None:  # it could not serve: the job is stopped at once, the log says why
+                return
             worker.send_signal(signal.SIGSTOP)
             run_files.wait_for(lambda: _alerts(config.run_dir, "scoring_stalled"), timeout_s=60)
             seen["trained_then"] = run_files.trained_steps(config.run_dir)
@@ -88,7 +92,7 @@ def test_a_stalled_reward_queue_is_named_before_its_only_worker_goes_silent(ray_
     thread.start()
     summary = run_job(config)
     thread.join()
-    assert summary["status"] == "interrupted" and "trained_then" in seen
+    assert summary["status"] == "interrupted" and "trained_then" in seen, worker_log.read_text()[-3000:]
     stalled = _alerts(config.run_dir, "scoring_stalled")
     assert len(stalled) == 1 and stalled[0].startswith("the reward queue (") and "scored nothing for" in stalled[0]
     assert "a reward call runs up to its timeout (exact_match 30s)" in stalled[0]  # slow calls stall it too
