@@ -46,7 +46,7 @@ from rlplatform.priority import set_cpu_priority
 from rlplatform.rewards.registry import resolve
 from rlplatform.rewards.scoring import Scorer
 from rlplatform.scheduling.groups import GroupSchedule
-from rlplatform.scheduling.ledger import prompt_row
+from rlplatform.scheduling.ledger import AGENT, prompt_row
 from rlplatform.scheduling.staleness import StalenessRule
 from rlplatform.tokenization import Prompt, load_prompts
 from rlplatform.transport.deadlines import Heartbeats
@@ -304,8 +304,8 @@ class RolloutWorker:
         return samples
 
     def _sample(self, sample_id: str, group_id: str, prompt: Prompt, c: Completion, now: float, *,
-                position: int = -1) -> Sample:
-        """`position`: the prompt ledger's position of the group's prompt (-1: none, a held-out prompt)."""
+                position: int = AGENT) -> Sample:
+        """`position`: the prompt ledger's position of the group's prompt (`AGENT`: none, a held-out prompt)."""
         return Sample(sample_id=sample_id, group_id=group_id, policy=self.policy, prompt=prompt.text,
                       completion=c.text, prompt_ids=c.prompt_ids, completion_ids=c.completion_ids,
                       behaviour_logprobs=c.logprobs, token_versions=c.versions, row={**prompt.row, **c.episode},
@@ -357,7 +357,7 @@ class RolloutWorker:
         this engine on loopback while this thread decodes; the finished episodes, kept out of the queue."""
         samples: List[Sample] = []
         bridge = OpenAIBridge(self.engine, self.policy, self.chat_template, temperature, config.max_new_tokens,
-                              submit=samples.extend, admit=lambda group: -1)
+                              submit=samples.extend, admit=lambda group: AGENT)
         port = bridge.start("127.0.0.1", 0)
         try:
             with ThreadPoolExecutor(1, thread_name_prefix="held-out") as pool:

@@ -161,12 +161,9 @@ class PromptLedger:
         """A restarted worker's predecessor's unsubmitted groups: closed, their prompts queued for re-issue."""
         return int(self._abandon(keys=self._ending_keys, args=[worker]))
 
-    def is_open(self, group_id: str) -> bool:
-        """Whether the ledger issued or admitted `group_id` and it has not ended."""
-        return bool(self.client.hexists(self.open, group_id))
-
     def position(self, group_id: str) -> Optional[int]:
-        """The prompt position of open group `group_id` (`AGENT` for an agent's group); None when it is not open."""
+        """The prompt position of open group `group_id` (`AGENT` for an agent's group); None when the ledger did not
+        issue or admit it, or it has ended."""
         entry = self.client.hget(self.open, group_id)
         return None if entry is None else int(entry.split()[0])
 

@@ -21,9 +21,9 @@ class LedgerMirror:
     """`PromptLedger.snapshot()` as read, with the groups trained since closed in it."""
 
     def __init__(self, state: Dict, open_groups: Dict[str, int]) -> None:
-        """`state`, `open_groups`: a `PromptLedger.snapshot()` (they are copied)."""
-        self._state = copy.deepcopy(state)
-        self._open = dict(open_groups)  # group id -> prompt position (AGENT: an agent's group)
+        """`state`, `open_groups`: a `PromptLedger.snapshot()`, read for this mirror (it keeps them and changes them)."""
+        self._state = state
+        self._open = open_groups  # group id -> prompt position (AGENT: an agent's group)
         self._skipped: Set[int] = set()  # positions past the read's cursor, issued since and not known trained
         self._agents_closed: Set[str] = set()  # agents' groups admitted since the read and closed here
 

@@ -145,7 +145,7 @@ def test_a_two_turn_episode_is_one_trajectory_with_exact_tokens_and_mask(served)
     assert json.loads(refused.value.read())["error"]["code"] == "groups_full"
     assert worker.schedule.expired(in_play[0])
     finished = json.loads(urllib.request.urlopen(request, timeout=30).read())
-    assert worker.schedule.ledger.is_open("task-7") and worker.schedule.ledger.counts()["admitted"] == 1
+    assert worker.schedule.ledger.position("task-7") is not None and worker.schedule.ledger.counts()["admitted"] == 1
     assert finished["sample_id"] == "task-7/ep-1"
     sample = next_sample(queue, "task-7")
     assert sample.prompt_position == -1  # an agent's own group: no data position

@@ -80,7 +80,7 @@ def test_an_agents_group_claims_capacity_once_at_admission_and_is_never_issued_a
     assert sorted(state["in_flight_prompts"]) == list(range(7))  # the data's prompts only
     counts = groups.ledger.counts()
     assert counts["admitted"] == 2 and counts["issued"] == 9 and balanced(counts)
-    assert issued and not groups.ledger.is_open("task-7")
+    assert issued and groups.ledger.position("task-7") is None
 
 
 def test_a_restarted_worker_takes_over_its_predecessors_groups(redis_client, job):

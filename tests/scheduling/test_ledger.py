@@ -26,7 +26,8 @@ def test_groups_end_once_and_the_counts_balance(redis_client):
     assert counts["issued"] == 3 and counts["trained"] == 1 and counts["dropped_stale"] == 1
     assert counts["expired"] == 0 and counts["open"] == 1 and balanced(counts)
     # open: issued and not ended; a group it never issued (an agent's) is not
-    assert [ledger.is_open(g) for g, _ in issued] == [False, False, True] and not ledger.is_open("agent-7")
+    assert [ledger.position(g) is not None for g, _ in issued] == [False, False, True] and \
+        ledger.position("agent-7") is None
 
 
 def test_closing_a_batch_of_groups_ends_each_once_in_one_call(redis_client):
