@@ -49,7 +49,7 @@ from rlplatform.scheduling.groups import GroupSchedule
 from rlplatform.scheduling.ledger import AGENT, prompt_row
 from rlplatform.scheduling.staleness import StalenessRule
 from rlplatform.tokenization import Prompt, load_prompts
-from rlplatform.transport.deadlines import Heartbeats
+from rlplatform.transport.deadlines import Heartbeats, rollout_worker_label
 from rlplatform.transport.redis_server import RECONNECT_S, connect
 from rlplatform.transport.keys import PolicyKeys
 from rlplatform.transport.reward_queue import RewardQueue
@@ -105,7 +105,7 @@ class RolloutWorker:
         self.heartbeats = Heartbeats(client, run)
         self.canary = CanaryCheck(client, self.keys.canary_reference, self.keys.canary_checks, spec.parity_every,
                                   index) if spec.parity_every else None  # the parity canary (`parity_canary`)
-        self.label = f"rollout worker {index} of policy '{policy}'"  # as silent workers are named
+        self.label = rollout_worker_label(index, policy)
         self._polled_at = -POLL_S  # when the loop last read the stop flag and the published version (`_poll`)
         self._stop, self._published = False, None
         self.announcements = VersionAnnouncements(client, self.keys)

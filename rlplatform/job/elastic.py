@@ -23,6 +23,7 @@ from ray._private.state import actors, available_resources_per_node  # Ray's dev
 
 from rlplatform.job.workers import PolicyWorkers
 from rlplatform.scheduling.groups import GroupSchedule
+from rlplatform.transport.deadlines import Heartbeats, rollout_worker_label
 from rlplatform.transport.side_channels import AttachAnswer, AttachRequest
 from rlplatform.transport.worker_attach import AttachRequests
 
@@ -34,11 +35,12 @@ class ElasticRollout:
     those attached by `rlp rollout-worker`, each until its command's lease lapses."""
 
     def __init__(self, job: str, workers: PolicyWorkers, schedule: GroupSchedule, start_loop: Callable,
-                 note: Callable[[str], None]) -> None:
+                 note: Callable[[str], None], *, heartbeats: Heartbeats) -> None:
         """`job`: the job's name; `start_loop(kind, name, actor, on_leave)`: the supervisor's; `note`: tells the
         job's log and W&B."""
         rollout = workers.config.rollout
         self.job, self.workers, self.schedule, self.start_loop, self.note = job, workers, schedule, start_loop, note
+        self.heartbeats = heartbeats  # a worker that left is no longer watched
         # what one worker asks Ray for
         self.room = {"CPU": rollout.num_cpus, "GPU": workers.plan.rollout_gpus, **rollout.resources}
         self.most = rollout.max_workers or rollout.num_workers
@@ -111,6 +113,7 @@ class ElasticRollout:
 
     def _leave(self, actor, index: int, name: str) -> None:
         self.workers.rollout.remove(actor)
+        self.heartbeats.leave(rollout_worker_label(index, self.workers.name))
         self.left += 1
         reissued = self.schedule.taken_over(index)
         self.groups_reissued += reissued

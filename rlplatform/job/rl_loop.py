@@ -574,13 +574,13 @@ def run_rl(job: JobConfig, policies: List[PolicyWorkers], queue: RewardQueue, re
         run.mirror_redis()
     supervisor = _start_loops(job, policies, reward_actors, metrics, tool_actors, restart=restart)
     capacity_note = partial(metrics.event, "rollout_capacity")
+    heartbeats = Heartbeats(queue.client, queue.keys.run)
     for workers in policies:
         runs[workers.name].elastic = ElasticRollout(job.name, workers, runs[workers.name].schedule, supervisor.start,
-                                                    capacity_note)
+                                                    capacity_note, heartbeats=heartbeats)
     attach_desk = AttachDesk(AttachRequests(queue.client, queue.keys),
                              {name: run.elastic for name, run in runs.items()}, capacity_note)
     checkpoints = Checkpoints(job, runs, job_state, attempt)
-    heartbeats = Heartbeats(queue.client, queue.keys.run)
     rule = hang_rule(job.monitoring)
     watch = WorkerWatch(SilentWorkers(heartbeats, job.monitoring.worker_silent_s),
                         ScoringStall(heartbeats, job.monitoring.scoring_stall_s,

@@ -99,6 +99,11 @@ def this_process() -> Dict[str, object]:
             "actor": context.get_actor_id() or ""}
 
 
+def rollout_worker_label(index: int, policy: str) -> str:
+    """How a rollout worker beats and is named in alerts, as silent workers are."""
+    return f"rollout worker {index} of policy '{policy}'"
+
+
 class Heartbeats:
     """The job's heartbeat hash on Redis: worker label (`rollout worker 0 of policy 'p'`,
     `reward worker <name>`) -> its last `Beat`, as JSON."""
@@ -127,7 +132,8 @@ class Heartbeats:
         self.client.hset(self.key, worker, json.dumps({k: v for k, v in asdict(beat).items() if k != "worker"}))
 
     def leave(self, worker: str) -> None:
-        """`worker` stopped on purpose: it is no longer watched."""
+        """`worker` stopped on purpose, or left the job (an elastic worker whose node went away): it is no longer
+        watched."""
         self.client.hdel(self.key, worker)
 
     def await_outside_workers(self, within_s: Optional[float] = None, poll_s: float = 0.05) -> None:

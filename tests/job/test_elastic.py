@@ -21,6 +21,7 @@ from rlplatform.monitoring.watchdog import HangRule
 from rlplatform.scheduling.groups import GroupSchedule
 from rlplatform.scheduling.ledger import PromptLedger, balanced
 from rlplatform.scheduling.staleness import StalenessRule
+from rlplatform.transport.deadlines import Heartbeats, rollout_worker_label
 from rlplatform.transport.redis_server import connect
 
 from tests.job.conftest import actor_pid, samples_balance
@@ -33,6 +34,7 @@ def test_a_worker_joins_where_the_cluster_has_room_and_its_death_loses_nothing(r
     # before a worker started on a loaded machine is alive
     config = tiny_job("elastic", "rl.max_steps=100000", "rollout.max_workers=2")
     added = "elastic-policy-rollout-2"  # index 1 is the evaluator's, which a job without evaluation does not start
+    watched_after_it_left = []
 
     def kill_the_added_worker_while_it_holds_groups_then_stop() -> None:
         try:
@@ -46,7 +48,10 @@ def test_a_worker_joins_where_the_cluster_has_room_and_its_death_loses_nothing(r
                     break
                 os.kill(pid, signal.SIGCONT)
             os.kill(pid, signal.SIGKILL)
-            run_files.wait_for(lambda: holds("3"), poll_s=0.05)  # its replacement works
+            run_files.wait_for(lambda: holds("3"), poll_s=0.05)  # its replacement works (it joined after the leave)
+            left = rollout_worker_label(2, "policy")
+            beats = Heartbeats(ledger.client, run_files.run(config)).beats()
+            watched_after_it_left.extend(beat.worker for beat in beats if beat.worker == left)
         finally:
             os.kill(os.getpid(), signal.SIGINT)
 
@@ -60,6 +65,7 @@ def test_a_worker_joins_where_the_cluster_has_room_and_its_death_loses_nothing(r
     assert balanced(rl["ledger"]) and rl["ledger"]["trained"] == rl["steps"] * 2
     assert samples_balance(rl), rl
     assert rl["restarts"]["rollout"] == 0  # a worker that leaves is not a restart
+    assert watched_after_it_left == []  # the watchdog would find it hung, its node gone
     events = [json.loads(line) for line in open(f"{config.run_dir}/events.jsonl")]
     said = [event["message"] for event in events if event["kind"] == "rollout_capacity"]
     assert [message.split(" ")[2] for message in said] == ["policy-2", "policy-2", "policy-3"] and \
@@ -87,11 +93,14 @@ def test_a_worker_that_was_never_placed_is_cancelled_at_the_end_instead_of_waite
                             add_rollout=lambda index, node_id: Unplaceable.remote())
     supervisor = Supervisor(lambda text: None, RestartDeadline(HangRule(factor=10, floor_s=60)))
     notes = []
-    elastic = ElasticRollout("elastic", workers, GroupSchedule(redis_client, "elastic-run", "policy",
-                                                               StalenessRule.of(RLConfig())), supervisor.start, notes.append)
+    heartbeats = Heartbeats(redis_client, "elastic-run")
+    schedule = GroupSchedule(redis_client, "elastic-run", "policy", StalenessRule.of(RLConfig()))
+    elastic = ElasticRollout("elastic", workers, schedule, supervisor.start, notes.append, heartbeats=heartbeats)
     elastic.room = {}  # any node has room for it, as the cluster looked a moment before another actor took it
     elastic.check()
     assert elastic.joined == 1 and len(workers.rollout) == 2
+    heartbeats.beat(rollout_worker_label(2, "policy"), "generating")  # as a worker that ran would have
     elastic.cancel_pending()
     supervisor.wait_ended("rollout", timeout_s=30)
     assert elastic.left == 1 and len(workers.rollout) == 1 and notes[-1].startswith("rollout worker policy-2 left")
+    assert heartbeats.beats() == []  # a worker that left is no longer watched
