@@ -188,18 +188,22 @@ def kill_embedded_redis(fault: Fault, job: Running) -> float:
     return time.time()
 
 
-def _embedded_redis(job: Running) -> psutil.Process:
+def _embedded_redis(job: Running, timeout_s: float = 30.0) -> psutil.Process:
     """The redis-server listening on the port of the job's Redis URL (its own, or an external one on this
-    machine)."""
+    machine), waiting out a restart of it (the job's, after an earlier kill) for up to `timeout_s`."""
     port = int(job_redis_url(job.run_dir).rsplit(":", 1)[1].split("/")[0])
-    for process in psutil.process_iter(["name"]):
-        if process.info["name"] == "redis-server":
-            try:
-                if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in process.net_connections()):
-                    return process
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-    raise RuntimeError(f"no redis-server listens on port {port}")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for process in psutil.process_iter(["name"]):
+            if process.info["name"] == "redis-server":
+                try:
+                    if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                           for c in process.net_connections()):
+                        return process
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+        time.sleep(0.1)
+    raise RuntimeError(f"no redis-server listened on port {port} within {timeout_s:g} s")
 
 
 def stall_embedded_redis(fault: Fault, job: Running) -> float:
@@ -231,6 +235,22 @@ def pause_redis(stopped_s: float) -> Callable[[Fault, Running], float]:
             server.resume()
         return struck
     return inject
+
+
+def stall_external_redis_for_good(fault: Fault, job: Running) -> float:
+    """SIGSTOP the job's external redis-server, never continued; once the job has given up on it and ended, the
+    operator replaces it: the stopped server is killed and started again on its port (for the resume)."""
+    os.kill(job.external_redis.pid, signal.SIGSTOP)
+    struck = time.time()
+    deadline = time.monotonic() + 300
+    while _alive(psutil.Process(job.pid)):
+        if time.monotonic() > deadline:
+            fault.wrong.append("the job did not end within 300 s of its Redis stalling for good")
+            break
+        time.sleep(0.5)
+    os.kill(job.external_redis.pid, signal.SIGKILL)
+    job.external_redis.start()
+    return struck
 
 
 def write_malformed(fault: Fault, job: Running) -> float:
@@ -802,6 +822,17 @@ SCENARIOS = [
     Scenario("external-redis-restart", [], lambda job, rng, steps: [
         Fault("external Redis restarted", s, restart_external_redis()) for s in fault_steps(rng, steps, 2)],
              external_redis=True),
+    # twice redis.reconnect_s: the job checkpoints from the learner and stops at 5 s (its own server with it), and
+    # the resume goes on from the checkpoint
+    Scenario("embedded-redis-pause-resume", ["redis.reconnect_s=5"], lambda job, rng, steps: [
+        Fault("SIGSTOP embedded redis-server for 10 s (twice redis.reconnect_s), then SIGCONT, then `rlp run "
+              "--resume`", fault_steps(rng, 20, 1)[0], pause_redis(10.0))], resume=True, steps=200),
+    # for good: the job checkpoints from the learner and stops at 5 s; the operator then replaces the server
+    # (killed, started again on its port) and the resume goes on
+    Scenario("external-redis-stall-resume", ["redis.reconnect_s=5"], lambda job, rng, steps: [
+        Fault("SIGSTOP the external redis-server for good; once the job ended, the server replaced, then `rlp run "
+              "--resume`", fault_steps(rng, 20, 1)[0], stall_external_redis_for_good)], external_redis=True,
+             resume=True, in_process=False, steps=200),
     # twice redis.reconnect_s: the job checkpoints from the learner and stops at 5 s, the operator's server answers
     # again at 10 s, and the resume goes on
     Scenario("external-redis-pause-resume", ["redis.reconnect_s=5"], lambda job, rng, steps: [
