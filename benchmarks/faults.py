@@ -243,7 +243,7 @@ def stall_external_redis_for_good(fault: Fault, job: Running) -> float:
     os.kill(job.external_redis.pid, signal.SIGSTOP)
     struck = time.time()
     deadline = time.monotonic() + 300
-    while _alive(psutil.Process(job.pid)):
+    while _pid_alive(job.pid):
         if time.monotonic() > deadline:
             fault.wrong.append("the job did not end within 300 s of its Redis stalling for good")
             break
@@ -541,6 +541,13 @@ def _alive(process: psutil.Process) -> bool:
     try:
         return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
+        return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        return _alive(psutil.Process(pid))
+    except psutil.NoSuchProcess:  # ended and reaped
         return False
 
 
