@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +22,7 @@ import psutil
 import pytest
 import yaml
 
+from rlplatform.job.local_nodes import ENV, LocalNodes
 from rlplatform.job.run_dir import RUN_ID
 from rlplatform.scheduling.ledger import balanced
 from rlplatform.transport.deadlines import Heartbeats
@@ -33,57 +31,14 @@ from rlplatform.transport.keys import run_scope
 from tests.job.conftest import samples_balance
 
 RLP = str(Path(sys.executable).parent / "rlp")
-RAY = [sys.executable, "-m", "ray.scripts.scripts"]
-ENV = dict(os.environ, RAY_AUTH_MODE="token", RAY_ADDRESS="", WANDB_MODE="disabled")  # Ray heads require the token
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class TwoNodeCluster:
-    """A head (`ray start --head --block`) and a second node labelled `rollout_node`, each on ports of
-    its own under a temp dir of its own; `stop` ends only the processes these two commands started."""
-
-    def __init__(self) -> None:
-        self.temp_dir = tempfile.mkdtemp(prefix="rlp-ray-", dir="/tmp")  # short: Ray's socket paths live under it
-        self.address = f"127.0.0.1:{free_port()}"
-        self.nodes: list = []
+class TwoNodeCluster(LocalNodes):
+    """A head and a second node labelled `rollout_node`."""
 
     def start(self) -> None:
-        port = self.address.rsplit(":", 1)[1]
-        self._start("--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
-                    f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}")
-        self._start(f"--address={self.address}", "--num-cpus=2", "--resources", json.dumps({"rollout_node": 3}))
-
-    def add_node(self, cpus: int, resources: dict) -> subprocess.Popen:
-        """A further node joining the running cluster; its `ray start` process (`remove_node` ends it)."""
-        self._start(f"--address={self.address}", f"--num-cpus={cpus}", "--resources", json.dumps(resources))
-        return self.nodes[-1]
-
-    def remove_node(self, node: subprocess.Popen) -> None:
-        """The node goes away: its `ray start` ends, and with it the node's raylet and the workers on it."""
-        node.send_signal(signal.SIGTERM)
-        node.wait(timeout=60)
-        self.nodes.remove(node)
-
-    def _start(self, *args: str, attempts: int = 2) -> None:
-        """One `ray start --block`, returning once its node runs (the command says so, then blocks).
-        A node that timed out registering (an overloaded machine) is started once more."""
-        for attempt in range(attempts):
-            log = Path(self.temp_dir, f"ray-start-{len(self.nodes)}-{attempt}.log")
-            node = subprocess.Popen(
-                [*RAY, "start", "--block", *args, f"--temp-dir={self.temp_dir}", "--object-store-memory=100000000",
-                 f"--dashboard-agent-listen-port={free_port()}", "--disable-usage-stats"],
-                env=ENV, stdout=log.open("w"), stderr=subprocess.STDOUT)
-            while "block forever" not in log.read_text() and node.poll() is None:
-                time.sleep(0.2)
-            if node.poll() is None:
-                self.nodes.append(node)
-                return
-        pytest.fail(f"`ray start {' '.join(args)}` failed:\n{log.read_text()}")
+        self.start_head(cpus=2)
+        self.add_node(cpus=2, resources={"rollout_node": 3})
 
     def watch_actors(self, until: Path) -> subprocess.Popen:
         """A driver on the cluster that records, until `until` exists, the node of every named actor it sees
@@ -102,19 +57,6 @@ print(json.dumps({{"actors": seen, "labelled": labelled}}))
 """
         return subprocess.Popen([sys.executable, "-c", script], env=ENV, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
-
-    def stop(self) -> None:
-        for node in reversed(self.nodes):
-            node.send_signal(signal.SIGTERM)  # `ray start --block` stops its node's processes on SIGTERM
-        for node in reversed(self.nodes):
-            try:
-                node.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                node.kill()
-        for process in psutil.process_iter(["cmdline"]):  # anything of theirs still alive (by our temp dir)
-            if any(self.temp_dir in part for part in process.info["cmdline"] or []):
-                process.kill()
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 @pytest.fixture
@@ -191,12 +133,16 @@ def test_a_job_on_labelled_nodes_that_come_and_go_accounts_for_every_sample(clus
         started.append(standalone)
         run_files.wait_for(lambda: run_files.trained_steps(str(run_dir)) >= 10, timeout_s=180)
         before = trained_per_s(run_dir, 2.0)
-        node = cluster.add_node(cpus=1, resources={"rollout_node": 1})
+        core = max(os.sched_getaffinity(0))  # the node's processes on one core of their own
+        node = cluster.add_node(cpus=1, resources={"rollout_node": 1}, on_cpus=[core])
         run_files.wait_for(lambda: said(run_dir, "rollout_capacity"), timeout_s=180)
         beats = Heartbeats(connect(redis_url), run_scope(name, (run_dir / RUN_ID).read_text().strip()))
-        run_files.wait_for(lambda: any(beat.worker == "rollout worker 2 of policy 'policy'" and beat.version is not None
-                                       and beat.version >= 0 and beat.action == "generating"
-                                       for beat in beats.beats()), timeout_s=180)  # it holds weights and decodes
+        added_beat = []
+        run_files.wait_for(lambda: added_beat.extend(
+            beat for beat in beats.beats() if beat.worker == "rollout worker 2 of policy 'policy'"
+            and beat.version is not None and beat.version >= 0 and beat.action == "generating") or added_beat,
+            timeout_s=180)  # it holds weights and decodes
+        assert psutil.Process(added_beat[0].pid).cpu_affinity() == [core]
         during = trained_per_s(run_dir, 2.0)
         cluster.remove_node(node)
         run_files.wait_for(lambda: len(said(run_dir, "rollout_capacity")) == 2, timeout_s=180)
