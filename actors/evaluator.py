@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Tuple
 
 import ray
 import redis
+from ray._private.state import actors  # the GCS actor table (runtime_context's own check warns of a deprecation)
 
 from rlplatform.actors.rollout_spec import RolloutSpec
 from rlplatform.priority import set_cpu_priority
@@ -40,7 +41,7 @@ class EvaluatorWorker:
         from rlplatform.actors.rollout import RolloutWorker
 
         self.worker = RolloutWorker(spec)
-        self.instance = (uuid.uuid4().hex, ray.get_runtime_context().was_current_actor_reconstructed)
+        self.instance = (uuid.uuid4().hex, started_as_restart())
 
     def join_weights(self, *args, **kwargs) -> None:
         self.worker.join_weights(*args, **kwargs)
@@ -54,3 +55,9 @@ class EvaluatorWorker:
 
 
 EvaluatorActor = ray.remote(EvaluatorWorker)
+
+
+def started_as_restart() -> bool:
+    """Whether Ray restarted this actor (its evaluations then start from a new process)."""
+    info = actors(actor_id=ray.get_runtime_context().get_actor_id())
+    return bool(info) and info["NumRestarts"] != 0

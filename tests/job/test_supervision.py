@@ -14,6 +14,7 @@ import uuid
 import pytest
 import ray
 
+from rlplatform.actors.evaluator import started_as_restart
 from rlplatform.job.checkpoint import latest_checkpoint
 from rlplatform.job.controller import run_job
 from rlplatform.config import EvalConfig
@@ -131,7 +132,7 @@ class AnsweringEvaluator:
     """Answers as `EvaluatorWorker` does, naming its process: ((id, started as a restart), result)."""
 
     def __init__(self) -> None:
-        self.process = (uuid.uuid4().hex, ray.get_runtime_context().was_current_actor_reconstructed)
+        self.process = (uuid.uuid4().hex, started_as_restart())
 
     def pid(self) -> int:
         return os.getpid()
