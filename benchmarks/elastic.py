@@ -30,7 +30,7 @@ import yaml
 from rlplatform.job.local_nodes import ENV, LocalNodes
 from rlplatform.job.run_dir import RUN_ID
 from rlplatform.scheduling.ledger import balanced
-from rlplatform.transport.deadlines import Heartbeats
+from rlplatform.transport.deadlines import Heartbeats, rollout_worker_label
 from rlplatform.transport.keys import run_scope
 from rlplatform.transport.redis_server import connect
 
@@ -96,9 +96,8 @@ def measure(rounds: int, window_s: float, cores: List[int], out_dir: Path) -> Di
         for joined in range(rounds):
             node = nodes.add_node(cpus=1, resources={"rollout_node": 1}, on_cpus=[node_core])
             wait_for(lambda: len(capacity_events(run_dir)) == 2 * joined + 1, "the added worker's join", job)
-            # "rollout worker policy-<index> joined ...", beating as "rollout worker <index> of policy 'policy'"
-            index = capacity_events(run_dir)[-1].split()[2].rsplit("-", 1)[1]
-            added = f"rollout worker {index} of policy 'policy'"
+            index = int(capacity_events(run_dir)[-1].split()[2].rsplit("-", 1)[1])  # "rollout worker policy-<i> joined"
+            added = rollout_worker_label(index, "policy")
             wait_for(lambda: any(beat.worker == added and beat.action == "generating" for beat in beats.beats()),
                      "the added worker generating", job)
             rates["with the node"].append(trained_per_s(run_dir, window_s))
