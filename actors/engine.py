@@ -156,13 +156,14 @@ class TransformersEngine(BatchGenerate):
             scores = completion_logprobs(self.model, prompts, completions, self.tokenizer.pad_token_id)
         return [row[mask.bool()].tolist() for row, mask in zip(scores.logprobs.float(), scores.mask)]
 
-    def top_logprobs(self, prompts: List[List[int]], completions: List[List[int]],
-                     k: int) -> List[Tuple[List[float], List[List[int]], List[List[float]]]]:
+    def top_logprobs(self, prompts: List[List[int]], completions: List[List[int]], k: int,
+                     temperature: float = 1.0) -> List[Tuple[List[float], List[List[int]], List[List[float]]]]:
         """Per completion, per token, teacher-forced after the prompt and the tokens before it: its log-prob, and
         the k ids this model found most likely at its position with theirs (`token_distributions.top_tokens`), from
-        one pass."""
+        one pass of this model's logits / `temperature`."""
         with torch.no_grad():
-            log_softmax = completion_log_softmax(self.model, prompts, completions, self.tokenizer.pad_token_id)
+            log_softmax = completion_log_softmax(self.model, prompts, completions, self.tokenizer.pad_token_id,
+                                                 temperature)
         return top_tokens(log_softmax, prompts, completions, k)
 
 

@@ -37,15 +37,15 @@ class TeacherStats(QueueStats):
 class TeacherWorker(QueueWorker):
     """Teacher worker `index` of `student`: scores its samples under the teacher `spec` describes (the teacher's
     rollout worker spec: its model, weight store and run); with `top_k`, also the teacher's top_k tokens at each
-    completion token (`distill.mode: forward_kl`)."""
+    completion token (`distill.mode: forward_kl`), all at `temperature` (`distill.temperature`)."""
 
     def __init__(self, spec: RolloutSpec, student: str, index: int, config: RewardWorkersConfig, *,
-                 top_k: int = 0) -> None:
+                 top_k: int = 0, temperature: float = 1.0) -> None:
         from rlplatform.actors.engine import TransformersEngine
         from rlplatform.actors.rollout import RolloutWorker
 
         self.teacher = RolloutWorker(spec)  # the teacher's engine, and its weight sync
-        self.top_k = top_k
+        self.top_k, self.temperature = top_k, temperature
         if top_k and not isinstance(self.teacher.engine, TransformersEngine):
             raise RuntimeError(f"policy '{student}' distils in forward_kl mode, which reads its teacher's top tokens "
                                f"from the transformers engine: set the teacher's rollout.engine: transformers")
@@ -66,7 +66,7 @@ class TeacherWorker(QueueWorker):
         prompts, completions = [s.prompt_ids for s in samples], [s.completion_ids for s in samples]
         if self.top_k:  # the sampled tokens' log-probs and the top tokens from one pass
             for sample, (sampled, ids, logprobs) in zip(samples, self.teacher.engine.top_logprobs(
-                    prompts, completions, self.top_k)):
+                    prompts, completions, self.top_k, self.temperature)):
                 sample.teacher_logprobs, sample.teacher_top_ids, sample.teacher_top_logprobs = sampled, ids, logprobs
         else:
             for sample, logprobs in zip(samples, self.teacher.engine.score(prompts, completions)):

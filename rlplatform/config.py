@@ -397,6 +397,7 @@ class DistillConfig:
     coef: float = above(1.0, 0)  # weight of the teacher's signal: reverse_kl's per-token teacher log-prob minus the sampled log-prob in each token's advantage; forward_kl's loss term
     mode: str = one_of("reverse_kl", "forward_kl")  # on the student's own samples, per token: reverse_kl, the sampled token's reverse KL(student || teacher) minimised through the advantage; forward_kl, the KL(teacher || student) over the teacher's top_k tokens minimised as a loss term (the teacher names the tokens it would have chosen)
     top_k: int = at_least(8, 1)  # forward_kl: the teacher's most likely tokens at each position that the student is trained towards
+    temperature: float = above(1.0, 0)  # forward_kl: the teacher's next-token distribution at this temperature (logits / temperature); below 1 it is sharper, its mass moved onto the tokens it would most likely choose
     task_reward: bool = True  # train on the task rewards' advantage with the teacher's signal; false: on the teacher's signal alone (rewards are still scored and reported)
     _: KW_ONLY
     workers: int = at_least(1, 1)  # teacher scoring workers (Ray actors holding the teacher's newest weights)
@@ -762,6 +763,11 @@ def _check_distill(config: JobConfig, policy: PolicyConfig, prefix: str, source:
     if not distill.task_reward and policy.rl.dynamic_sampling:
         raise ConfigError(f"{source}: '{prefix}task_reward' is false with rl.dynamic_sampling, which drops groups "
                           f"for their rewards; the distillation signal alone does not read them")
+    if distill.mode == "reverse_kl":
+        for key, value in (("top_k", distill.top_k), ("temperature", distill.temperature)):
+            if value != getattr(DistillConfig(), key):
+                raise ConfigError(f"{source}: '{prefix}{key}' is {value!r} but '{prefix}mode' is reverse_kl, which "
+                                  f"does not read it (only forward_kl does)")
     if distill.mode == "forward_kl" and (policy.model.num_experts or teacher.rollout.engine == "vllm"):
         raise ConfigError(f"{source}: '{prefix}mode' is forward_kl, which needs a dense student (its extra pass does "
                           f"not replay routing) and a teacher on the transformers engine (its top tokens); use "

@@ -576,6 +576,15 @@ def test_a_teacher_the_student_cannot_learn_from_is_refused_in_one_line(override
     assert reason in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("key,value", [("temperature", 0.5), ("top_k", 4)])
+def test_a_forward_kl_key_under_reverse_kl_is_refused_in_one_line(key, value):
+    with pytest.raises(ConfigError) as err:
+        load_config(DEVICE_AND_SERVER, ["policies[1].distill.mode=reverse_kl", f"policies[1].distill.{key}={value}"])
+    assert str(err.value).endswith(f"'policies[1].distill.{key}' is {value!r} but 'policies[1].distill.mode' is "
+                                   f"reverse_kl, which does not read it (only forward_kl does)")
+    assert "\n" not in str(err.value)
+
+
 def test_a_local_cluster_holds_the_cpus_of_a_students_teacher_workers():
     from rlplatform.job.cluster import cpus_needed
 

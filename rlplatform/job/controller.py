@@ -421,7 +421,8 @@ def _start_teacher_workers(config: JobConfig, plan: JobPlan, student: PolicyConf
                                            max_restarts=MAX_RESTARTS,
                                            name=f"{config.name}-{student.name}-teacher-{i}"
                                            ).remote(spec, student.name, i, config.reward_workers,
-                                                    top_k=distill.top_k if distill.mode == "forward_kl" else 0))
+                                                    top_k=distill.top_k if distill.mode == "forward_kl" else 0,
+                                                    temperature=distill.temperature))
     return actors
 
 

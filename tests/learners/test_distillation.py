@@ -79,6 +79,23 @@ def test_the_forward_kl_over_the_teachers_top_tokens_matches_a_hand_computation(
     assert kl[0, 2].item() == pytest.approx(math.log(1 / 0.25), abs=1e-6)  # a sure teacher: -log p_s(its token)
 
 
+def test_a_teacher_below_temperature_1_names_its_top_tokens_at_that_temperature(tmp_path):
+    """`distill.temperature`: the teacher's top tokens and their log-probs come from its logits / temperature,
+    checked against a hand computation; at 0.5 its most likely token holds more of its mass than at 1."""
+    teacher = TransformersEngine(save_initial_policy(TINY, 1, str(tmp_path / "teacher")))
+    prompt, completion = teacher.tokenizer(["13+7="])["input_ids"], [[teacher.tokenizer("2")["input_ids"][0]]]
+    with torch.no_grad():
+        logits = teacher.model(torch.tensor([prompt[0] + completion[0]])).logits[0, len(prompt[0]) - 1].float()
+    (warm_sampled, warm_ids, warm_top), = teacher.top_logprobs(prompt, completion, 4)
+    (sampled, ids, top), = teacher.top_logprobs(prompt, completion, 4, temperature=0.5)
+    by_hand = torch.log_softmax(logits / 0.5, -1)
+    assert ids[0] == by_hand.topk(4).indices.tolist() == warm_ids[0]
+    assert top[0] == pytest.approx(by_hand.topk(4).values.tolist(), abs=1e-5)
+    assert sampled[0] == pytest.approx(by_hand[completion[0][0]].item(), abs=1e-5)
+    assert warm_top[0] == pytest.approx(torch.log_softmax(logits, -1).topk(4).values.tolist(), abs=1e-5)
+    assert top[0][0] > warm_top[0][0]
+
+
 def test_steps_on_the_forward_kl_alone_move_the_student_onto_the_teachers_top_tokens(ray_session, tmp_path):
     """The teacher's top 4 tokens after each prompt (task advantages all 0): the student's probability of the
     teacher's most likely next token rises step by step (with the term's sign flipped it falls)."""
