@@ -95,15 +95,6 @@ def wait_for_file(path: Path, job: subprocess.Popen, timeout_s: float = 120.0) -
     return path.read_text().strip()
 
 
-def trained_per_s(run_dir: Path, window_s: float) -> float:
-    """Trained samples a second over the next `window_s` seconds, from the steps the run's trained log gains."""
-    def samples() -> int:
-        return sum(len(json.loads(line)["sample_ids"]) for line in (run_dir / "trained.jsonl").read_text().splitlines())
-    before, start = samples(), time.monotonic()
-    time.sleep(window_s)
-    return (samples() - before) / (time.monotonic() - start)
-
-
 def said(run_dir: Path, kind: str) -> list:
     path = run_dir / "events.jsonl"
     events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -117,9 +108,8 @@ def test_a_job_on_labelled_nodes_that_come_and_go_accounts_for_every_sample(clus
     has room for one more rollout worker, which joins there (the job allows 2: `rollout.max_workers`); then that node
     goes away, its worker's unsubmitted groups issued again. `rlp rollout-worker --job NAME` then attaches a worker
     on the node it names (asked without one, it is told that two nodes share this machine's address) until a Ctrl-C
-    detaches it, its unsubmitted groups issued again; a stop ends the job with every sample accounted for. Trained
-    samples/s before, with and after the added worker, and with the attached one, are printed: on one machine the
-    nodes share its cores, so they show what the move costs, not added capacity."""
+    detaches it, its unsubmitted groups issued again; a stop ends the job with every sample accounted for. (What an
+    added node adds to trained samples/s is measured by benchmarks/elastic.py, each node on a core of its own.)"""
     name = "multinode"
     run_dir = tmp_path / name
     watcher = cluster.watch_actors(until=run_dir / "summary.json")
@@ -131,8 +121,7 @@ def test_a_job_on_labelled_nodes_that_come_and_go_accounts_for_every_sample(clus
         standalone = subprocess.Popen([RLP, "reward-worker", "--redis", redis_url, "--job", name], env=ENV,
                                       stderr=subprocess.PIPE, text=True)
         started.append(standalone)
-        run_files.wait_for(lambda: run_files.trained_steps(str(run_dir)) >= 10, timeout_s=180)
-        before = trained_per_s(run_dir, 2.0)
+        run_files.wait_for(lambda: run_files.trained_steps(str(run_dir)) >= 3, timeout_s=180)
         core = max(os.sched_getaffinity(0))  # the node's processes on one core of their own
         node = cluster.add_node(cpus=1, resources={"rollout_node": 1}, on_cpus=[core])
         run_files.wait_for(lambda: said(run_dir, "rollout_capacity"), timeout_s=180)
@@ -143,10 +132,8 @@ def test_a_job_on_labelled_nodes_that_come_and_go_accounts_for_every_sample(clus
             and beat.version is not None and beat.version >= 0 and beat.action == "generating") or added_beat,
             timeout_s=180)  # it holds weights and decodes
         assert psutil.Process(added_beat[0].pid).cpu_affinity() == [core]
-        during = trained_per_s(run_dir, 2.0)
         cluster.remove_node(node)
         run_files.wait_for(lambda: len(said(run_dir, "rollout_capacity")) == 2, timeout_s=180)
-        after = trained_per_s(run_dir, 2.0)
         # a worker attached by the job's name from a node of its cluster, for as long as its command runs: the two
         # nodes left share this machine's address, so the command is told to name one
         ask = [RLP, "rollout-worker", "--redis", redis_url, "--job", name]
@@ -157,7 +144,6 @@ def test_a_job_on_labelled_nodes_that_come_and_go_accounts_for_every_sample(clus
         started.append(attached)
         run_files.wait_for(lambda: any(beat.worker == "rollout worker 3 of policy 'policy'" and beat.version is not None
                                        and beat.action == "generating" for beat in beats.beats()), timeout_s=180)
-        with_attached = trained_per_s(run_dir, 2.0)
         attached.send_signal(signal.SIGINT)  # Ctrl-C: the job stops the worker, its unsubmitted groups issued again
         _, attach_log = attached.communicate(timeout=60)
         assert attached.returncode == 0, attach_log
@@ -172,8 +158,6 @@ def test_a_job_on_labelled_nodes_that_come_and_go_accounts_for_every_sample(clus
     finally:
         for process in started:
             process.kill()  # only those still running: a finished one ignores it
-    print(f"trained samples/s: {before:.1f} before the node joined, {during:.1f} with its worker, {after:.1f} after, "
-          f"{with_attached:.1f} with a worker attached by `rlp rollout-worker`")
     assert int(worker_log.split("scored ")[1].split(" samples")[0]) > 0  # it served beside the Ray reward worker
     placement = json.loads(seen.strip().splitlines()[-1])
     placed, labelled = placement["actors"], placement["labelled"]
