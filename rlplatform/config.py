@@ -397,9 +397,9 @@ class DistillConfig:
     coef: float = above(1.0, 0)  # weight of the teacher's signal: reverse_kl's per-token teacher log-prob minus the sampled log-prob in each token's advantage; forward_kl's loss term
     mode: str = one_of("reverse_kl", "forward_kl")  # on the student's own samples, per token: reverse_kl, the sampled token's reverse KL(student || teacher) minimised through the advantage; forward_kl, the KL(teacher || student) over the teacher's top_k tokens minimised as a loss term (the teacher names the tokens it would have chosen)
     top_k: int = at_least(8, 1)  # forward_kl: the teacher's most likely tokens at each position that the student is trained towards
-    temperature: float = above(1.0, 0)  # forward_kl: the teacher's next-token distribution at this temperature (logits / temperature); below 1 it is sharper, its mass moved onto the tokens it would most likely choose
     task_reward: bool = True  # train on the task rewards' advantage with the teacher's signal; false: on the teacher's signal alone (rewards are still scored and reported)
     _: KW_ONLY
+    temperature: float = above(1.0, 0)  # forward_kl: the teacher's next-token distribution at this temperature (logits / temperature); below 1 it is sharper, its mass moved onto the tokens it would most likely choose
     workers: int = at_least(1, 1)  # teacher scoring workers (Ray actors holding the teacher's newest weights)
     num_cpus: float = at_least(1.0, 0)  # Ray CPUs reserved per teacher scoring worker
 
