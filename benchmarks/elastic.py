@@ -29,6 +29,7 @@ import yaml
 
 from rlplatform.job.local_nodes import ENV, LocalNodes
 from rlplatform.job.run_dir import RUN_ID
+from rlplatform.job.summaries import samples_unaccounted
 from rlplatform.scheduling.ledger import balanced
 from rlplatform.transport.deadlines import Heartbeats, rollout_worker_label
 from rlplatform.transport.keys import run_scope
@@ -116,10 +117,7 @@ def measure(rounds: int, window_s: float, cores: List[int], out_dir: Path) -> Di
 
 
 def accounting(rl: Dict, trained_ids: List[str]) -> Dict[str, object]:
-    unaccounted = rl["samples_generated"] - sum(rl[f"samples_{kind}"] for kind in (
-        "trained", "dropped_stale", "dropped_error", "dropped_zero_advantage", "dropped_expired", "dropped_invalid",
-        "abandoned_at_resume", "unused_at_end"))
-    return {"trained": rl["samples_trained"], "steps": rl["steps"], "unaccounted": unaccounted,
+    return {"trained": rl["samples_trained"], "steps": rl["steps"], "unaccounted": samples_unaccounted(rl),
             "trained twice": len(trained_ids) - len(set(trained_ids)),
             "ledger balanced": balanced(rl["ledger"]), "groups issued again": rl["rollout_groups_reissued"],
             "joined": rl["rollout_workers_joined"], "left": rl["rollout_workers_left"]}

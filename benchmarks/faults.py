@@ -53,6 +53,7 @@ from rlplatform.config import REDIS_URL_ENV, JobConfig, load_config, to_yaml
 from rlplatform.job.checkpoint import DiskFull, checkpoints_dir, latest_checkpoint, read_state
 from rlplatform.job.controller import run_job
 from rlplatform.job.run_dir import RUN_ID
+from rlplatform.job.summaries import samples_unaccounted
 from rlplatform.transport.deadlines import JobFailed
 from rlplatform.transport.redis_server import EmbeddedRedis, connect
 from rlplatform.transport.keys import JobKeys, run_scope
@@ -760,12 +761,9 @@ def account(config: JobConfig, faults: List[Fault]) -> Outcome:
         checks.append(f"ledger closed {counts.get('trained', 0)} groups as trained, trained.jsonl has {len(groups)}")
     if any(n != group_size for n in groups.values()):
         checks.append("a trained group did not have group_size samples")
-    ended = ("samples_trained", "samples_dropped_stale", "samples_dropped_error", "samples_dropped_zero_advantage",
-             "samples_dropped_invalid", "samples_abandoned_at_resume", "samples_unused_at_end")
-    if rl and rl.get("samples_generated") != sum(rl.get(key, 0) for key in ended):
-        checks.append(f"summary counts {rl.get('samples_generated')} samples generated but "
-                      f"{sum(rl.get(key, 0) for key in ended)} trained, dropped, abandoned at a resume or unused: "
-                      f"a restarted worker's counts went missing")
+    if rl and samples_unaccounted(rl):
+        checks.append(f"summary counts {rl['samples_generated']} samples generated, {samples_unaccounted(rl)} of them "
+                      f"not trained, dropped, abandoned at a resume or unused: a restarted worker's counts went missing")
     if sum(counts.get(k, 0) for k in counts if k not in ("issued", "reissued", "admitted")) + ledger["open"] \
             != counts["issued"]:
         checks.append("the checkpoint's ledger does not balance")

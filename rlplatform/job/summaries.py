@@ -43,6 +43,16 @@ class SFTSummary:
         return cls(**{**state, "accuracy_checks": tuple(state["accuracy_checks"])})
 
 
+SAMPLE_OUTCOMES = ("trained", "dropped_stale", "dropped_error", "dropped_zero_advantage", "dropped_expired",
+                   "dropped_invalid", "abandoned_at_resume", "unused_at_end")  # each generated sample ends in one
+
+
+def samples_unaccounted(rl: Mapping[str, Any]) -> int:
+    """Samples a summary's `rl` counts as generated but in none of `SAMPLE_OUTCOMES` (`samples_<outcome>`): 0
+    when every sample is accounted for."""
+    return rl["samples_generated"] - sum(rl[f"samples_{outcome}"] for outcome in SAMPLE_OUTCOMES)
+
+
 @dataclass(frozen=True)
 class RLFigures:
     """A policy's RL sample counts over every attempt (samples_generated = trained + dropped + abandoned + unused)

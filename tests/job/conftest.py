@@ -35,14 +35,6 @@ def tiny_job(tmp_path):
     return make
 
 
-def samples_balance(rl: Dict) -> bool:
-    """Whether a summary's RL figures account for every sample generated: trained, dropped (each reason),
-    abandoned at a resume, or left unused at the end."""
-    return rl["samples_generated"] == (rl["samples_trained"] + rl["samples_dropped_stale"] + rl["samples_dropped_error"]
-                                       + rl["samples_dropped_zero_advantage"] + rl["samples_dropped_invalid"]
-                                       + rl["samples_abandoned_at_resume"] + rl["samples_unused_at_end"])
-
-
 class RunFiles:
     """What a running job's directory says about its progress (read from another thread)."""
 

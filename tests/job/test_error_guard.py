@@ -14,8 +14,8 @@ import pytest
 from rlplatform.config import RewardSpec
 from rlplatform.job.checkpoint import latest_checkpoint
 from rlplatform.job.controller import run_job
+from rlplatform.job.summaries import samples_unaccounted
 from rlplatform.transport.deadlines import JobFailed
-from tests.job.conftest import samples_balance
 
 
 def test_a_reward_that_always_raises_stops_the_job_within_its_window(ray_session, tiny_job):
@@ -37,7 +37,7 @@ def test_a_reward_that_always_raises_stops_the_job_within_its_window(ray_session
     assert summary["status"] == "failed" and summary["wall_s"] < 120
     rl = summary["rl"]  # the counters as they stood, balanced
     assert rl["ended_by"] == "failed" and rl["reward_errors"] > 0
-    assert samples_balance(rl), rl
+    assert samples_unaccounted(rl) == 0, rl
     events = [json.loads(line) for line in (Path(config.run_dir) / "events.jsonl").read_text().splitlines()]
     kinds = [event["kind"] for event in events]
     assert kinds.index("reward_errors_alert") < kinds.index("reward_errors_stop")

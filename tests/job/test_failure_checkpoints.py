@@ -22,10 +22,10 @@ import pytest
 from rlplatform.config import RewardSpec
 from rlplatform.job.checkpoint import latest_checkpoint, read_state
 from rlplatform.job.controller import run_job
+from rlplatform.job.summaries import samples_unaccounted
 from rlplatform.transport.deadlines import JobFailed
 from rlplatform.transport.redis_server import EmbeddedRedis, connect
 from rlplatform.transport.reward_queue import RewardQueue
-from tests.job.conftest import samples_balance
 
 
 def test_a_job_whose_redis_stalls_checkpoints_from_the_learner_and_resumes(ray_session, tiny_job, run_files):
@@ -55,7 +55,7 @@ def test_a_job_whose_redis_stalls_checkpoints_from_the_learner_and_resumes(ray_s
     steps = rl["steps"]
     assert steps >= stalled["steps"] and read_state(checkpoint).policies["policy"].version == steps
     assert rl["samples_trained"] == steps * 2 * 4 == len(run_files.trained_ids(config.run_dir))
-    assert samples_balance(rl) and set(rl["samples_unused_where"]) == {"in_flight_at_failure"}
+    assert samples_unaccounted(rl) == 0 and set(rl["samples_unused_where"]) == {"in_flight_at_failure"}
 
     config.rl.max_steps = steps + 3
     resumed = run_job(config)  # the stalled server was stopped with the job: a fresh one serves the resume
@@ -92,7 +92,7 @@ def test_a_job_whose_external_redis_stalls_checkpoints_and_names_it(ray_session,
         assert message.endswith(f"resume with `rlp run --resume {config.run_dir}` once it is back")
         assert not Path(config.run_dir, "hangs").exists()
         rl = json.loads((Path(config.run_dir) / "summary.json").read_text())["rl"]
-        assert rl["ended_by"] == "failed" and samples_balance(rl)
+        assert rl["ended_by"] == "failed" and samples_unaccounted(rl) == 0
         assert read_state(checkpoint).policies["policy"].version == rl["steps"]
         assert connect(server.url).ping()  # still the operator's
 
@@ -110,7 +110,8 @@ def test_a_worker_loop_that_ends_on_its_own_fails_the_job_checkpointed(ray_sessi
     assert "\n" not in message and "stopped before the job asked it to" in message
     assert checkpoint is not None and f"(checkpoint {checkpoint})" in message
     summary = json.loads((Path(config.run_dir) / "summary.json").read_text())
-    assert summary["status"] == "failed" and summary["rl"]["ended_by"] == "failed" and samples_balance(summary["rl"])
+    assert summary["status"] == "failed" and summary["rl"]["ended_by"] == "failed"
+    assert samples_unaccounted(summary["rl"]) == 0
     assert read_state(checkpoint).policies["policy"].version == summary["rl"]["steps"] >= 3
 
 
@@ -130,4 +131,4 @@ def test_sigint_while_a_reward_call_hangs_stops_the_job_within_seconds(ray_sessi
     assert summary["status"] == "interrupted" and summary["exit_code"] == 130
     assert ended_s < 60, f"the job took {ended_s:.0f}s to stop; the reward call's timeout is 200s"
     assert summary["rl"]["steps"] == 2 and latest_checkpoint(config.run_dir).endswith("step-000002")
-    assert samples_balance(summary["rl"])
+    assert samples_unaccounted(summary["rl"]) == 0

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from rlplatform.job.checkpoint import latest_checkpoint, learner_dir, read_state
 from rlplatform.job.controller import run_job
+from rlplatform.job.summaries import samples_unaccounted
 from rlplatform.scheduling.ledger import balanced
-from tests.job.conftest import samples_balance
 
 
 STEPS = 30  # a tiny job's steps take milliseconds: room for the stop after step 5 to land before the last
@@ -64,7 +64,7 @@ def test_stopped_job_resumes_to_the_same_final_step_training_nothing_twice(ray_s
     assert second["rl"]["rewards"]["samples"] == STEPS * 2 * 4  # the reward totals count both attempts' samples too
     # counts run over both attempts and balance; the samples in flight at the checkpoint were abandoned
     for rl in (first["rl"], second["rl"]):
-        assert samples_balance(rl), rl
+        assert samples_unaccounted(rl) == 0, rl
     assert second["rl"]["trained_per_s"] <= second["rl"]["samples_per_s"]  # rates of the second attempt alone
     with open(os.path.join(config.run_dir, "summary.json")) as f:
         assert json.load(f)["status"] == "completed"

@@ -10,7 +10,8 @@ import json
 import pytest
 
 from rlplatform.job.controller import _job_state
-from rlplatform.job.summaries import JobSummary, PolicyResults, RLFigures, RLSummary, SFTSummary, StartupTimes
+from rlplatform.job.summaries import (JobSummary, PolicyResults, RLFigures, RLSummary, SFTSummary, StartupTimes,
+                                      samples_unaccounted)
 
 # one policy's results in a checkpoint's state.json, as the controller wrote them before the summaries were typed
 OLD_STATE_RESULTS = """{"data": {"train_rows": 90, "test_rows": 10, "train_skipped_long_prompt": 0,
@@ -71,6 +72,14 @@ def test_the_rl_summary_shows_its_figures_in_the_order_summary_json_holds_them()
                                             rollout_groups_reissued=3)).to_json()
     assert list(elastic)[2 + len(counts):5 + len(counts)] == ["rollout_workers_joined", "rollout_workers_left",
                                                               "rollout_groups_reissued"]
+
+
+def test_every_generated_sample_is_accounted_for_by_one_outcome():
+    """64 generated: 40 trained, 8 dropped stale, 8 of an expired group, 4 abandoned at a resume, 4 unused."""
+    figures = vars(rl_figures(samples_trained=40, samples_dropped_stale=8, samples_dropped_expired=8,
+                              samples_abandoned_at_resume=4, samples_unused_at_end=4))
+    assert samples_unaccounted(figures) == 0
+    assert samples_unaccounted({**figures, "samples_generated": 65}) == 1  # a sample no outcome counts
 
 
 def test_summaries_are_not_changed_once_returned():
