@@ -17,7 +17,7 @@ import os
 import socket
 from typing import Optional, Tuple
 
-from rlplatform.config import ConfigError, JobConfig
+from rlplatform.config import ConfigError, JobConfig, ModelConfig
 
 CONNECT_TIMEOUT_S = 5.0  # how long the Ray address may take to accept a connection
 VLLM_MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuse a higher one
@@ -56,17 +56,28 @@ def check_taskset(config: JobConfig, source: str) -> None:
 
 
 def check_models(config: JobConfig, source: str) -> None:
-    """Each pretrained policy's folder (`check_model`); imports transformers, and so torch."""
+    """Each pretrained policy's folder (`check_model`), and adapters on a dense model only (`check_adapters`);
+    imports transformers, and so torch."""
     for i, policy in enumerate(config.policy_list()):
+        prefix = f"policies[{i}]." if config.policies else ""
         if policy.model.kind == "pretrained":
-            prefix = f"policies[{i}]." if config.policies else ""
             check_model(policy.model.path, f"{prefix}model.path", source)
-            if policy.rollout.engine == "vllm" and _vllm_on_cpu(config):
-                from transformers import AutoConfig
+        check_adapters(policy.model, prefix, source)
+        if policy.model.kind == "pretrained" and policy.rollout.engine == "vllm" and _vllm_on_cpu(config):
+            from transformers import AutoConfig
 
-                hf = AutoConfig.from_pretrained(policy.model.path)
-                head_size = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-                check_vllm_cpu_head_size(head_size, f"{prefix}rollout.engine", source)
+            hf = AutoConfig.from_pretrained(policy.model.path)
+            head_size = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+            check_vllm_cpu_head_size(head_size, f"{prefix}rollout.engine", source)
+
+
+def check_adapters(model: ModelConfig, prefix: str, source: str) -> None:
+    """`model.lora` on a dense model only: a mixture of experts holds each layer's experts in fused 3-D tensors
+    (Qwen3-MoE's `gate_up_proj`, `down_proj`), which LoRA's linear adapters do not reach."""
+    if model.lora.enabled and _experts(model):
+        raise ConfigError(f"{source}: '{prefix}model.lora.enabled' is true but the model is a mixture of "
+                          f"{_experts(model)} experts a layer, whose experts are fused 3-D tensors that LoRA's "
+                          f"adapters do not reach; train all its weights (model.lora.enabled: false)")
 
 
 def check_bridges(config: JobConfig, source: str) -> None:

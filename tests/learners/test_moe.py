@@ -15,6 +15,7 @@ from rlplatform.config import ConfigError, LearnerConfig, ModelConfig, RLConfig,
 from rlplatform.learners.group import LearnerGroup
 from rlplatform.learners.moe import RouterLoad, aux_loss_coef, load_balancing_loss
 from rlplatform.policy import load_policy, routers, save_initial_policy
+from rlplatform.preflight import check
 from rlplatform.transport.samples import Sample
 from tests.learners.steps import rl_step
 from rlplatform.transport.weight_transports import ObjectStoreTransport
@@ -40,6 +41,19 @@ def test_the_demo_builds_a_mixture_of_experts_of_the_configured_shape(moe_policy
         load_config(None, ["model.num_experts=4", "model.experts_per_token=5"])
     with pytest.raises(ConfigError, match="'model.num_experts' is 4 but 'model.kind' is pretrained"):
         load_config(None, ["model.kind=pretrained", f"model.path={moe_policy}", "model.num_experts=4"])
+
+
+@pytest.mark.parametrize("model", [["model.num_experts=4"], ["model.kind=pretrained", "model.path={moe_policy}"]])
+def test_lora_on_a_mixture_of_experts_is_refused_in_one_line(model, moe_policy):
+    """Its experts are fused 3-D tensors (`gate_up_proj`, `down_proj`) that LoRA's linear adapters do not reach:
+    `rlp validate` and `rlp run` refuse adapters on a demo MoE and on a pretrained one."""
+    config = load_config(None, [key.format(moe_policy=moe_policy) for key in model] + ["model.lora.enabled=true"])
+    with pytest.raises(ConfigError) as err:
+        check(config, "job.yaml")
+    assert str(err.value) == ("job.yaml: 'model.lora.enabled' is true but the model is a mixture of 4 experts a "
+                              "layer, whose experts are fused 3-D tensors that LoRA's adapters do not reach; train "
+                              "all its weights (model.lora.enabled: false)")
+    check(load_config(None, [key.format(moe_policy=moe_policy) for key in model]), "job.yaml")  # without adapters
 
 
 def test_the_load_balancing_loss_is_one_for_even_routing_and_e_over_k_when_it_collapses():
