@@ -764,8 +764,9 @@ def _check_distill(config: JobConfig, policy: PolicyConfig, prefix: str, source:
         raise ConfigError(f"{source}: '{prefix}task_reward' is false with rl.dynamic_sampling, which drops groups "
                           f"for their rewards; the distillation signal alone does not read them")
     if distill.mode == "reverse_kl":
+        default = DistillConfig()
         for key, value in (("top_k", distill.top_k), ("temperature", distill.temperature)):
-            if value != getattr(DistillConfig(), key):
+            if value != getattr(default, key):
                 raise ConfigError(f"{source}: '{prefix}{key}' is {value!r} but '{prefix}mode' is reverse_kl, which "
                                   f"does not read it (only forward_kl does)")
     if distill.mode == "forward_kl" and (policy.model.num_experts or teacher.rollout.engine == "vllm"):

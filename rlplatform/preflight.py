@@ -74,9 +74,10 @@ def check_models(config: JobConfig, source: str) -> None:
 def check_adapters(model: ModelConfig, prefix: str, source: str) -> None:
     """`model.lora` on a dense model only: a mixture of experts holds each layer's experts in fused 3-D tensors
     (Qwen3-MoE's `gate_up_proj`, `down_proj`), which LoRA's linear adapters do not reach."""
-    if model.lora.enabled and _experts(model):
+    experts = _experts(model) if model.lora.enabled else 0
+    if experts:
         raise ConfigError(f"{source}: '{prefix}model.lora.enabled' is true but the model is a mixture of "
-                          f"{_experts(model)} experts a layer, whose experts are fused 3-D tensors that LoRA's "
+                          f"{experts} experts a layer, whose experts are fused 3-D tensors that LoRA's "
                           f"adapters do not reach; train all its weights (model.lora.enabled: false)")
 
 

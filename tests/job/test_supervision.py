@@ -17,6 +17,7 @@ import ray
 from rlplatform.actors.evaluator import started_as_restart
 from rlplatform.job.checkpoint import latest_checkpoint
 from rlplatform.job.controller import run_job
+from rlplatform.job.summaries import samples_unaccounted
 from rlplatform.config import EvalConfig
 from rlplatform.job.supervision import RestartDeadline, Supervisor
 from rlplatform.job.workers import Evaluator
@@ -191,6 +192,7 @@ def test_sample_lost_to_dead_letters_expires_its_group_instead_of_deadlocking(ra
     rl = summary["rl"]
     assert summary["status"] == "completed" and rl["steps"] == 3
     assert rl["groups_expired"] >= 1 and rl["samples_dropped_expired"] >= config.rl.group_size - 1
+    assert samples_unaccounted(rl) == 0, rl  # the expired group's samples in their own outcome, and in no other
     assert rl["ledger"]["expired"] == rl["groups_expired"] and balanced(rl["ledger"])
     assert rl["ledger"]["reissued"] >= 1  # the expired group's prompt was issued again
     assert rl["ledger"]["trained"] == 3 * 2
