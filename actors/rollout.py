@@ -231,8 +231,8 @@ class RolloutWorker:
     def _submit(self, samples: List[Sample]) -> None:
         """Queue complete groups for scoring; the queue counts their samples and tokens as it takes them."""
         start = time.perf_counter()
-        self.scoring.submit(samples, counters=self.keys.rollout_stats)
-        self.schedule.submitted(sorted({s.group_id for s in samples}))
+        self.scoring.submit(samples, counters=self.keys.rollout_stats,
+                            claims=self.schedule.submission(sorted({s.group_id for s in samples})))
         self._count(busy_s=self._unreported_busy_s, submit_s=time.perf_counter() - start,
                     **self.occupancy.take_counts())
         self._unreported_busy_s = 0.0

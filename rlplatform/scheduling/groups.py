@@ -21,6 +21,7 @@ import redis
 from rlplatform.scheduling.ledger import AGENT, PromptLedger
 from rlplatform.scheduling.staleness import StalenessRule
 from rlplatform.transport.keys import PolicyKeys
+from rlplatform.transport.stream_queue import Claims
 
 # KEYS: groups started, groups ended untrained. ARGV: groups wanted, groups allowed in play.
 _CLAIM = """
@@ -74,6 +75,11 @@ class GroupSchedule:
     def submitted(self, group_ids: List[str]) -> None:
         """These groups are in the reward queue: a restart of their worker no longer abandons them."""
         self.ledger.submitted(group_ids)
+
+    def submission(self, group_ids: List[str]) -> Claims:
+        """`submitted` for these groups as a queue's submit does it, in the step that appends their samples
+        (`StreamQueue.submit_payloads`): a worker that dies right after submitting has nothing left to abandon."""
+        return self.ledger.claimed, list(group_ids)
 
     def trained(self, group_ids: List[str]) -> List[Optional[int]]:
         """The learner trained on these groups (their capacity stays used); each one's prompt position, or None

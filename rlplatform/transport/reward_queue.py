@@ -21,7 +21,7 @@ from rlplatform.transport.rollout_counters import add_to_counters, read_counters
 from rlplatform.transport.samples import (ResultMeta, Sample, ScoredSample, WireFormatError, decode_meta, decode_sample,
                                           encode_meta, encode_sample, encode_scored)
 from rlplatform.transport.side_channels import StepEnd
-from rlplatform.transport.stream_queue import StreamQueue, entry_payloads
+from rlplatform.transport.stream_queue import Claims, StreamQueue, entry_payloads
 
 GROUP = "reward-workers"
 
@@ -36,11 +36,13 @@ class RewardQueue(StreamQueue):
         super().__init__(client, self.keys.rewards_queue, GROUP, self.keys.max_pending, max_pending)
         self.results = ResultStore(client, self.keys)
 
-    def submit(self, samples: List[Sample], counters: Optional[str] = None, poll_s: float = 0.01) -> None:
+    def submit(self, samples: List[Sample], counters: Optional[str] = None, poll_s: float = 0.01,
+               claims: Optional[Claims] = None) -> None:
         """Append samples for scoring, within the job's bound (`submit_payloads`); with `counters`
-        (`PolicyKeys.rollout_stats`) their number and model tokens are counted as they go in."""
+        (`PolicyKeys.rollout_stats`) their number and model tokens are counted as they go in; with `claims`,
+        their groups are released from their worker in the same step."""
         self.submit_payloads([encode_sample(sample) for sample in samples], poll_s, counters,
-                             [sample.trained_tokens for sample in samples])
+                             [sample.trained_tokens for sample in samples], claims)
 
     def store_results(self, done: List[Tuple[str, ScoredSample]]) -> int:
         """Store (message id, result) pairs once per sample id, each whole under its id and its

@@ -40,25 +40,31 @@ return added
 """
 
 
-# KEYS: requests stream, then optionally the producer's rollout counters (`rollout_counters`). ARGV: the
-# bound, the payloads' completion tokens, then payloads. Appends them all only when the stream stays within
-# the bound (one atomic step, so producers together never exceed it) and, in the same step, adds them to the
-# counters' requests and tokens (the fields `SUBMITTED` names); returns 1 when appended, 0 when the caller must wait.
+# KEYS: requests stream, the producer's rollout counters (`rollout_counters`) or '', a prompt ledger's claims or ''.
+# ARGV: the bound, the payloads' completion tokens, the number n of claims to release, n group ids, then payloads.
+# Appends the payloads only when the stream stays within the bound (one atomic step, so producers together never
+# exceed it) and, in the same step, adds them to the counters' requests and tokens (the fields `SUBMITTED` names)
+# and releases the claims; returns 1 when appended, 0 when the caller must wait.
 _SUBMIT_WITHIN_BOUND = """
-if redis.call('XLEN', KEYS[1]) + #ARGV - 2 > tonumber(ARGV[1]) then
+local first = 4 + tonumber(ARGV[3])
+if redis.call('XLEN', KEYS[1]) + #ARGV - first + 1 > tonumber(ARGV[1]) then
   return 0
 end
-for i = 3, #ARGV do
+for i = first, #ARGV do
   redis.call('XADD', KEYS[1], '*', 'data', ARGV[i])
 end
-if KEYS[2] then
-  redis.call('HINCRBYFLOAT', KEYS[2], '%s', #ARGV - 2)
+if KEYS[2] ~= '' then
+  redis.call('HINCRBYFLOAT', KEYS[2], '%s', #ARGV - first + 1)
   redis.call('HINCRBYFLOAT', KEYS[2], '%s', ARGV[2])
+end
+for i = 4, first - 1 do
+  redis.call('HDEL', KEYS[3], ARGV[i])
 end
 return 1
 """ % SUBMITTED
 
 DEFAULT_MAX_PENDING = 10000  # the producer bound when the job recorded none (redis.max_stream_len's default)
+Claims = Tuple[str, List[str]]  # a prompt ledger's claims hash and the group ids a submit releases from it
 
 
 
@@ -87,18 +93,22 @@ class StreamQueue:
 
     # producer side
     def submit_payloads(self, payloads: List[bytes], poll_s: float = 0.01, counters: Optional[str] = None,
-                        tokens: Optional[List[int]] = None) -> None:
+                        tokens: Optional[List[int]] = None, claims: Optional[Claims] = None) -> None:
         """Append requests, waiting while they would take the stream past the job's bound of pending
         requests (backpressure: nothing is dropped); a batch larger than the bound goes in parts.
         With `counters` (a policy's rollout counters), each part appended adds its requests to `samples` and
         their tokens to `tokens` in the same atomic step, so the counts equal what the stream received
-        even when the producer dies midway."""
+        even when the producer dies midway. With `claims` (a prompt ledger's claims hash, group ids), the groups
+        are released from their worker in the step that appends the last part: a worker that dies right after
+        its submit never has them abandoned (their prompts issued again) as well as trained."""
         bound = self.bound()
-        keys = [self.requests] + ([counters] if counters else [])
+        keys = [self.requests, counters or "", claims[0] if claims else ""]
         tokens = tokens or [0] * len(payloads)
         for start in range(0, len(payloads), bound):
             part = payloads[start:start + bound]
-            while not self._submit(keys=keys, args=[bound, sum(tokens[start:start + bound]), *part]):
+            released = list(claims[1]) if claims and start + bound >= len(payloads) else []
+            args = [bound, sum(tokens[start:start + bound]), len(released), *released, *part]
+            while not self._submit(keys=keys, args=args):
                 time.sleep(poll_s)
 
     def bound(self) -> int:

@@ -16,7 +16,7 @@ import redis
 
 from rlplatform.transport.keys import JobKeys, PolicyKeys
 from rlplatform.transport.samples import Sample, encode_sample
-from rlplatform.transport.stream_queue import StreamQueue
+from rlplatform.transport.stream_queue import Claims, StreamQueue
 
 GROUP = "teacher-workers"
 
@@ -29,11 +29,13 @@ class TeacherQueue(StreamQueue):
         super().__init__(client, PolicyKeys(run, student).teacher_queue, GROUP, keys.max_pending)
         self.reward_requests = keys.requests  # where scored samples go on
 
-    def submit(self, samples: List[Sample], counters: Optional[str] = None, poll_s: float = 0.01) -> None:
+    def submit(self, samples: List[Sample], counters: Optional[str] = None, poll_s: float = 0.01,
+               claims: Optional[Claims] = None) -> None:
         """Append samples for the teacher to score, within the job's bound; with `counters` (the student's
-        `rollout_stats`) their number and model tokens are counted as they go in, as the reward queue counts."""
+        `rollout_stats`) their number and model tokens are counted as they go in, as the reward queue counts; with
+        `claims`, their groups are released from their worker in the same step."""
         self.submit_payloads([encode_sample(sample) for sample in samples], poll_s, counters,
-                             [sample.trained_tokens for sample in samples])
+                             [sample.trained_tokens for sample in samples], claims)
 
     def pass_on(self, done: List[Tuple[str, Sample]]) -> int:
         """Each (message id, sample scored by the teacher) onto the reward queue once per sample id, the requests

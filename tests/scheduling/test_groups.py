@@ -111,3 +111,21 @@ def test_synchronous_mode_one_batch_per_version(redis_client, job):
         assert len(groups.issue(0, 3, version=version)) == 3
         assert len(groups.issue(0, 3, version=version)) == 1
         assert groups.issue(0, 3, version=version) == []
+
+
+def test_a_worker_that_dies_right_after_its_submit_has_nothing_to_abandon(redis_server, redis_client, job):
+    """The groups a submit appends are released from their worker in the same step: a worker taken over just after
+    it (its process or node gone) leaves them to be trained, not abandoned and issued again as well."""
+    from rlplatform.transport.reward_queue import RewardQueue
+    from rlplatform.transport.samples import Sample
+
+    groups = schedule(redis_client, job)
+    issued = [group_id for group_id, _ in groups.issue(3, 3, version=0)]
+    queue = RewardQueue(connect(redis_server), job, max_pending=100)
+    queue.create_group()
+    samples = [Sample(f"{group_id}/{k}", group_id, "policy", "1+1=", "2", prompt_ids=[1], completion_ids=[2],
+                      behaviour_logprobs=[-0.5], token_versions=[0]) for group_id in issued[:2] for k in range(2)]
+    queue.submit(samples, claims=groups.submission(issued[:2]))
+    assert queue.pending() == 4
+    assert groups.taken_over(3) == 1  # only the group it had not submitted
+    assert groups.trained(issued[:2]) == [0, 1] and groups.ledger.counts()["trained"] == 2

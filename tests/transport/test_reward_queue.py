@@ -291,11 +291,16 @@ def test_submit_counts_samples_and_tokens_as_the_stream_takes_each_part(redis_se
     start_run(queue.client, job, queue.bound())
     queue.create_group()
     counters = RolloutCounterHash(queue.client, PolicyKeys(job, "p").rollout_stats)
-    done = threading.Thread(target=queue.submit, args=([make_sample(i, "85") for i in range(5)], counters.key))
+    claims = f"{job}:claims"  # a ledger's claims: released with the last part, not before
+    queue.client.hset(claims, mapping={"g0": 0, "g1": 0, "g9": 0})
+    done = threading.Thread(target=queue.submit, args=([make_sample(i, "85") for i in range(5)], counters.key),
+                            kwargs={"claims": (claims, ["g0", "g1"])})
     done.start()  # parts of 3 and 2: the second waits at the bound
     wait_until(lambda: counters.read().samples, "the first part counted")
     wait_for_refusals(queue.client, done, scripts_run(queue.client))  # the second part tried and refused: not counted
     assert counters.read() == RolloutCounters(samples=3.0, tokens=6.0)  # only what the stream holds
+    assert queue.client.hlen(claims) == 3
     worker_for(redis_server, job, batch_size=3).step(block_ms=50)
     done.join(timeout=5)
     assert counters.read() == RolloutCounters(samples=5.0, tokens=10.0) and queue.pending() == 2
+    assert queue.client.hkeys(claims) == [b"g9"]
