@@ -28,7 +28,7 @@ import ray
 import torch
 
 from rlplatform.config import LearnerConfig, LoraConfig, RLConfig
-from rlplatform.devices import resolve_device, share_kv_heads_on_cpu, torch_dtype
+from rlplatform.devices import resolve_device, share_kv_heads_on_cpu, to_device, torch_dtype
 from rlplatform.learners.algorithms import (Totals, distillation_signal, entropy_bonus, parity_figures, parity_sums,
                                             policy_loss, sft_auxiliary_loss, token_mean)
 from rlplatform.learners.batching import TokenScores, align_per_token, completion_logprobs
@@ -492,15 +492,17 @@ class LearnerRank:
             unscored = [s.sample_id for s in samples if not s.teacher_logprobs]
             if unscored:
                 raise ValueError(f"sample {unscored[0]} reached a distilling learner without its teacher's log-probs")
-            teacher = align_per_token([s.teacher_logprobs for s in samples], prompts, width).to(device)
+            teacher = to_device(align_per_token([s.teacher_logprobs for s in samples], prompts, width), device)
         teacher_top = None
         if teacher is not None and any(s.teacher_top_ids for s in samples):  # forward_kl: the teacher's top tokens
             top_ids, top_logprobs = align_top([s.teacher_top_ids for s in samples],
                                               [s.teacher_top_logprobs for s in samples], prompts, width)
-            teacher_top = top_ids.to(device), top_logprobs.to(device)
-        return MicroBatch(prompts, completions, torch.tensor(advantages, dtype=torch.float32, device=device),
-                          align_per_token(behaviour, prompts, width).to(device), None, reference=None, live=live,
-                          token_mask=token_mask, current=current.to(device), routed=self._recorded_routing(samples),
+            teacher_top = to_device(top_ids, device), to_device(top_logprobs, device)
+        # built on the host: each copied from pinned memory, so that the host never waits for the device's queue
+        return MicroBatch(prompts, completions, to_device(torch.tensor(advantages, dtype=torch.float32), device),
+                          to_device(align_per_token(behaviour, prompts, width), device), None, reference=None,
+                          live=live, token_mask=token_mask, current=to_device(current, device),
+                          routed=self._recorded_routing(samples),
                           teacher=teacher, teacher_top=teacher_top)
 
     def _recorded_routing(self, samples: List[Sample]) -> Optional[List[Optional[torch.Tensor]]]:

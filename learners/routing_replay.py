@@ -17,6 +17,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from rlplatform.devices import to_device
+
 
 class RoutingReplay:
     """Hooks on `routers` that route each forward pass as its plan says (`replace`) or only compare (`count`)."""
@@ -80,4 +82,4 @@ class Routes:
         owner = sequence.clamp(min=0)
         recorded = (sequence >= 0) & (position >= 0) & (position < lengths[owner])
         rows = torch.where(recorded, offsets[owner] + position, torch.zeros_like(position))
-        self.replay.plan = (table[rows].to(device), recorded.to(device))
+        self.replay.plan = (to_device(table[rows], device), to_device(recorded, device))

@@ -17,6 +17,8 @@ from typing import List, Tuple
 
 import torch
 
+from rlplatform.devices import to_device
+
 
 def completion_log_softmax(model, prompts: List[List[int]], completions: List[List[int]], pad_id: int,
                            temperature: float = 1.0) -> torch.Tensor:
@@ -25,12 +27,9 @@ def completion_log_softmax(model, prompts: List[List[int]], completions: List[Li
     rows = [p + c for p, c in zip(prompts, completions)]
     width = max(len(r) for r in rows)
     device = next(model.parameters()).device
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
-    attention = torch.zeros((len(rows), width), dtype=torch.long, device=device)
-    for i, row in enumerate(rows):
-        ids[i, :len(row)] = torch.tensor(row, device=device)
-        attention[i, :len(row)] = 1
-    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+    ids = torch.tensor([row + [pad_id] * (width - len(row)) for row in rows])  # built on the host, copied once
+    attention = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
+    logits = model(input_ids=to_device(ids, device), attention_mask=to_device(attention, device)).logits[:, :-1]
     return torch.log_softmax(logits.float() / temperature, dim=-1)
 
 
