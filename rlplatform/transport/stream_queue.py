@@ -40,25 +40,26 @@ return added
 """
 
 
-# KEYS: requests stream, the producer's rollout counters (`rollout_counters`) or '', a prompt ledger's claims or ''.
-# ARGV: the bound, the payloads' completion tokens, the number n of claims to release, n group ids, then payloads.
-# Appends the payloads only when the stream stays within the bound (one atomic step, so producers together never
-# exceed it) and, in the same step, adds them to the counters' requests and tokens (the fields `SUBMITTED` names)
-# and releases the claims; returns 1 when appended, 0 when the caller must wait.
+# KEYS: requests stream, then the producer's rollout counters (`rollout_counters`) when ARGV[3] is '1', then a
+# prompt ledger's claims when there are claims to release. ARGV: the bound, the payloads' completion tokens, '1' to
+# count, the number n of claims to release, n group ids, then payloads. Appends the payloads only when the stream
+# stays within the bound (one atomic step, so producers together never exceed it) and, in the same step, adds them
+# to the counters' requests and tokens (the fields `SUBMITTED` names) and releases the claims; returns 1 when
+# appended, 0 when the caller must wait. Only keys that exist are named: a job's Redis user reaches no others.
 _SUBMIT_WITHIN_BOUND = """
-local first = 4 + tonumber(ARGV[3])
+local first = 5 + tonumber(ARGV[4])
 if redis.call('XLEN', KEYS[1]) + #ARGV - first + 1 > tonumber(ARGV[1]) then
   return 0
 end
 for i = first, #ARGV do
   redis.call('XADD', KEYS[1], '*', 'data', ARGV[i])
 end
-if KEYS[2] ~= '' then
+if ARGV[3] == '1' then
   redis.call('HINCRBYFLOAT', KEYS[2], '%s', #ARGV - first + 1)
   redis.call('HINCRBYFLOAT', KEYS[2], '%s', ARGV[2])
 end
-for i = 4, first - 1 do
-  redis.call('HDEL', KEYS[3], ARGV[i])
+for i = 5, first - 1 do
+  redis.call('HDEL', KEYS[#KEYS], ARGV[i])
 end
 return 1
 """ % SUBMITTED
@@ -102,13 +103,13 @@ class StreamQueue:
         are released from their worker in the step that appends the last part: a worker that dies right after
         its submit never has them abandoned (their prompts issued again) as well as trained."""
         bound = self.bound()
-        keys = [self.requests, counters or "", claims[0] if claims else ""]
+        keys = [self.requests] + ([counters] if counters else [])
         tokens = tokens or [0] * len(payloads)
         for start in range(0, len(payloads), bound):
             part = payloads[start:start + bound]
             released = list(claims[1]) if claims and start + bound >= len(payloads) else []
-            args = [bound, sum(tokens[start:start + bound]), len(released), *released, *part]
-            while not self._submit(keys=keys, args=args):
+            args = [bound, sum(tokens[start:start + bound]), int(bool(counters)), len(released), *released, *part]
+            while not self._submit(keys=keys + ([claims[0]] if released else []), args=args):
                 time.sleep(poll_s)
 
     def bound(self) -> int:
