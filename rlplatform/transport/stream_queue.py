@@ -45,7 +45,7 @@ return added
 # count, the number n of claims to release, n group ids, then payloads. Appends the payloads only when the stream
 # stays within the bound (one atomic step, so producers together never exceed it) and, in the same step, adds them
 # to the counters' requests and tokens (the fields `SUBMITTED` names) and releases the claims; returns 1 when
-# appended, 0 when the caller must wait. Only keys that exist are named: a job's Redis user reaches no others.
+# appended, 0 when the caller must wait. Only the keys it touches are named: a job's Redis user reaches no others.
 _SUBMIT_WITHIN_BOUND = """
 local first = 5 + tonumber(ARGV[4])
 if redis.call('XLEN', KEYS[1]) + #ARGV - first + 1 > tonumber(ARGV[1]) then

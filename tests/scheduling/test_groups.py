@@ -10,6 +10,8 @@ import pytest
 from rlplatform.scheduling.groups import GroupSchedule
 from rlplatform.scheduling.staleness import StalenessRule
 from rlplatform.transport.redis_server import connect
+from rlplatform.transport.reward_queue import RewardQueue
+from rlplatform.transport.samples import Sample
 
 
 @pytest.fixture
@@ -116,9 +118,6 @@ def test_synchronous_mode_one_batch_per_version(redis_client, job):
 def test_a_worker_that_dies_right_after_its_submit_has_nothing_to_abandon(redis_server, redis_client, job):
     """The groups a submit appends are released from their worker in the same step: a worker taken over just after
     it (its process or node gone) leaves them to be trained, not abandoned and issued again as well."""
-    from rlplatform.transport.reward_queue import RewardQueue
-    from rlplatform.transport.samples import Sample
-
     groups = schedule(redis_client, job)
     issued = [group_id for group_id, _ in groups.issue(3, 3, version=0)]
     queue = RewardQueue(connect(redis_server), job, max_pending=100)
