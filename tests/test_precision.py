@@ -108,14 +108,14 @@ def test_bfloat16_train_publish_generate_and_save(ray_session, bf16_policy, tmp_
         learner.shutdown()
 
 
-TRACK_STEPS, TRACK_WINDOW = 60, 30
+TRACK_STEPS, TRACK_WINDOW, TRACK_ROWS = 60, 30, 16
 # at 1e-4 (an RL fine-tuning rate) an update is below bfloat16's resolution for most weights: only float32
-# master weights keep it. Measured |bfloat16 - float32| of the late mean (the mean of steps 31-60; float32's
-# 2.508 from 3.948): 0.0001 autocast, 0.0002 master weights, 0.039 without them (bfloat16 weights and a plain
-# AdamW under ZeRO-0; over 120 steps 0.084). Over seeds 1-3 (the initial weights, the rows and their batches
-# drawn anew; float32 from 3.89-3.98 to 2.45-2.51) autocast differed by 0.0000-0.0003 and master weights by
-# 0.0001-0.0006 (2026-11-28): chance moves the difference by under a thirtieth of the tolerance, so one seed
-# decides nothing by luck
+# master weights keep it. Measured |bfloat16 - float32| of the late mean (the mean of steps 31-60) over seeds 0-3
+# (the initial weights, the rows and their batches drawn anew; float32 from 3.89-3.96 to 2.53-2.58):
+# autocast 0.0000-0.0002, master weights 0.0000-0.0002, and without them (bfloat16 weights and a plain AdamW under
+# ZeRO-0) 0.037-0.049 (2026-11-30, batches of 16 rows; of 64 the figures were alike, at four times the cost of
+# bfloat16 matrix products on a CPU without native ones): chance moves the difference by under a fiftieth of the
+# tolerance, and the update lost without masters by twice it
 TRACK_LR, TRACK_TOLERANCE = 1e-4, 0.02
 
 
@@ -126,7 +126,7 @@ from rlplatform.config import LearnerConfig
 from rlplatform.data.addition import addition_rows
 from rlplatform.learners.rank import LearnerRank
 from rlplatform.transport.weight_transports import ObjectStoreTransport
-runs, steps, lr = json.loads(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+runs, steps, batch, lr = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 rows = addition_rows(5000, random.Random(1))
 curves = {}
 for name, policy, dtype, mode in runs:
@@ -138,7 +138,7 @@ for name, policy, dtype, mode in runs:
     rank.setup("127.0.0.1", port)
     rank.start_stage(lr=lr)
     rng = random.Random(0)
-    curves[name] = [rank.sft_step(rng.sample(rows, 64))["loss"] for _ in range(steps)]
+    curves[name] = [rank.sft_step(rng.sample(rows, batch))["loss"] for _ in range(steps)]
 print(json.dumps(curves))
 """
 
@@ -149,7 +149,8 @@ def test_bfloat16_sft_tracks_float32(tmp_path):
                 for dtype in ("float32", "bfloat16")}
     runs = [("float32", policies["float32"], "float32", "autocast"),
             *[(mode, policies["bfloat16"], "bfloat16", mode) for mode in ("autocast", "master_weights")]]
-    done = subprocess.run([sys.executable, "-c", SFT_CURVES, json.dumps(runs), str(TRACK_STEPS), str(TRACK_LR)],
+    done = subprocess.run([sys.executable, "-c", SFT_CURVES, json.dumps(runs), str(TRACK_STEPS), str(TRACK_ROWS),
+                           str(TRACK_LR)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     curves = json.loads(done.stdout.strip().splitlines()[-1])

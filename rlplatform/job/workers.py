@@ -39,7 +39,8 @@ class Evaluator:
     With the watchdog's `hang_rule`, a wait for an evaluation past the rule's deadline (from the longest one so
     far) is a hang: told to `on_hang` with the stacks of the process the actor recorded at `process_key` on the
     Redis at `redis_url` dumped under `run_dir`, the actor is killed for Ray to restart and the evaluation made
-    again."""
+    again. An evaluation's clock starts once the actor is constructed: its first start-up (torch, the model, the
+    engine) is bounded by the restart deadline instead, as a restart's is."""
 
     def __init__(self, actor, prompts: List[Prompt], config: EvalConfig, rewards: List[RewardSpec],
                  imports: List[str], *, on_restart: Callable[[str], None], restart: RestartDeadline,
@@ -51,7 +52,9 @@ class Evaluator:
         self.restart = restart  # how long the actor may take to be back once it died
         self.while_waiting = while_waiting  # called every WATCH_EVERY_S while the job waits for an evaluation
         self.redis_url, self.process_key = redis_url, process_key
-        self.longest_s = 0.0  # the longest wait for an evaluation so far
+        self.longest_s = 0.0  # the longest wait for an evaluation so far, from the actor's construction on
+        self._constructed = actor.__ray_ready__.remote()  # its first call: answered once the actor is built
+        self._constructed_at: Optional[float] = None  # when that answer was seen (monotonic)
         self._heard: Set[str] = set()  # the actor processes that have answered
         self._counted_unheard = 0  # restarts counted when a call failed, whose new process has not answered yet
         self._pending: Optional[ray.ObjectRef] = None  # a background evaluation of the newest weights
@@ -80,13 +83,13 @@ class Evaluator:
         while True:
             try:
                 answer = self._wait(ref)
-                self.longest_s = max(self.longest_s, time.monotonic() - started)
+                self.longest_s = max(self.longest_s, time.monotonic() - max(started, self._constructed_at))
                 return self._answer(answer)
             except WorkerHung:
                 if self.hang_rule is None:
                     raise
                 if not killed:
-                    self._hung(time.monotonic() - started)
+                    self._hung(time.monotonic() - max(started, self._constructed_at or started))
                 ray.kill(self.actor, no_restart=False)  # the wait ends as a death does
                 killed = True
             except RayActorError:
@@ -100,13 +103,32 @@ class Evaluator:
                 ref, started = call(), time.monotonic()
 
     def _wait(self, ref: ray.ObjectRef):
-        """`ref`'s answer, `while_waiting` called meanwhile; WorkerHung after `_deadline_s` without one."""
+        """`ref`'s answer, `while_waiting` called meanwhile; WorkerHung after `_deadline_s` without one from the
+        actor's construction on, or when its construction takes past the restart deadline."""
         begun = time.monotonic()
-        while not ray.wait([ref], timeout=WATCH_EVERY_S)[0]:
-            if time.monotonic() - begun > self._deadline_s():
-                raise WorkerHung(unresponsive("the evaluator", time.monotonic() - begun, "did not answer"))
+        while True:
+            watched = [ref] if self._constructed_at is not None else [ref, self._constructed]
+            ready, _ = ray.wait(watched, num_returns=1, timeout=WATCH_EVERY_S)  # construction seen as it ends
+            built = self._built()
+            if ref in ready or ray.wait([ref], timeout=0)[0]:
+                break
+            if not built:
+                if time.monotonic() - begun > self.restart.seconds:
+                    raise WorkerHung(f"the evaluator was not constructed within {self.restart.seconds:.0f}s (its "
+                                     f"restart deadline: monitoring.hang_factor x the workers' start-up)")
+            elif time.monotonic() - max(begun, self._constructed_at) > self._deadline_s():
+                waited = time.monotonic() - max(begun, self._constructed_at)
+                raise WorkerHung(unresponsive("the evaluator", waited, "did not answer"))
             self.while_waiting()
+        if self._constructed_at is None:  # its answer came before the construction's: the whole wait counts
+            self._constructed_at = begun
         return deadline_get(ref, "the evaluator", self._deadline_s())
+
+    def _built(self) -> bool:
+        """Whether the actor's construction has been seen to end (noting when, the first time)."""
+        if self._constructed_at is None and ray.wait([self._constructed], timeout=0)[0]:
+            self._constructed_at = time.monotonic()
+        return self._constructed_at is not None
 
     def _deadline_s(self) -> float:
         return self.hang_rule.deadline_s(self.longest_s or self.hang_rule.floor_s) if self.hang_rule \
@@ -120,10 +142,14 @@ class Evaluator:
             "no stack dump (its process is not recorded on Redis)"
         pid = f" (pid {where['pid']} on {where['node_ip']})" if where else ""
         rule = self.hang_rule
-        basis = f"the longest evaluation so far, {self.longest_s:.1f}s, at least {rule.floor_s:g}s" if self.longest_s \
-            else "monitoring.hang_floor_s, no evaluation waited for yet"
-        self.on_hang(f"the evaluator{pid} answered nothing for {waited_s:.0f}s (deadline {self._deadline_s():.0f}s: "
-                     f"{rule.factor:g}x {basis}); {dumped}; restarting it, the evaluation made again")
+        if self._constructed_at is None:
+            what = (f"was not constructed within {waited_s:.0f}s (deadline {self.restart.seconds:.0f}s: its restart "
+                    f"deadline, {rule.factor:g}x the workers' start-up, at least {rule.floor_s:g}s)")
+        else:
+            basis = f"the longest evaluation so far, {self.longest_s:.1f}s, at least {rule.floor_s:g}s" \
+                if self.longest_s else "monitoring.hang_floor_s, no evaluation waited for yet"
+            what = f"answered nothing for {waited_s:.0f}s (deadline {self._deadline_s():.0f}s: {rule.factor:g}x {basis})"
+        self.on_hang(f"the evaluator{pid} {what}; {dumped}; restarting it, the evaluation made again")
 
     def _recorded_process(self) -> Optional[Dict]:
         """`this_process()` of the actor's newest process, as it recorded it on starting (None: not readable)."""
@@ -186,6 +212,7 @@ class Evaluator:
     def poll(self) -> Optional[Tuple[int, Dict]]:
         """(version, figures) of a finished background evaluation of the newest weights, else None. The
         baseline's figures go to its callback."""
+        self._built()
         if self._revival is not None:
             if not self._revival.ready():
                 return None

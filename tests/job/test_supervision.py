@@ -128,8 +128,7 @@ def test_a_worker_that_dies_as_the_stage_ends_counts_one_restart_and_says_so(ray
     ray.kill(actor, no_restart=True)
 
 
-@ray.remote(max_restarts=2)
-class AnsweringEvaluator:
+class Answering:
     """Answers as `EvaluatorWorker` does, naming its process: ((id, started as a restart), result)."""
 
     def __init__(self) -> None:
@@ -140,6 +139,29 @@ class AnsweringEvaluator:
 
     def evaluate_latest(self, *_) -> tuple:
         return self.process, (0, {"accuracy": 0.5})
+
+
+class SlowToBuild(Answering):
+    """An evaluator whose construction (torch, the model, the engine) takes `build_s`."""
+
+    def __init__(self, build_s: float) -> None:
+        time.sleep(build_s)
+        super().__init__()
+
+
+AnsweringEvaluator, SlowToBuildEvaluator = (ray.remote(max_restarts=2)(cls) for cls in (Answering, SlowToBuild))
+
+
+def test_an_evaluators_start_up_is_not_taken_for_a_hung_evaluation(ray_session):
+    """The first evaluation waits on the actor's construction, longer than an evaluation's deadline (2 s before
+    any evaluation here): no hang; the construction is bounded by the restart deadline instead, and left out of
+    the longest evaluation the deadline grows from."""
+    hangs = []
+    evaluator = Evaluator(SlowToBuildEvaluator.remote(6.0), [], EvalConfig(), [], [], on_restart=hangs.append,
+                          restart=RESTART, hang_rule=HangRule(factor=2, floor_s=1), on_hang=hangs.append)
+    assert evaluator.run_now() == (0, {"accuracy": 0.5})
+    assert hangs == [] and evaluator.restarts == 0 and evaluator.longest_s < 2
+    ray.kill(evaluator.actor, no_restart=True)
 
 
 def _kill_and_wait(actor) -> None:
