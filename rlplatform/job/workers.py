@@ -116,9 +116,10 @@ class Evaluator:
                 if time.monotonic() - begun > self.restart.seconds:
                     raise WorkerHung(f"the evaluator was not constructed within {self.restart.seconds:.0f}s (its "
                                      f"restart deadline: monitoring.hang_factor x the workers' start-up)")
-            elif time.monotonic() - max(begun, self._constructed_at) > self._deadline_s():
+            else:
                 waited = time.monotonic() - max(begun, self._constructed_at)
-                raise WorkerHung(unresponsive("the evaluator", waited, "did not answer"))
+                if waited > self._deadline_s():
+                    raise WorkerHung(unresponsive("the evaluator", waited, "did not answer"))
             self.while_waiting()
         if self._constructed_at is None:  # its answer came before the construction's: the whole wait counts
             self._constructed_at = begun
