@@ -8,6 +8,10 @@ reload (parameters vLLM has already processed for its kernels are restored to th
 `update_weights` runs the model's `load_weights` on the tensors, and `finish_weight_update` processes each
 layer again for the kernels. The update info carries the tensors themselves, so nothing is copied or
 serialised on the way.
+
+On vLLM's CPU build a mixture of experts needs one step more (`repack_cpu_experts`): its kernel reads each
+layer's experts prepacked, and vLLM 0.32 skips that packing when a layer is processed for a weight update,
+leaving the new experts in the checkpoint's layout inside the packed tensors.
 """
 
 from __future__ import annotations
@@ -50,9 +54,32 @@ class TensorsTransferEngine(WeightTransferEngine[TensorsInit, TensorsUpdate]):
 
     def finish_weight_update(self) -> None:
         finalize_layerwise_reload(self.model, self.model_config)
+        repack_cpu_experts(self.model)
 
     def shutdown(self) -> None:
         pass
+
+
+def repack_cpu_experts(model: torch.nn.Module) -> int:
+    """Pack, in place, the experts of each mixture-of-experts layer that vLLM's CPU kernel computes with, after an
+    update that reloaded them all (the engine always sends every weight): the reload left them in the checkpoint's
+    layout in the tensors the kernel reads. Returns the layers packed (0 on a GPU, or for a dense model)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    from vllm._custom_ops import cpu_prepack_moe_weight
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    packed = 0
+    for layer in model.modules():
+        experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts) and not experts._use_zentorch:  # zentorch reads them as loaded
+            for name in ("w13_weight", "w2_weight"):
+                weight = getattr(layer, name)
+                weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))
+            packed += 1
+    return packed
 
 
 def register() -> None:

@@ -104,8 +104,8 @@ def is_loopback(host: str) -> bool:
 
 def check_engines(config: JobConfig, source: str) -> None:
     """`rollout.engine: vllm` has the vllm package and, on a local cluster without a CUDA GPU (vLLM's CPU
-    build), a dense model whose head size vLLM's CPU attention takes; with `model.lora`, a rank and dtype vLLM's
-    LoRA layers take."""
+    build), a model whose head size vLLM's CPU attention takes and, for a mixture of experts, routing replay off (that
+    build records no routing); with `model.lora`, a rank and dtype vLLM's LoRA layers take."""
     for i, policy in enumerate(config.policy_list()):
         if policy.rollout.engine != "vllm":
             continue
@@ -123,12 +123,11 @@ def check_engines(config: JobConfig, source: str) -> None:
                 raise ConfigError(f"{source}: '{prefix}{name}' is {temperature:g} but '{key}' is vllm, which samples at "
                                   f"temperatures up to {VLLM_MAX_TEMPERATURE:g}; lower it or use rollout.engine: "
                                   f"transformers")
-        if _vllm_on_cpu(config) and _experts(policy.model):
-            raise ConfigError(f"{source}: '{key}' is vllm on the CPU and the model is a mixture of "
-                              f"{_experts(policy.model)} experts a layer: vLLM's CPU build serves the weights it "
-                              f"started with, but after a weight update its experts are left unpacked for its CPU "
-                              f"kernel, which then computes with them wrongly (vLLM 0.32); use rollout.engine: "
-                              f"transformers on CPU")
+        if _vllm_on_cpu(config) and _experts(policy.model) and policy.rl.routing_replay:
+            raise ConfigError(f"{source}: '{prefix}rl.routing_replay' is true but '{key}' is vllm on the CPU, whose "
+                              f"build cannot return the experts it routed each token to (its V2 model runner needs "
+                              f"a GPU); set rl.routing_replay: false (the learner routes each token itself) or use "
+                              f"rollout.engine: transformers")
         if policy.model.kind == "demo" and _vllm_on_cpu(config):
             check_vllm_cpu_head_size(policy.model.hidden_size // policy.model.num_heads, key, source)
 
