@@ -180,9 +180,11 @@ def test_a_learner_stopped_for_good_ends_the_job_in_one_line_naming_it_and_the_d
 def test_an_evaluator_stopped_for_good_is_named_dumped_and_restarted(ray_session, tiny_job, run_files):
     # two SFT steps: the job waits for their evaluation, so the evaluator is up before RL (without SFT it starts
     # beside RL, and on a loaded machine was up only after a 40-step stage ended); stopped at RL's first step, it is
-    # waited for at the stage's end past hang_factor x its longest evaluation (at least hang_floor_s)
+    # waited for at the stage's end past hang_factor x its longest evaluation (at least hang_floor_s). The floor
+    # covers the learner's SFT steps too: at 3 s a second step that took 3 s on a loaded machine (0.7 s for the
+    # first) was taken for a hung learner
     config = tiny_job("hung-eval", "sft.enabled=true", "sft.steps=2", "rl.max_steps=40", *EVAL,
-                      "eval.priority=normal", "monitoring.hang_floor_s=3", "monitoring.hang_factor=3")
+                      "eval.priority=normal", "monitoring.hang_floor_s=10", "monitoring.hang_factor=3")
     summary, [pid] = _job_with_stopped_actors(  # the evaluator
         config, [("hung-eval-policy-rollout-1", _after_steps(config, run_files, 1))], run_files)
     assert summary["status"] == "completed", "the job never ended with its evaluator stopped"
