@@ -60,26 +60,24 @@ class TensorsTransferEngine(WeightTransferEngine[TensorsInit, TensorsUpdate]):
         pass
 
 
-def repack_cpu_experts(model: torch.nn.Module) -> int:
+def repack_cpu_experts(model: torch.nn.Module) -> None:
     """Pack, in place, the experts of each mixture-of-experts layer that vLLM's CPU kernel computes with, after an
     update that reloaded them all (the engine always sends every weight): the reload left them in the checkpoint's
-    layout in the tensors the kernel reads. Returns the layers packed (0 on a GPU, or for a dense model)."""
+    layout in the tensors the kernel reads. Nothing to do on a GPU, or for a dense model."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        return 0
+        return
     from vllm._custom_ops import cpu_prepack_moe_weight
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
-    packed = 0
     for layer in model.modules():
-        experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
         if isinstance(experts, CPUUnquantizedExperts) and not experts._use_zentorch:  # zentorch reads them as loaded
             for name in ("w13_weight", "w2_weight"):
                 weight = getattr(layer, name)
                 weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))
-            packed += 1
-    return packed
 
 
 def register() -> None:

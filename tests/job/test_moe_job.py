@@ -16,8 +16,8 @@ from tests.job.conftest import ENGINES
 
 pytestmark = pytest.mark.slow
 
-MOE = ["model.num_experts=4", "model.experts_per_token=2", "model.expert_size=32", "model.num_heads=2", "sft.enabled=true",
-       "sft.steps=3", "sft.batch_size=16", "checkpoint.every_steps=2", "resume=auto"]
+MOE = ["model.num_experts=4", "model.experts_per_token=2", "model.expert_size=32", "model.num_heads=2",
+       "sft.enabled=true", "sft.steps=3", "sft.batch_size=16", "checkpoint.every_steps=2", "resume=auto"]
 
 
 def test_a_mixture_of_experts_trains_sft_and_rl_checkpoints_and_resumes(ray_session, tiny_job, run_files):
