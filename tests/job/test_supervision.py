@@ -14,7 +14,6 @@ import uuid
 import pytest
 import ray
 
-from rlplatform.actors.evaluator import started_as_restart
 from rlplatform.job.checkpoint import latest_checkpoint
 from rlplatform.job.controller import run_job
 from rlplatform.job.summaries import samples_unaccounted
@@ -27,6 +26,7 @@ from rlplatform.transport.deadlines import JobFailed, WorkerHung
 from rlplatform.scheduling.ledger import balanced
 from rlplatform.transport.redis_server import connect
 from rlplatform.transport.reward_queue import RewardQueue
+from tests.job.stand_ins import AnsweringEvaluator, EndsOnceRestarted, SlowToBuildEvaluator, SlowToStart
 
 
 RESTART = RestartDeadline(HangRule(factor=10, floor_s=60))  # a worker's restart: the defaults' floor
@@ -43,18 +43,6 @@ def _in_background(action):
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread, errors
-
-
-@ray.remote(max_restarts=2, max_concurrency=2)  # `pid` answers while `run` runs
-class SlowToStart:
-    def __init__(self) -> None:
-        time.sleep(2)  # every start, restarts too: calls made meanwhile fail at once
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def run(self) -> None:
-        time.sleep(600)
 
 
 def test_a_dead_worker_not_back_within_its_restart_deadline_hangs_the_job(ray_session):
@@ -103,18 +91,6 @@ def test_a_killed_worker_counts_one_restart_and_its_loop_runs_again(ray_session)
     ray.kill(actor, no_restart=True)
 
 
-@ray.remote(max_restarts=1, max_concurrency=2)
-class EndsOnceRestarted:
-    """A loop that runs until its process dies; restarted, it sees the stage's stop at once and returns."""
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def run(self) -> None:
-        if not ray.get_runtime_context().was_current_actor_reconstructed:
-            time.sleep(600)
-
-
 def test_a_worker_that_dies_as_the_stage_ends_counts_one_restart_and_says_so(ray_session):
     actor = EndsOnceRestarted.remote()
     pid = ray.get(actor.pid.remote())
@@ -126,30 +102,6 @@ def test_a_worker_that_dies_as_the_stage_ends_counts_one_restart_and_says_so(ray
     assert supervisor.restarts["rollout"] == 1
     assert len(notes) == 1 and notes[0].startswith("rollout worker late died while the stage ended; restarting it")
     ray.kill(actor, no_restart=True)
-
-
-class Answering:
-    """Answers as `EvaluatorWorker` does, naming its process: ((id, started as a restart), result)."""
-
-    def __init__(self) -> None:
-        self.process = (uuid.uuid4().hex, started_as_restart())
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def evaluate_latest(self, *_) -> tuple:
-        return self.process, (0, {"accuracy": 0.5})
-
-
-class SlowToBuild(Answering):
-    """An evaluator whose construction (torch, the model, the engine) takes `build_s`."""
-
-    def __init__(self, build_s: float) -> None:
-        time.sleep(build_s)
-        super().__init__()
-
-
-AnsweringEvaluator, SlowToBuildEvaluator = (ray.remote(max_restarts=2)(cls) for cls in (Answering, SlowToBuild))
 
 
 def test_an_evaluators_start_up_is_not_taken_for_a_hung_evaluation(ray_session):
