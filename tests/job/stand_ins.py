@@ -33,7 +33,7 @@ class EndsOnceRestarted:
         return os.getpid()
 
     def run(self) -> None:
-        if not ray.get_runtime_context().was_current_actor_reconstructed:
+        if not started_as_restart():
             time.sleep(600)
 
 
