@@ -40,12 +40,13 @@ class DevicePeak:
 
     def mfu(self, params: int, tokens: float, seconds: float) -> float:
         """The fraction of the peak that training `tokens` through `params` parameters in `seconds` used."""
-        if self.measured and mfu(params, tokens, seconds, self.flops) > 1:
+        rate = step_flops(params, tokens, seconds)
+        if self.measured and rate > self.flops:
             if not self.measured_again:
                 self.flops = max(self.flops, measured_matmul_flops(self.device, self.dtype))
                 self.measured_again = True
-            self.flops = max(self.flops, 6 * params * tokens / max(seconds, 1e-9))
-        return mfu(params, tokens, seconds, self.flops)
+            self.flops = max(self.flops, rate)
+        return rate / self.flops
 
 
 def measured_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 512, reps: int = 8) -> float:
@@ -66,7 +67,12 @@ def measured_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 
 
 def mfu(params: int, tokens: float, seconds: float, peak: float) -> float:
     """The fraction of `peak` FLOP/s that training `tokens` through `params` parameters in `seconds` used."""
-    return 6 * params * tokens / max(seconds, 1e-9) / peak
+    return step_flops(params, tokens, seconds) / peak
+
+
+def step_flops(params: int, tokens: float, seconds: float) -> float:
+    """FLOP/s of training `tokens` through `params` parameters in `seconds`: 6 x parameters x tokens per second."""
+    return 6 * params * tokens / max(seconds, 1e-9)
 
 
 def _synchronize(device: torch.device) -> None:
