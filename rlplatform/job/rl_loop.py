@@ -865,13 +865,8 @@ def _drop(batch: Batch, counters: RLCounters, schedule: GroupSchedule) -> None:
 def _unused_at_end(runs: Dict[str, "PolicyRun"], queue: RewardQueue) -> Dict[str, Dict[str, int]]:
     """Where each policy's untrained samples sit once every worker has stopped: in its buffer,
     scored but not yet read from the results stream, or never scored (still queued, dead-lettered)."""
-    unread: Counter = Counter()
-    while True:
-        results = queue.read_results(block_ms=None)
-        if not results:
-            break
-        unread.update(scored.policy for scored in results)
-    unscored = queue.unscored_by_policy()
+    results, unscored = queue.left_at_end()
+    unread = Counter(scored.policy for scored in results)
     return {name: {"in_buffer": run.buffer.held_samples(), "scored_unread": unread[name],
                    "unscored": unscored[name]} for name, run in runs.items()}
 

@@ -84,17 +84,25 @@ class RewardQueue(StreamQueue):
                 self.client.xadd(self.keys.dead, {"data": raw, "reason": str(err), "message_id": msg_id})
         return results
 
-    def unscored_by_policy(self) -> Counter:
-        """Samples never scored, by policy: requests still in the stream (held by a worker or
-        not yet read) and dead letters. Read once workers have stopped, to account for them."""
-        left: Counter = Counter()
-        for stream in (self.keys.requests, self.keys.dead):
-            for _, fields in self.client.xrange(stream):
-                try:
-                    left[decode_sample(fields.get(b"data", b"")).policy] += 1
-                except WireFormatError:
-                    left["<undecodable>"] += 1
-        return left
+    def left_at_end(self) -> Tuple[List[ResultMeta], Counter]:
+        """What a stage left untrained on Redis, read once its workers have stopped, to account for it: the
+        metadata of every result not read before (trimmed, as `read_results`) and the samples never scored, by
+        policy (requests still in the stream, held by a worker or not yet read, and dead letters). One atomic
+        read: a reward worker the job does not wait for (one started outside it) may still store a result, moving
+        its sample from the requests to the results, and two reads would see it in neither."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xread(self._unread([self.keys.results]))
+        pipe.xrange(self.keys.requests)
+        pipe.xrange(self.keys.dead)
+        results, requests, dead = pipe.execute()
+        unread = self._decoded(entry_payloads(self._took(results).get(self.keys.results, [])))
+        unscored: Counter = Counter()
+        for _, fields in requests + dead:
+            try:
+                unscored[decode_sample(fields.get(b"data", b"")).policy] += 1
+            except WireFormatError:
+                unscored["<undecodable>"] += 1
+        return unread, unscored
 
     # job lifecycle
     def publish_rewards(self, specs_json: str) -> None:

@@ -175,8 +175,15 @@ class StreamQueue:
                       block_ms: Optional[int]) -> Dict[str, List[Tuple[str, Dict[bytes, bytes]]]]:
         """Entries not read before on any of `streams` (one call, blocking until one has some), by stream, oldest
         first; read entries are trimmed."""
-        reply = self.client.xread({stream: self._last_read.get(stream, "0-0") for stream in streams}, count=count,
-                                  block=block_ms)
+        reply = self.client.xread(self._unread(streams), count=count, block=block_ms)
+        return self._took(reply)
+
+    def _unread(self, streams: List[str]) -> Dict[str, str]:
+        """Each stream with the id of its newest entry read: XREAD's argument for the entries after it."""
+        return {stream: self._last_read.get(stream, "0-0") for stream in streams}
+
+    def _took(self, reply) -> Dict[str, List[Tuple[str, Dict[bytes, bytes]]]]:
+        """An XREAD reply's entries by stream, recorded as read and trimmed from their streams."""
         found, trims = {}, self.client.pipeline(transaction=False)
         for stream, entries in reply or []:
             stream = as_text(stream)

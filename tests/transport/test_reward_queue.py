@@ -121,6 +121,25 @@ def test_results_are_read_once_in_order(redis_server, job, queue):
     assert reader.read_results(block_ms=10) == []
 
 
+def test_what_a_stage_left_is_read_whole_while_a_worker_still_stores(redis_server, job, queue):
+    """A reward worker the job does not wait for keeps moving samples from the requests to the results while the
+    stage's end counts what it left: every sample is counted once, as a result or as unscored, at every read."""
+    total = 300
+    queue.submit([make_sample(i, "85", group=f"g{i}") for i in range(total)])
+    worker = worker_for(redis_server, job, batch_size=1)
+    mover = threading.Thread(target=drain, args=(worker, total + 5))
+    mover.start()
+    results_read, reads = 0, 0
+    while mover.is_alive() or reads == 0:
+        results, unscored = queue.left_at_end()
+        results_read += len(results)
+        reads += 1
+        assert results_read + unscored["policy-a"] == total, reads
+    mover.join()
+    results, unscored = queue.left_at_end()
+    assert (results_read + len(results), unscored["policy-a"], reads > 10) == (total, 0, True)
+
+
 def test_awaiting_results_wakes_on_results_or_a_learner_steps_end(redis_server, redis_client, job, queue):
     reader = RewardQueue(connect(redis_server), job)
     assert reader.await_results(block_ms=10) == ([], set())  # neither came: back after the wait
