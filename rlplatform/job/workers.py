@@ -121,8 +121,10 @@ class Evaluator:
                 if waited > self._deadline_s():
                     raise WorkerHung(unresponsive("the evaluator", waited, "did not answer"))
             self.while_waiting()
-        if self._constructed_at is None:  # its answer came before the construction's: the whole wait counts
-            self._constructed_at = begun
+        if self._constructed_at is None:  # answered before the construction's answer was seen: that answer, asked
+            ray.wait([self._constructed], timeout=WATCH_EVERY_S)  # first, is on its way (a loaded driver)
+            if not self._built():  # or lost with its process: the whole wait counts
+                self._constructed_at = begun
         return deadline_get(ref, "the evaluator", self._deadline_s())
 
     def _built(self) -> bool:

@@ -104,13 +104,24 @@ def test_a_worker_that_dies_as_the_stage_ends_counts_one_restart_and_says_so(ray
     ray.kill(actor, no_restart=True)
 
 
-def test_an_evaluators_start_up_is_not_taken_for_a_hung_evaluation(ray_session):
+@ray.remote(num_cpus=0)
+def _construction_heard_late(actor, late_s: float) -> None:
+    """Answers `late_s` after `actor` is constructed: its construction's answer, as a loaded driver may see it."""
+    ray.get(actor.__ray_ready__.remote())
+    time.sleep(late_s)
+
+
+@pytest.mark.parametrize("heard_late", [False, True])
+def test_an_evaluators_start_up_is_not_taken_for_a_hung_evaluation(ray_session, heard_late):
     """The first evaluation waits on the actor's construction, longer than an evaluation's deadline (2 s before
     any evaluation here): no hang; the construction is bounded by the restart deadline instead, and left out of
-    the longest evaluation the deadline grows from."""
+    the longest evaluation the deadline grows from, also when the construction's answer is seen after the
+    evaluation's (`heard_late`: half a second after)."""
     hangs = []
-    evaluator = Evaluator(SlowToBuildEvaluator.remote(6.0), [], EvalConfig(), [], [], on_restart=hangs.append,
+    evaluator = Evaluator(SlowToBuildEvaluator.remote(4.0), [], EvalConfig(), [], [], on_restart=hangs.append,
                           restart=RESTART, hang_rule=HangRule(factor=2, floor_s=1), on_hang=hangs.append)
+    if heard_late:
+        evaluator._constructed = _construction_heard_late.remote(evaluator.actor, 0.5)
     assert evaluator.run_now() == (0, {"accuracy": 0.5})
     assert hangs == [] and evaluator.restarts == 0 and evaluator.longest_s < 2
     ray.kill(evaluator.actor, no_restart=True)
