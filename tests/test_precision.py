@@ -65,13 +65,29 @@ def engine_samples(engine: TransformersEngine):
     return samples, [1.0 if s.group_id == "0" else -1.0 for s in samples]
 
 
+MASTER = dict(bf16_mode="master_weights", num_cpus=0.5)
+
+
+@pytest.fixture(scope="module")
+def master_pair(ray_session, bf16_policy):
+    """Two ranks of the default bfloat16 learner (`bf16_mode: auto`: bfloat16 weights over float32 masters) under the
+    ZeRO stage it takes unset, shared by the tests that train and reload it (each sets its own rate and state)."""
+    learner = LearnerGroup(LearnerConfig(num_ranks=2, num_cpus=0.5, device="cpu"), bf16_policy, 0, dtype="bfloat16",
+                           transport=ObjectStoreTransport())
+    yield learner
+    learner.shutdown()
+
+
 @pytest.mark.parametrize("bf16_mode,weights,mode", [
-    ("auto", "bfloat16", "bf16_master"),  # the default: bfloat16 weights over float32 masters
+    ("auto", "bfloat16", "bf16_master"),  # the default: bfloat16 weights over float32 masters (ZeRO-1)
     ("autocast", "float32", "bf16"),  # bfloat16 compute on float32 weights, cast to bfloat16 as they are served
 ])
-def test_bfloat16_train_publish_generate_and_save(ray_session, bf16_policy, tmp_path, bf16_mode, weights, mode):
+def test_bfloat16_train_publish_generate_and_save(ray_session, request, bf16_policy, tmp_path, bf16_mode, weights,
+                                                  mode):
+    own = bf16_mode != "auto"
     learner = LearnerGroup(LearnerConfig(num_ranks=2, zero_stage=2, num_cpus=0.5, device="cpu", bf16_mode=bf16_mode),
-                           bf16_policy, 0, dtype="bfloat16", transport=ObjectStoreTransport())
+                           bf16_policy, 0, dtype="bfloat16", transport=ObjectStoreTransport()) \
+        if own else request.getfixturevalue("master_pair")
     try:
         assert [{k: p[k] for k in ("device", "backend", "dtype", "mode")} for p in learner.placements()] == \
             [{"device": "cpu", "backend": "gloo", "dtype": weights, "mode": mode}] * 2
@@ -105,7 +121,8 @@ def test_bfloat16_train_publish_generate_and_save(ray_session, bf16_policy, tmp_
             if name in after:
                 assert np.array_equal(param.view(torch.int16).numpy(), after[name].view(np.int16))
     finally:
-        learner.shutdown()
+        if own:
+            learner.shutdown()
 
 
 TRACK_STEPS, TRACK_WINDOW, TRACK_ROWS = 120, 60, 16
@@ -161,9 +178,6 @@ def test_bfloat16_sft_tracks_float32(tmp_path):
         assert abs(late[mode] - late["float32"]) < TRACK_TOLERANCE, late
 
 
-MASTER = dict(bf16_mode="master_weights", num_cpus=0.5)
-
-
 def test_master_weights_accumulate_micro_batches_in_float32(ray_session, bf16_policy):
     """Two SFT steps on the same rows, whole and in micro-batches of a few rows: the same gradient norms and losses
     up to bfloat16's rounding of the activations (a micro-batch's gradient lost would not be)."""
@@ -183,12 +197,14 @@ def test_master_weights_accumulate_micro_batches_in_float32(ray_session, bf16_po
 
 
 @pytest.mark.parametrize("zero_stage", [None, 3])
-def test_master_weights_two_ranks_resume_their_float32_masters(ray_session, bf16_policy, tmp_path, zero_stage):
+def test_master_weights_two_ranks_resume_their_float32_masters(ray_session, request, bf16_policy, tmp_path, zero_stage):
     """Two ranks under the stage master_weights takes unset (ZeRO-1), and sharded (ZeRO-3): bfloat16 weights served
     bit for bit; a checkpoint holds the float32 masters, so steps after loading it repeat the steps after saving it
     exactly (masters rebuilt from the bfloat16 weights would lose the updates below bfloat16's resolution)."""
+    own = zero_stage is not None
     learner = LearnerGroup(LearnerConfig(num_ranks=2, zero_stage=zero_stage, **MASTER), bf16_policy, 0,
-                           dtype="bfloat16", transport=ObjectStoreTransport())
+                           dtype="bfloat16", transport=ObjectStoreTransport()) \
+        if own else request.getfixturevalue("master_pair")
     try:
         assert [{k: p[k] for k in ("dtype", "mode", "zero_stage")} for p in learner.placements()] == \
             [{"dtype": "bfloat16", "mode": "bf16_master", "zero_stage": zero_stage or 1}] * 2
@@ -207,4 +223,5 @@ def test_master_weights_two_ranks_resume_their_float32_masters(ray_session, bf16
         saved = ray.get(learner.snapshot_weights())  # loaded back last
         assert not all(np.array_equal(first[k].view(np.int16), saved[k].view(np.int16)) for k in first)
     finally:
-        learner.shutdown()
+        if own:
+            learner.shutdown()
