@@ -6,6 +6,7 @@ SFT tracks float32 in both modes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -65,9 +66,6 @@ def engine_samples(engine: TransformersEngine):
     return samples, [1.0 if s.group_id == "0" else -1.0 for s in samples]
 
 
-MASTER = dict(bf16_mode="master_weights", num_cpus=0.5)
-
-
 @pytest.fixture(scope="module")
 def master_pair(ray_session, bf16_policy):
     """Two ranks of the default bfloat16 learner (`bf16_mode: auto`: bfloat16 weights over float32 masters) under the
@@ -78,17 +76,28 @@ def master_pair(ray_session, bf16_policy):
     learner.shutdown()
 
 
+@contextlib.contextmanager
+def two_ranks(request, bf16_policy: str, **config):
+    """The shared default pair (`master_pair`) when `config` is empty, else two ranks of `config`, shut down after."""
+    if not config:
+        yield request.getfixturevalue("master_pair")
+        return
+    learner = LearnerGroup(LearnerConfig(num_ranks=2, num_cpus=0.5, **config), bf16_policy, 0, dtype="bfloat16",
+                           transport=ObjectStoreTransport())
+    try:
+        yield learner
+    finally:
+        learner.shutdown()
+
+
 @pytest.mark.parametrize("bf16_mode,weights,mode", [
     ("auto", "bfloat16", "bf16_master"),  # the default: bfloat16 weights over float32 masters (ZeRO-1)
     ("autocast", "float32", "bf16"),  # bfloat16 compute on float32 weights, cast to bfloat16 as they are served
 ])
 def test_bfloat16_train_publish_generate_and_save(ray_session, request, bf16_policy, tmp_path, bf16_mode, weights,
                                                   mode):
-    own = bf16_mode != "auto"
-    learner = LearnerGroup(LearnerConfig(num_ranks=2, zero_stage=2, num_cpus=0.5, device="cpu", bf16_mode=bf16_mode),
-                           bf16_policy, 0, dtype="bfloat16", transport=ObjectStoreTransport()) \
-        if own else request.getfixturevalue("master_pair")
-    try:
+    config = {} if bf16_mode == "auto" else dict(zero_stage=2, device="cpu", bf16_mode=bf16_mode)
+    with two_ranks(request, bf16_policy, **config) as learner:
         assert [{k: p[k] for k in ("device", "backend", "dtype", "mode")} for p in learner.placements()] == \
             [{"device": "cpu", "backend": "gloo", "dtype": weights, "mode": mode}] * 2
         learner.start_stage(lr=1e-2)
@@ -120,9 +129,6 @@ def test_bfloat16_train_publish_generate_and_save(ray_session, request, bf16_pol
         for name, param in saved.state_dict().items():
             if name in after:
                 assert np.array_equal(param.view(torch.int16).numpy(), after[name].view(np.int16))
-    finally:
-        if own:
-            learner.shutdown()
 
 
 TRACK_STEPS, TRACK_WINDOW, TRACK_ROWS = 120, 60, 16
@@ -178,6 +184,9 @@ def test_bfloat16_sft_tracks_float32(tmp_path):
         assert abs(late[mode] - late["float32"]) < TRACK_TOLERANCE, late
 
 
+MASTER = dict(bf16_mode="master_weights", num_cpus=0.5)
+
+
 def test_master_weights_accumulate_micro_batches_in_float32(ray_session, bf16_policy):
     """Two SFT steps on the same rows, whole and in micro-batches of a few rows: the same gradient norms and losses
     up to bfloat16's rounding of the activations (a micro-batch's gradient lost would not be)."""
@@ -201,11 +210,8 @@ def test_master_weights_two_ranks_resume_their_float32_masters(ray_session, requ
     """Two ranks under the stage master_weights takes unset (ZeRO-1), and sharded (ZeRO-3): bfloat16 weights served
     bit for bit; a checkpoint holds the float32 masters, so steps after loading it repeat the steps after saving it
     exactly (masters rebuilt from the bfloat16 weights would lose the updates below bfloat16's resolution)."""
-    own = zero_stage is not None
-    learner = LearnerGroup(LearnerConfig(num_ranks=2, zero_stage=zero_stage, **MASTER), bf16_policy, 0,
-                           dtype="bfloat16", transport=ObjectStoreTransport()) \
-        if own else request.getfixturevalue("master_pair")
-    try:
+    config = {} if zero_stage is None else dict(zero_stage=zero_stage, bf16_mode="master_weights")
+    with two_ranks(request, bf16_policy, **config) as learner:
         assert [{k: p[k] for k in ("dtype", "mode", "zero_stage")} for p in learner.placements()] == \
             [{"dtype": "bfloat16", "mode": "bf16_master", "zero_stage": zero_stage or 1}] * 2
         learner.start_stage(lr=1e-4)  # updates below bfloat16's resolution for most weights
@@ -222,6 +228,3 @@ def test_master_weights_two_ranks_resume_their_float32_masters(ray_session, requ
         assert all(np.array_equal(first[k].view(np.int16), again[k].view(np.int16)) for k in first)
         saved = ray.get(learner.snapshot_weights())  # loaded back last
         assert not all(np.array_equal(first[k].view(np.int16), saved[k].view(np.int16)) for k in first)
-    finally:
-        if own:
-            learner.shutdown()
