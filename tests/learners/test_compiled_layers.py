@@ -113,9 +113,9 @@ def test_the_default_compiles_on_cuda_only_and_never_under_zero_3():
 
 
 @pytest.mark.slow
-def test_a_compiled_rank_trains_as_an_eager_one(ray_session, tiny_policy, dtype="bfloat16", tolerance=1e-2):
-    """In bfloat16 under autocast, as on GPUs. The float32 layers' scores and gradients are checked against eager
-    ones to 1e-5 in every layout above, and a float32 rank's compiling at start in the test below."""
+def test_a_compiled_rank_trains_as_an_eager_one(ray_session, tiny_policy, dtype="float32", tolerance=1e-5):
+    """A real DeepSpeed rank in float32: compiled, its losses over three steps are the eager rank's. bfloat16 under
+    autocast, the GPU's precision, is checked against eager layers on CUDA above."""
     losses = {}
     for compiled in (None, True):  # the default (eager on CPU), then compiled
         learner = LearnerGroup(LearnerConfig(num_cpus=0.5, compile=compiled), tiny_policy, seed=0,
