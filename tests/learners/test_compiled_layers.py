@@ -127,7 +127,7 @@ def test_a_compiled_rank_trains_as_an_eager_one(ray_session, tiny_policy, dtype=
             losses[compiled] = [learner.sft_step(ROWS).loss for _ in range(3)]  # the later ones after updates
         finally:
             learner.shutdown()
-    assert abs(losses[None][0] - losses[None][2]) > 10 * tolerance  # the steps changed the weights
+    assert abs(losses[None][0] - losses[None][2]) > 0.1  # the steps changed the weights
     assert losses[True] == pytest.approx(losses[None], abs=tolerance)
 
 
