@@ -66,12 +66,17 @@ def engine_samples(engine: TransformersEngine):
     return samples, [1.0 if s.group_id == "0" else -1.0 for s in samples]
 
 
+def new_pair(bf16_policy: str, **config) -> LearnerGroup:
+    """Two CPU ranks of a bfloat16 learner under `config`."""
+    return LearnerGroup(LearnerConfig(num_ranks=2, num_cpus=0.5, device="cpu", **config), bf16_policy, 0,
+                        dtype="bfloat16", transport=ObjectStoreTransport())
+
+
 @pytest.fixture(scope="module")
 def master_pair(ray_session, bf16_policy):
     """Two ranks of the default bfloat16 learner (`bf16_mode: auto`: bfloat16 weights over float32 masters) under the
     ZeRO stage it takes unset, shared by the tests that train and reload it (each sets its own rate and state)."""
-    learner = LearnerGroup(LearnerConfig(num_ranks=2, num_cpus=0.5, device="cpu"), bf16_policy, 0, dtype="bfloat16",
-                           transport=ObjectStoreTransport())
+    learner = new_pair(bf16_policy)
     yield learner
     learner.shutdown()
 
@@ -82,8 +87,7 @@ def two_ranks(request, bf16_policy: str, **config):
     if not config:
         yield request.getfixturevalue("master_pair")
         return
-    learner = LearnerGroup(LearnerConfig(num_ranks=2, num_cpus=0.5, **config), bf16_policy, 0, dtype="bfloat16",
-                           transport=ObjectStoreTransport())
+    learner = new_pair(bf16_policy, **config)
     try:
         yield learner
     finally:
@@ -96,7 +100,7 @@ def two_ranks(request, bf16_policy: str, **config):
 ])
 def test_bfloat16_train_publish_generate_and_save(ray_session, request, bf16_policy, tmp_path, bf16_mode, weights,
                                                   mode):
-    config = {} if bf16_mode == "auto" else dict(zero_stage=2, device="cpu", bf16_mode=bf16_mode)
+    config = {} if bf16_mode == "auto" else dict(zero_stage=2, bf16_mode=bf16_mode)
     with two_ranks(request, bf16_policy, **config) as learner:
         assert [{k: p[k] for k in ("device", "backend", "dtype", "mode")} for p in learner.placements()] == \
             [{"device": "cpu", "backend": "gloo", "dtype": weights, "mode": mode}] * 2
