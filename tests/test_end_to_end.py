@@ -1,6 +1,7 @@
 """End to end: a shortened quickstart runs SFT then asynchronous RL and writes a valid summary.json; its
 offline W&B run, read back with W&B's own reader, holds every metric family of the dashboard and the
-samples table."""
+samples table. A synchronous job is scored by a standalone reward worker, and a job whose learner is slower
+than generation gets its next step queued."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import re
 import subprocess
 import sys
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 import yaml
@@ -20,6 +23,7 @@ from rlplatform.monitoring.dashboard import dashboard_layout
 from rlplatform.scheduling.ledger import balanced
 
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.yaml")
+RLP = str(Path(sys.executable).parent / "rlp")
 
 
 @pytest.mark.slow
@@ -84,11 +88,22 @@ def test_short_quickstart_writes_a_valid_summary_and_logs_every_dashboard_key(ra
     assert_dashboard_logged(summary)
 
 
-def test_synchronous_mode_trains_only_on_fresh_samples(ray_session, tmp_path):
-    config = load_config(QUICKSTART, [f"output_dir={tmp_path}", "name=sync", "sft.enabled=false",
+def test_synchronous_mode_trains_only_on_fresh_samples_scored_by_a_standalone_reward_worker(ray_session,
+                                                                                               redis_server, tmp_path):
+    """A job with no reward workers of its own, on a Redis a standalone `rlp reward-worker` serves: the worker
+    scores every sample the job trains, and ends with it."""
+    job = f"sync-{uuid.uuid4().hex[:6]}"
+    worker = subprocess.Popen([RLP, "reward-worker", "--redis", redis_server, "--job", job],
+                              stderr=subprocess.PIPE, text=True)
+    config = load_config(QUICKSTART, [f"output_dir={tmp_path}", f"name={job}", "sft.enabled=false",
                                       "rl.max_steps=4", "rl.max_staleness=0", "wandb.mode=disabled",
-                                      "eval.enabled=false", "rl.batch_prompts=4", "rollout.prompts_per_batch=4"])
+                                      "eval.enabled=false", "rl.batch_prompts=4", "rollout.prompts_per_batch=4",
+                                      f"redis.url={redis_server}", "reward_workers.num_workers=0"])
     summary = run_job(config)
+    _, stderr = worker.communicate(timeout=60)
+    assert worker.returncode == 0, stderr
+    assert summary["status"] == "completed" and summary["rl"]["samples_trained"] == 4 * 4 * 8
+    assert int(stderr.split("scored ")[1].split(" samples")[0]) >= summary["rl"]["samples_trained"]
     assert summary["rl"]["staleness_histogram"] == {"0": 4 * 4 * 8}
     assert summary["rl"]["samples_dropped_stale"] == 0
     assert summary["rl"]["learner_steps_queued"] == 0  # a step's samples come from the weights the one before made

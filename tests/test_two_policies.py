@@ -42,8 +42,9 @@ def test_two_policies_train_side_by_side(ray_session, tmp_path, greedy_accuracy)
                                "rollout.num_cpus=0.5",  # 6.5 Ray CPUs would not fit the 4-CPU test cluster
                                "data.test_size=50",  # each evaluation, and its check row by row, on 50 rows
                                "rl.batch_prompts=4", "rollout.prompts_per_batch=4"])
-    assert [(p.name, p.model.hidden_size, p.rl.lr, p.rl.max_steps) for p in config.policy_list()] == [
-        ("small", 64, 2e-4, 4), ("large", 128, 3e-4, 4)]  # entries override the shared sections
+    assert [(p.name, p.model.hidden_size, p.sft.stop_at_accuracy, p.rl.lr, p.rl.max_steps)
+            for p in config.policy_list()] == [("small", 64, 0.8, 2e-4, 4), ("large", 128, 0.3, 3e-4, 4)]
+    # entries override the shared sections, key by key
     summary = run_job(config)
     assert summary["status"] == "completed" and set(summary["policies"]) == {"small", "large"}
     for name in ("small", "large"):

@@ -1,6 +1,6 @@
 """Reward workers under failure: a worker killed mid-batch loses no sample, requests delivered
-too often go to dead letters, producers wait on a full queue, a standalone `rlp reward-worker`
-serves a running job, and `rediss://` URLs work through TLS."""
+too often go to dead letters, producers wait on a full queue, and `rediss://` URLs work through TLS (a standalone
+`rlp reward-worker` serving a running job: tests/test_end_to_end.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rlplatform.config import RewardSpec, RewardWorkersConfig, load_config
+from rlplatform.config import RewardSpec, RewardWorkersConfig
 from rlplatform.rewards.worker import RewardWorker, job_rewards_json
 from rlplatform.transport.redis_server import connect
 from rlplatform.transport.keys import NameKeys, run_scope
@@ -27,7 +27,6 @@ from rlplatform.transport.samples import Sample
 from tests.transport.queue_events import scripts_run, wait_for_refusals, wait_until_idle
 
 RLP = str(Path(sys.executable).parent / "rlp")
-REPO = Path(__file__).resolve().parents[2]
 
 
 def make_samples(count: int, prefix: str = "s"):
@@ -129,23 +128,6 @@ def test_producer_waits_on_a_full_queue_and_loses_nothing(redis_server, redis_cl
     assert not producer.is_alive()
     assert sorted(r.sample_id for r in results) == sorted(
         s.sample_id for s in make_samples(5, "a") + make_samples(3, "b"))
-
-
-def test_standalone_reward_worker_serves_a_running_job(ray_session, redis_server, tmp_path):
-    from rlplatform.job.controller import run_job
-
-    job = f"standalone-{uuid.uuid4().hex[:6]}"
-    worker = subprocess.Popen([RLP, "reward-worker", "--redis", redis_server, "--job", job],
-                              stderr=subprocess.PIPE, text=True)
-    config = load_config(str(REPO / "configs" / "quickstart.yaml"), [
-        f"name={job}", f"output_dir={tmp_path}", f"redis.url={redis_server}", "reward_workers.num_workers=0",
-        "sft.enabled=false", "rl.max_steps=3", "wandb.mode=disabled", "eval.enabled=false"])
-    summary = run_job(config)
-    _, stderr = worker.communicate(timeout=60)
-    assert worker.returncode == 0, stderr
-    assert summary["status"] == "completed" and summary["rl"]["samples_trained"] == 3 * 16 * 8
-    scored = int(stderr.split("scored ")[1].split(" samples")[0])
-    assert scored >= summary["rl"]["samples_trained"]
 
 
 def _self_signed(tmp_path: Path) -> tuple:
