@@ -1,8 +1,11 @@
-"""What the process table says about a test's subprocesses (read from /proc)."""
+"""What the process table says about a test's subprocesses (read from /proc), and the `rlp` command they run."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+
+RLP = str(Path(sys.executable).parent / "rlp")  # the console script installed beside this Python
 
 
 def proc_stat(pid: int) -> list:

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 import yaml
@@ -21,9 +20,9 @@ from rlplatform.config import load_config, to_yaml
 from rlplatform.job.controller import run_job
 from rlplatform.monitoring.dashboard import dashboard_layout
 from rlplatform.scheduling.ledger import balanced
+from tests.processes import RLP
 
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.yaml")
-RLP = str(Path(sys.executable).parent / "rlp")
 
 
 @pytest.mark.slow

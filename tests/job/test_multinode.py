@@ -29,8 +29,8 @@ from rlplatform.scheduling.ledger import balanced
 from rlplatform.transport.deadlines import Heartbeats
 from rlplatform.transport.redis_server import connect
 from rlplatform.transport.keys import run_scope
+from tests.processes import RLP
 
-RLP = str(Path(sys.executable).parent / "rlp")
 
 
 class TwoNodeCluster(LocalNodes):

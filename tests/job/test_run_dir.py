@@ -20,8 +20,8 @@ from rlplatform.job.checkpoint import latest_checkpoint
 from rlplatform.job.controller import run_job
 from rlplatform.job.run_dir import RunLock
 from tests.job.conftest import TINY
+from tests.processes import RLP
 
-RLP = str(Path(sys.executable).parent / "rlp")
 QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml")
 HOLD = "import sys, time\nfrom rlplatform.job.run_dir import RunLock\nRunLock(sys.argv[1]).__enter__()\n" \
        "print('held', flush=True)\ntime.sleep(120)\n"

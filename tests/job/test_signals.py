@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -18,11 +17,10 @@ from typing import Optional
 import pytest
 import yaml
 
-from tests.processes import alive, session
+from tests.processes import RLP, alive, session
 
 pytestmark = pytest.mark.slow
 
-RLP = str(Path(sys.executable).parent / "rlp")
 # far more than the job trains before the signal: at eval.priority idle the evaluator runs on the CPU time other
 # processes leave, and beside a busy test its first evaluation came after 200 steps (about 10 s) had trained
 MAX_STEPS = 5000

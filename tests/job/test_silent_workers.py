@@ -10,15 +10,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
 from rlplatform.job.controller import run_job
 from rlplatform.transport.deadlines import Heartbeats
 from rlplatform.transport.redis_server import connect
+from tests.processes import RLP
 
-RLP = str(Path(sys.executable).parent / "rlp")
 
 
 def _status(url: str, job: str) -> str:

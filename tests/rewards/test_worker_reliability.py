@@ -9,7 +9,6 @@ import os
 import signal
 import ssl
 import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -24,9 +23,9 @@ from rlplatform.transport.redis_server import connect
 from rlplatform.transport.keys import NameKeys, run_scope
 from rlplatform.transport.reward_queue import GROUP, RewardQueue
 from rlplatform.transport.samples import Sample
+from tests.processes import RLP
 from tests.transport.queue_events import scripts_run, wait_for_refusals, wait_until_idle
 
-RLP = str(Path(sys.executable).parent / "rlp")
 
 
 def make_samples(count: int, prefix: str = "s"):
