@@ -31,7 +31,8 @@ def redis_client(redis_server):
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """A local Ray cluster shared by every test that needs actors. Its log monitor, which nothing here reads
+    """A local Ray cluster shared by every test that needs actors, which start forked from a warm interpreter
+    as a job's do (rlplatform.warm_start). Its log monitor, which nothing here reads
     (log_to_driver=False), looks for new worker log files every 5 s instead of on each 0.1 s poll: the session
     gathers hundreds of them (every actor's), and globbing 60 dead actors' files on each poll took 2.4 CPU-s a
     minute against 0.9."""
@@ -39,8 +40,10 @@ def ray_session():
 
     import ray
 
+    from rlplatform.warm_start import runtime_env
+
     with mock.patch.dict(os.environ, {"LOG_NAME_UPDATE_INTERVAL_S": "5", "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0"}):
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env())
     yield ray
     ray.shutdown()
 

@@ -22,6 +22,7 @@ from rlplatform.config import JobConfig
 from rlplatform.job.signals import sigterm_held
 from rlplatform.priority import ray_workers_at_our_niceness
 from rlplatform.transport.redis_server import RedisUnavailable, connect
+from rlplatform.warm_start import runtime_env, wanted
 
 
 def joins_cluster(config: JobConfig) -> bool:
@@ -33,13 +34,17 @@ def start_ray(config: JobConfig) -> None:
     """Join the job's Ray cluster, or start a local one holding at least the CPUs its actors reserve.
     A local Ray's processes ignore a SIGTERM to the group (the job stops them after its checkpoint)
     and start their workers at this process's niceness (rlplatform.priority). The SIGTERM handler
-    stays the caller's (`ray.init` would put in one that exits with status 15)."""
-    if joins_cluster(config):
+    stays the caller's (`ray.init` would put in one that exits with status 15). The job's actors start forked
+    from a warm interpreter as `ray.warm_start` says (rlplatform.warm_start)."""
+    joining = joins_cluster(config)
+    env = runtime_env() if wanted(config.ray.warm_start, joining) else None
+    if joining:
         with _sigterm_handler_kept():
-            ray.init(address=config.ray.address, include_dashboard=False)
+            ray.init(address=config.ray.address, include_dashboard=False, runtime_env=env)
         return
     with _sigterm_handler_kept(), sigterm_held(), ray_workers_at_our_niceness():
-        ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(cpus_needed(config))), include_dashboard=False)
+        ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(cpus_needed(config))), include_dashboard=False,
+                 runtime_env=env)
 
 
 def start_local_ray_while(config: JobConfig, work: Callable[[], None]) -> None:

@@ -1,0 +1,192 @@
+"""The node's warm interpreter: imports the actors' modules once, then forks each Ray worker from itself.
+
+Started by the first `launcher` on a node (detached, one per raylet), it binds the raylet's socket, imports
+torch, transformers, Ray and the modules of the job's actors, and serves: for each launcher it forks a child that
+takes the launcher's arguments, environment, directory and standard streams and runs Ray's `default_worker.py`
+as `python default_worker.py ...` would, without importing anything again. It reports each child's pid and exit
+status to its launcher, and exits when its raylet is gone. It runs one thread, and its imports run with one
+OpenMP thread, so that no thread is lost to a fork; a child sets torch's threads from its own environment.
+"""
+
+import errno
+import fcntl
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import struct
+import sys
+import threading
+import traceback
+
+PRELOAD = (  # the modules of the actors a job starts, with torch, transformers, DeepSpeed and Ray under them
+    "ray._private.workers.default_worker",
+    "rlplatform.learners.rank",
+    "rlplatform.actors.rollout",
+    "rlplatform.actors.evaluator",
+    "rlplatform.actors.teacher",
+    "rlplatform.rewards.worker",
+    "rlplatform.transport.weight_store",
+    "rlplatform.envs.tool_worker",
+    "rlplatform.monitoring.watchdog",
+)
+
+
+def _preload() -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"  # no OpenMP pool thread before the forks; each child sets its own
+    import importlib
+
+    for name in PRELOAD:
+        if name == "ray._private.workers.default_worker":
+            import ray._private.worker  # noqa: F401  (default_worker parses arguments at import: run, not imported)
+            continue
+        importlib.import_module(name)
+
+
+def _raylet_alive(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}")
+
+
+def _recv_request(conn: socket.socket) -> tuple:
+    header, fds, _flags, _addr = socket.recv_fds(conn, 4, 4)
+    if len(header) < 4 or len(fds) != 4:
+        raise EOFError
+    (size,) = struct.unpack("!I", header)
+    body = b""
+    while len(body) < size:
+        chunk = conn.recv(size - len(body))
+        if not chunk:
+            raise EOFError
+        body += chunk
+    return json.loads(body), fds
+
+
+def _watch_launcher(alive_fd: int) -> None:
+    """Kill this worker when its launcher is gone (the raylet kills the launcher it started)."""
+    def watch() -> None:
+        while os.read(alive_fd, 1):
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
+def _become_worker(request: dict, fds: list) -> None:
+    """In the forked child: take the launcher's streams, environment, directory and arguments; run the worker."""
+    os.setsid()
+    for index, fd in enumerate(fds[:3]):
+        os.dup2(fd, index)
+        os.close(fd)
+    _watch_launcher(fds[3])
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    argv = request["argv"]
+    sys.argv = list(argv)
+    script_dir = os.path.dirname(os.path.abspath(argv[0]))
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    sys.path[:] = [script_dir, *extra, *[p for p in sys.path[1:]]]
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit() and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+def serve(path: str, raylet_pid: int) -> None:
+    lock = open(path + ".lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno in (errno.EAGAIN, errno.EACCES):
+            return  # another warm interpreter serves this raylet
+        raise
+    if os.path.exists(path):
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(128)
+    _preload()
+    me = os.getpid()
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    selector.register(wake_read, selectors.EVENT_READ)
+    launchers = {}  # child pid -> its launcher's connection
+    try:
+        while _raylet_alive(raylet_pid):
+            for key, _ in selector.select(timeout=1.0):
+                if key.fileobj is listener:
+                    conn, _ = listener.accept()
+                    pid = _fork_worker(conn, [listener, lock, *launchers.values()], (wake_read, wake_write))
+                    if pid:
+                        launchers[pid] = conn
+                else:
+                    os.read(wake_read, 4096)
+            _reap(launchers)
+    finally:
+        if os.getpid() == me:
+            os.unlink(path)
+
+
+def _fork_worker(conn: socket.socket, inherited: list, wake: tuple) -> int:
+    """Fork a worker for the launcher on `conn`; returns its pid (0 when the launcher went away)."""
+    try:
+        conn.settimeout(10)
+        conn.sendall(b"R")
+        request, fds = _recv_request(conn)
+    except (OSError, EOFError, ValueError):
+        conn.close()
+        return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        for item in (*inherited, conn):
+            item.close()
+        for fd in wake:
+            os.close(fd)
+        code = 0
+        try:
+            _become_worker(request, fds)
+        except SystemExit as stop:
+            code = stop.code
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.exit(code)
+    for fd in fds:
+        os.close(fd)
+    try:
+        conn.sendall(struct.pack("!i", pid))
+    except OSError:
+        pass
+    return pid
+
+
+def _reap(launchers: dict) -> None:
+    while launchers:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = launchers.pop(pid, None)
+        if conn is not None:
+            try:
+                conn.sendall(struct.pack("!i", status))
+            except OSError:
+                pass
+            conn.close()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], int(sys.argv[2]))
