@@ -3,8 +3,8 @@
 Ray runs this file (by path, so that it imports nothing but the standard library) as the job's
 `runtime_env.py_executable`, with the worker's own arguments (`default_worker.py ...`). It asks the node's warm
 interpreter (`rlplatform.warm_start.zygote`, which has imported torch, transformers, Ray and the actors' modules
-once) to fork the worker with this process's arguments, environment, directory and standard streams, and starting
-that interpreter when the node has none. It then stands in for the worker towards the raylet, which started it:
+once) to fork the worker with this process's arguments, environment, directory, standard streams, process group,
+niceness and signal mask, and starting that interpreter when the node has none. It then stands in for the worker towards the raylet, which started it:
 it passes on SIGTERM, SIGINT and SIGHUP, and ends as the worker ends (its exit status, or the signal that killed
 it); the worker ends when this process is killed. On a machine with a GPU, or where no warm interpreter
 answers, the worker runs here as Ray would have run it.
@@ -48,7 +48,7 @@ def _connect(path: str, start: bool) -> socket.socket:
             raise
     log = open(path + ".log", "ab")
     subprocess.Popen([sys.executable, ZYGOTE, path, os.environ["RAY_RAYLET_PID"]], stdin=subprocess.DEVNULL,
-                     stdout=log, stderr=log, start_new_session=True, close_fds=True)
+                     stdout=log, stderr=log, process_group=0, close_fds=True)  # in Ray's session, its own group
     log.close()
     deadline = time.monotonic() + STARTUP_S
     while True:
@@ -86,7 +86,12 @@ def main() -> None:
     if conn is None:
         _exec_here(worker_args)
     alive_read, alive_write = os.pipe()  # the worker watches its end: EOF when this process is gone
-    request = json.dumps({"argv": worker_args, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    request = json.dumps({
+        "argv": worker_args, "env": dict(os.environ), "cwd": os.getcwd(), "pgid": os.getpgrp(),
+        "niceness": os.getpriority(os.PRIO_PROCESS, 0),
+        "blocked": [int(sig) for sig in signal.pthread_sigmask(signal.SIG_BLOCK, [])],
+        "ignored": [int(sig) for sig in signal.valid_signals() if signal.getsignal(sig) == signal.SIG_IGN],
+    }).encode()
     socket.send_fds(conn, [struct.pack("!I", len(request)) + request], [0, 1, 2, alive_read])
     os.close(alive_read)
     (pid,) = struct.unpack("!i", _read(conn, 4))

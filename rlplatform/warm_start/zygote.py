@@ -8,6 +8,7 @@ status to its launcher, and exits when its raylet is gone. It runs one thread, a
 OpenMP thread, so that no thread is lost to a fork; a child sets torch's threads from its own environment.
 """
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -46,7 +47,12 @@ def _preload() -> None:
 
 
 def _raylet_alive(pid: int) -> bool:
-    return os.path.exists(f"/proc/{pid}")
+    """Whether process `pid` runs (a zombie, exited but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _recv_request(conn: socket.socket) -> tuple:
@@ -74,8 +80,17 @@ def _watch_launcher(alive_fd: int) -> None:
 
 
 def _become_worker(request: dict, fds: list) -> None:
-    """In the forked child: take the launcher's streams, environment, directory and arguments; run the worker."""
-    os.setsid()
+    """In the forked child: take the launcher's process group, niceness, signal mask, streams, environment,
+    directory and arguments; run the worker."""
+    try:
+        os.setpgid(0, request["pgid"])  # a signal to the launcher's group reaches its worker as it would
+    except OSError:  # a group of another session
+        os.setsid()
+    with contextlib.suppress(OSError):  # raising priority may be refused
+        os.setpriority(os.PRIO_PROCESS, 0, request["niceness"])
+    for sig in request["ignored"]:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_SETMASK, request["blocked"])
     for index, fd in enumerate(fds[:3]):
         os.dup2(fd, index)
         os.close(fd)
@@ -147,8 +162,9 @@ def _fork_worker(conn: socket.socket, inherited: list, wake: tuple) -> int:
     pid = os.fork()
     if pid == 0:
         signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_DFL)
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)  # what the launcher ignores is ignored again in `_become_worker`
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a Python just started
         for item in (*inherited, conn):
             item.close()
         for fd in wake:

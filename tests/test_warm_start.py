@@ -1,0 +1,151 @@
+"""Workers forked from the warm interpreter: what each takes from its launcher, how it ends, and the way back to a
+plain start. The launcher runs as Ray runs it, with a worker script and Ray's arguments; a `sleep` stands in for
+the raylet the warm interpreter serves."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from rlplatform.warm_start import LAUNCHER
+from tests.processes import alive
+
+WORKER = """
+import json, os, signal, sys, time
+report = {"argv": sys.argv, "cwd": os.getcwd(), "marker": os.environ.get("WARM_MARKER"), "pid": os.getpid(),
+          "ppid": os.getppid(), "torch_before": "torch" in sys.modules, "path0": sys.path[0],
+          "extra_path": os.environ["PYTHONPATH"] in sys.path, "pgid": os.getpgrp(), "sid": os.getsid(0),
+          "niceness": os.getpriority(os.PRIO_PROCESS, 0),
+          "blocked": sorted(int(sig) for sig in signal.pthread_sigmask(signal.SIG_BLOCK, []))}
+import torch
+report["threads"] = torch.get_num_threads()
+print(json.dumps(report), flush=True)
+if "--wait" in sys.argv:
+    time.sleep(600)
+sys.exit(3)
+"""
+
+
+def wait_until(check, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def _cmdline_or_empty(pid: int) -> str:
+    try:
+        return cmdline(pid)
+    except OSError:
+        return ""
+
+
+@pytest.fixture
+def node(tmp_path):
+    """Ray's arguments naming a session folder, the environment a raylet gives its workers, and the worker script."""
+    temp = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))  # short: socket paths must fit
+    (temp / "session_x" / "sockets").mkdir(parents=True)
+    raylet = subprocess.Popen(["sleep", "600"])
+    script = tmp_path / "scripts" / "worker.py"
+    script.parent.mkdir()
+    script.write_text(WORKER)
+    extra = tmp_path / "user_code"
+    extra.mkdir()
+    env = {**os.environ, "RAY_RAYLET_PID": str(raylet.pid), "WARM_MARKER": "from-the-launcher", "OMP_NUM_THREADS": "2",
+           "PYTHONPATH": str(extra)}
+    args = [str(script), f"--temp-dir={temp}", "--session-name=session_x"]
+    yield {"raylet": raylet, "env": env, "args": args, "socket": temp / "session_x" / "sockets" /
+           f"rlp_warm_{raylet.pid}", "cwd": extra}
+    raylet.kill()
+    raylet.wait()
+    shutil.rmtree(temp)
+
+
+def launch(node: dict, *extra: str, env: dict = None, setup=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, LAUNCHER, *node["args"], *extra], env=env or node["env"],
+                            cwd=node["cwd"], stdout=subprocess.PIPE, text=True, preexec_fn=setup)
+
+
+def below_and_masked() -> None:
+    """As a raylet may start its workers: in a group of their own, at a lower priority, SIGTERM blocked."""
+    os.setpgid(0, 0)
+    os.nice(3)
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
+
+
+def test_a_worker_forks_from_the_warm_interpreter_with_its_launchers_arguments_environment_and_exit(node):
+    first = launch(node, setup=below_and_masked)
+    out, _ = first.communicate(timeout=120)
+    assert first.returncode == 3  # the worker's exit status, through the launcher
+    report = json.loads(out)
+    assert report["torch_before"]  # imported before the worker's code ran: forked, not started anew
+    assert report["argv"] == [*node["args"]]
+    assert report["cwd"] == str(node["cwd"]) and report["marker"] == "from-the-launcher" and report["extra_path"]
+    assert report["path0"] == str(Path(node["args"][0]).parent)  # as `python worker.py` sets it
+    assert report["threads"] == 2  # torch's threads from the worker's OMP_NUM_THREADS (the zygote imports with 1)
+    # the launcher's group (a signal to it reaches the worker), session, priority and blocked signals
+    assert report["pgid"] == first.pid and report["sid"] == os.getsid(0)
+    assert report["niceness"] == os.getpriority(os.PRIO_PROCESS, 0) + 3
+    assert report["blocked"] == [signal.SIGTERM]
+    zygote = report["ppid"]
+    assert "zygote.py" in cmdline(zygote) and report["pid"] != first.pid
+
+    second = launch(node, env={**node["env"], "WARM_MARKER": "second"})
+    report = json.loads(second.communicate(timeout=60)[0])
+    assert report["ppid"] == zygote and report["marker"] == "second"  # one warm interpreter for the raylet
+
+    node["raylet"].kill()  # the raylet gone, its warm interpreter leaves and takes its socket with it
+    wait_until(lambda: not alive(zygote) and not node["socket"].exists())
+
+
+def test_the_launcher_passes_on_sigterm_and_its_worker_dies_with_it(node):
+    for sig, status in ((signal.SIGTERM, -signal.SIGTERM), (signal.SIGKILL, -signal.SIGKILL)):
+        launcher = launch(node, "--wait")
+        worker = json.loads(launcher.stdout.readline())["pid"]
+        launcher.send_signal(sig)
+        assert launcher.wait(timeout=20) == status
+        wait_until(lambda: not alive(worker))  # SIGTERM passed on; after SIGKILL the worker sees its launcher gone
+
+
+def test_without_a_raylet_to_serve_the_worker_starts_as_ray_would_start_it(node):
+    env = {key: value for key, value in node["env"].items() if key != "RAY_RAYLET_PID"}
+    launcher = launch(node, env=env)
+    report = json.loads(launcher.communicate(timeout=60)[0])
+    assert launcher.returncode == 3
+    assert not report["torch_before"] and report["pid"] == launcher.pid  # the launcher became the worker (exec)
+    assert not node["socket"].exists()
+
+
+def test_a_ray_actor_runs_forked_and_ends_with_its_launcher(ray_session):
+    """The tests' Ray session starts its actors as a job's: forked, with the runtime environment's variables."""
+
+    @ray_session.remote(num_cpus=0, runtime_env={"env_vars": {"WARM_MARKER": "actor"}})
+    class Probe:
+        def where(self):
+            return (os.getpid(), os.getppid(), os.environ.get("WARM_MARKER"),
+                    ray.get_runtime_context().get_worker_id())
+
+    probe = Probe.remote()
+    pid, ppid, marker, worker_id = ray_session.get(probe.where.remote())
+    assert marker == "actor" and "zygote.py" in cmdline(ppid)
+    launchers = [int(proc.name) for proc in Path("/proc").iterdir() if proc.name.isdigit()
+                 and f"--worker-id={worker_id}" in _cmdline_or_empty(int(proc.name))]
+    assert len(launchers) == 1 and launchers != [pid]  # the process the raylet started stands in for the worker
+    launcher = launchers[0]
+    assert LAUNCHER in cmdline(launcher)
+    ray_session.kill(probe)
+    wait_until(lambda: not alive(pid) and not alive(launcher))
