@@ -31,6 +31,7 @@ import torch
 report["threads"] = torch.get_num_threads()
 print(json.dumps(report), flush=True)
 if "--wait" in sys.argv:
+    signal.signal(signal.SIGTERM, lambda *_: (print("terminated", flush=True), os._exit(5)))
     time.sleep(600)
 sys.exit(3)
 """
@@ -107,18 +108,25 @@ def test_a_worker_forks_from_the_warm_interpreter_with_its_launchers_arguments_e
     second = launch(node, env={**node["env"], "WARM_MARKER": "second"})
     report = json.loads(second.communicate(timeout=60)[0])
     assert report["ppid"] == zygote and report["marker"] == "second"  # one warm interpreter for the raylet
+    # its own launcher's priority and mask, not those of the launcher that started the warm interpreter
+    assert report["niceness"] == os.getpriority(os.PRIO_PROCESS, 0) and report["blocked"] == []
 
     node["raylet"].kill()  # the raylet gone, its warm interpreter leaves and takes its socket with it
     wait_until(lambda: not alive(zygote) and not node["socket"].exists())
 
 
 def test_the_launcher_passes_on_sigterm_and_its_worker_dies_with_it(node):
-    for sig, status in ((signal.SIGTERM, -signal.SIGTERM), (signal.SIGKILL, -signal.SIGKILL)):
-        launcher = launch(node, "--wait")
-        worker = json.loads(launcher.stdout.readline())["pid"]
-        launcher.send_signal(sig)
-        assert launcher.wait(timeout=20) == status
-        wait_until(lambda: not alive(worker))  # SIGTERM passed on; after SIGKILL the worker sees its launcher gone
+    launcher = launch(node, "--wait")
+    worker = json.loads(launcher.stdout.readline())["pid"]
+    launcher.send_signal(signal.SIGTERM)  # passed on: the worker's handler runs and its exit status comes back
+    assert launcher.wait(timeout=20) == 5 and launcher.stdout.readline() == "terminated\n"
+    assert not alive(worker)
+
+    launcher = launch(node, "--wait")
+    worker = json.loads(launcher.stdout.readline())["pid"]
+    launcher.kill()
+    assert launcher.wait(timeout=20) == -signal.SIGKILL
+    wait_until(lambda: not alive(worker))  # the worker sees its launcher gone
 
 
 def test_without_a_raylet_to_serve_the_worker_starts_as_ray_would_start_it(node):
