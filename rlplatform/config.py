@@ -323,9 +323,9 @@ class RedisConfig:
 class RayConfig:
     address: Optional[str] = None  # existing cluster; unset: RAY_ADDRESS or a local cluster
     # actor processes forked from a warm interpreter per node (rlplatform.warm_start) on machines without a GPU;
-    # auto: when the job starts its own Ray; on: also on a cluster it joins (each node then needs this Python and
-    # rlplatform at the same paths, as in one image); off: each actor imports torch and transformers itself
-    warm_start: str = one_of("auto", "on", "off")
+    # unset: when the job starts its own Ray; true: also on a cluster it joins (each node then needs this Python
+    # and rlplatform at the same paths, as in one image); false: each actor imports torch and transformers itself
+    warm_start: Optional[bool] = None
 
 
 @dataclass

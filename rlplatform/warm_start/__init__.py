@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
-from typing import Dict
+from typing import Dict, Optional
 
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launcher.py")
 
@@ -22,6 +22,6 @@ def runtime_env() -> Dict[str, str]:
     return {"py_executable": f"{shlex.quote(sys.executable)} {shlex.quote(LAUNCHER)}"}
 
 
-def wanted(setting: str, joins_cluster: bool) -> bool:
-    """Whether a job with `ray.warm_start` `setting` forks its actors: auto when it starts its own Ray."""
-    return setting == "on" or (setting == "auto" and not joins_cluster)
+def wanted(setting: Optional[bool], joins_cluster: bool) -> bool:
+    """Whether a job with `ray.warm_start` `setting` forks its actors (unset: when it starts its own Ray)."""
+    return not joins_cluster if setting is None else setting

@@ -72,7 +72,7 @@ def cluster():
 def job_yaml(tmp_path: Path, name: str, address: str, **sections: dict) -> Path:
     """A tiny RL-only job joining `address`, its rollout and reward workers asking for `rollout_node`, its actors
     forked from each node's warm interpreter (the nodes share this machine's paths); `sections` update its sections."""
-    job = {"name": name, "output_dir": str(tmp_path), "ray": {"address": address, "warm_start": "on"},
+    job = {"name": name, "output_dir": str(tmp_path), "ray": {"address": address, "warm_start": True},
            "model": {"hidden_size": 64, "num_layers": 2, "intermediate_size": 128},
            "data": {"train_size": 300, "test_size": 8}, "sft": {"enabled": False}, "eval": {"batch_size": 8},
            "rl": {"max_steps": 6, "batch_prompts": 2, "group_size": 4, "max_new_tokens": 4},
