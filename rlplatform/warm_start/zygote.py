@@ -23,7 +23,7 @@ import threading
 import traceback
 
 PRELOAD = (  # the modules of the actors a job starts, with torch, transformers, DeepSpeed and Ray under them
-    "ray._private.workers.default_worker",
+    "ray._private.worker",  # what Ray's default_worker.py imports (the script itself parses arguments at import)
     "rlplatform.learners.rank",
     "rlplatform.actors.rollout",
     "rlplatform.actors.evaluator",
@@ -40,9 +40,6 @@ def _preload() -> None:
     import importlib
 
     for name in PRELOAD:
-        if name == "ray._private.workers.default_worker":
-            import ray._private.worker  # noqa: F401  (default_worker parses arguments at import: run, not imported)
-            continue
         importlib.import_module(name)
 
 
