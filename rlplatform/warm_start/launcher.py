@@ -61,12 +61,9 @@ def _connect(path: str, start: bool) -> socket.socket:
 
 
 def _read(conn: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = conn.recv(size - len(data))
-        if not chunk:
-            raise EOFError
-        data += chunk
+    data = conn.recv(size, socket.MSG_WAITALL)  # all `size` bytes, or fewer at the end of the stream
+    if len(data) < size:
+        raise EOFError
     return data
 
 

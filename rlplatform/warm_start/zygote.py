@@ -57,12 +57,9 @@ def _recv_request(conn: socket.socket) -> tuple:
     if len(header) < 4 or len(fds) != 4:
         raise EOFError
     (size,) = struct.unpack("!I", header)
-    body = b""
-    while len(body) < size:
-        chunk = conn.recv(size - len(body))
-        if not chunk:
-            raise EOFError
-        body += chunk
+    body = conn.recv(size, socket.MSG_WAITALL)  # all of it, or less at the end of the stream
+    if len(body) < size:
+        raise EOFError
     return json.loads(body), fds
 
 
