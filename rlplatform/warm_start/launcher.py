@@ -4,9 +4,9 @@ Ray runs this file (by path, so that it imports nothing but the standard library
 `runtime_env.py_executable`, with the worker's own arguments (`default_worker.py ...`). It asks the node's warm
 interpreter (`rlplatform.warm_start.zygote`, which has imported torch, transformers, Ray and the actors' modules
 once) to fork the worker with this process's arguments, environment, directory, standard streams, process group,
-niceness and signal mask, and starting that interpreter when the node has none. It then stands in for the worker towards the raylet, which started it:
-it passes on SIGTERM, SIGINT and SIGHUP, and ends as the worker ends (its exit status, or the signal that killed
-it); the worker ends when this process is killed. On a machine with a GPU, or where no warm interpreter
+niceness and signal mask, and starting that interpreter when the node has none. It then stands in for the worker
+towards the raylet, which started it: it passes on SIGTERM, SIGINT and SIGHUP, and ends as the worker ends (its
+exit status, or the signal that killed it); the worker ends when this process is killed. On a machine with a GPU, or where no warm interpreter
 answers, the worker runs here as Ray would have run it.
 """
 

@@ -1,8 +1,9 @@
 """The node's warm interpreter: imports the actors' modules once, then forks each Ray worker from itself.
 
-Started by the first `launcher` on a node (detached, one per raylet), it binds the raylet's socket, imports
-torch, transformers, Ray and the modules of the job's actors, and serves: for each launcher it forks a child that
-takes the launcher's arguments, environment, directory and standard streams and runs Ray's `default_worker.py`
+Started by the first `launcher` on a node (one per raylet, in Ray's session, its own process group), it binds the
+raylet's socket, imports torch, transformers, Ray and the modules of the job's actors, and serves: for each
+launcher it forks a child that takes the launcher's arguments, environment, directory and standard streams (with
+its process group, niceness and signal mask) and runs Ray's `default_worker.py`
 as `python default_worker.py ...` would, without importing anything again. It reports each child's pid and exit
 status to its launcher, and exits when its raylet is gone. It runs one thread, and its imports run with one
 OpenMP thread, so that no thread is lost to a fork; a child sets torch's threads from its own environment.
@@ -11,6 +12,7 @@ OpenMP thread, so that no thread is lost to a fork; a child sets torch's threads
 import contextlib
 import errno
 import fcntl
+import importlib
 import json
 import os
 import runpy
@@ -21,6 +23,8 @@ import struct
 import sys
 import threading
 import traceback
+
+import psutil
 
 PRELOAD = (  # the modules of the actors a job starts, with torch, transformers, DeepSpeed and Ray under them
     "ray._private.worker",  # what Ray's default_worker.py imports (the script itself parses arguments at import)
@@ -37,8 +41,6 @@ PRELOAD = (  # the modules of the actors a job starts, with torch, transformers,
 
 def _preload() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"  # no OpenMP pool thread before the forks; each child sets its own
-    import importlib
-
     for name in PRELOAD:
         importlib.import_module(name)
 
@@ -46,9 +48,8 @@ def _preload() -> None:
 def _raylet_alive(pid: int) -> bool:
     """Whether process `pid` runs (a zombie, exited but not yet reaped by its parent, does not)."""
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
 
 
@@ -96,7 +97,7 @@ def _become_worker(request: dict, fds: list) -> None:
     sys.argv = list(argv)
     script_dir = os.path.dirname(os.path.abspath(argv[0]))
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
-    sys.path[:] = [script_dir, *extra, *[p for p in sys.path[1:]]]
+    sys.path[:] = [script_dir, *extra, *sys.path[1:]]
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads and threads.isdigit() and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))
