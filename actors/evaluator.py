@@ -21,6 +21,7 @@ import ray
 import redis
 from ray._private.state import actors  # the GCS actor table (runtime_context's own check warns of a deprecation)
 
+from rlplatform.actor_classes import LazyActorClass
 from rlplatform.actors.rollout_spec import RolloutSpec
 from rlplatform.priority import set_cpu_priority
 from rlplatform.transport.deadlines import this_process
@@ -54,7 +55,7 @@ class EvaluatorWorker:
         return self.instance, self.worker.evaluate_latest(prompts, config, rewards, imports)
 
 
-EvaluatorActor = ray.remote(EvaluatorWorker)
+EvaluatorActor = LazyActorClass(EvaluatorWorker)
 
 
 def started_as_restart() -> bool:

@@ -30,6 +30,7 @@ from typing import Dict, Hashable, List, Optional, Tuple
 import ray
 import torch
 
+from rlplatform.actor_classes import LazyActorClass
 from rlplatform.actors.completions import Completion
 from rlplatform.actors.engine import ContinuousBatch, build_engine
 from rlplatform.actors.episodes import MultiTurn, SingleTurn, WaitOccupancy, run_episodes
@@ -375,4 +376,4 @@ class RolloutWorker:
         return samples
 
 
-RolloutActor = ray.remote(RolloutWorker)
+RolloutActor = LazyActorClass(RolloutWorker)

@@ -14,8 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import List
 
-import ray
-
+from rlplatform.actor_classes import LazyActorClass
 from rlplatform.actors.rollout_spec import RolloutSpec
 from rlplatform.config import RewardWorkersConfig
 from rlplatform.transport.deadlines import Heartbeats
@@ -89,4 +88,4 @@ class TeacherWorker(QueueWorker):
         self.queue.pass_on(list(zip(msg_ids, results)))
 
 
-TeacherActor = ray.remote(TeacherWorker)
+TeacherActor = LazyActorClass(TeacherWorker)

@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Tuple
 import ray
 import torch
 
+from rlplatform.actor_classes import LazyActorClass
 from rlplatform.config import LearnerConfig, LoraConfig, RLConfig
 from rlplatform.devices import resolve_device, share_kv_heads_on_cpu, to_device, torch_dtype
 from rlplatform.learners.algorithms import (Totals, distillation_signal, entropy_bonus, parity_figures, parity_sums,
@@ -818,4 +819,4 @@ def lr_scale(rl: RLConfig, step: int) -> float:
     return warmup
 
 
-LearnerActor = ray.remote(LearnerRank)
+LearnerActor = LazyActorClass(LearnerRank)

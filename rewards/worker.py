@@ -19,8 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import List, Optional, Tuple
 
-import ray
-
+from rlplatform.actor_classes import LazyActorClass
 from rlplatform.config import RewardSpec, RewardWorkersConfig
 from rlplatform.rewards.registry import resolve
 from rlplatform.rewards.scoring import Scorer
@@ -83,4 +82,4 @@ def default_worker_name(job: str) -> str:
     return f"{job}-reward-{socket.gethostname()}-{os.getpid()}"
 
 
-RewardActor = ray.remote(RewardWorker)
+RewardActor = LazyActorClass(RewardWorker)

@@ -40,10 +40,11 @@ def ray_session():
 
     import ray
 
-    from rlplatform.warm_start import runtime_env
+    from rlplatform.warm_start import local_workers_forked
 
-    with mock.patch.dict(os.environ, {"LOG_NAME_UPDATE_INTERVAL_S": "5", "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0"}):
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env())
+    log_monitor = {"LOG_NAME_UPDATE_INTERVAL_S": "5", "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0"}
+    with mock.patch.dict(os.environ, log_monitor), local_workers_forked():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 

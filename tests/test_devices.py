@@ -146,8 +146,9 @@ def test_the_default_job_runs_on_a_one_gpu_cluster_by_sharing_it(tmp_path):
 import json, ray
 from rlplatform.config import load_config
 from rlplatform.job.controller import run_job
-from rlplatform.warm_start import runtime_env
-ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env())
+from rlplatform.warm_start import local_workers_forked
+with local_workers_forked():
+    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)
 summary = run_job(load_config({QUICKSTART!r}, ["output_dir={tmp_path}", "name=one-gpu", "sft.enabled=false",
                               "rl.max_steps=2", "rl.batch_prompts=4", "rollout.prompts_per_batch=4",
                               "model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=128",

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from rlplatform.warm_start import LAUNCHER
+from rlplatform.warm_start import LAUNCHER, local_workers_forked
 from tests.processes import alive
 
 WORKER = """
@@ -62,7 +62,7 @@ def node(tmp_path):
     temp = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))  # short: socket paths must fit
     (temp / "session_x" / "sockets").mkdir(parents=True)
     raylet = subprocess.Popen(["sleep", "600"])
-    script = tmp_path / "scripts" / "worker.py"
+    script = tmp_path / "scripts" / "default_worker.py"  # named as Ray's worker: the launcher forks nothing else
     script.parent.mkdir()
     script.write_text(WORKER)
     extra = tmp_path / "user_code"
@@ -97,7 +97,7 @@ def test_a_worker_forks_from_the_warm_interpreter_with_its_launchers_arguments_e
     assert report["torch_before"]  # imported before the worker's code ran: forked, not started anew
     assert report["argv"] == [*node["args"]]
     assert report["cwd"] == str(node["cwd"]) and report["marker"] == "from-the-launcher" and report["extra_path"]
-    assert report["path0"] == str(Path(node["args"][0]).parent)  # as `python worker.py` sets it
+    assert report["path0"] == str(Path(node["args"][0]).parent)  # as `python default_worker.py` sets it
     assert report["threads"] == 2  # torch's threads from the worker's OMP_NUM_THREADS (the zygote imports with 1)
     # the launcher's group (a signal to it reaches the worker), session, priority and blocked signals
     assert report["pgid"] == first.pid and report["sid"] == os.getsid(0)
@@ -139,18 +139,65 @@ def test_without_a_raylet_to_serve_the_worker_starts_as_ray_would_start_it(node)
     assert not node["socket"].exists()
 
 
+def test_what_is_not_rays_worker_runs_as_python_would_run_it(node):
+    """Ray starts its agents, log monitor and reaper with the same Python as its workers: they run unforked."""
+    other = Path(node["args"][0]).with_name("log_monitor.py")
+    Path(node["args"][0]).rename(other)
+    node["args"][0] = str(other)
+    launcher = launch(node)
+    report = json.loads(launcher.communicate(timeout=60)[0])
+    assert launcher.returncode == 3 and not report["torch_before"] and report["pid"] == launcher.pid
+    assert not node["socket"].exists()
+
+
+def test_forks_of_the_warm_interpreter_draw_ray_ids_of_their_own():
+    """The warm interpreter's imports (the actors' modules among them) draw no random Ray id: a draw before the
+    forks would give every worker the same ids. Defining an actor class draws one, and the check sees it."""
+    script = ("import json, ray\n"
+              "from rlplatform.warm_start.zygote import _preload, ray_ids_fork_safe\n"
+              "_preload()\n"
+              "after_imports = ray_ids_fork_safe()\n"
+              "ray.remote(type('Probe', (), {}))\n"
+              "print(json.dumps([after_imports, ray_ids_fork_safe()]))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True, False]
+
+
+def test_where_the_warm_interpreters_imports_drew_a_ray_id_workers_start_unforked(node):
+    # every Python started with the node's environment, the warm interpreter among them, defines an actor class
+    (node["cwd"] / "sitecustomize.py").write_text("import ray\nray.remote(type('Drawn', (), {}))\n")
+    launcher = launch(node)
+    report = json.loads(launcher.communicate(timeout=120)[0])
+    assert launcher.returncode == 3 and not report["torch_before"] and report["pid"] == launcher.pid
+    wait_until(lambda: "start unforked" in Path(str(node["socket"]) + ".log").read_text())
+
+
+def test_a_local_ray_started_in_the_block_takes_the_launcher_as_its_python():
+    python = sys.executable
+    with local_workers_forked():
+        script = sys.executable
+    assert sys.executable == python and script != python and os.access(script, os.X_OK)
+    done = subprocess.run([script, "-c", "import sys; print(sys.executable)"], capture_output=True, text=True)
+    assert done.stdout.strip() == python  # through the launcher, which ran no warm interpreter for it
+
+
+class Probe:
+    def where(self):
+        return os.getpid(), os.getppid(), os.environ.get("WARM_MARKER"), ray.get_runtime_context().get_worker_id()
+
+
 def test_a_ray_actor_runs_forked_and_ends_with_its_launcher(ray_session):
-    """The tests' Ray session starts its actors as a job's: forked, with the runtime environment's variables."""
+    """The tests' Ray session starts its actors as a job's: forked. An actor with a runtime environment of its own
+    starts as Ray starts it, with that environment."""
+    own_env = ray_session.remote(num_cpus=0, runtime_env={"env_vars": {"WARM_MARKER": "actor"}})(Probe).remote()
+    pid, ppid, marker, _ = ray_session.get(own_env.where.remote())
+    assert marker == "actor" and "zygote.py" not in cmdline(ppid)
+    ray_session.kill(own_env)
 
-    @ray_session.remote(num_cpus=0, runtime_env={"env_vars": {"WARM_MARKER": "actor"}})
-    class Probe:
-        def where(self):
-            return (os.getpid(), os.getppid(), os.environ.get("WARM_MARKER"),
-                    ray.get_runtime_context().get_worker_id())
-
-    probe = Probe.remote()
+    probe = ray_session.remote(num_cpus=0)(Probe).remote()
     pid, ppid, marker, worker_id = ray_session.get(probe.where.remote())
-    assert marker == "actor" and "zygote.py" in cmdline(ppid)
+    assert "zygote.py" in cmdline(ppid)
     launchers = [int(proc.name) for proc in Path("/proc").iterdir() if proc.name.isdigit()
                  and f"--worker-id={worker_id}" in _cmdline_or_empty(int(proc.name))]
     assert len(launchers) == 1 and launchers != [pid]  # the process the raylet started stands in for the worker

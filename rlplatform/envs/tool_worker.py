@@ -21,8 +21,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Tuple
 
-import ray
-
+from rlplatform.actor_classes import LazyActorClass
 from rlplatform.config import RewardWorkersConfig, ToolSpec
 from rlplatform.envs.tools import resolve_tools
 from rlplatform.transport.deadlines import Heartbeats
@@ -126,4 +125,4 @@ class ToolService(ToolWorker):
         return self.stats
 
 
-ToolActor = ray.remote(ToolService)
+ToolActor = LazyActorClass(ToolService)

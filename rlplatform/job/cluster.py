@@ -12,7 +12,7 @@ import math
 import os
 import signal
 import threading
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from typing import Callable, Iterator, List, Optional
 
 import psutil
@@ -22,7 +22,7 @@ from rlplatform.config import JobConfig
 from rlplatform.job.signals import sigterm_held
 from rlplatform.priority import ray_workers_at_our_niceness
 from rlplatform.transport.redis_server import RedisUnavailable, connect
-from rlplatform.warm_start import runtime_env, wanted
+from rlplatform.warm_start import local_workers_forked, runtime_env, wanted
 
 
 def joins_cluster(config: JobConfig) -> bool:
@@ -37,14 +37,14 @@ def start_ray(config: JobConfig) -> None:
     stays the caller's (`ray.init` would put in one that exits with status 15). The job's actors start forked
     from a warm interpreter as `ray.warm_start` says (rlplatform.warm_start)."""
     joining = joins_cluster(config)
-    env = runtime_env() if wanted(config.ray.warm_start, joining) else None
+    forked = wanted(config.ray.warm_start, joining)
     if joining:
         with _sigterm_handler_kept():
-            ray.init(address=config.ray.address, include_dashboard=False, runtime_env=env)
+            ray.init(address=config.ray.address, include_dashboard=False, runtime_env=runtime_env() if forked else None)
         return
-    with _sigterm_handler_kept(), sigterm_held(), ray_workers_at_our_niceness():
-        ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(cpus_needed(config))), include_dashboard=False,
-                 runtime_env=env)
+    with _sigterm_handler_kept(), sigterm_held(), ray_workers_at_our_niceness(), \
+            local_workers_forked() if forked else nullcontext():
+        ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(cpus_needed(config))), include_dashboard=False)
 
 
 def start_local_ray_while(config: JobConfig, work: Callable[[], None]) -> None:

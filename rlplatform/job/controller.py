@@ -48,7 +48,7 @@ from rlplatform.transport.redis_server import EmbeddedRedis, RedisUnavailable, c
 from rlplatform.transport.keys import PolicyKeys, run_scope
 from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.run_keys import end_run, start_run
-from rlplatform.transport.weight_store import WeightStore
+from rlplatform.transport.weight_store import WeightStoreActor
 
 
 class JobEnded(JobFailed):
@@ -367,7 +367,7 @@ def _start_policy(config: JobConfig, plan: PolicyPlan, learner: LearnerGroup, tr
     train, test, data = _encode_prompts(config, model_path, train_rows, test_rows)
     prompts_path = save_prompts(train, os.path.join(config.policy_dir(policy.name), "train_prompts.jsonl"))
     store_name = f"{config.name}-{policy.name}-weights"
-    store = WeightStore.options(name=store_name).remote(plan.transport.delta_full_every)
+    store = WeightStoreActor.options(name=store_name).remote(plan.transport.delta_full_every)
     start_rollout = partial(_start_rollout_actor, config, plan, run, model_path, prompts_path, redis_url=redis_url,
                             store_name=store_name)
     rollout_workers = policy.rollout.num_workers if policy.rl.enabled else 0  # SFT alone generates only to evaluate

@@ -14,6 +14,8 @@ from typing import List, Optional, Tuple
 
 import ray
 
+from rlplatform.actor_classes import LazyActorClass
+
 Update = Tuple[int, List[ray.ObjectRef]]  # (version, [ref of what the transport put in the object store])
 
 
@@ -22,7 +24,6 @@ def full_version(version: int, full_every: int) -> bool:
     return not full_every or version % full_every == 0
 
 
-@ray.remote(num_cpus=0)
 class WeightStore:
     """Holds the newest full version of one policy, and with delta sync the deltas published after it."""
 
@@ -46,3 +47,6 @@ class WeightStore:
         if version < self._chain[0][0]:
             return list(self._chain)
         return [update for update in self._chain if update[0] > version]
+
+
+WeightStoreActor = LazyActorClass(WeightStore, num_cpus=0)

@@ -1,13 +1,13 @@
 """Starts one Ray worker process on this node: forked from the node's warm interpreter, else a plain `python`.
 
-Ray runs this file (by path, so that it imports nothing but the standard library) as the job's
-`runtime_env.py_executable`, with the worker's own arguments (`default_worker.py ...`). It asks the node's warm
+Ray runs this file by path (so that it imports nothing but the standard library) as its workers' Python (see
+`rlplatform.warm_start`), with the worker's own arguments (`default_worker.py ...`). It asks the node's warm
 interpreter (`rlplatform.warm_start.zygote`, which has imported torch, transformers, Ray and the actors' modules
 once) to fork the worker with this process's arguments, environment, directory, standard streams, process group,
 niceness and signal mask, and starting that interpreter when the node has none. It then stands in for the worker
 towards the raylet, which started it: it passes on SIGTERM, SIGINT and SIGHUP, and ends as the worker ends (its
-exit status, or the signal that killed it); the worker ends when this process is killed. On a machine with a GPU, or where no warm interpreter
-answers, the worker runs here as Ray would have run it.
+exit status, or the signal that killed it); the worker ends when this process is killed. On a machine with a GPU,
+where no warm interpreter answers, or for anything but Ray's worker script, Python runs here as it would have.
 """
 
 import json
@@ -23,6 +23,7 @@ ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
 STARTUP_S = 30.0  # how long a starting warm interpreter may take to bind its socket
 MAX_SOCKET_PATH = 100  # AF_UNIX paths are limited to 108 bytes
 GPU_DEVICES = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA's and AMD's
+WORKER_SCRIPT = "default_worker.py"  # Ray's worker; anything else the launcher is given runs as it would
 
 
 def socket_path(worker_args: list) -> str:
@@ -73,7 +74,8 @@ def _exec_here(worker_args: list) -> None:
 
 def main() -> None:
     worker_args = sys.argv[1:]
-    path = "" if any(os.path.exists(device) for device in GPU_DEVICES) else socket_path(worker_args)
+    is_worker = bool(worker_args) and os.path.basename(worker_args[0]) == WORKER_SCRIPT
+    path = socket_path(worker_args) if is_worker and not any(map(os.path.exists, GPU_DEVICES)) else ""
     try:
         conn = _connect(path, start=True) if path else None
         if conn is not None and _read(conn, 1) != b"R":  # the interpreter is ready once its imports are done

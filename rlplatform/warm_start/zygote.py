@@ -6,7 +6,9 @@ launcher it forks a child that takes the launcher's arguments, environment, dire
 its process group, niceness and signal mask) and runs Ray's `default_worker.py`
 as `python default_worker.py ...` would, without importing anything again. It reports each child's pid and exit
 status to its launcher, and exits when its raylet is gone. It runs one thread, and its imports run with one
-OpenMP thread, so that no thread is lost to a fork; a child sets torch's threads from its own environment.
+OpenMP thread, so that no thread is lost to a fork; a child sets torch's threads from its own environment. Where
+its imports have drawn a random Ray id (forks would then share Ray's ids: `ray_ids_fork_safe`), it forks nothing
+and each launcher runs its worker itself.
 """
 
 import contextlib
@@ -43,6 +45,26 @@ def _preload() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"  # no OpenMP pool thread before the forks; each child sets its own
     for name in PRELOAD:
         importlib.import_module(name)
+
+
+def ray_ids_fork_safe() -> bool:
+    """Whether two forks of this process draw different random Ray ids. Ray seeds its generator once per process,
+    so after a draw here (`ray.remote` on a class draws its id) every fork would repeat the others' ids: the
+    actors' modules make their classes on first use (rlplatform.actor_classes)."""
+    import ray._raylet
+
+    drawn = []
+    for _ in range(2):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(write, ray._raylet.ObjectID.from_random().binary())
+            os._exit(0)
+        os.close(write)
+        drawn.append(os.read(read, 64))
+        os.close(read)
+        os.waitpid(pid, 0)
+    return drawn[0] != drawn[1]
 
 
 def _raylet_alive(pid: int) -> bool:
@@ -118,6 +140,10 @@ def serve(path: str, raylet_pid: int) -> None:
     listener.bind(path)
     listener.listen(128)
     _preload()
+    forks_safe = ray_ids_fork_safe()
+    if not forks_safe:
+        print("warm interpreter: its imports drew a random Ray id, which its forks would share; the workers of this "
+              "raylet start unforked", flush=True)
     me = os.getpid()
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
@@ -132,6 +158,11 @@ def serve(path: str, raylet_pid: int) -> None:
             for key, _ in selector.select(timeout=1.0):
                 if key.fileobj is listener:
                     conn, _ = listener.accept()
+                    if not forks_safe:  # the launcher runs its worker itself
+                        with contextlib.suppress(OSError):
+                            conn.sendall(b"N")
+                        conn.close()
+                        continue
                     pid = _fork_worker(conn, [listener, lock, *launchers.values()], (wake_read, wake_write))
                     if pid:
                         launchers[pid] = conn

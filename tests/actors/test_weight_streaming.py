@@ -21,7 +21,7 @@ from rlplatform.transport.keys import PolicyKeys
 from rlplatform.transport.reward_queue import RewardQueue
 from rlplatform.transport.rollout_counters import RolloutCounterHash
 from rlplatform.transport.samples import decode_sample
-from rlplatform.transport.weight_store import WeightStore
+from rlplatform.transport.weight_store import WeightStoreActor
 from rlplatform.transport.versions import publish_version
 from rlplatform.transport.weight_transports import ObjectStoreTransport
 from rlplatform.transport.weights import to_snapshot
@@ -59,7 +59,7 @@ def test_worker_generates_with_each_new_version(ray_session, redis_server, redis
     job = f"stream-test-{time.time_ns()}"
     queue = RewardQueue(redis_client, job)
     queue.create_group()
-    store = WeightStore.options(name=f"{job}-weights").remote()
+    store = WeightStoreActor.options(name=f"{job}-weights").remote()
     rl = RLConfig(group_size=2, max_new_tokens=4, batch_prompts=2, max_staleness=0)
     prompts = save_prompts(encode_prompts(load_tokenizer(tiny_policy), ROWS, "auto"), str(tmp_path / "prompts.jsonl"))
     worker = RolloutActor.options(max_restarts=1).remote(RolloutSpec(
@@ -99,7 +99,7 @@ def test_an_idle_worker_loads_new_weights_as_they_are_published(ray_session, red
     job = f"idle-test-{time.time_ns()}"
     queue, keys = RewardQueue(redis_client, job), PolicyKeys(job, "policy")
     queue.create_group()
-    store = WeightStore.options(name=f"{job}-weights").remote()
+    store = WeightStoreActor.options(name=f"{job}-weights").remote()
     rl = RLConfig(group_size=2, max_new_tokens=4, batch_prompts=1, max_staleness=0)
     prompts = save_prompts(encode_prompts(load_tokenizer(tiny_policy), ROWS, "auto"), str(tmp_path / "prompts.jsonl"))
     worker = RolloutWorker(RolloutSpec(0, "policy", job, tiny_policy, prompts, redis_url=redis_server, rl=rl,

@@ -140,12 +140,16 @@ def test_a_job_on_labelled_nodes_that_come_and_go_accounts_for_every_sample(clus
         refused = subprocess.run(ask, env=ENV, capture_output=True, text=True, timeout=120)
         assert refused.returncode == 1 and "2 nodes of the job's Ray cluster run at " in refused.stderr, refused.stderr
         node_id = refused.stderr.split("(one of ")[1].split(",")[0]
-        attached = subprocess.Popen([*ask, "--node-id", node_id], env=ENV, stderr=subprocess.PIPE, text=True)
+        attach_file = tmp_path / "attach.log"
+        with attach_file.open("w") as log:
+            attached = subprocess.Popen([*ask, "--node-id", node_id], env=ENV, stderr=log, text=True)
         started.append(attached)
         run_files.wait_for(lambda: any(beat.worker == "rollout worker 3 of policy 'policy'" and beat.version is not None
                                        and beat.action == "generating" for beat in beats.beats()), timeout_s=180)
+        run_files.wait_for(lambda: "rlp: attached" in attach_file.read_text(), timeout_s=60)  # its next poll says so
         attached.send_signal(signal.SIGINT)  # Ctrl-C: the job stops the worker, its unsubmitted groups issued again
-        _, attach_log = attached.communicate(timeout=60)
+        attached.wait(timeout=60)
+        attach_log = attach_file.read_text()
         assert attached.returncode == 0, attach_log
         run_files.wait_for(lambda: len(said(run_dir, "rollout_capacity")) == 5, timeout_s=180)
         job.send_signal(signal.SIGTERM)
