@@ -34,7 +34,7 @@ from rlplatform.config import LearnerConfig, load_config
 from rlplatform.learners.rank import LearnerRank
 from rlplatform.policy import save_initial_policy
 from rlplatform.transport.weight_deltas import DeltaEncoder, update_bytes
-from rlplatform.transport.weight_store import WeightStore
+from rlplatform.transport.weight_store import WeightStoreActor
 from rlplatform.transport.weight_transports import ObjectStoreTransport
 from rlplatform.transport.weights import from_snapshot
 
@@ -84,7 +84,7 @@ def measure(size: str, model_dir: str, device: str, lr: float, versions: int) ->
                           dtype=DTYPE, transport=ObjectStoreTransport())
     learner.setup("127.0.0.1", _free_port())
     learner.start_stage(lr)
-    full_store, delta_store = WeightStore.remote(), WeightStore.remote(FULL_EVERY)
+    full_store, delta_store = WeightStoreActor.remote(), WeightStoreActor.remote(FULL_EVERY)
     transport = ObjectStoreTransport(delta_full_every=FULL_EVERY)
     full_engine = Engine.remote(model_dir, device, transport, full_store)
     delta_engine = Engine.remote(model_dir, device, transport, delta_store)

@@ -51,7 +51,7 @@ from rlplatform.learners.batching import choose_layout
 from rlplatform.learners.rank import LearnerRank
 from rlplatform.transport.redis_server import EmbeddedRedis
 from rlplatform.transport.samples import Sample
-from rlplatform.transport.weight_store import WeightStore
+from rlplatform.transport.weight_store import WeightStoreActor
 from rlplatform.transport.weight_transports import BroadcastTransport, CudaIpcTransport, ObjectStoreTransport, WeightTransport
 
 SIZES = {  # Qwen2Config fields
@@ -155,7 +155,7 @@ class SyncTarget:
 def weight_sync(learner: LearnerRank, model_dir: str, transport: WeightTransport, redis_url: str,
                 repeats: int = 5) -> Dict:
     """Seconds from learner rank 0's weights to an engine in another process holding them, per transport."""
-    store = WeightStore.remote()
+    store = WeightStoreActor.remote()
     target = _sync_target(model_dir, learner.dtype, transport, store)
     learner.transport, learner.weights_out = transport, transport.sender(learner.device)
     if isinstance(transport, BroadcastTransport):

@@ -208,11 +208,11 @@ def test_a_weight_store_that_does_not_take_a_version_within_its_deadline_is_name
 
     from rlplatform.job.workers import publish
     from rlplatform.transport.keys import PolicyKeys
-    from rlplatform.transport.weight_store import WeightStore
+    from rlplatform.transport.weight_store import WeightStoreActor
     from tests.job.conftest import actor_pid
 
     keys, name = PolicyKeys("run", "policy"), f"stuck-weights-{uuid.uuid4().hex[:6]}"
-    store = WeightStore.options(name=name).remote()
+    store = WeightStoreActor.options(name=name).remote()
     workers = SimpleNamespace(name="policy", keys=keys, weight_store=store)  # what `publish` reads of PolicyWorkers
     publish(workers, redis_client, 1, ray.put({"w": 0}), deadline_s=60.0)
     assert int(redis_client.get(keys.version)) == 1

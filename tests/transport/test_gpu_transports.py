@@ -54,9 +54,9 @@ class Side:
 
 @pytest.mark.gpu
 def test_cuda_ipc_hands_a_version_to_another_process_on_the_same_gpu(ray_session):
-    from rlplatform.transport.weight_store import WeightStore
+    from rlplatform.transport.weight_store import WeightStoreActor
 
-    learner, worker, store = Side.remote(), Side.remote(), WeightStore.remote()
+    learner, worker, store = Side.remote(), Side.remote(), WeightStoreActor.remote()
     ray.get(store.publish.remote(3, [ray.get(learner.publish_ipc.remote())]))
     version, weights = ray.get(worker.read_ipc.remote(store))
     assert version == 3 and all(torch.equal(weights[k], v) for k, v in _weights().items())

@@ -19,7 +19,7 @@ from rlplatform.preflight import check_weights
 from rlplatform.transport.keys import PolicyKeys
 from rlplatform.transport.weight_deltas import DELTA_OF, IDX, MASK, DeltaEncoder, combine, delta_of, load_delta, \
     update_bytes
-from rlplatform.transport.weight_store import WeightStore
+from rlplatform.transport.weight_store import WeightStoreActor
 from rlplatform.transport.weight_transports import BroadcastTransport, ObjectStoreTransport, weight_transport
 from rlplatform.transport.weights import from_snapshot
 
@@ -142,7 +142,7 @@ class Engine:
 def test_an_engine_syncing_now_and_then_holds_the_bfloat16_learners_weights_bit_for_bit(
         ray_session, redis_server, redis_client, tiny_policy, transport):
     keys = PolicyKeys(f"delta-test-{time.time_ns()}", "policy")
-    store = WeightStore.remote(FULL_EVERY)
+    store = WeightStoreActor.remote(FULL_EVERY)
     engine = Engine.remote(tiny_policy, transport, store)
     learner = LearnerGroup(LearnerConfig(num_cpus=0), tiny_policy, seed=0, dtype="bfloat16", transport=transport)
     try:
