@@ -54,9 +54,10 @@ def play(url: str, group: str, episode: str, finish: bool = True) -> None:
 def test_a_bridge_only_job_trains_on_an_agents_groups_through_the_ledger(ray_session, tiny_job, run_files):
     # the bridge's idle deadline: 2 x the longest the agent took to send an episode's next request, at least 2 s (the
     # watchdog off: no worker is restarted on so short a rule); the stage idles out 8 s after the last scored sample,
-    # time for the drop (a sweep a second) and the job's alert (a check every 2 s)
+    # time for the drop (a sweep a second) and the job's alert (a check every 2 s); the left group may not expire
+    # first (its deadline derived from the job's start-up would be as short as 6 s on a fast machine)
     config = tiny_job("bridge-agent", *BRIDGE_ONLY, "rl.batch_prompts=2", "rl.group_size=4", "monitoring.watchdog=false",
-                      "monitoring.hang_factor=2", "monitoring.hang_floor_s=2", "rl.idle_timeout_s=8")
+                      "monitoring.hang_factor=2", "monitoring.hang_floor_s=2", "rl.idle_timeout_s=8", "rl.group_timeout_s=60")
     groups = [f"task-{k}" for k in range(4)]
 
     def agent():
