@@ -24,6 +24,7 @@ their adapter id and go on under the new adapters, like full weights.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import os
@@ -167,15 +168,17 @@ class VLLMEngine(BatchGenerate):
         # on CPU: no compilation (a start of seconds instead of a minute) and a KV cache sized to the work
         memory_args = (dict(**cpu_cache_args(model_path, dtype, memory_share), enforce_eager=True)
                        if cpu else dict(gpu_memory_utilization=memory_share))
+        self.cpu = cpu
         routing_args = {}
         if experts_of(model_path) and not cpu:  # each request returns its tokens' experts, for routing replay
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the runner that captures them (it needs Triton: a GPU)
             routing_args = dict(enable_return_routed_experts=True)
-        self.llm = LLM(model=model_path, dtype=dtype, seed=seed, enable_prefix_caching=True, async_scheduling=False,
-                       logprobs_mode="processed_logprobs", max_num_seqs=MAX_NUM_SEQS,
-                       weight_transfer_config=WeightTransferConfig(backend=vllm_weights.BACKEND),
-                       **memory_args, **lora_args, **routing_args)
-        self._warm_up()
+        with self.eager():
+            self.llm = LLM(model=model_path, dtype=dtype, seed=seed, enable_prefix_caching=True,
+                           async_scheduling=False, logprobs_mode="processed_logprobs", max_num_seqs=MAX_NUM_SEQS,
+                           weight_transfer_config=WeightTransferConfig(backend=vllm_weights.BACKEND),
+                           **memory_args, **lora_args, **routing_args)
+            self._warm_up()
         self.lora_request = None  # the LoRARequest every request carries (with LoRA, after the first update)
         self.tokenizer = load_tokenizer(model_path)
         self.stop_ids = stop_token_ids(self.tokenizer, _generation_config(model_path))
@@ -186,6 +189,12 @@ class VLLMEngine(BatchGenerate):
         self.num_experts = experts_of(model_path)  # a mixture-of-experts policy's experts a layer (0: dense)
         self.request_ids = itertools.count()
         self._batch: Optional[VLLMBatch] = None  # the one batch whose requests the engine runs
+
+    def eager(self) -> contextlib.AbstractContextManager:
+        """On CPU, where vLLM runs eagerly (`enforce_eager`), the few helpers it still decorates with torch.compile
+        (its sampler's log-prob ranks) run eagerly too: compiling them cost each engine 4-5 s of its start on 2
+        cores and gains nothing at these sizes. Entered around every call into vLLM's engine that computes."""
+        return torch.compiler.set_stance("force_eager") if self.cpu else contextlib.nullcontext()
 
     def _warm_up(self) -> None:
         """A first request, to pay vLLM's first-step costs (seconds on CPU) in the engine's start-up rather than in
@@ -202,10 +211,11 @@ class VLLMEngine(BatchGenerate):
         engine = self.llm.llm_engine
         engine.sleep(level=0, mode="keep")  # nothing is scheduled until wake_up; running requests stay as they are
         try:
-            if self.adapters is not None:
-                self._load_adapters(state_dict)
-            else:
-                self._load_full(self._full_weights(state_dict))
+            with self.eager():
+                if self.adapters is not None:
+                    self._load_adapters(state_dict)
+                else:
+                    self._load_full(self._full_weights(state_dict))
         finally:
             engine.wake_up(tags=["scheduling"])
         self.version = version
@@ -246,7 +256,9 @@ class VLLMEngine(BatchGenerate):
     def advance(self) -> list:
         """One engine step: the batch's outputs go to the batch; the rest (scoring requests) are returned."""
         rest = []
-        for output in self.llm.llm_engine.step():
+        with self.eager():
+            outputs = self.llm.llm_engine.step()
+        for output in outputs:
             if self._batch is not None and output.request_id in self._batch.rows:
                 self._batch.absorb(output)
             else:
