@@ -40,10 +40,10 @@ def ray_session():
 
     import ray
 
-    from rlplatform.warm_start import local_workers_forked
+    from rlplatform.warm_start import VLLM_MODULES, local_workers_forked
 
     log_monitor = {"LOG_NAME_UPDATE_INTERVAL_S": "5", "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0"}
-    with mock.patch.dict(os.environ, log_monitor), local_workers_forked():
+    with mock.patch.dict(os.environ, log_monitor), local_workers_forked(VLLM_MODULES):  # the suite's vLLM workers too
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()

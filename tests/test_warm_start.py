@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from rlplatform.warm_start import LAUNCHER, local_workers_forked
+from rlplatform.warm_start import LAUNCHER, PRELOAD_ENV, VLLM_MODULES, local_workers_forked, vllm_modules
 from tests.processes import alive
 
 WORKER = """
@@ -25,7 +25,8 @@ import json, os, signal, sys, time
 if "--wait" in sys.argv:  # before the report: the test signals once it has read it
     signal.signal(signal.SIGTERM, lambda *_: (print("terminated", flush=True), os._exit(5)))
 report = {"argv": sys.argv, "cwd": os.getcwd(), "marker": os.environ.get("WARM_MARKER"), "pid": os.getpid(),
-          "ppid": os.getppid(), "torch_before": "torch" in sys.modules, "path0": sys.path[0],
+          "ppid": os.getppid(), "torch_before": "torch" in sys.modules, "wave_before": "wave" in sys.modules,
+          "path0": sys.path[0],
           "extra_path": os.environ["PYTHONPATH"] in sys.path, "pgid": os.getpgrp(), "sid": os.getsid(0),
           "niceness": os.getpriority(os.PRIO_PROCESS, 0),
           "blocked": sorted(int(sig) for sig in signal.pthread_sigmask(signal.SIG_BLOCK, []))}
@@ -95,6 +96,7 @@ def test_a_worker_forks_from_the_warm_interpreter_with_its_launchers_arguments_e
     assert first.returncode == 3  # the worker's exit status, through the launcher
     report = json.loads(out)
     assert report["torch_before"]  # imported before the worker's code ran: forked, not started anew
+    assert not report["wave_before"]  # nothing but the actors' modules and theirs, unless the environment asks
     assert report["argv"] == [*node["args"]]
     assert report["cwd"] == str(node["cwd"]) and report["marker"] == "from-the-launcher" and report["extra_path"]
     assert report["path0"] == str(Path(node["args"][0]).parent)  # as `python default_worker.py` sets it
@@ -114,6 +116,24 @@ def test_a_worker_forks_from_the_warm_interpreter_with_its_launchers_arguments_e
 
     node["raylet"].kill()  # the raylet gone, its warm interpreter leaves and takes its socket with it
     wait_until(lambda: not alive(zygote) and not node["socket"].exists())
+
+
+def test_the_warm_interpreter_also_imports_the_modules_its_raylets_environment_names(node):
+    """A job on vLLM has its raylet name vLLM's modules (`vllm_modules`); a module that does not import is left to the
+    workers, said in the warm interpreter's log."""
+    assert vllm_modules(["transformers", "vllm"]) == VLLM_MODULES and vllm_modules(["transformers"]) == ()
+    launcher = launch(node, env={**node["env"], PRELOAD_ENV: "wave,no_such_module"})
+    report = json.loads(launcher.communicate(timeout=120)[0])
+    assert launcher.returncode == 3 and report["torch_before"] and report["wave_before"]
+    log = Path(f"{node['socket']}.log").read_text()
+    assert "warm interpreter: no_such_module not preloaded (ModuleNotFoundError: " in log, log
+
+
+def test_a_local_ray_started_for_vllm_names_its_modules_in_the_raylets_environment_only_meanwhile():
+    before = os.environ.get(PRELOAD_ENV)
+    with local_workers_forked(VLLM_MODULES):
+        assert os.environ[PRELOAD_ENV] == ",".join(VLLM_MODULES)
+    assert os.environ.get(PRELOAD_ENV) == before
 
 
 def test_the_launcher_passes_on_sigterm_and_its_worker_dies_with_it(node):

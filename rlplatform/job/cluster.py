@@ -22,7 +22,7 @@ from rlplatform.config import JobConfig
 from rlplatform.job.signals import sigterm_held
 from rlplatform.priority import ray_workers_at_our_niceness
 from rlplatform.transport.redis_server import RedisUnavailable, connect
-from rlplatform.warm_start import local_workers_forked, runtime_env, wanted
+from rlplatform.warm_start import local_workers_forked, runtime_env, vllm_modules, wanted
 
 
 def joins_cluster(config: JobConfig) -> bool:
@@ -43,7 +43,8 @@ def start_ray(config: JobConfig) -> None:
             ray.init(address=config.ray.address, include_dashboard=False, runtime_env=runtime_env() if forked else None)
         return
     with _sigterm_handler_kept(), sigterm_held(), ray_workers_at_our_niceness(), \
-            local_workers_forked() if forked else nullcontext():
+            local_workers_forked(vllm_modules([p.rollout.engine for p in config.policy_list()])) if forked \
+            else nullcontext():
         ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(cpus_needed(config))), include_dashboard=False)
 
 

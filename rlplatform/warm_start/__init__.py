@@ -17,11 +17,13 @@ import os
 import shlex
 import sys
 import tempfile
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, Optional, Sequence
 
 from rlplatform.warm_start.launcher import GPU_DEVICES
 
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launcher.py")
+PRELOAD_ENV = "RLP_WARM_PRELOAD"  # more modules the warm interpreter imports, comma-separated (zygote.py)
+VLLM_MODULES = ("vllm.entrypoints.llm",)  # what a vLLM engine's start imports: 4-5 s of it on a CPU core
 
 
 def runtime_env() -> Dict[str, str]:
@@ -35,22 +37,36 @@ def wanted(setting: Optional[bool], joins_cluster: bool) -> bool:
 
 
 @contextlib.contextmanager
-def local_workers_forked() -> Iterator[None]:
+def local_workers_forked(preload: Sequence[str] = ()) -> Iterator[None]:
     """A local Ray started inside this block starts its workers through the launcher. The raylet's command for a
     worker is `sys.executable` as `ray.init` reads it, then `default_worker.py` and its arguments, so here
     `sys.executable` names a script that runs the launcher with this Python. The other Python processes Ray
     starts meanwhile (its agents, log monitor and reaper) go through the launcher to a plain Python, and so do
     workers whose actors ask for a runtime environment of their own (Ray starts those through `setup_worker.py`).
+    `preload`: modules the node's warm interpreter imports beside its own (`vllm_modules`), passed in the
+    raylet's environment, which the launcher and so the warm interpreter inherit.
     On a machine with a GPU nothing changes."""
     if any(os.path.exists(device) for device in GPU_DEVICES):
         yield
         return
-    python = sys.executable
+    python, environment = sys.executable, os.environ.get(PRELOAD_ENV)
     sys.executable = _launcher_script(python)
+    if preload:
+        os.environ[PRELOAD_ENV] = ",".join(preload)
     try:
         yield
     finally:
         sys.executable = python
+        if environment is None:
+            os.environ.pop(PRELOAD_ENV, None)
+        else:
+            os.environ[PRELOAD_ENV] = environment
+
+
+def vllm_modules(engines: Sequence[str]) -> Sequence[str]:
+    """What the warm interpreter preloads for a job whose policies' rollout engines are `engines`: vLLM's, where
+    one of them is vLLM (each vLLM worker forked from it then skips that import)."""
+    return VLLM_MODULES if "vllm" in engines else ()
 
 
 def _launcher_script(python: str) -> str:

@@ -1,7 +1,8 @@
 """The node's warm interpreter: imports the actors' modules once, then forks each Ray worker from itself.
 
 Started by the first `launcher` on a node (one per raylet, in Ray's session, its own process group), it binds the
-raylet's socket, imports torch, transformers, Ray and the modules of the job's actors, and serves: for each
+raylet's socket, imports torch, transformers, Ray and the modules of the job's actors (and those the raylet's
+environment names in RLP_WARM_PRELOAD: vLLM's for a job on vLLM), and serves: for each
 launcher it forks a child that takes the launcher's arguments, environment, directory and standard streams (with
 its process group, niceness and signal mask) and runs Ray's `default_worker.py`
 as `python default_worker.py ...` would, without importing anything again. It reports each child's pid and exit
@@ -42,9 +43,17 @@ PRELOAD = (  # the modules of the actors a job starts, with torch, transformers,
 
 
 def _preload() -> None:
+    """PRELOAD, then the modules the raylet's environment names (`RLP_WARM_PRELOAD`, comma-separated: vLLM's for a
+    job on vLLM); one of those that does not import is left to the workers, said in one line."""
     os.environ["OMP_NUM_THREADS"] = "1"  # no OpenMP pool thread before the forks; each child sets its own
     for name in PRELOAD:
         importlib.import_module(name)
+    for name in filter(None, os.environ.get("RLP_WARM_PRELOAD", "").split(",")):
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # noqa: BLE001 (the workers import it themselves, and fail there if they must)
+            print(f"warm interpreter: {name} not preloaded ({type(err).__name__}: {err}); its workers import it",
+                  flush=True)
 
 
 def ray_ids_fork_safe() -> bool:
