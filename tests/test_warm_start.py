@@ -91,12 +91,16 @@ def below_and_masked() -> None:
 
 
 def test_a_worker_forks_from_the_warm_interpreter_with_its_launchers_arguments_environment_and_exit(node):
-    first = launch(node, setup=below_and_masked)
+    # the raylet's environment names more modules to import (a job on vLLM names vLLM's: `vllm_modules`); one that
+    # does not import is left to the workers, said in the warm interpreter's log
+    first = launch(node, env={**node["env"], PRELOAD_ENV: "wave,no_such_module"}, setup=below_and_masked)
     out, _ = first.communicate(timeout=120)
     assert first.returncode == 3  # the worker's exit status, through the launcher
     report = json.loads(out)
     assert report["torch_before"]  # imported before the worker's code ran: forked, not started anew
-    assert not report["wave_before"]  # nothing but the actors' modules and theirs, unless the environment asks
+    assert report["wave_before"]
+    log = Path(f"{node['socket']}.log").read_text()
+    assert "warm interpreter: no_such_module not preloaded (ModuleNotFoundError: " in log, log
     assert report["argv"] == [*node["args"]]
     assert report["cwd"] == str(node["cwd"]) and report["marker"] == "from-the-launcher" and report["extra_path"]
     assert report["path0"] == str(Path(node["args"][0]).parent)  # as `python default_worker.py` sets it
@@ -118,18 +122,8 @@ def test_a_worker_forks_from_the_warm_interpreter_with_its_launchers_arguments_e
     wait_until(lambda: not alive(zygote) and not node["socket"].exists())
 
 
-def test_the_warm_interpreter_also_imports_the_modules_its_raylets_environment_names(node):
-    """A job on vLLM has its raylet name vLLM's modules (`vllm_modules`); a module that does not import is left to the
-    workers, said in the warm interpreter's log."""
-    assert vllm_modules(["transformers", "vllm"]) == VLLM_MODULES and vllm_modules(["transformers"]) == ()
-    launcher = launch(node, env={**node["env"], PRELOAD_ENV: "wave,no_such_module"})
-    report = json.loads(launcher.communicate(timeout=120)[0])
-    assert launcher.returncode == 3 and report["torch_before"] and report["wave_before"]
-    log = Path(f"{node['socket']}.log").read_text()
-    assert "warm interpreter: no_such_module not preloaded (ModuleNotFoundError: " in log, log
-
-
 def test_a_local_ray_started_for_vllm_names_its_modules_in_the_raylets_environment_only_meanwhile():
+    assert vllm_modules(["transformers", "vllm"]) == VLLM_MODULES and vllm_modules(["transformers"]) == ()
     before = os.environ.get(PRELOAD_ENV)
     with local_workers_forked(VLLM_MODULES):
         assert os.environ[PRELOAD_ENV] == ",".join(VLLM_MODULES)
