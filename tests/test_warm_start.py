@@ -122,14 +122,6 @@ def test_a_worker_forks_from_the_warm_interpreter_with_its_launchers_arguments_e
     wait_until(lambda: not alive(zygote) and not node["socket"].exists())
 
 
-def test_a_local_ray_started_for_vllm_names_its_modules_in_the_raylets_environment_only_meanwhile():
-    assert vllm_modules(["transformers", "vllm"]) == VLLM_MODULES and vllm_modules(["transformers"]) == ()
-    before = os.environ.get(PRELOAD_ENV)
-    with local_workers_forked(VLLM_MODULES):
-        assert os.environ[PRELOAD_ENV] == ",".join(VLLM_MODULES)
-    assert os.environ.get(PRELOAD_ENV) == before
-
-
 def test_the_launcher_passes_on_sigterm_and_its_worker_dies_with_it(node):
     launcher = launch(node, "--wait")
     worker = json.loads(launcher.stdout.readline())["pid"]
@@ -187,11 +179,14 @@ def test_where_the_warm_interpreters_imports_drew_a_ray_id_workers_start_unforke
     wait_until(lambda: "start unforked" in Path(str(node["socket"]) + ".log").read_text())
 
 
-def test_a_local_ray_started_in_the_block_takes_the_launcher_as_its_python():
-    python = sys.executable
-    with local_workers_forked():
-        script = sys.executable
+def test_a_local_ray_started_in_the_block_takes_the_launcher_as_its_python_and_names_its_preload():
+    """For a job on vLLM (`vllm_modules`), the raylet's environment names vLLM's modules while Ray starts, and only then."""
+    assert vllm_modules(["transformers", "vllm"]) == VLLM_MODULES and vllm_modules(["transformers"]) == ()
+    python, before = sys.executable, os.environ.get(PRELOAD_ENV)
+    with local_workers_forked(VLLM_MODULES):
+        script, preload = sys.executable, os.environ.get(PRELOAD_ENV)
     assert sys.executable == python and script != python and os.access(script, os.X_OK)
+    assert preload == ",".join(VLLM_MODULES) and os.environ.get(PRELOAD_ENV) == before
     done = subprocess.run([script, "-c", "import sys; print(sys.executable)"], capture_output=True, text=True)
     assert done.stdout.strip() == python  # through the launcher, which ran no warm interpreter for it
 
